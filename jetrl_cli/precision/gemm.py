@@ -1,0 +1,125 @@
+"""GEMM backends behind one interface: ``mm(a, b) = a @ b.T`` with both operands K-major.
+
+An operand is either a ``QTensor`` (8-bit data + fp32 scales) or a plain fp32 tensor whose values
+were already rounded to the operand's high-precision format (bf16 emulation on CPU). Backends
+return the fp32 product; the caller adds the bias and rounds to the GEMM's ``out`` format.
+
+- ``emulated`` (the reference, CPU and GPU): dequantize both operands to fp32, fp32 matmul. Any
+  granularity. On CUDA, an all-bf16 GEMM runs as a real bf16 matmul (fp32 accumulation).
+- ``scaled_mm``: ``torch._scaled_mm`` for FP8 with per-tensor or per-row scales (runs on CPU too),
+  ``torch._int_mm`` (int32 accumulation) for INT8 per-row / per-tensor. Blockwise scales are not
+  supported by it: choose ``emulated`` or the ``triton`` kernels for 1x128 / 128x128.
+- ``triton``, ``te``: slots registered by ``jetrl_cli.kernels`` (the Triton blockwise kernels) and by
+  a Transformer Engine integration; until one registers, choosing it is a clear error.
+
+``register_backend(name, backend)`` is the extension point.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Union
+
+import torch
+
+from ..errors import JetrlError
+from .flow import GemmSpec
+from .formats import Block, Format
+from .quant import QTensor
+
+Operand = Union[QTensor, torch.Tensor]
+
+
+class GemmBackend(Protocol):
+    name: str
+
+    def check(self, spec: GemmSpec, where: str) -> None:
+        """Raise JetrlError naming ``where`` if this backend cannot run ``spec``."""
+
+    def mm(self, a: Operand, b: Operand) -> torch.Tensor:
+        """fp32 ``a @ b.T``; a is (M, K), b is (N, K), both already cast per the spec."""
+
+
+def _values(op: Operand) -> torch.Tensor:
+    return op.dequantize(torch.float32) if isinstance(op, QTensor) else op.float()
+
+
+class EmulatedBackend:
+    """Dequantize, then an fp32 matmul: exact products of the quantized values, fp32 sums."""
+
+    name = "emulated"
+
+    def check(self, spec: GemmSpec, where: str) -> None:
+        return None
+
+    def mm(self, a: Operand, b: Operand) -> torch.Tensor:
+        if (
+            not isinstance(a, QTensor)
+            and not isinstance(b, QTensor)
+            and a.is_cuda
+            and a.dtype == torch.bfloat16
+            and b.dtype == torch.bfloat16
+        ):
+            return torch.matmul(a, b.t()).float()
+        return torch.matmul(_values(a), _values(b).t())
+
+
+def _rowwise_or_tensor(block: Block) -> bool:
+    return block in (Block(0, 0), Block(1, 0))
+
+
+class ScaledMMBackend:
+    """torch._scaled_mm (FP8) / torch._int_mm (INT8) with per-tensor or per-row scales."""
+
+    name = "scaled_mm"
+
+    def check(self, spec: GemmSpec, where: str) -> None:
+        for op in (spec.a, spec.b):
+            if op.is_scaled and not _rowwise_or_tensor(op.block):
+                raise JetrlError(
+                    f"{where}: backend scaled_mm supports per-tensor and per-row scales along the "
+                    f"reduction dim, not {op.block.name} (use backend: emulated, or triton for blockwise)"
+                )
+
+    def mm(self, a: Operand, b: Operand) -> torch.Tensor:
+        if not isinstance(a, QTensor):
+            return EmulatedBackend().mm(a, b)
+        m, n = a.data.shape[0], b.data.shape[0]
+        sa = a.scale.reshape(()) if a.scale.numel() == 1 and m != 1 else a.scale.reshape(m, 1)
+        sb = b.scale.reshape(()) if b.scale.numel() == 1 and n != 1 else b.scale.reshape(1, n)
+        if a.spec.format is Format.INT8:
+            acc = torch._int_mm(a.data, b.data.t())
+            return acc.float() * sa * sb
+        if sa.dim() != sb.dim():  # _scaled_mm wants both tensor-wise or both row-wise
+            sa = sa.expand(m, 1).contiguous() if sa.dim() == 0 else sa
+            sb = sb.expand(1, n).contiguous() if sb.dim() == 0 else sb
+        return torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=torch.float32)
+
+
+class UnavailableBackend:
+    def __init__(self, name: str, why: str):
+        self.name, self.why = name, why
+
+    def check(self, spec: GemmSpec, where: str) -> None:
+        raise JetrlError(f"{where}: GEMM backend {self.name!r} is not available: {self.why}")
+
+    def mm(self, a: Operand, b: Operand) -> torch.Tensor:
+        raise JetrlError(f"GEMM backend {self.name!r} is not available: {self.why}")
+
+
+_BACKENDS: dict[str, GemmBackend] = {
+    "emulated": EmulatedBackend(),
+    "scaled_mm": ScaledMMBackend(),
+    "triton": UnavailableBackend("triton", "the blockwise Triton FP8 kernels are not in this release; use 'emulated'"),
+    "te": UnavailableBackend("te", "no Transformer Engine integration is in this release; use 'emulated'"),
+}
+
+
+def register_backend(name: str, backend: GemmBackend) -> None:
+    _BACKENDS[name] = backend
+
+
+def get_backend(name: str) -> GemmBackend:
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise JetrlError(f"unknown GEMM backend {name!r} (allowed: {', '.join(_BACKENDS)})") from None

@@ -1,0 +1,108 @@
+"""Preset files: YAML loading, strict top-level schema, ``key.sub=value`` overrides.
+
+A preset is one YAML file that chooses everything about a job. Its ``precision:`` section is a
+precision flow (see ``jetrl_cli.precision.flow``): a flow name, or ``base:`` plus overrides.
+Presets that ship with jetrl live in ``presets/`` (installed as ``jetrl_cli.presets``) and can be
+named without a path: ``fp8-unified`` finds ``presets/fp8-unified.yaml``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import PresetError
+from .precision.flow import PrecisionFlow, parse_flow
+
+PRESET_KEYS = ("precision",)
+
+
+def shipped_presets_dir() -> Path:
+    from . import presets
+
+    return Path(presets.__file__).parent
+
+
+def resolve_preset_path(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    shipped = shipped_presets_dir() / (name_or_path if name_or_path.endswith(".yaml") else f"{name_or_path}.yaml")
+    if shipped.exists():
+        return shipped
+    names = ", ".join(sorted(q.stem for q in shipped_presets_dir().glob("*.yaml")))
+    raise PresetError(str(name_or_path), "", f"no such file, and no shipped preset of that name (shipped: {names})")
+
+
+def load_yaml(path: str | Path) -> dict:
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise PresetError(str(path), "", "no such file") from None
+    except OSError as e:
+        raise PresetError(str(path), "", f"cannot read: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise PresetError(str(path), where, f"invalid YAML: {problem}") from None
+    if data is None:
+        raise PresetError(str(path), "", "empty file")
+    if not isinstance(data, dict):
+        raise PresetError(str(path), "", f"expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict, overrides: list[str], source: str) -> dict:
+    """Apply ``key.sub=value`` overrides (values parsed as YAML scalars) to a preset mapping."""
+    import yaml
+
+    for item in overrides:
+        if "=" not in item:
+            raise PresetError(source, item, "an override must look like key.sub=value")
+        dotted, raw = item.split("=", 1)
+        keys = dotted.strip().split(".")
+        if not all(keys):
+            raise PresetError(source, dotted, "empty key in override")
+        node = data
+        for i, k in enumerate(keys[:-1]):
+            child = node.get(k)
+            if isinstance(child, str) and k == "precision" and i == 0:
+                child = {"base": child}  # a flow name becomes base + overrides
+            if child is None:
+                child = {}
+            if not isinstance(child, dict):
+                raise PresetError(source, ".".join(keys[: i + 1]), f"is {child!r}, not a mapping; cannot set {dotted}")
+            node[k] = child
+            node = child
+        try:
+            node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else raw
+        except yaml.YAMLError:
+            node[keys[-1]] = raw
+    return data
+
+
+@dataclass(frozen=True)
+class Preset:
+    source: str
+    flow: PrecisionFlow
+    raw: dict
+
+
+def load_preset(name_or_path: str, overrides: list[str] | None = None) -> Preset:
+    path = resolve_preset_path(name_or_path)
+    data = load_yaml(path)
+    src = str(path)
+    for k in data:
+        if k not in PRESET_KEYS:
+            raise PresetError(src, str(k), f"unknown key (allowed: {', '.join(PRESET_KEYS)})")
+    if overrides:
+        data = apply_overrides(data, overrides, src)
+    if "precision" not in data:
+        raise PresetError(src, "precision", "missing")
+    return Preset(src, parse_flow(data["precision"], source=src, name=Path(src).stem), data)
