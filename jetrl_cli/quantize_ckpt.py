@@ -1,0 +1,233 @@
+"""``jetrl quantize``: write a Hugging Face checkpoint in a format vLLM loads, with the core's quantizers.
+
+Formats (what vLLM reads for each scheme):
+
+============== ============================================================================
+fp8-block      vLLM / DeepSeek-V3 block FP8: ``weight`` float8_e4m3fn, ``weight_scale_inv`` fp32
+               per 128x128 block; ``quantization_config = {quant_method: fp8, fmt: e4m3,
+               activation_scheme: dynamic, weight_block_size: [128, 128]}``.
+fp8-tensor     vLLM ``fp8`` serialized checkpoint: ``weight`` e4m3fn, ``weight_scale`` fp32 scalar,
+               dynamic per-tensor activations.
+fp8-channel    compressed-tensors ``float-quantized``: ``weight`` e4m3fn, ``weight_scale`` fp32
+               (N, 1) per output channel; dynamic per-token FP8 activations (W8A8-FP8).
+int8-channel   compressed-tensors ``int-quantized``: ``weight`` int8, ``weight_scale`` fp32 (N, 1);
+               dynamic per-token symmetric INT8 activations (W8A8-INT8).
+============== ============================================================================
+
+Modules on the skip list keep their original weights and are listed in the config
+(``ignored_layers`` / ``modules_to_not_convert`` for fp8, ``ignore`` for compressed-tensors).
+The output is written to a temporary directory beside the target and renamed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .errors import JetrlError
+from .models.hf import FLOAT_DTYPES, INDEX_FILE, check_model_dir, read_config, read_tensors, safetensors_files
+from .precision import CastSpec, error_stats, quantize
+from .precision.flow import DEFAULT_SKIP, PrecisionFlow
+from .precision.linear import matches_skip
+
+FORMATS: dict[str, CastSpec] = {
+    "fp8-block": CastSpec("fp8_e4m3", "128x128"),
+    "fp8-tensor": CastSpec("fp8_e4m3", "tensor"),
+    "fp8-channel": CastSpec("fp8_e4m3", "row"),
+    "int8-channel": CastSpec("int8", "row"),
+}
+
+
+def format_for_flow(flow: PrecisionFlow) -> str:
+    """The checkpoint format that holds exactly the flow's rollout weights."""
+    w = flow.rollout.linear.b
+    for name, spec in FORMATS.items():
+        if spec == w:
+            return name
+    raise JetrlError(
+        f"flow {flow.name}: rollout weights {w.short_str()} have no vLLM checkpoint format "
+        f"(supported: {', '.join(f'{n} = {s.short_str()}' for n, s in FORMATS.items())}); pass --format"
+    )
+
+
+@dataclass
+class LayerRow:
+    name: str
+    shape: list[int]
+    dtype: str
+    format: str
+    rel_err: float
+    sqnr_db: float
+    bytes_before: int
+    bytes_after: int
+
+
+@dataclass
+class QuantizeResult:
+    source: str
+    output: str
+    format: str
+    layers: list[LayerRow] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        for row in d["layers"]:
+            for k in ("rel_err", "sqnr_db"):
+                if row[k] in (float("inf"), float("-inf")):
+                    row[k] = str(row[k])
+        return d
+
+
+def _quantization_config(fmt: str, ignored: list[str]) -> dict:
+    if fmt == "fp8-block":
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+            "ignored_layers": ignored,
+            "modules_to_not_convert": ignored,
+        }
+    if fmt == "fp8-tensor":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "ignored_layers": ignored, "modules_to_not_convert": ignored}
+    kind = "float" if fmt == "fp8-channel" else "int"
+    return {
+        "quant_method": "compressed-tensors",
+        "format": f"{kind}-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": kind, "strategy": "channel", "symmetric": True,
+                            "dynamic": False, "group_size": None},
+                "input_activations": {"num_bits": 8, "type": kind, "strategy": "token", "symmetric": True,
+                                      "dynamic": True, "group_size": None},
+                "output_activations": None,
+            }
+        },
+        "ignore": ignored,
+        "kv_cache_scheme": None,
+    }
+
+
+def _is_linear_weight(name: str, t: torch.Tensor) -> bool:
+    return name.endswith(".weight") and t.dim() == 2
+
+
+def quantize_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    fmt: str,
+    skip: tuple[str, ...] = DEFAULT_SKIP,
+    force: bool = False,
+    on_tensor: Callable[[str], None] | None = None,
+    count_tensors: Callable[[int], None] | None = None,
+) -> QuantizeResult:
+    if fmt not in FORMATS:
+        raise JetrlError(f"unknown format {fmt!r} (allowed: {', '.join(FORMATS)})")
+    src = check_model_dir(src)
+    _, raw_cfg = read_config(src)
+    if raw_cfg.get("quantization_config"):
+        method = raw_cfg["quantization_config"].get("quant_method")
+        raise JetrlError(f"{src}: already quantized (quant_method {method!r}); quantize a BF16/FP32 checkpoint")
+    files = safetensors_files(src)
+    dst = Path(dst)
+    if dst.exists() and not force:
+        raise JetrlError(f"{dst}: already exists (pass --force to replace it)")
+    if dst.resolve() == src.resolve():
+        raise JetrlError(f"{dst}: output must differ from the input directory")
+    spec = FORMATS[fmt]
+    result = QuantizeResult(str(src), str(dst), fmt)
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        shards = [(f, read_tensors(f)) for f in files]
+        if count_tensors:
+            count_tensors(sum(len(s) for _, s in shards))
+        weight_map: dict[str, str] = {}
+        ignored: set[str] = set()
+        for f, tensors in shards:
+            out: dict[str, torch.Tensor] = {}
+            for name, t in tensors.items():
+                if on_tensor:
+                    on_tensor(name)
+                if t.is_floating_point() and t.dtype not in FLOAT_DTYPES:
+                    raise JetrlError(f"{f.name}: tensor {name} has dtype {t.dtype}; expected fp32, bf16 or fp16 (already quantized?)")
+                if not t.is_floating_point():
+                    raise JetrlError(f"{f.name}: tensor {name} has dtype {t.dtype}; expected fp32, bf16 or fp16")
+                if not torch.isfinite(t).all():
+                    raise JetrlError(f"{f.name}: tensor {name} contains NaN or Inf; refusing to quantize a broken checkpoint")
+                module = name[: -len(".weight")] if name.endswith(".weight") else name
+                if not _is_linear_weight(name, t) or matches_skip(module, skip):
+                    if _is_linear_weight(name, t) and "embed" not in module:
+                        ignored.add(module)
+                    out[name] = t.contiguous()
+                    weight_map[name] = f.name
+                    continue
+                q = quantize(t, spec)
+                st = error_stats(t.float(), q.dequantize())
+                out[name] = q.data.contiguous()
+                scale_name = f"{module}.weight_scale_inv" if fmt == "fp8-block" else f"{module}.weight_scale"
+                out[scale_name] = q.scale.reshape(()) if fmt == "fp8-tensor" else q.scale.contiguous()
+                weight_map[name] = weight_map[scale_name] = f.name
+                before = t.numel() * t.element_size()
+                after = q.data.numel() * q.data.element_size() + q.scale.numel() * 4
+                result.layers.append(LayerRow(module, list(t.shape), str(t.dtype).replace("torch.", ""),
+                                              spec.short_str(), st["rel_err"], st["sqnr_db"], before, after))
+            _save_shard(out, tmp / f.name)
+        for _, tensors in shards:
+            for t in tensors.values():
+                result.bytes_before += t.numel() * t.element_size()
+        result.bytes_after = sum((tmp / f.name).stat().st_size for f in files)
+        if not result.layers:
+            raise JetrlError(f"{src}: no linear weights to quantize (every 2-D weight is on the skip list?)")
+        result.ignored = sorted(ignored)
+
+        cfg = dict(raw_cfg)
+        cfg["quantization_config"] = _quantization_config(fmt, result.ignored)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        if len(files) > 1 or (src / INDEX_FILE).exists():
+            total = sum((tmp / f.name).stat().st_size for f in files)
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        for item in src.iterdir():
+            if item.name in ("config.json", INDEX_FILE) or item.suffix == ".safetensors":
+                continue
+            if item.is_dir():
+                shutil.copytree(item, tmp / item.name)
+            else:
+                shutil.copy2(item, tmp / item.name)
+        _commit_dir(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return result
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _commit_dir(tmp: Path, dst: Path) -> None:
+    """Move a finished directory into place; an existing one is replaced only after success."""
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        os.replace(dst, old)
+        os.replace(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dst)
