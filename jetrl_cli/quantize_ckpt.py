@@ -153,12 +153,12 @@ def quantize_checkpoint(
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
-        shards = [(f, read_tensors(f)) for f in files]
         if count_tensors:
-            count_tensors(sum(len(s) for _, s in shards))
+            count_tensors(sum(_count_tensors(f) for f in files))
         weight_map: dict[str, str] = {}
         ignored: set[str] = set()
-        for f, tensors in shards:
+        for f in files:  # one shard in memory at a time
+            tensors = read_tensors(f)
             out: dict[str, torch.Tensor] = {}
             for name, t in tensors.items():
                 if on_tensor:
@@ -183,14 +183,13 @@ def quantize_checkpoint(
                 out[scale_name] = q.scale.reshape(()) if fmt == "fp8-tensor" else q.scale.contiguous()
                 weight_map[name] = weight_map[scale_name] = f.name
                 before = t.numel() * t.element_size()
+                result.bytes_before += before
                 after = q.data.numel() * q.data.element_size() + q.scale.numel() * 4
+                result.bytes_after += after
                 result.layers.append(LayerRow(module, list(t.shape), str(t.dtype).replace("torch.", ""),
                                               spec.short_str(), st["rel_err"], st["sqnr_db"], before, after))
             _save_shard(out, tmp / f.name)
-        for _, tensors in shards:
-            for t in tensors.values():
-                result.bytes_before += t.numel() * t.element_size()
-        result.bytes_after = sum((tmp / f.name).stat().st_size for f in files)
+            del tensors, out
         if not result.layers:
             raise JetrlError(f"{src}: no linear weights to quantize (every 2-D weight is on the skip list?)")
         result.ignored = sorted(ignored)
@@ -214,6 +213,16 @@ def quantize_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return result
+
+
+def _count_tensors(file: Path) -> int:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), "pt") as fh:
+            return len(list(fh.keys()))
+    except Exception as e:
+        raise JetrlError(f"{file}: cannot read safetensors ({str(e).splitlines()[0]})") from None
 
 
 def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
