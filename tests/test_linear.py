@@ -230,7 +230,7 @@ def test_scaled_mm_backend_matches_emulated(spec):
 
 def test_backend_that_cannot_run_a_spec_is_a_clear_error():
     cs = CastSpec("fp8_e4m3", "1x128")
-    with pytest.raises(JetrlError, match="scaled_mm supports per-tensor and per-row"):
+    with pytest.raises(JetrlError, match="scaled_mm needs per-tensor or per-row"):
         JetLinear(nn.Parameter(torch.randn(8, 128)), None,
                   LinearPrecision.forward_only(GemmSpec(cs, CastSpec("fp8_e4m3", "128x128"), Format.BF16, "scaled_mm")))
     with pytest.raises(JetrlError, match="'triton' is not available"):
@@ -244,3 +244,18 @@ def test_non_finite_input_propagates_as_nan_not_garbage():
     x[1, 3] = float("inf")
     y = layer(x)
     assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2, 3]]).all()
+
+
+def test_scaled_mm_in_backward_gemms_follows_the_reduction_dim():
+    """Dgrad reduces over N: a per-output-channel weight scale varies along it and cannot factor out;
+    Wgrad reduces over tokens: per-column (natural layout) scales are its row-wise scales."""
+    row, col = CastSpec("fp8_e4m3", "row"), CastSpec("fp8_e4m3", "col")
+    fwd = GemmSpec(row, row, Format.FP32, "scaled_mm")
+    bad_dgrad = GemmSpec(row, row, Format.FP32, "scaled_mm")
+    with pytest.raises(JetrlError, match=r"precision.dgrad: backend scaled_mm"):
+        JetLinear(nn.Parameter(torch.randn(64, 64)), None, LinearPrecision(fwd, bad_dgrad, fwd))
+    good = LinearPrecision(fwd, GemmSpec(row, col, Format.FP32, "scaled_mm"), GemmSpec(col, col, Format.FP32, "scaled_mm"))
+    emu = LinearPrecision(*(GemmSpec(g.a, g.b, g.out, "emulated") for g in (good.fprop, good.dgrad, good.wgrad)))
+    x, w, gy = torch.randn(48, 64), torch.randn(80, 64), torch.randn(48, 80)
+    for got, ref in zip(run_layer(good, x, w, torch.zeros(80), gy), run_layer(emu, x, w, torch.zeros(80), gy)):
+        assert error_stats(ref, got)["rel_err"] < 1e-6

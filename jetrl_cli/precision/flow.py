@@ -277,6 +277,23 @@ def _k_group(spec: CastSpec, reduction_on_rows: bool) -> int | None:
     return size or None
 
 
+REDUCTION_ON_ROWS = {  # per GEMM: (operand a, operand b) reduce along their natural-layout rows?
+    "fprop": (False, False),
+    "rollout.linear": (False, False),
+    "dgrad": (False, True),  # grad_output (tokens x N) over N; weight (N x K) over N
+    "wgrad": (True, True),  # grad_output and input (tokens x ...) over tokens
+}
+
+
+def factorable_scale(spec: CastSpec, reduction_on_rows: bool) -> bool:
+    """True if the operand's scales are constant along the reduction dim and per-row (or one) across
+    it, so they factor out of the dot products: what per-tensor / row-wise scaled GEMMs need."""
+    if not spec.is_scaled:
+        return True
+    along, across = (spec.block.rows, spec.block.cols) if reduction_on_rows else (spec.block.cols, spec.block.rows)
+    return along == 0 and across in (0, 1)
+
+
 def _parse_gemm(ctx: _Ctx, value, key: str, gemm: str) -> GemmSpec:
     left, right = _OPERANDS[gemm]
     m = ctx.mapping(value, key, (left, right, "out", "backend"))
@@ -300,11 +317,16 @@ def _parse_gemm(ctx: _Ctx, value, key: str, gemm: str) -> GemmSpec:
     if a.is_scaled != b.is_scaled:
         ctx.fail(key, f"both operands must be 8-bit or neither ({left}={fa.value}, {right}={fb.value})")
     # Scale groups along the reduction dim must line up (the DeepSeek-V3 promotion rule).
-    red_rows_a = gemm == "wgrad"  # grad_output (tokens x N), reduction over tokens
-    red_rows_b = gemm in ("dgrad", "wgrad")  # weight (N x K) in dgrad, input in wgrad
+    red_rows_a, red_rows_b = REDUCTION_ON_ROWS[gemm]
     ga, gb = _k_group(a, red_rows_a), _k_group(b, red_rows_b)
     if ga and gb and ga != gb:
         ctx.fail(key, f"scale groups along the reduction dim differ ({left}: {ga}, {right}: {gb}); they must match")
+    if backend == "scaled_mm":
+        for name, op, rows in ((left, a, red_rows_a), (right, b, red_rows_b)):
+            if not factorable_scale(op, rows):
+                want = "tensor or col" if rows else "tensor or row"
+                ctx.fail(f"{key}.{name}", f"backend scaled_mm needs scales constant along this GEMM's reduction "
+                         f"dim ({want} here), not {op.block.name}; use backend: emulated")
     return GemmSpec(a, b, out, backend)
 
 

@@ -22,7 +22,7 @@ from typing import Protocol, Union
 import torch
 
 from ..errors import JetrlError
-from .flow import GemmSpec
+from .flow import REDUCTION_ON_ROWS, GemmSpec, factorable_scale
 from .formats import Block, Format
 from .quant import QTensor
 
@@ -32,8 +32,9 @@ Operand = Union[QTensor, torch.Tensor]
 class GemmBackend(Protocol):
     name: str
 
-    def check(self, spec: GemmSpec, where: str) -> None:
-        """Raise JetrlError naming ``where`` if this backend cannot run ``spec``."""
+    def check(self, spec: GemmSpec, where: str, gemm: str) -> None:
+        """Raise JetrlError naming ``where`` if this backend cannot run ``spec`` as GEMM ``gemm``
+        (``fprop``, ``dgrad``, ``wgrad`` or ``rollout.linear``)."""
 
     def mm(self, a: Operand, b: Operand) -> torch.Tensor:
         """fp32 ``a @ b.T``; a is (M, K), b is (N, K), both already cast per the spec."""
@@ -48,7 +49,7 @@ class EmulatedBackend:
 
     name = "emulated"
 
-    def check(self, spec: GemmSpec, where: str) -> None:
+    def check(self, spec: GemmSpec, where: str, gemm: str) -> None:
         return None
 
     def mm(self, a: Operand, b: Operand) -> torch.Tensor:
@@ -63,29 +64,30 @@ class EmulatedBackend:
         return torch.matmul(_values(a), _values(b).t())
 
 
-def _rowwise_or_tensor(block: Block) -> bool:
-    return block in (Block(0, 0), Block(1, 0))
-
-
 class ScaledMMBackend:
     """torch._scaled_mm (FP8) / torch._int_mm (INT8) with per-tensor or per-row scales."""
 
     name = "scaled_mm"
 
-    def check(self, spec: GemmSpec, where: str) -> None:
-        for op in (spec.a, spec.b):
-            if op.is_scaled and not _rowwise_or_tensor(op.block):
+    def check(self, spec: GemmSpec, where: str, gemm: str) -> None:
+        for op, rows in zip((spec.a, spec.b), REDUCTION_ON_ROWS[gemm]):
+            if not factorable_scale(op, rows):
                 raise JetrlError(
-                    f"{where}: backend scaled_mm supports per-tensor and per-row scales along the "
-                    f"reduction dim, not {op.block.name} (use backend: emulated, or triton for blockwise)"
+                    f"{where}: backend scaled_mm needs per-tensor or per-row scales that are constant along "
+                    f"the reduction dim, not {op.block.name} (use backend: emulated, or triton for blockwise)"
                 )
 
     def mm(self, a: Operand, b: Operand) -> torch.Tensor:
         if not isinstance(a, QTensor):
             return EmulatedBackend().mm(a, b)
+        for op in (a, b):  # K-major operands: scales must be one per row (or one in all)
+            if op.spec.block not in (Block(0, 0), Block(1, 0)) and op.scale.numel() != 1:
+                raise JetrlError(f"backend scaled_mm got an operand with {op.spec.block.name} scales along K")
         m, n = a.data.shape[0], b.data.shape[0]
-        sa = a.scale.reshape(()) if a.scale.numel() == 1 and m != 1 else a.scale.reshape(m, 1)
-        sb = b.scale.reshape(()) if b.scale.numel() == 1 and n != 1 else b.scale.reshape(1, n)
+        # reshape through 1-D: a transposed (1, M) grid has a large stride on its size-1 dim,
+        # which _scaled_mm rejects even though the tensor counts as contiguous
+        sa = a.scale.reshape(()) if a.scale.numel() == 1 and m != 1 else a.scale.reshape(-1).reshape(m, 1)
+        sb = b.scale.reshape(()) if b.scale.numel() == 1 and n != 1 else b.scale.reshape(-1).reshape(1, n)
         if a.spec.format is Format.INT8:
             acc = torch._int_mm(a.data, b.data.t())
             return acc.float() * sa * sb
@@ -99,7 +101,7 @@ class UnavailableBackend:
     def __init__(self, name: str, why: str):
         self.name, self.why = name, why
 
-    def check(self, spec: GemmSpec, where: str) -> None:
+    def check(self, spec: GemmSpec, where: str, gemm: str) -> None:
         raise JetrlError(f"{where}: GEMM backend {self.name!r} is not available: {self.why}")
 
     def mm(self, a: Operand, b: Operand) -> torch.Tensor:

@@ -104,7 +104,7 @@ class JetLinear(nn.Module):
         where = "precision"
         for gname in ("fprop", "dgrad", "wgrad"):
             g: GemmSpec = getattr(precision, gname)
-            get_backend(g.backend).check(g, f"{where}.{gname}")
+            get_backend(g.backend).check(g, f"{where}.{gname}", gname)
         self.precision = precision
         self._wcache = None
 
