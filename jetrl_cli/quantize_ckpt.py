@@ -163,10 +163,8 @@ def quantize_checkpoint(
             for name, t in tensors.items():
                 if on_tensor:
                     on_tensor(name)
-                if t.is_floating_point() and t.dtype not in FLOAT_DTYPES:
+                if t.dtype not in FLOAT_DTYPES:
                     raise JetrlError(f"{f.name}: tensor {name} has dtype {t.dtype}; expected fp32, bf16 or fp16 (already quantized?)")
-                if not t.is_floating_point():
-                    raise JetrlError(f"{f.name}: tensor {name} has dtype {t.dtype}; expected fp32, bf16 or fp16")
                 if not torch.isfinite(t).all():
                     raise JetrlError(f"{f.name}: tensor {name} contains NaN or Inf; refusing to quantize a broken checkpoint")
                 module = name[: -len(".weight")] if name.endswith(".weight") else name
@@ -184,7 +182,7 @@ def quantize_checkpoint(
                 weight_map[name] = weight_map[scale_name] = f.name
                 before = t.numel() * t.element_size()
                 result.bytes_before += before
-                after = q.data.numel() * q.data.element_size() + q.scale.numel() * 4
+                after = q.nbytes()
                 result.bytes_after += after
                 result.layers.append(LayerRow(module, list(t.shape), str(t.dtype).replace("torch.", ""),
                                               spec.short_str(), st["rel_err"], st["sqnr_db"], before, after))

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..errors import PresetError
@@ -412,13 +411,6 @@ def parse_flow(value, source: str = "<flow>", key: str = "precision", name: str 
     return _parse_flow_dict(ctx, name, value, key)
 
 
-def load_flow_file(path: str | Path) -> PrecisionFlow:
-    """The flow in a preset file's ``precision:`` section."""
-    from ..presets_io import load_preset
-
-    return load_preset(str(path)).flow
-
-
 def _cast_to_yaml(c: CastSpec) -> str:
     if not c.is_scaled:
         return c.format.value
@@ -461,7 +453,6 @@ __all__ = [
     "RolloutPrecision",
     "TrainPrecision",
     "WeightSyncSpec",
-    "load_flow_file",
     "named_flow",
     "parse_flow",
 ]

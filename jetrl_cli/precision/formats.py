@@ -59,10 +59,6 @@ class Format(str, enum.Enum):
         return _MAX[self]
 
     @property
-    def bits(self) -> int:
-        return {Format.FP32: 32, Format.BF16: 16}.get(self, 8)
-
-    @property
     def short(self) -> str:
         return {"fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}.get(self.value, self.value)
 
