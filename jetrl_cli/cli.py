@@ -149,6 +149,171 @@ def quantize_cmd(
     console.print(quantize_table(result))
 
 
+def _overrides(override: Optional[list[str]]) -> list[str]:
+    return list(override or [])
+
+
+SetOpt = Annotated[
+    Optional[list[str]], typer.Option("--set", help="Override a preset value: key.sub=value (repeatable).")
+]
+
+
+def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
+@app.command("rollout")
+@user_errors
+def rollout_cmd(
+    preset: Annotated[str, typer.Argument(help="Preset file, or the name of a shipped preset.")],
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="JSONL to write (default OUT_DIR/rollouts.jsonl).")] = None,
+    prompts: Annotated[Optional[int], typer.Option("--prompts", help="Prompts to sample (default rollout.prompts_per_step).")] = None,
+    split: Annotated[str, typer.Option("--split", help="train or eval problems.")] = "train",
+    seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 0,
+    override: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+):
+    """Sample completions with the preset's rollout precision; write JSONL (tokens, logprobs, reward)."""
+    import time
+
+    from .config import load_job_config
+    from .rl.loop import rollout_samples, setup
+
+    if split not in ("train", "eval"):
+        raise JetrlError(f"--split {split!r}: allowed train, eval")
+    if prompts is not None and prompts <= 0:
+        raise JetrlError(f"--prompts must be > 0, got {prompts}")
+    cfg = load_job_config(preset, _overrides(override))
+    job = setup(cfg, with_trainer=False)
+    n = prompts or cfg.rollout.prompts_per_step
+    probs = job.source.batch(0, n) if split == "train" else job.source.eval_set(n)
+    t0 = time.perf_counter()
+    with err_console.status(f"sampling {n} prompts x {cfg.rollout.n}", spinner="dots"):
+        samples = rollout_samples(job, probs, seed)
+    dt = time.perf_counter() - t0
+    for s in samples:
+        s.update({"model": str(job.model_dir), "flow": cfg.flow.name})
+    out = output or cfg.out_dir / "rollouts.jsonl"
+    _write_jsonl_atomic(out, samples)
+    toks = sum(len(s["tokens"]) for s in samples)
+    summary = {
+        "file": str(out), "flow": cfg.flow.name, "prompts": n, "samples": len(samples),
+        "reward_mean": sum(s["reward"] for s in samples) / len(samples),
+        "accuracy": sum(s["correct"] for s in samples) / len(samples),
+        "response_len": toks / len(samples),
+        "stopped": sum(s["finish_reason"] == "stop" for s in samples) / len(samples),
+        "seconds": dt, "tokens_per_s": toks / dt,
+    }
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    from .report import summary_table
+
+    console.print(summary_table(f"rollout {cfg.name}", summary))
+
+
+def _read_rollouts(path: Path, vocab: int) -> list[dict]:
+    if not path.exists():
+        raise JetrlError(f"{path}: no such rollout file")
+    rows = []
+    need = ("prompt_ids", "tokens", "logprobs", "reward", "group")
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise JetrlError(f"{path}:{i}: invalid JSON ({e.msg})") from None
+        miss = [k for k in need if k not in r]
+        if miss:
+            raise JetrlError(f"{path}:{i}: missing field {miss[0]!r} (written by jetrl rollout?)")
+        if len(r["tokens"]) != len(r["logprobs"]) or not r["tokens"]:
+            raise JetrlError(f"{path}:{i}: tokens and logprobs must be non-empty and of equal length")
+        bad = [t for t in r["prompt_ids"] + r["tokens"] if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise JetrlError(f"{path}:{i}: token id {bad[0]} is out of range for this model (vocab {vocab}); "
+                             "was the file written with another model?")
+        rows.append(r)
+    if not rows:
+        raise JetrlError(f"{path}: empty rollout file")
+    return rows
+
+
+@app.command("train")
+@user_errors
+def train_cmd(
+    preset: Annotated[str, typer.Argument(help="Preset file, or the name of a shipped preset.")],
+    rollouts: Annotated[Path, typer.Option("--rollouts", help="JSONL written by jetrl rollout / jetrl run.")],
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Directory for the checkpoint (default OUT_DIR/train).")] = None,
+    updates: Annotated[int, typer.Option("--updates", help="Policy updates to make on these rollouts.")] = 1,
+    override: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as JSON.")] = False,
+):
+    """Update the policy from saved rollouts (training precision, the preset's correction); save a checkpoint."""
+    from .config import load_job_config
+    from .rl.checkpoint import save_checkpoint
+    from .rl.loop import setup, train_on_samples
+
+    if updates <= 0:
+        raise JetrlError(f"--updates must be > 0, got {updates}")
+    cfg = load_job_config(preset, _overrides(override))
+    job = setup(cfg, with_trainer=True)
+    rows = _read_rollouts(rollouts, job.trainer.model.config.vocab_size)
+    metrics = []
+    for k in range(1, updates + 1):
+        with err_console.status(f"update {k}/{updates}", spinner="dots"):
+            m = {"update": k, **train_on_samples(job, rows, k)}
+        metrics.append(m)
+    out = output or cfg.out_dir / "train"
+    ck = save_checkpoint(out, updates, job.trainer.model, job.trainer.opt, job.model_dir,
+                         {"preset": cfg.name, "invariant_scale": cfg.train.invariant_scale}, cfg.run.keep_checkpoints)
+    if as_json:
+        print(json.dumps({"checkpoint": str(ck), "updates": metrics}, indent=2))
+        return
+    from .report import summary_table
+
+    for m in metrics:
+        console.print(summary_table(f"train {cfg.name}: update {m['update']}", m))
+    console.print(f"checkpoint: {ck}")
+
+
+@app.command("run")
+@user_errors
+def run_cmd(
+    preset: Annotated[str, typer.Argument(help="Preset file, or the name of a shipped preset.")],
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Output directory (default run.out_dir or runs/<preset>).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in the output directory from its last checkpoint.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Delete a previous run in the output directory and start over.")] = False,
+    override: SetOpt = None,
+):
+    """The RL loop: rollout -> reward -> score -> update -> sync -> eval; metrics.jsonl, checkpoints, curves.png."""
+    from .config import load_job_config
+    from .live import RunDisplay
+    from .rl.loop import run
+
+    if force and resume:
+        raise JetrlError("--force and --resume contradict each other")
+    cfg = load_job_config(preset, _overrides(override))
+    out = output or cfg.out_dir
+    if force and out.exists():
+        import shutil
+
+        if not ((out / "metrics.jsonl").exists() or (out / "preset.yaml").exists()):
+            raise JetrlError(f"{out}: not a jetrl run directory (no metrics.jsonl); --force only replaces runs")
+        shutil.rmtree(out)
+    display = RunDisplay(cfg, err_console)
+    with display:
+        lines = run(cfg, out, resume=resume, on_step=display.step, on_eval=display.eval_samples)
+    display.finish(lines, out)
+
+
 def main() -> None:
     app()
 

@@ -1,7 +1,7 @@
 """Preset files: YAML loading, strict top-level schema, ``key.sub=value`` overrides.
 
-A preset is one YAML file that chooses everything about a job. Its ``precision:`` section is a
-precision flow (see ``jetrl_cli.precision.flow``): a flow name, or ``base:`` plus overrides.
+A preset is one YAML file that chooses everything about a job (the schema is ``config.py``). Its
+``precision:`` section is a precision flow (see ``jetrl_cli.precision.flow``): a flow name, or ``base:`` plus overrides.
 Presets that ship with jetrl live in ``presets/`` (installed as ``jetrl_cli.presets``) and can be
 named without a path: ``fp8-unified`` finds ``presets/fp8-unified.yaml``.
 """
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import PresetError
-from .precision.flow import PrecisionFlow, parse_flow
+from .precision.flow import PrecisionFlow
 
-PRESET_KEYS = ("precision",)
+PRESET_KEYS = ("precision", "model", "task", "rollout", "train", "correction", "eval", "run")
 
 
 def shipped_presets_dir() -> Path:
@@ -103,6 +103,7 @@ def load_preset(name_or_path: str, overrides: list[str] | None = None) -> Preset
             raise PresetError(src, str(k), f"unknown key (allowed: {', '.join(PRESET_KEYS)})")
     if overrides:
         data = apply_overrides(data, overrides, src)
-    if "precision" not in data:
-        raise PresetError(src, "precision", "missing")
-    return Preset(src, parse_flow(data["precision"], source=src, name=Path(src).stem), data)
+    from .config import build_job_config
+
+    job = build_job_config(data, src, Path(src).stem)  # checks every section, not only the flow
+    return Preset(src, job.flow, data)

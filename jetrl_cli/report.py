@@ -60,3 +60,20 @@ def quantize_table(result: QuantizeResult) -> Group:
         f"kept in high precision: {kept} (linear layers on the skip list), embeddings, norms"
     )
     return Group(t, summary)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if v == 0:
+            return "0"
+        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.3e}"
+    return str(v)
+
+
+def summary_table(title: str, values: dict) -> Table:
+    t = Table(title=title, title_justify="left", box=box.SIMPLE, show_header=False)
+    t.add_column("metric", style="bold")
+    t.add_column("value", justify="right")
+    for k, v in values.items():
+        t.add_row(k, _fmt(v))
+    return t

@@ -86,6 +86,7 @@ BAD = [
      "precision.rollout.linear", "both operands must be 8-bit or neither"),
     ("precision: {base: bf16, weight_sync: quantized}\n", "precision.weight_sync", "needs an 8-bit rollout weight"),
     ("precision: {base: bf16, rollout: {kv_cache: int8 row}}\n", "precision.rollout.kv_cache", "int8 KV cache"),
+    ("precision: {base: bf16, rollout: {kv_cache: fp8_e4m3}}\n", "precision.rollout.kv_cache", "takes 'row' scales"),
     ("precision: {base: bf16, train: {master_weights: fp8_e4m3}}\n", "precision.train.master_weights", "not allowed"),
     ("precision: {base: bf16, train: {fprop: {input: bf16, weight: bf16, backend: cutlass}}}\n",
      "precision.train.fprop.backend", "unknown backend"),
@@ -122,7 +123,7 @@ def test_missing_preset_file(tmp_path):
 
 
 def test_shipped_preset_by_name_and_overrides():
-    p = load_preset("fp8-unified", overrides=["precision.rollout.kv_cache=fp8_e4m3"])
+    p = load_preset("fp8-unified", overrides=["precision.rollout.kv_cache=fp8_e4m3 row"])
     assert p.flow.rollout.kv_cache.format is Format.FP8_E4M3
     p = load_preset("bf16", overrides=["precision.train.wgrad.out=bf16"])
     assert p.flow.train.linear.wgrad.out is Format.BF16 and p.flow.name == "bf16"

@@ -96,7 +96,7 @@ def test_preset_chooses_format_and_skip_list(hf_models, tmp_path):
     res = invoke("quantize", src, "-o", tmp_path / "a", "--preset", "fp8-unified", "--json")
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["format"] == "fp8-block"
-    res = invoke("quantize", src, "-o", tmp_path / "b", "--preset", "int8-rollout", "--json")
+    res = invoke("quantize", src, "-o", tmp_path / "b", "--preset", "int8-rollout-tis", "--json")
     assert json.loads(res.output)["format"] == "int8-channel"
     res = invoke("quantize", src, "-o", tmp_path / "c", "--preset", "bf16")
     assert res.exit_code == 2 and "have no vLLM checkpoint format" in res.output

@@ -126,6 +126,14 @@ class PrecisionFlow:
     def rollout_linear(self) -> LinearPrecision:
         return LinearPrecision.forward_only(self.rollout.linear)
 
+    def kv_cast(self, side: str) -> CastSpec:
+        """How keys/values are rounded: the rollout's KV-cache format; the trainer's forward
+        reproduces it when the flow is unified and otherwise rounds to its own fprop output."""
+        kv = CastSpec(self.rollout.kv_cache.format, self.rollout.kv_cache.block)
+        if side == "rollout" or self.unified:
+            return kv
+        return CastSpec(self.train.linear.fprop.out)
+
     def short_str(self) -> str:
         kind = "on-policy" if self.is_on_policy else "off-policy"
         return (
@@ -344,6 +352,9 @@ def _parse_flow_dict(ctx: _Ctx, name: str, d: dict, key: str) -> PrecisionFlow: 
     kv_cast = _parse_cast(ctx, kv, f"{p}rollout.kv_cache")
     if kv_cast.format is Format.INT8:
         ctx.fail(f"{p}rollout.kv_cache", "int8 KV cache is not supported (allowed: fp32, bf16, fp8_e4m3, fp8_e5m2)")
+    if kv_cast.is_scaled and kv_cast.block.name != "row":
+        ctx.fail(f"{p}rollout.kv_cache", f"an fp8 KV cache takes 'row' scales (one per token and head), not "
+                 f"{kv_cast.block.name}: a per-tensor scale would change as the cache grows")
     kv_spec = KVCacheSpec(kv_cast.format, kv_cast.block)
 
     t = ctx.mapping(top["train"], f"{p}train", ("fprop", "dgrad", "wgrad", "save_fp8_activations", "master_weights"))

@@ -40,6 +40,26 @@ class GemmBackend(Protocol):
         """fp32 ``a @ b.T``; a is (M, K), b is (N, K), both already cast per the spec."""
 
 
+ROW_TILE = 8
+
+
+def row_invariant_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b.T`` whose every output row is bitwise independent of how many rows ``a`` has.
+
+    A rollout decodes one token per sequence (a few rows per GEMM); the trainer scores whole
+    sequences (thousands of rows). CPU BLAS picks a different kernel (and summation order) for
+    small M, so the same row would come out with different low bits. Padding M to a multiple of
+    ``ROW_TILE`` keeps one kernel for all row counts; ``tests/test_engine.py`` checks the property on
+    this machine's BLAS. CUDA is left alone (bitwise batch invariance there needs batch-invariant
+    kernels, which jetrl does not ship yet).
+    """
+    m = a.shape[0]
+    if a.is_cuda or m % ROW_TILE == 0:
+        return torch.matmul(a, b.t())
+    pad = ROW_TILE - m % ROW_TILE
+    return torch.matmul(torch.nn.functional.pad(a, (0, 0, 0, pad)), b.t())[:m]
+
+
 def _values(op: Operand) -> torch.Tensor:
     return op.dequantize(torch.float32) if isinstance(op, QTensor) else op.float()
 
@@ -61,7 +81,7 @@ class EmulatedBackend:
             and b.dtype == torch.bfloat16
         ):
             return torch.matmul(a, b.t()).float()
-        return torch.matmul(_values(a), _values(b).t())
+        return row_invariant_mm(_values(a), _values(b))
 
 
 class ScaledMMBackend:

@@ -94,6 +94,7 @@ class JetLinear(nn.Module):
         self.weight = weight
         self.bias = bias
         self._wcache: tuple | None = None
+        self._wfixed: Operand | None = None
         self.set_precision(precision)
 
     @classmethod
@@ -107,9 +108,23 @@ class JetLinear(nn.Module):
             get_backend(g.backend).check(g, f"{where}.{gname}", gname)
         self.precision = precision
         self._wcache = None
+        self._wfixed = None
+
+    def load_quantized_weight(self, q: Operand) -> None:
+        """Use ``q`` (already cast with this layer's fprop weight spec) as the forward's weight, as
+        a rollout engine does after a quantized weight sync; ``self.weight`` is no longer read."""
+        spec = self.precision.fprop.b
+        if getattr(q, "spec", spec) != spec:
+            raise ValueError(f"quantized weight has spec {q.spec.short_str()}, layer expects {spec.short_str()}")
+        if tuple(q.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"quantized weight has shape {tuple(q.shape)}, layer expects "
+                             f"{(self.out_features, self.in_features)}")
+        self._wfixed = q
 
     def quantized_weight(self) -> Operand:
         """The forward's weight operand, cached until the weight changes (in place or replaced)."""
+        if self._wfixed is not None:
+            return self._wfixed
         w = self.weight
         spec = self.precision.fprop.b
         key = (w.data_ptr(), w._version, w.dtype, w.device, spec)
@@ -180,4 +195,7 @@ def apply_flow(model: nn.Module, flow: PrecisionFlow, side: str) -> SwapReport:
         prec = flow.rollout_linear()
     else:
         raise ValueError(f"side must be 'train' or 'rollout', got {side!r}")
-    return swap_linears(model, prec, flow.skip)
+    report = swap_linears(model, prec, flow.skip)
+    if hasattr(model, "set_kv_spec"):
+        model.set_kv_spec(flow.kv_cast(side))
+    return report

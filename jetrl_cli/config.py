@@ -1,0 +1,236 @@
+"""The preset schema: every section and key a preset may set, with defaults and checks.
+
+``load_job_config(preset, overrides)`` reads a preset file (``presets_io``), applies ``key.sub=value``
+overrides, and returns a ``JobConfig``; any unknown key, wrong type or out-of-range value is a
+one-line ``PresetError`` naming the file and the dotted key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import PresetError
+from .precision.flow import PrecisionFlow, parse_flow
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = "tiny"  # a Hugging Face model directory, or "tiny": the policy shipped with jetrl
+    device: str = "cpu"  # cpu | cuda
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    name: str = "arith"  # arith | sort | count | mix | jsonl
+    digits: int = 3  # arith: digits per operand (completion length grows ~9 tokens per digit)
+    length: int = 6  # sort / count: items in the problem
+    file: str | None = None  # jsonl: the training data
+    eval_file: str | None = None  # jsonl: held-out data (default: eval_fraction of file)
+    eval_fraction: float = 0.1
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    prompt_template: str = "{prompt}"  # str.format over the row's fields
+    reward: str | None = None  # "package.module:function" (prompt, completion, answer) -> float
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    backend: str = "embedded"
+    prompts_per_step: int = 16
+    n: int = 8  # samples per prompt (the GRPO group)
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] = field(default_factory=list)  # extra stop tokens (each must be one token)
+    max_len: int = 128  # engine width: the longest prompt + completion
+    max_batch: int = 256  # sequences decoded together
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 40
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    adv_norm: str = "std"  # std (GRPO) | none (Dr. GRPO)
+    kl_coef: float = 0.0
+    dynamic_sampling: bool = False
+    dynamic_sampling_rounds: int = 3  # extra rollout rounds to refill dropped groups
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    micro_batch: int = 64  # sequences per forward/backward
+    invariant_scale: float = 1.0  # QuRL invariant scaling s (1: off)
+
+
+@dataclass(frozen=True)
+class CorrectionSection:
+    type: str = "none"  # none | tis | mis | acr
+    tis_cap: float = 2.0
+    mis_low: float = 0.5
+    mis_high: float = 2.0
+    mis_level: str = "token"  # token | sequence
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = 10  # steps between evaluations (0: never; the last step always)
+    prompts: int = 64
+    max_new_tokens: int | None = None  # default: rollout.max_new_tokens
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    out_dir: str | None = None  # default runs/<preset name>
+    seed: int = 0
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2
+    log_samples: int = 2  # completions printed per eval
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    name: str
+    source: str
+    flow: PrecisionFlow
+    model: ModelConfig
+    task: TaskConfig
+    rollout: RolloutConfig
+    train: TrainConfig
+    correction: CorrectionSection
+    eval: EvalConfig
+    run: RunConfig
+    raw: dict
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.run.out_dir or f"runs/{self.name}")
+
+
+SECTIONS = {
+    "model": ModelConfig, "task": TaskConfig, "rollout": RolloutConfig, "train": TrainConfig,
+    "correction": CorrectionSection, "eval": EvalConfig, "run": RunConfig,
+}
+
+CHOICES = {
+    ("model", "device"): ("cpu", "cuda"),
+    ("task", "name"): ("arith", "sort", "count", "mix", "jsonl"),
+    ("rollout", "backend"): ("embedded",),
+    ("train", "adv_norm"): ("std", "none"),
+    ("correction", "type"): ("none", "tis", "mis", "acr"),
+    ("correction", "mis_level"): ("token", "sequence"),
+}
+POSITIVE = {
+    ("task", "digits"), ("task", "length"), ("rollout", "prompts_per_step"), ("rollout", "n"),
+    ("rollout", "max_new_tokens"), ("rollout", "max_len"), ("rollout", "max_batch"), ("train", "lr"),
+    ("train", "micro_batch"), ("train", "ppo_epochs"), ("train", "minibatches"), ("train", "invariant_scale"),
+    ("correction", "tis_cap"), ("correction", "mis_high"), ("eval", "prompts"),
+    ("run", "keep_checkpoints"), ("train", "grad_clip"), ("train", "adam_eps"),
+}
+NON_NEGATIVE = {
+    ("train", "steps"), ("rollout", "temperature"), ("rollout", "top_k"), ("train", "weight_decay"),
+    ("train", "warmup_steps"), ("train", "clip_low"), ("train", "clip_high"), ("train", "kl_coef"),
+    ("train", "dynamic_sampling_rounds"), ("correction", "mis_low"), ("eval", "every"),
+    ("run", "checkpoint_every"), ("run", "log_samples"), ("run", "seed"),
+}
+
+
+def _check_type(src: str, key: str, value, tp):
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        tp = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is list:
+        if not isinstance(value, list):
+            raise PresetError(src, key, f"expected a list, got {value!r}")
+        return [_check_type(src, f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise PresetError(src, key, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise PresetError(src, key, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-5 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise PresetError(src, key, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise PresetError(src, key, f"expected a string, got {value!r}")
+        return value
+    raise TypeError(tp)
+
+
+def _section(src: str, name: str, cls, data) -> object:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise PresetError(src, name, f"expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kw = {}
+    for k, v in data.items():
+        if k not in fields:
+            raise PresetError(src, f"{name}.{k}", f"unknown key (allowed: {', '.join(sorted(fields))})")
+        key = f"{name}.{k}"
+        v = _check_type(src, key, v, hints[k])
+        if (name, k) in CHOICES and v not in CHOICES[(name, k)]:
+            raise PresetError(src, key, f"{v!r} is not allowed (allowed: {', '.join(CHOICES[(name, k)])})")
+        if (name, k) in POSITIVE and v is not None and not v > 0:
+            raise PresetError(src, key, f"must be > 0, got {v!r}")
+        if (name, k) in NON_NEGATIVE and v is not None and v < 0:
+            raise PresetError(src, key, f"must be >= 0, got {v!r}")
+        kw[k] = v
+    return cls(**kw)
+
+
+def build_job_config(data: dict, source: str, name: str) -> JobConfig:
+    allowed = ("precision", *SECTIONS)
+    for k in data:
+        if k not in allowed:
+            raise PresetError(source, str(k), f"unknown key (allowed: {', '.join(allowed)})")
+    if "precision" not in data:
+        raise PresetError(source, "precision", "missing")
+    flow = parse_flow(data["precision"], source=source, name=name)
+    secs = {k: _section(source, k, cls, data.get(k)) for k, cls in SECTIONS.items()}
+    r, t, c = secs["rollout"], secs["train"], secs["correction"]
+    if not 0 < r.top_p <= 1:
+        raise PresetError(source, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    if r.n < 2:
+        raise PresetError(source, "rollout.n", f"GRPO needs at least 2 samples per prompt, got {r.n}")
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        raise PresetError(source, "train.betas", f"expected two numbers in [0, 1), got {t.betas}")
+    if c.mis_low >= c.mis_high:
+        raise PresetError(source, "correction.mis_low", f"must be below mis_high ({c.mis_low} >= {c.mis_high})")
+    if t.minibatches > r.prompts_per_step:
+        raise PresetError(source, "train.minibatches", f"more mini-batches ({t.minibatches}) than prompts per step")
+    return JobConfig(name, source, flow, raw=data, **secs)
+
+
+def load_job_config(preset: str, overrides: list[str] | None = None) -> JobConfig:
+    from .presets_io import apply_overrides, load_yaml, resolve_preset_path
+
+    path = resolve_preset_path(preset)
+    data = load_yaml(path)
+    src = str(path)
+    if overrides:
+        data = apply_overrides(data, overrides, src)
+    return build_job_config(data, src, Path(src).stem)

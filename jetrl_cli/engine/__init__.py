@@ -1,0 +1,1 @@
+"""Rollout: sampling, the embedded engine, and the interfaces other engines (vLLM) implement."""

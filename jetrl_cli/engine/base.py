@@ -1,0 +1,70 @@
+"""The interfaces between the trainer and a rollout engine.
+
+Everything the RL loop needs from a rollout engine is ``generate`` (token ids in, sampled tokens
+with their logprobs out) and ``load_weights`` (the weight sync). The embedded engine implements
+both in process; an engine in another process or on other GPUs (vLLM) implements the same two
+calls, so the loop never assumes one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Union
+
+import torch
+
+from ..precision.quant import QTensor
+from .sampling import SamplingParams
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    logprobs: list[float]  # of each sampled token, under the distribution it was sampled from
+    finish_reason: str  # "stop" (a stop token, included in tokens) or "length"
+
+
+@dataclass
+class WeightPayload:
+    """What one sync sends: per parameter name a high-precision tensor, or a ``QTensor`` already
+    quantized by the trainer with the rollout's weight spec (``weight_sync: quantized``)."""
+
+    tensors: dict[str, Union[torch.Tensor, QTensor]]
+    version: int = 0
+    nbytes: int = field(default=0)
+
+
+class RolloutEngine(Protocol):
+    name: str
+    width: int  # longest prompt + completion the engine holds (its KV-cache width)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[list[Completion]]:
+        """``params.n`` completions for each prompt, sampled reproducibly from ``seed``."""
+
+    def load_weights(self, payload: WeightPayload) -> None:
+        """Replace the engine's weights with the trainer's (the weight sync)."""
+
+
+def make_payload(model: torch.nn.Module, flow, version: int = 0) -> WeightPayload:
+    """The trainer's side of a sync: every parameter, quantized once for ``weight_sync: quantized``."""
+    from ..precision.linear import JetLinear, cast_operand, matches_skip
+
+    tensors: dict[str, Union[torch.Tensor, QTensor]] = {}
+    quantize_weights = flow.weight_sync.payload == "quantized"
+    spec = flow.rollout.linear.b
+    quantized_names = set()
+    if quantize_weights:
+        for name, mod in model.named_modules():
+            if isinstance(mod, (torch.nn.Linear, JetLinear)) and not matches_skip(name, flow.skip):
+                quantized_names.add(f"{name}.weight")
+    nbytes = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in quantized_names:
+                t = cast_operand(p.detach(), spec)
+                nbytes += t.nbytes()
+            else:
+                t = p.detach()
+                nbytes += t.numel() * t.element_size()
+            tensors[name] = t
+    return WeightPayload(tensors, version, nbytes)

@@ -1,0 +1,106 @@
+"""The embedded rollout engine: batched sampling with a KV cache, in plain PyTorch, in process.
+
+It runs jetrl's own model with the flow's rollout precision (``apply_flow(model, flow,
+"rollout")``) and reports each sampled token's logprob from ``sampling_logprobs``, the function
+the trainer scores with. Prompts are right-padded and every sequence lives in the cache from index
+0, finished sequences leave the batch, and up to ``max_batch`` sequences decode together.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..errors import JetrlError
+from ..precision.linear import JetLinear, apply_flow
+from .base import Completion, WeightPayload
+from .sampling import SamplingParams, sample, sampling_logprobs
+
+
+class EmbeddedEngine:
+    name = "embedded"
+
+    def __init__(self, model: torch.nn.Module, flow, width: int, max_batch: int = 256):
+        """``model`` is copied: the engine owns its weights and gets new ones only by ``load_weights``."""
+        self.model = copy.deepcopy(model).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        apply_flow(self.model, flow, "rollout")
+        self.flow = flow
+        self.width = width
+        self.max_batch = max_batch
+        self.device = next(self.model.parameters()).device
+        self.weights_version = -1
+
+    def load_weights(self, payload: WeightPayload) -> None:
+        params = dict(self.model.named_parameters())
+        modules = dict(self.model.named_modules())
+        with torch.no_grad():
+            for name, t in payload.tensors.items():
+                if name not in params:
+                    raise JetrlError(f"weight sync: the rollout model has no parameter {name}")
+                if isinstance(t, torch.Tensor):
+                    params[name].copy_(t)
+                    continue
+                mod = modules.get(name.rsplit(".", 1)[0])
+                if not isinstance(mod, JetLinear):
+                    raise JetrlError(f"weight sync: {name} arrived quantized but is not a quantized layer here")
+                mod.load_quantized_weight(t)
+        self.weights_version = payload.version
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[list[Completion]]:
+        if any(len(p) == 0 for p in prompts):
+            raise JetrlError("rollout: empty prompt (no tokens)")
+        longest = max(len(p) for p in prompts) + params.max_new_tokens
+        if longest > self.width:
+            raise JetrlError(f"rollout: prompt + max_new_tokens = {longest} tokens exceeds the engine width "
+                             f"{self.width} (raise rollout.max_len or shorten prompts)")
+        flat = [p for p in prompts for _ in range(params.n)]  # group-major: prompt i -> rows i*n .. i*n+n-1
+        out: list[Completion] = []
+        for c, start in enumerate(range(0, len(flat), self.max_batch)):
+            gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + c)
+            out.extend(self._generate_chunk(flat[start:start + self.max_batch], params, gen))
+        return [out[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, gen) -> list[Completion]:
+        b = len(prompts)
+        dev = self.device
+        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        ids = torch.zeros(b, int(lengths.max()), dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = torch.tensor(p, device=dev)
+        cache = self.model.new_cache(b, self.width)
+        logits = self.model.prefill(ids, lengths, cache)
+        stops = torch.tensor(sorted(set(params.stop_token_ids)) or [-1], device=dev)
+        toks = [[] for _ in range(b)]
+        lps = [[] for _ in range(b)]
+        reasons = ["length"] * b
+        rows = torch.arange(b, device=dev)  # original index of each active row
+        for step in range(params.max_new_tokens):
+            logp = sampling_logprobs(logits, params)
+            if params.greedy:
+                logp_report = torch.log_softmax(logits.float(), -1)
+            else:
+                logp_report = logp
+            nxt = sample(logp, params, gen)
+            chosen = logp_report.gather(-1, nxt[:, None])[:, 0]
+            nxt_l, lp_l, rows_l = nxt.tolist(), chosen.tolist(), rows.tolist()
+            for r, t, lp in zip(rows_l, nxt_l, lp_l):
+                toks[r].append(t)
+                lps[r].append(lp)
+            done = torch.isin(nxt, stops)
+            if done.any():
+                for r in rows[done].tolist():
+                    reasons[r] = "stop"
+            if step == params.max_new_tokens - 1:
+                break
+            keep = ~done
+            if not keep.any():
+                break
+            if not keep.all():
+                cache.select(keep)
+                rows, nxt = rows[keep], nxt[keep]
+            logits = self.model.decode(nxt, cache)
+        return [Completion(toks[i], lps[i], reasons[i]) for i in range(b)]

@@ -1,0 +1,85 @@
+"""The live display of ``jetrl run``: a progress bar with the latest step's numbers on a terminal,
+one plain line per step otherwise (CI logs), and a summary table at the end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+def _f(v, spec=".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def step_line(m: dict) -> str:
+    if m["step"] == 0:
+        return f"step 0  eval acc {_f(m.get('eval_accuracy'))}"
+    parts = [
+        f"step {m['step']}",
+        f"reward {_f(m.get('reward_mean'))}",
+        f"acc {_f(m.get('accuracy'))}",
+        f"mismatch_kl {_f(m.get('mismatch_kl'), '.2e')}",
+        f"rollout {_f(m.get('rollout_s'), '.1f')}s train {_f(m.get('train_s'), '.1f')}s sync {_f(m.get('sync_s'), '.2f')}s",
+    ]
+    if "eval_accuracy" in m:
+        parts.insert(3, f"eval {_f(m['eval_accuracy'])}")
+    return "  ".join(parts)
+
+
+class RunDisplay:
+    def __init__(self, cfg, console: Console):
+        self.cfg, self.console = cfg, console
+        self.live = console.is_terminal
+        self.progress = Progress(
+            TextColumn(f"[bold]{escape(cfg.name)}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"), console=console, disable=not self.live,
+        )
+        self.task = None
+
+    def __enter__(self):
+        self.progress.__enter__()
+        self.task = self.progress.add_task("", total=self.cfg.train.steps, info="starting")
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.__exit__(*exc)
+
+    def step(self, m: dict) -> None:
+        line = step_line(m)
+        if self.live:
+            self.progress.update(self.task, completed=m["step"], info=escape(line.split("  ", 1)[-1]))
+        else:
+            self.console.print(line, highlight=False, soft_wrap=True)
+
+    def eval_samples(self, samples: list[dict]) -> None:
+        k = self.cfg.run.log_samples
+        for s in samples[:k]:
+            mark = "[green]✓[/]" if s["correct"] else "[red]✗[/]"
+            self.console.print(f"  {mark} {escape(s['prompt'])}[dim]{escape(s['completion'][:120])}[/]", soft_wrap=True)
+
+    def finish(self, lines: list[dict], out: Path) -> None:
+        from rich.table import Table
+
+        steps = [m for m in lines if m["step"] > 0 and m.get("reward_mean") is not None]
+        evals = [m for m in lines if "eval_accuracy" in m]
+        t = Table(title=f"{self.cfg.name}: {self.cfg.flow.short_str()}", title_justify="left")
+        for c in ("", "first", "last"):
+            t.add_column(c, justify="right" if c else "left")
+        if steps:
+            t.add_row("train reward", _f(steps[0]["reward_mean"]), _f(steps[-1]["reward_mean"]))
+            kls = [m["mismatch_kl"] for m in steps if m.get("mismatch_kl") is not None]
+            if kls:
+                t.add_row("mismatch KL", _f(kls[0], ".2e"), _f(kls[-1], ".2e"))
+        if evals:
+            t.add_row("eval accuracy", _f(evals[0]["eval_accuracy"]), _f(evals[-1]["eval_accuracy"]))
+        if steps:
+            tot = sum(m.get("step_s", 0) for m in steps)
+            split = {k: sum(m.get(k, 0) for m in steps) / max(tot, 1e-9) for k in ("rollout_s", "score_s", "train_s", "sync_s", "eval_s")}
+            t.add_row("time", "", f"{tot:.0f}s (" + ", ".join(f"{k[:-2]} {v:.0%}" for k, v in split.items()) + ")")
+        self.console.print(t)
+        png = out / "curves.png"
+        self.console.print(f"metrics: {out / 'metrics.jsonl'}" + (f"\ncurves:  {png}" if png.exists() else
+                           "\ncurves:  (pip install 'jetrl[plot]' for curves.png)"))

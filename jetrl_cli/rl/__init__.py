@@ -1,0 +1,1 @@
+"""GRPO with rollout-mismatch corrections: pure loss functions (``algos``), the trainer, the loop."""

@@ -1,0 +1,149 @@
+"""The RL math as pure functions of tensors: advantages, importance ratios, corrections, losses.
+
+Shapes: per-token tensors are ``(sequences, positions)`` with a boolean ``mask`` of completion
+tokens. ``logp_rollout`` is what the rollout engine reported (behaviour policy, rollout precision);
+``logp_old`` the same tokens scored by the trainer before the update (training precision, the
+"proximal" policy); ``logp`` the trainer's current, differentiable logprobs.
+
+``importance`` is the one function computing the rollout-vs-trainer ratio, the correction it
+implies and the mismatch metrics; the trainer, the run logs and ``mismatch-report`` all call it.
+
+Corrections (``CorrectionConfig.type``):
+
+- ``none``: the PPO ratio is ``pi/pi_old``; the rollout policy is ignored.
+- ``tis``  (FlashRL): token weight ``min(exp(logp_old - logp_rollout), tis_cap)``.
+- ``mis``  masked IS: tokens (``mis_level: token``) or whole sequences (``sequence``: geometric
+  mean ratio) whose ratio leaves ``[mis_low, mis_high]`` drop out of the loss.
+- ``acr``  (QuRL): TIS weight, and the upper clip bound per token becomes ``(1+eps_high)/r`` with
+  ``r = pi_old/pi_rollout``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CORRECTIONS = ("none", "tis", "mis", "acr")
+
+
+@dataclass(frozen=True)
+class CorrectionConfig:
+    type: str = "none"
+    tis_cap: float = 2.0
+    mis_low: float = 0.5
+    mis_high: float = 2.0
+    mis_level: str = "token"
+
+
+@dataclass
+class Importance:
+    log_ratio: torch.Tensor  # logp_old - logp_rollout, 0 outside the mask
+    weight: torch.Tensor  # per-token multiplier of the policy-gradient term (detached)
+    keep: torch.Tensor  # tokens that stay in the loss
+    clip_high: torch.Tensor | None  # per-token upper clip bound of pi/pi_old (None: 1 + eps_high)
+    metrics: dict
+
+
+def group_advantages(rewards: torch.Tensor, norm: str = "std", eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: ``(r - mean(group)) / (std(group) + eps)``; ``norm="none"``: mean-centred only (Dr. GRPO).
+
+    ``rewards``: ``(groups, n)``. std is the population std (all n samples are the group)."""
+    r = rewards.double()
+    centred = r - r.mean(-1, keepdim=True)
+    if norm == "std":
+        centred = centred / (r.std(-1, unbiased=False, keepdim=True) + eps)
+    elif norm != "none":
+        raise ValueError(f"unknown advantage normalisation {norm!r}")
+    return centred.float()
+
+
+def mismatch_metrics(logp_train: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
+                     cfg: CorrectionConfig | None = None) -> dict:
+    """How far the rollout policy is from the trainer's, on the rollout's own tokens.
+
+    ``mismatch_kl`` is KL(rollout || train) by the k3 estimator ``E[r - 1 - log r]``, ``r =
+    pi_train/pi_rollout`` (non-negative, exactly 0 when the logprobs are bitwise equal);
+    ``mismatch_k1`` the plain ``E[log pi_rollout - log pi_train]``."""
+    cfg = cfg or CorrectionConfig()
+    m = mask.bool()
+    n = int(m.sum())
+    if n == 0:
+        return {"mismatch_kl": 0.0, "mismatch_k1": 0.0, "tokens": 0}
+    d = (logp_train.double() - logp_rollout.double())[m]  # log r
+    r = d.exp()
+    seq_lr = ((logp_train.double() - logp_rollout.double()) * m).sum(-1)
+    seq_n = m.sum(-1)
+    has = seq_n > 0
+    w = r
+    return {
+        "mismatch_kl": float((r - 1 - d).mean()),
+        "mismatch_k1": float((-d).mean()),
+        "abs_dlogp_mean": float(d.abs().mean()),
+        "abs_dlogp_max": float(d.abs().max()),
+        "abs_dp_mean": float((logp_train.double()[m].exp() - logp_rollout.double()[m].exp()).abs().mean()),
+        "abs_dp_max": float((logp_train.double()[m].exp() - logp_rollout.double()[m].exp()).abs().max()),
+        "prob_err": float(d.abs().exp().mean()),
+        "chi2": float((w * w).mean() - 1),
+        "ess": float(w.sum() ** 2 / (n * (w * w).sum())),
+        "frac_bitwise_equal": float((d == 0).double().mean()),
+        "frac_above_tis_cap": float((r > cfg.tis_cap).double().mean()),
+        "frac_outside_mis": float(((r < cfg.mis_low) | (r > cfg.mis_high)).double().mean()),
+        "seq_log_ratio_mean": float(seq_lr[has].mean()),
+        "seq_log_ratio_abs_max": float(seq_lr[has].abs().max()),
+        "tokens": n,
+    }
+
+
+def importance(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
+               cfg: CorrectionConfig, eps_high: float) -> Importance:
+    m = mask.bool()
+    log_r = ((logp_old - logp_rollout) * m).detach()
+    r = log_r.exp()
+    ones = torch.ones_like(r)
+    weight, keep, clip_high = ones, m, None
+    if cfg.type == "tis":
+        weight = r.clamp(max=cfg.tis_cap)
+    elif cfg.type == "mis":
+        if cfg.mis_level == "token":
+            keep = m & (r >= cfg.mis_low) & (r <= cfg.mis_high)
+        else:
+            seq = (log_r.sum(-1) / m.sum(-1).clamp_min(1)).exp()[:, None]
+            keep = m & (seq >= cfg.mis_low) & (seq <= cfg.mis_high)
+    elif cfg.type == "acr":
+        weight = r.clamp(max=cfg.tis_cap)
+        clip_high = (1 + eps_high) / r
+    elif cfg.type != "none":
+        raise ValueError(f"unknown correction {cfg.type!r} (allowed: {', '.join(CORRECTIONS)})")
+    metrics = mismatch_metrics(logp_old, logp_rollout, m, cfg)
+    metrics["frac_masked"] = float(1 - keep.sum() / m.sum().clamp_min(1))
+    return Importance(log_r, weight, keep, clip_high, metrics)
+
+
+def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                imp: Importance, clip_low: float, clip_high: float, denom: float,
+                logp_ref: torch.Tensor | None = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """Token-level PPO-clip loss (DAPO's clip-higher: separate low/high epsilon), summed over
+    tokens and divided by ``denom`` (the number of completion tokens in the whole mini-batch).
+
+    ``adv``: per sequence ``(N,)`` or per token ``(N, T)``. With ``kl_coef`` the k3 estimate of
+    KL(pi || pi_ref) is added per token."""
+    m = mask.bool()
+    a = adv[:, None] if adv.dim() == 1 else adv
+    ratio = torch.exp(logp - logp_old)
+    upper = imp.clip_high if imp.clip_high is not None else torch.full_like(ratio, 1 + clip_high)
+    clipped = torch.minimum(torch.clamp(ratio, min=1 - clip_low), upper)
+    surr = torch.minimum(ratio * a, clipped * a)
+    keep = imp.keep & m
+    pg = -(surr * imp.weight * keep).sum() / denom
+    loss = pg
+    stats = {"pg_loss": float(pg.detach())}
+    with torch.no_grad():
+        stats["clip_frac"] = float(((surr != ratio * a) & keep).sum() / max(int(keep.sum()), 1))
+    if logp_ref is not None and kl_coef > 0:
+        dl = logp_ref - logp
+        kl = (torch.exp(dl) - dl - 1) * m
+        kl_term = kl.sum() / denom
+        loss = loss + kl_coef * kl_term
+        stats["kl_ref"] = float(kl_term.detach())
+    return loss, stats

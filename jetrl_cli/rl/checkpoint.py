@@ -1,0 +1,72 @@
+"""Checkpoints: a Hugging Face model directory plus the trainer's state, written atomically.
+
+``OUT/checkpoints/step_000010/`` holds ``config.json``, ``model.safetensors`` (fp32 master weights),
+the tokenizer files and ``trainer_state.pt`` (optimizer state, step). It is written under a
+temporary name and renamed when complete; ``OUT/latest`` (replaced atomically) names the newest.
+A killed run therefore always leaves its last complete checkpoint, and ``--resume`` starts there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..errors import JetrlError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(out: Path, step: int, model, optimizer, source_dir: Path, extra: dict, keep: int) -> Path:
+    from safetensors.torch import save_file
+
+    ckdir = out / "checkpoints"
+    ckdir.mkdir(parents=True, exist_ok=True)
+    final = ckdir / f"step_{step:06d}"
+    tmp = ckdir / f".tmp-step_{step:06d}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    state = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((source_dir / "config.json").read_text())
+    cfg["torch_dtype"] = "float32"
+    cfg.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for f in TOKENIZER_FILES:
+        if (source_dir / f).exists():
+            shutil.copy2(source_dir / f, tmp / f)
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), **extra}, tmp / "trainer_state.pt")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _atomic_write_text(out / "latest", final.name + "\n")
+    done = sorted(p for p in ckdir.glob("step_*") if p.is_dir())
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    f = out / "latest"
+    if not f.exists():
+        return None
+    p = out / "checkpoints" / f.read_text().strip()
+    if not (p / "trainer_state.pt").exists():
+        raise JetrlError(f"{f} names {p.name}, which is missing or incomplete")
+    return p
+
+
+def load_trainer_state(ckpt: Path) -> dict:
+    return torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)

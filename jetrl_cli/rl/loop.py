@@ -1,0 +1,277 @@
+"""The RL loop behind ``jetrl rollout`` / ``train`` / ``run``.
+
+One step: problems for the step -> rollout (engine, rollout precision) -> rewards -> optional
+dynamic sampling -> old-policy logprobs (trainer, training precision) -> mismatch metrics ->
+GRPO update -> weight sync -> periodic eval -> ``metrics.jsonl`` line -> periodic checkpoint.
+Every random draw is a function of ``(run.seed, step)``, so ``--resume`` from a checkpoint
+continues exactly as the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..config import JobConfig
+from ..engine.base import make_payload
+from ..engine.embedded import EmbeddedEngine
+from ..engine.sampling import SamplingParams
+from ..errors import JetrlError
+from ..models.hf import load_model
+from ..models.tokenizer import Tokenizer
+from ..tasks import PromptSource, build_task
+from .algos import CorrectionConfig, group_advantages, importance
+from .checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from .trainer import Batch, NonFiniteError, Trainer, fold_invariant_scale
+
+TIMING_KEYS = ("rollout_s", "score_s", "train_s", "sync_s", "eval_s", "step_s", "rollout_tokens_per_s")
+
+
+def tiny_policy_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "assets" / "tiny-policy"
+
+
+def resolve_model_dir(path: str) -> Path:
+    p = tiny_policy_dir() if path == "tiny" else Path(path).expanduser()
+    if not p.exists():
+        raise JetrlError(f"model.path: {path}: no such directory (a Hugging Face model directory, or 'tiny')")
+    return p
+
+
+def _device(cfg: JobConfig) -> torch.device:
+    if cfg.model.device == "cuda" and not torch.cuda.is_available():
+        raise JetrlError("model.device: cuda, but torch sees no CUDA device (use model.device=cpu)")
+    return torch.device(cfg.model.device)
+
+
+def sampling_params(cfg: JobConfig, tok: Tokenizer, greedy: bool = False) -> SamplingParams:
+    stops = list(tok.eos_ids)
+    for s in cfg.rollout.stop:
+        ids = tok.encode(s)
+        if len(ids) != 1:
+            raise JetrlError(f"rollout.stop: {s!r} is {len(ids)} tokens; each stop string must be one token")
+        stops.append(ids[0])
+    r = cfg.rollout
+    if greedy:
+        return SamplingParams(cfg.eval.max_new_tokens or r.max_new_tokens, 0.0, 1.0, 0, 1, tuple(stops))
+    return SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.n, tuple(stops))
+
+
+def correction_config(cfg: JobConfig) -> CorrectionConfig:
+    c = cfg.correction
+    return CorrectionConfig(c.type, c.tis_cap, c.mis_low, c.mis_high, c.mis_level)
+
+
+@dataclass
+class Job:
+    cfg: JobConfig
+    model_dir: Path
+    tokenizer: Tokenizer
+    source: PromptSource
+    engine: EmbeddedEngine
+    sampling: SamplingParams
+    trainer: Trainer | None = None
+
+
+def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None) -> Job:
+    """Load the policy (from ``init_dir`` when resuming), build task, engine and trainer, first sync."""
+    model_dir = resolve_model_dir(cfg.model.path)
+    tok = Tokenizer.from_dir(model_dir)
+    dev = _device(cfg)
+    model = load_model(init_dir or model_dir).to(dev)
+    if tok.vocab_size > model.config.vocab_size:
+        raise JetrlError(f"{model_dir}: tokenizer has {tok.vocab_size} tokens, the model only {model.config.vocab_size}")
+    task = build_task(cfg.task, cfg.run.seed)
+    source = PromptSource(task, cfg.run.seed)
+    s = cfg.train.invariant_scale
+    ref = None
+    if with_trainer and cfg.train.kl_coef > 0:
+        ref = load_model(model_dir).to(dev)
+        if s != 1.0:
+            fold_invariant_scale(ref, s)
+    if s != 1.0 and init_dir is None:
+        fold_invariant_scale(model, s)
+    sampling = sampling_params(cfg, tok)
+    trainer = None
+    if with_trainer:
+        trainer = Trainer(model, cfg.flow, cfg.train, correction_config(cfg), sampling, cfg.rollout.max_len, ref)
+    engine = EmbeddedEngine(model, cfg.flow, cfg.rollout.max_len, cfg.rollout.max_batch)
+    engine.load_weights(make_payload(model, cfg.flow))
+    return Job(cfg, model_dir, tok, source, engine, sampling, trainer)
+
+
+def rollout_samples(job: Job, problems, seed: int, sampling: SamplingParams | None = None,
+                    step: int = 0, group_offset: int = 0) -> list[dict]:
+    sp = sampling or job.sampling
+    tok = job.tokenizer
+    prompt_ids = [tok.encode(p.prompt) for p in problems]
+    groups = job.engine.generate(prompt_ids, sp, seed)
+    out = []
+    for gi, (prob, pids, comps) in enumerate(zip(problems, prompt_ids, groups)):
+        for c in comps:
+            text = tok.decode(c.tokens)
+            out.append({
+                "step": step, "group": group_offset + gi, "prompt": prob.prompt, "answer": prob.answer,
+                "completion": text, "prompt_ids": pids, "tokens": c.tokens, "logprobs": c.logprobs,
+                "reward": job.source.task.reward(prob, text), "correct": job.source.task.correct(prob, text),
+                "finish_reason": c.finish_reason,
+            })
+    return out
+
+
+def evaluate(job: Job, n: int) -> tuple[float, list[dict]]:
+    probs = job.source.eval_set(n)
+    samples = rollout_samples(job, probs, seed=0, sampling=sampling_params(job.cfg, job.tokenizer, greedy=True))
+    return sum(s["correct"] for s in samples) / len(samples), samples
+
+
+def batch_from_samples(samples: list[dict], pad_id: int) -> Batch:
+    return Batch.build([s["prompt_ids"] for s in samples], [s["tokens"] for s in samples],
+                       [s["logprobs"] for s in samples], [s["reward"] for s in samples],
+                       [s["group"] for s in samples], pad_id)
+
+
+def train_on_samples(job: Job, samples: list[dict], step: int) -> dict:
+    """Score (training precision), mismatch metrics, advantages and the update, for one batch."""
+    tr = job.trainer
+    n = job.sampling.n
+    b = batch_from_samples(samples, job.tokenizer.pad_id)
+    t0 = time.perf_counter()
+    old = tr.score(b)
+    ref = tr.score(b, ref=True) if tr.ref is not None else None
+    score_s = time.perf_counter() - t0
+    imp = importance(old, b.rollout_logp, b.mask, tr.ccfg, tr.cfg.clip_high)
+    groups = b.group.unique()
+    rewards = torch.stack([b.rewards[b.group == g] for g in groups])
+    if rewards.shape[1] != n:
+        raise JetrlError(f"every group needs {n} samples (rollout.n); got groups of {rewards.shape[1]}")
+    adv_g = group_advantages(rewards, tr.cfg.adv_norm)
+    adv = torch.empty(len(b))
+    for i, g in enumerate(groups):
+        adv[b.group == g] = adv_g[i]
+    t0 = time.perf_counter()
+    stats = tr.update(b, adv, old, ref, step)
+    out = {**{k: v for k, v in imp.metrics.items()}, **stats, "score_s": score_s,
+           "train_s": time.perf_counter() - t0}
+    return out
+
+
+def _drop_flat_groups(samples: list[dict]) -> list[list[dict]]:
+    by: dict[int, list[dict]] = {}
+    for s in samples:
+        by.setdefault(s["group"], []).append(s)
+    return [g for g in by.values() if len({x["reward"] for x in g}) > 1]
+
+
+def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict], None] | None = None,
+        on_eval: Callable[[list[dict]], None] | None = None, stop_after: int | None = None) -> list[dict]:
+    """The training loop. Returns the metrics lines written; ``stop_after`` (tests) stops early
+    as a kill would, after that step's checkpoint (if any) is written."""
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_file = out / "metrics.jsonl"
+    ckpt = latest_checkpoint(out) if resume else None
+    if resume and ckpt is None and metrics_file.exists():
+        raise JetrlError(f"{out}: --resume, but there is no complete checkpoint to resume from")
+    if not resume and (metrics_file.exists() or (out / "latest").exists()):
+        raise JetrlError(f"{out}: already holds a run (--resume continues it, --force starts over, -o picks another directory)")
+    job = setup(cfg, with_trainer=True, init_dir=ckpt)
+    tr = job.trainer
+    lines: list[dict] = []
+    start = 1
+    if ckpt is not None:
+        state = load_trainer_state(ckpt)
+        tr.opt.load_state_dict(state["optimizer"])
+        start = state["step"] + 1
+        lines = [json.loads(x) for x in metrics_file.read_text().splitlines() if x.strip()]
+        lines = [m for m in lines if m["step"] < start]
+        metrics_file.write_text("".join(json.dumps(m) + "\n" for m in lines))
+    (out / "preset.yaml").write_text(__import__("yaml").safe_dump(cfg.raw, sort_keys=False))
+
+    def emit(m: dict):
+        lines.append(m)
+        with metrics_file.open("a") as f:
+            f.write(json.dumps(m) + "\n")
+        if on_step:
+            on_step(m)
+
+    if start == 1:
+        t0 = time.perf_counter()
+        acc, samples = evaluate(job, cfg.eval.prompts)
+        emit({"step": 0, "eval_accuracy": acc, "eval_s": time.perf_counter() - t0})
+        if on_eval:
+            on_eval(samples)
+    last_good = ckpt
+    steps = cfg.train.steps
+    for step in range(start, steps + 1):
+        t_step = time.perf_counter()
+        seed = cfg.run.seed * 1_000_033 + step
+        t0 = time.perf_counter()
+        r = cfg.rollout
+        samples = rollout_samples(job, job.source.batch(step, r.prompts_per_step), seed, step=step)
+        all_samples = samples
+        if cfg.train.dynamic_sampling:
+            kept = _drop_flat_groups(samples)
+            for rnd in range(1, cfg.train.dynamic_sampling_rounds + 1):
+                if len(kept) >= r.prompts_per_step:
+                    break
+                more = rollout_samples(job, job.source.batch(step, r.prompts_per_step, round_=rnd), seed + 7919 * rnd,
+                                       step=step, group_offset=rnd * r.prompts_per_step)
+                all_samples = all_samples + more
+                kept += _drop_flat_groups(more)
+            train_samples = [s for g in kept[:r.prompts_per_step] for s in g]
+        else:
+            train_samples = samples
+        rollout_s = time.perf_counter() - t0
+        gen_tokens = sum(len(s["tokens"]) for s in all_samples)
+        m = {
+            "step": step,
+            "reward_mean": sum(s["reward"] for s in samples) / len(samples),
+            "accuracy": sum(s["correct"] for s in samples) / len(samples),
+            "response_len": gen_tokens / len(all_samples),
+            "groups_trained": len(train_samples) // r.n,
+        }
+        if train_samples:
+            try:
+                m.update(train_on_samples(job, train_samples, step))
+            except NonFiniteError as e:
+                where = f"; last good checkpoint: {last_good}" if last_good else "; no checkpoint was written"
+                raise NonFiniteError(f"{e}{where}") from None
+        else:
+            m.update({"mismatch_kl": None, "skipped": True, "score_s": 0.0, "train_s": 0.0})
+        t0 = time.perf_counter()
+        payload = make_payload(tr.model, cfg.flow, version=step)
+        job.engine.load_weights(payload)
+        m["sync_s"] = time.perf_counter() - t0
+        m["sync_bytes"] = payload.nbytes
+        m["lr"] = tr.lr_at(step)
+        m["rollout_s"] = rollout_s
+        m["rollout_tokens_per_s"] = gen_tokens / max(rollout_s, 1e-9)
+        if (cfg.eval.every and step % cfg.eval.every == 0) or step == steps:
+            t0 = time.perf_counter()
+            acc, ev = evaluate(job, cfg.eval.prompts)
+            m["eval_accuracy"] = acc
+            m["eval_s"] = time.perf_counter() - t0
+            if on_eval:
+                on_eval(ev)
+        m["step_s"] = time.perf_counter() - t_step
+        emit(m)  # before the checkpoint: a resume truncates metrics back to its checkpoint's step
+        if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == steps:
+            last_good = save_checkpoint(out, step, tr.model, tr.opt, job.model_dir,
+                                        {"preset": cfg.name, "invariant_scale": cfg.train.invariant_scale},
+                                        cfg.run.keep_checkpoints)
+        if stop_after is not None and step >= stop_after:
+            break
+    if lines:
+        try:
+            from .plots import plot_curves
+
+            plot_curves([(cfg.name, lines)], out / "curves.png")
+        except ImportError:
+            pass
+    return lines

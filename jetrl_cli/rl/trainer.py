@@ -1,0 +1,164 @@
+"""The GRPO trainer: scores rollouts under the training precision and updates the policy.
+
+Its model holds fp32 master weights; ``apply_flow(model, flow, "train")`` makes every forward
+run the flow's training precision (for the unified flow, the rollout's quantizers). AdamW keeps its
+state in fp32. Sequences are right-padded and attend over the rollout engine's key width, so the
+trainer's scores reproduce the engine's numerics exactly when the precisions agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.sampling import SamplingParams, sampling_logprobs
+from ..errors import JetrlError
+from ..precision.linear import apply_flow
+from .algos import CorrectionConfig, importance, policy_loss
+
+
+class NonFiniteError(JetrlError):
+    exit_code = 3
+
+
+@dataclass
+class Batch:
+    """Right-padded prompt+completion sequences; position t of ``mask``/``rollout_logp`` scores
+    token t+1 of ``ids``."""
+
+    ids: torch.Tensor  # (N, T) long
+    mask: torch.Tensor  # (N, T-1) bool: completion tokens
+    rollout_logp: torch.Tensor  # (N, T-1) fp32, 0 outside the mask
+    rewards: torch.Tensor  # (N,)
+    group: torch.Tensor  # (N,) group index
+
+    @classmethod
+    def build(cls, prompts: list[list[int]], completions: list[list[int]], logprobs: list[list[float]],
+              rewards: list[float], group: list[int], pad_id: int = 0) -> "Batch":
+        n = len(prompts)
+        t = max(len(p) + len(c) for p, c in zip(prompts, completions))
+        ids = torch.full((n, t), pad_id, dtype=torch.long)
+        mask = torch.zeros(n, t - 1, dtype=torch.bool)
+        lp = torch.zeros(n, t - 1)
+        for i, (p, c, l) in enumerate(zip(prompts, completions, logprobs)):
+            ids[i, :len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
+            mask[i, len(p) - 1:len(p) - 1 + len(c)] = True
+            lp[i, len(p) - 1:len(p) - 1 + len(c)] = torch.tensor(l, dtype=torch.float32)
+        return cls(ids, mask, lp, torch.tensor(rewards, dtype=torch.float32), torch.tensor(group))
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def select(self, idx: torch.Tensor) -> "Batch":
+        mask = self.mask[idx]
+        t = int(mask.any(0).nonzero().max()) + 2 if mask.any() else self.ids.shape[1]
+        return Batch(self.ids[idx, :t], mask[:, :t - 1], self.rollout_logp[idx, :t - 1], self.rewards[idx],
+                     self.group[idx])
+
+
+def fold_invariant_scale(model: torch.nn.Module, s: float) -> None:
+    """QuRL invariant scaling: ``W x = (W / s)(s x)`` with ``s`` folded into the RMSNorm before each
+    quantized projection group (attention q/k/v, MLP gate/up). The function is unchanged."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.mul_(s)
+            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                lin.weight.div_(s)
+            layer.post_attention_layernorm.weight.mul_(s)
+            for lin in (layer.mlp.gate_proj, layer.mlp.up_proj):
+                lin.weight.div_(s)
+
+
+class Trainer:
+    def __init__(self, model, flow, tcfg, ccfg: CorrectionConfig, sampling: SamplingParams, width: int,
+                 ref_model=None):
+        self.model = model.train()
+        apply_flow(self.model, flow, "train")
+        self.flow, self.cfg, self.ccfg = flow, tcfg, ccfg
+        self.sampling, self.width = sampling, width
+        self.ref = ref_model
+        if ref_model is not None:
+            apply_flow(ref_model.eval(), flow, "train")
+            for p in ref_model.parameters():
+                p.requires_grad_(False)
+        self.opt = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad], lr=tcfg.lr, betas=tuple(tcfg.betas),
+            eps=tcfg.adam_eps, weight_decay=tcfg.weight_decay, foreach=False,
+        )
+        self.updates = 0
+
+    # ---------------------------------------------------------------- scoring
+
+    def _token_logp(self, model, b: Batch) -> torch.Tensor:
+        dev = next(model.parameters()).device
+        ids = b.ids.to(dev)
+        logits = model(ids, width=self.width)[:, :-1]
+        lp = sampling_logprobs(logits, self.sampling).gather(-1, ids[:, 1:, None])[..., 0]
+        return lp * b.mask.to(dev)
+
+    @torch.no_grad()
+    def score(self, b: Batch, ref: bool = False) -> torch.Tensor:
+        """Per-token logprobs of the batch's completions under the training precision (no grad)."""
+        model = self.ref if ref else self.model
+        if b.ids.shape[1] > self.width:
+            raise JetrlError(f"sequence of {b.ids.shape[1]} tokens is longer than the engine width {self.width}")
+        out = torch.zeros(b.mask.shape)
+        for s in range(0, len(b), self.cfg.micro_batch):
+            idx = torch.arange(s, min(s + self.cfg.micro_batch, len(b)))
+            mb = b.select(idx)
+            out[idx, :mb.mask.shape[1]] = self._token_logp(model, mb).float().cpu()
+        return out
+
+    # ---------------------------------------------------------------- update
+
+    def lr_at(self, step: int) -> float:
+        w = self.cfg.warmup_steps
+        return self.cfg.lr * min(1.0, (step + 1) / w) if w else self.cfg.lr
+
+    def update(self, b: Batch, adv: torch.Tensor, old: torch.Tensor, ref_logp: torch.Tensor | None,
+               step: int) -> dict:
+        """ppo_epochs x minibatches optimizer steps on the batch; returns averaged stats."""
+        cfg = self.cfg
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr_at(step)
+        groups = b.group.unique()
+        gsplit = torch.tensor_split(groups, cfg.minibatches)
+        agg: dict[str, float] = {}
+        count = 0
+        dev = next(self.model.parameters()).device
+        for _ in range(cfg.ppo_epochs):
+            for gs in gsplit:
+                idx = torch.isin(b.group, gs).nonzero()[:, 0]
+                denom = float(b.mask[idx].sum().clamp_min(1))
+                self.opt.zero_grad(set_to_none=True)
+                losses = 0.0
+                for s in range(0, len(idx), cfg.micro_batch):
+                    sub = idx[s:s + cfg.micro_batch]
+                    mb = b.select(sub)
+                    t1 = mb.mask.shape[1]
+                    o, r = old[sub, :t1].to(dev), mb.rollout_logp.to(dev)
+                    m = mb.mask.to(dev)
+                    imp = importance(o, r, m, self.ccfg, cfg.clip_high)
+                    lp = self._token_logp(self.model, mb)
+                    rl = ref_logp[sub, :t1].to(dev) if ref_logp is not None else None
+                    loss, st = policy_loss(lp, o, adv[sub].to(dev), m, imp, cfg.clip_low, cfg.clip_high, denom,
+                                           rl, cfg.kl_coef)
+                    if not torch.isfinite(loss):
+                        raise NonFiniteError(f"step {step}: the loss is {float(loss.detach())}; stopped before the update")
+                    loss.backward()
+                    losses += float(loss.detach())
+                    for k, v in st.items():  # loss terms add up over micro-batches, fractions average
+                        agg[k] = agg.get(k, 0.0) + (v * len(sub) / len(idx) if k == "clip_frac" else v)
+                gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+                if not torch.isfinite(gnorm):
+                    raise NonFiniteError(f"step {step}: the gradient norm is {float(gnorm)}; stopped before the update")
+                self.opt.step()
+                bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
+                if bad:
+                    raise NonFiniteError(f"step {step}: parameter {bad[0]} became non-finite after the update")
+                agg["loss"] = agg.get("loss", 0.0) + losses
+                agg["grad_norm"] = agg.get("grad_norm", 0.0) + float(gnorm)
+                count += 1
+        self.updates += count
+        return {k: v / count for k, v in agg.items()}

@@ -1,0 +1,121 @@
+"""Tasks, answer checking, splits, user rewards, tokenizers."""
+
+import json
+import random
+
+import pytest
+
+from jetrl_cli.config import TaskConfig
+from jetrl_cli.errors import JetrlError
+from jetrl_cli.tasks import (Arith, Count, PromptSource, Sort, answers_match, build_task, extract_answer,
+                             _is_eval)
+
+
+@pytest.mark.parametrize("text,ans", [
+    ("so 3+4=7 #### 7", "7"), ("The answer is \\boxed{42}.", "42"), ("\\boxed{\\frac{1}{2}} then #### 3", "\\frac{1}{2}"),
+    ("#### 1,234\nmore", "1,234"), ("no answer here", None), ("\\boxed{a{b}c}", "a{b}c"),
+])
+def test_extract_answer(text, ans):
+    assert extract_answer(text) == ans
+
+
+@pytest.mark.parametrize("pred,ref,ok", [
+    ("1,000", "1000", True), ("$1000.00", "1000", True), ("0.5", "\\frac{1}{2}", True), ("1/2", "0.5", True),
+    ("72", "72.0", True), ("1e3", "1000", True), ("71", "72", False), ("1 2 3", "1  2 3", True), ("abc", "abd", False),
+    (None, "1", False), ("50%", "50", True),
+])
+def test_answers_match(pred, ref, ok):
+    assert answers_match(pred, ref) is ok
+
+
+@pytest.mark.parametrize("task", [Arith(1), Arith(5), Sort(7), Count(9)])
+def test_worked_solutions_earn_full_reward_and_length_grows(task):
+    rng = random.Random(0)
+    for p in task.problems(rng, 20, "train"):
+        assert task.reward(p, " " + p.solution) == 1.0
+        assert task.reward(p, " " + p.solution.replace(p.answer, p.answer + "1")) == 0.0
+        assert not _is_eval(p.prompt)
+    assert len(Arith(8).make(rng).solution) > 2 * len(Arith(3).make(rng).solution)
+
+
+def test_train_and_eval_splits_are_disjoint_and_batches_deterministic():
+    task = build_task(TaskConfig(name="mix", digits=2, length=4), seed=0)
+    src = PromptSource(task, seed=0)
+    ev = {p.prompt for p in src.eval_set(40)}
+    tr = {p.prompt for s in range(20) for p in src.batch(s, 16)}
+    assert ev and tr and not ev & tr
+    assert src.batch(3, 8) == PromptSource(task, seed=0).batch(3, 8)
+    assert src.batch(3, 8) != src.batch(4, 8)
+    assert src.batch(3, 8, rank=0, world=2) != src.batch(3, 8, rank=1, world=2)
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_jsonl_task_gsm8k_style(tmp_path):
+    rows = [{"question": f"What is {i}+{i}?", "answer": f"Think. #### {2 * i}"} for i in range(30)]
+    f = _jsonl(tmp_path / "d.jsonl", rows)
+    task = build_task(TaskConfig(name="jsonl", file=f, prompt_key="question", prompt_template="Q: {prompt}\nA:"), 0)
+    src = PromptSource(task, 0)
+    ev, tr = src.eval_set(3), src.batch(0, 27)
+    assert len(task.split["eval"]) == 3 and len(task.split["train"]) == 27
+    assert not {p.prompt for p in ev} & {p.prompt for p in tr}  # one epoch walks the train split once
+    p = tr[0]
+    assert p.prompt.startswith("Q: What is ") and p.prompt.endswith("\nA:")
+    assert task.reward(p, f"so \\boxed{{{p.answer}}}") == 1.0
+    assert task.reward(p, "#### 9999") == 0.0
+
+
+@pytest.mark.parametrize("rows,msg", [
+    ([], "empty dataset"),
+    ([{"prompt": "a", "answer": ""}], "no answer in field 'answer'"),
+    ([{"prompt": "a"}], "no answer in field 'answer'"),
+    ([{"question": "a", "answer": "1"}], "no 'prompt' field"),
+])
+def test_jsonl_task_bad_input(tmp_path, rows, msg):
+    f = _jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(JetrlError, match=msg):
+        build_task(TaskConfig(name="jsonl", file=f), 0)
+    with pytest.raises(JetrlError, match="no such dataset file"):
+        build_task(TaskConfig(name="jsonl", file=str(tmp_path / "missing.jsonl")), 0)
+
+
+def test_user_reward_by_import_path(tmp_path, monkeypatch):
+    (tmp_path / "myreward.py").write_text("def score(prompt, completion, answer):\n    return len(completion) / 10\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = build_task(TaskConfig(name="arith", digits=2, reward="myreward:score"), 0)
+    p = task.problems(random.Random(0), 1, "train")[0]
+    assert task.reward(p, "x" * 5) == 0.5
+    assert task.correct(p, " " + p.solution)
+    with pytest.raises(JetrlError, match="cannot import"):
+        build_task(TaskConfig(reward="no_such_module_xyz:f"), 0)
+    with pytest.raises(JetrlError, match="has no function"):
+        build_task(TaskConfig(reward="myreward:nope"), 0)
+    with pytest.raises(JetrlError, match="must look like"):
+        build_task(TaskConfig(reward="myreward"), 0)
+
+
+def test_char_tokenizer_round_trip_and_transformers_agree(tmp_path):
+    from jetrl_cli.models.tokenizer import Tokenizer, write_char_tokenizer
+    from jetrl_cli.tasks import ALPHABET
+
+    write_char_tokenizer(tmp_path, ALPHABET)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 1}')
+    tok = Tokenizer.from_dir(tmp_path)
+    text = "47+85= 7+5=12 4+8+1=13 #### 132\nsort 3 1:"
+    ids = tok.encode(text)
+    assert len(ids) == len(text) and tok.decode(ids) == text
+    assert tok.eos_ids == (1,) and tok.pad_id == 0
+    assert tok.decode(ids + [1]) == text  # special tokens are skipped
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert hf.encode(text) == ids and hf.eos_token_id == 1
+
+
+def test_tokenizer_missing_is_a_clear_error(tmp_path):
+    from jetrl_cli.models.tokenizer import Tokenizer
+
+    with pytest.raises(JetrlError, match="no tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
