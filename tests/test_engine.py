@@ -92,8 +92,9 @@ def test_decode_logits_match_full_forward_in_fp32(model):
         full = m(ids, width=WIDTH)
     assert torch.equal(first, full[torch.arange(3), lengths - 1])
     assert torch.equal(nxt, full[torch.arange(3), lengths])
-    hf_style = m(ids)  # default width: the sequence length; same numbers up to rounding
-    assert torch.allclose(hf_style, full, atol=1e-5)
+    assert torch.equal(m(ids), full)
+    with torch.no_grad():  # keys past the sequence add exact zeros, in any number of key chunks
+        assert torch.equal(m(ids, width=300), full)
 
 
 def test_generate_is_seeded_grouped_and_stops(model):
@@ -159,3 +160,83 @@ def test_quantized_sync_gives_the_trainers_quantized_weights(model):
     assert torch.equal(qe.data.view(torch.uint8), qt.data.view(torch.uint8)) and torch.equal(qe.scale, qt.scale)
     full = sum(p.numel() * 4 for p in tm.parameters())
     assert payload.nbytes < 0.5 * full  # FP8 payload for the quantized layers
+
+
+@pytest.mark.parametrize("flow", ["bf16", "fp8-unified", "int8-rollout"])
+def test_grad_and_no_grad_forwards_are_bitwise_equal(model, flow):
+    """Inference fuses q/k/v and gate/up into one GEMM each; training runs them separately."""
+    tm = copy.deepcopy(model)
+    f = named_flow(flow)
+    apply_flow(tm, f, "train")
+    ids = torch.randint(0, 512, (3, 20))
+    with torch.no_grad():
+        fused = tm(ids, width=WIDTH)
+    sep = tm(ids, width=WIDTH)
+    assert sep.requires_grad and torch.equal(fused, sep.detach())
+    apply_flow(tm, f, "rollout")
+    with torch.no_grad():
+        fused_r = tm(ids, width=WIDTH)
+    with torch.enable_grad():
+        sep_r = tm(ids, width=WIDTH)
+    assert torch.equal(fused_r, sep_r.detach())
+
+
+@pytest.mark.parametrize("w", [64, 128, 192])
+def test_attention_bmm_rows_do_not_depend_on_row_count(w):
+    """The property the attention relies on: bmm rows agree for every M that is a multiple of 4."""
+    from jetrl_cli.models.llama import ATT_ROW_TILE, _pad_rows
+
+    q, k = torch.randn(64, 96, 32), torch.randn(64, 32, w)
+    full = torch.bmm(q, k)
+    for s, m in ((0, 1), (5, 2), (40, 3), (90, 6)):
+        part = torch.bmm(_pad_rows(q[:, s:s + m]), k)
+        assert part.shape[1] % ATT_ROW_TILE == 0
+        assert torch.equal(part[:, :m], full[:, s:s + m])
+
+
+def test_hf_model_with_bpe_tokenizer_runs_a_jsonl_rollout(tmp_path):
+    """A Qwen2 model and a BPE tokenizer saved by transformers (built here, nothing downloaded):
+    jetrl loads both, matches transformers' logits, and samples with them."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as Tk, models, pre_tokenizers, trainers, decoders
+
+    tk = Tk(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(["What is 12 plus 30? The answer is \\boxed{42}."] * 50,
+                           trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"],
+                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", unk_token="<unk>")
+    cfg = transformers.Qwen2Config(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   eos_token_id=fast.eos_token_id)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    hf.save_pretrained(tmp_path / "m")
+    fast.save_pretrained(tmp_path / "m")
+
+    from jetrl_cli.models.hf import load_model
+    from jetrl_cli.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tmp_path / "m")
+    text = "What is 12 plus 30?"
+    assert tok.encode(text) == fast.encode(text) and tok.decode(tok.encode(text)) == text
+    assert fast.eos_token_id in tok.eos_ids
+    ids = torch.tensor([tok.encode(text)])
+    ours = load_model(tmp_path / "m")
+    with torch.no_grad():
+        assert torch.allclose(ours(ids), hf(ids).logits.float(), atol=1e-4)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"question": "What is {i} plus {i}?", "answer": "#### {2 * i}"}}\n' for i in range(20)))
+    from typer.testing import CliRunner
+
+    from jetrl_cli.cli import app
+
+    out = tmp_path / "r.jsonl"
+    res = CliRunner().invoke(app, ["rollout", "bf16", "-o", str(out), "--prompts", "2", "--json",
+                                   "--set", f"model.path={tmp_path / 'm'}", "--set", "task.name=jsonl",
+                                   "--set", f"task.file={data}", "--set", "task.prompt_key=question",
+                                   "--set", "rollout.n=2", "--set", "rollout.max_new_tokens=8"])
+    assert res.exit_code == 0, res.output
+    rows = [__import__("json").loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 4 and rows[0]["prompt"].startswith("What is")

@@ -29,5 +29,7 @@ def test_wheel_contains_kernels_and_presets(tmp_path):
     shipped = {p.name for p in (ROOT / "presets").glob("*.yaml")}
     assert {n.rsplit("/", 1)[-1] for n in names if n.startswith("jetrl_cli/presets/")} >= shipped
     assert "jetrl_cli/kernels/__init__.py" in names
+    for f in ("model.safetensors", "config.json", "tokenizer.json"):  # the shipped tiny policy
+        assert f"jetrl_cli/assets/tiny-policy/{f}" in names
     tops = {n.split("/", 1)[0] for n in names}
     assert tops == {"jetrl_cli", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}

@@ -79,6 +79,10 @@ def test_run_cli_writes_metrics_checkpoints_and_curves(tmp_path):
     assert "eval_accuracy" in lines[0] and "eval_accuracy" in lines[2]
     assert (out / "checkpoints" / "step_000002" / "config.json").exists()
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the checkpoint is a model directory the next job can start from
+    res = invoke("rollout", "bf16", "-o", tmp_path / "x.jsonl", "--prompts", 1,
+                 *sets([f"model.path={out / 'checkpoints' / 'step_000002'}", "rollout.n=2"]))
+    assert res.exit_code == 0, res.output
     res = invoke("run", "fp8-rollout-tis", "-o", out, *sets(SMALL + ["train.steps=2"]))
     assert res.exit_code == 2 and "already holds a run" in res.output
     res = invoke("run", "fp8-rollout-tis", "-o", out, "--force", *sets(SMALL + ["train.steps=1"]))
@@ -86,10 +90,6 @@ def test_run_cli_writes_metrics_checkpoints_and_curves(tmp_path):
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
     res = invoke("run", "bf16", "-o", tmp_path, "--force")  # not a run directory: never deleted
     assert res.exit_code == 2 and "not a jetrl run directory" in res.output and out.exists()
-    # the checkpoint is a model directory the next job can start from
-    res = invoke("rollout", "bf16", "-o", tmp_path / "x.jsonl", "--prompts", 1,
-                 *sets([f"model.path={out / 'checkpoints' / 'step_000002'}", "rollout.n=2"]))
-    assert res.exit_code == 0, res.output
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):

@@ -12,8 +12,9 @@ Two ways to run it, one set of numerics:
 
 Every op is computed so that a token's result does not depend on how many other rows are in the
 batch or on whether it was computed in a full forward or in a decode step: GEMMs go through
-``row_invariant_mm``, attention always reduces over the same fixed key width (the cache width) with
-each sequence stored from index 0, and SiLU / RoPE avoid kernels whose vectorised and scalar
+``row_invariant_mm``, attention reduces over keys in fixed chunks of ``KEY_CHUNK`` with each sequence
+stored from index 0 (so keys past a sequence's end add exact zeros, whatever the width), and
+SiLU / RoPE avoid kernels whose vectorised and scalar
 paths round differently. That is what lets the rollout's logprobs equal the trainer's bit for
 bit when both run the same precision (tested in ``tests/test_engine.py``).
 """
@@ -67,6 +68,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused, per-row kernel
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * xf).to(x.dtype)
@@ -95,9 +98,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin``; ``sin`` comes with the sign of rotate_half folded in."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def cast_kv(t: torch.Tensor, spec: CastSpec | None) -> torch.Tensor:
@@ -112,10 +115,84 @@ def cast_kv(t: torch.Tensor, spec: CastSpec | None) -> torch.Tensor:
     return t + (q - t).detach() if t.requires_grad else q  # straight-through in training
 
 
+KEY_CHUNK = 64  # key widths are multiples of this
+PV_CHUNK = 128  # keys per p @ v GEMM (the last one of a width may hold 64)
+
+
+def key_width(n: int) -> int:
+    """The key width attention runs over for ``n`` keys: a multiple of ``KEY_CHUNK``."""
+    return -(-n // KEY_CHUNK) * KEY_CHUNK
+
+
+def _chunked_pv(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``p @ v`` reduced over keys ``PV_CHUNK`` at a time, chunk results added in order: a key
+    block past every sequence's end adds exact zeros, so the result does not depend on the width
+    (one bmm over a long width changes its summation blocking with the width)."""
+    out = None
+    for s in range(0, p.shape[-1], PV_CHUNK):
+        part = torch.bmm(p[..., s:s + PV_CHUNK], v[:, s:s + PV_CHUNK])
+        out = part if out is None else out + part
+    return out
+
+
+ATT_ROW_TILE = 4  # attention GEMMs: this BLAS runs one kernel for every M >= 4 (tests/test_engine.py)
+
+
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     t = x.shape[-2]
-    pad = (-t) % ROW_TILE
+    pad = (-t) % ATT_ROW_TILE
     return F.pad(x, (0, 0, 0, pad)) if pad else x
+
+
+def _fusable(lins) -> bool:
+    from ..precision.linear import JetLinear
+
+    if len({m.bias is None for m in lins}) > 1:
+        return False
+    if all(type(m) is Linear for m in lins):
+        return True
+    if not all(isinstance(m, JetLinear) for m in lins):
+        return False
+    p = lins[0].precision
+    return all(m.precision == p for m in lins) and p.fprop.backend == "emulated"
+
+
+def fused_linears(lins, x: torch.Tensor, cache_owner: nn.Module) -> torch.Tensor:
+    """Several linear layers that read the same input, outputs concatenated along the last dim:
+    one GEMM when no gradient is needed.
+
+    Inference only (rollout, scoring): the input is cast once and the layers' (quantized) weights
+    are concatenated along N. Each output element is the same dot product in the same order as
+    the separate GEMMs' (this BLAS's results do not depend on N; ``tests/test_engine.py`` checks
+    the model's grad and no-grad forwards agree bit for bit), so this is a pure speed-up."""
+    if torch.is_grad_enabled() or x.is_cuda or not _fusable(lins):
+        return torch.cat([m(x) for m in lins], dim=-1)
+    from ..precision.gemm import _values
+    from ..precision.linear import JetLinear, _finish, cast_operand
+
+    x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(lins[0], JetLinear):
+        ops = tuple(m.quantized_weight() for m in lins)
+        prec = lins[0].precision.fprop
+        xa = _values(cast_operand(x2, prec.a))
+    else:
+        ops = tuple(m.weight for m in lins)
+        prec, xa = None, x2
+    key = (ops, tuple(m.weight._version for m in lins))
+    cached = getattr(cache_owner, "_fused_cache", None)
+    if cached is None or len(cached[0][0]) != len(ops) or any(a is not b for a, b in zip(cached[0][0], ops)) \
+            or cached[0][1] != key[1]:
+        w = torch.cat([_values(o) if prec is not None else o.detach() for o in ops])
+        biases = [m.bias for m in lins]
+        b = torch.cat([bb.detach().float() for bb in biases]) if all(bb is not None for bb in biases) else None
+        cached = (key, w, b)
+        cache_owner._fused_cache = cached
+    _, w, b = cached
+    acc = row_invariant_mm(xa, w)
+    if b is not None:
+        acc = acc + b
+    y = _finish(acc, prec, x.dtype) if prec is not None else acc
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class KVCache:
@@ -146,13 +223,15 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.num_attention_heads * d, h, bias=False)
         self.kv_spec: CastSpec | None = None
 
-    def forward(self, x, cos, sin, q_index, key_keep, width, cache: KVCache | None = None, layer: int = 0):
+    def forward(self, x, cos, sin, q_index, bias, width, cache: KVCache | None = None, layer: int = 0):
         b, t, _ = x.shape
         c = self.cfg
-        q = self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        h, hk = c.num_attention_heads, c.num_key_value_heads
+        qkv = fused_linears((self.q_proj, self.k_proj, self.v_proj), x, self)
+        # RoPE on queries and keys in one pass (elementwise: the same bits as two passes)
+        qkv = qkv.reshape(b, t, h + 2 * hk, c.head_dim).transpose(1, 2)
+        qk = apply_rope(qkv[:, :h + hk], cos, sin)
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hk:]
         k, v = cast_kv(k, self.kv_spec), cast_kv(v, self.kv_spec)
         if cache is None:
             keys = F.pad(k, (0, 0, 0, width - t))
@@ -161,23 +240,19 @@ class Attention(nn.Module):
             bi = torch.arange(b, device=x.device)[:, None].expand(b, t)
             cache.k[layer].transpose(1, 2)[bi, q_index] = k.transpose(1, 2).to(cache.k[layer].dtype)
             cache.v[layer].transpose(1, 2)[bi, q_index] = v.transpose(1, 2).to(cache.v[layer].dtype)
-            keys, values = cache.k[layer], cache.v[layer]
-        rep = c.num_attention_heads // c.num_key_value_heads
-        if rep > 1:
-            keys = keys.repeat_interleave(rep, dim=1)
-            values = values.repeat_interleave(rep, dim=1)
-        h, w, d = c.num_attention_heads, keys.shape[2], c.head_dim
-        qf = _pad_rows(q.float().reshape(b * h, t, d))
-        kf = keys.float().reshape(b * h, w, d).contiguous()
-        vf = values.float().reshape(b * h, w, d).contiguous()
-        att = torch.bmm(qf, kf.transpose(1, 2))[:, :t].view(b, h, t, w) * (d ** -0.5)
-        j = torch.arange(w, device=x.device)
-        allowed = j <= q_index[..., None]  # (b, t, w)
-        if key_keep is not None:
-            allowed = (allowed & key_keep[:, None, :]) | (j == q_index[..., None])
-        att = att.masked_fill(~allowed[:, None], float("-inf")).softmax(-1)
-        out = torch.bmm(_pad_rows(att.reshape(b * h, t, w)), vf)[:, :t]
-        out = out.view(b, h, t, d).to(x.dtype).transpose(1, 2).reshape(b, t, -1)
+            keys, values = cache.k[layer][:, :, :width], cache.v[layer][:, :, :width]
+        # GQA without copying the cache: the `rep` query heads sharing a KV head are stacked as rows
+        # of one (rep*t, d) matrix per (sequence, KV head).
+        hk, rep = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads
+        w, d = keys.shape[2], c.head_dim
+        rows = rep * t
+        qf = _pad_rows((q.float() * (d ** -0.5)).reshape(b * hk, rows, d))
+        kf = keys.float().reshape(b * hk, w, d)
+        vf = values.float().reshape(b * hk, w, d)  # copies the cache's active width only
+        att = torch.bmm(qf, kf.transpose(1, 2))[:, :rows].reshape(b, hk, rep, t, w)
+        att = (att + bias).softmax(-1)
+        out = _chunked_pv(_pad_rows(att.reshape(b * hk, rows, w)), vf)[:, :rows]
+        out = out.reshape(b, c.num_attention_heads, t, d).to(x.dtype).transpose(1, 2).reshape(b, t, -1)
         return self.o_proj(out)
 
 
@@ -190,7 +265,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, h, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u = fused_linears((self.gate_proj, self.up_proj), x, self).chunk(2, dim=-1)
+        return self.down_proj(silu(g) * u)
 
 
 class DecoderLayer(nn.Module):
@@ -201,8 +277,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, q_index, key_keep, width, cache=None, layer=0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, q_index, key_keep, width, cache, layer)
+    def forward(self, x, cos, sin, q_index, bias, width, cache=None, layer=0):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, q_index, bias, width, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -239,15 +315,23 @@ class LlamaForCausalLM(nn.Module):
             n = max(need, self.config.max_position_embeddings)
             ang = torch.arange(n, device=pos.device, dtype=torch.float32)[:, None] * self.inv_freq.to(pos.device)
             emb = torch.cat((ang, ang), dim=-1)
-            self._rope = (emb.cos(), emb.sin())
+            sin = emb.sin()
+            sin[:, : sin.shape[1] // 2] *= -1  # rotate_half's sign, folded in (exact)
+            self._rope = (emb.cos(), sin)
         cos, sin = self._rope
         return cos[pos][:, None], sin[pos][:, None]
 
     def _trunk(self, input_ids, pos, q_index, key_keep, width, cache=None) -> torch.Tensor:
         cos, sin = self._cos_sin(pos)
+        # Which keys each query sees, as an additive mask (0 or -inf), (b, 1, 1, t, width).
+        j = torch.arange(width, device=input_ids.device)
+        allowed = j <= q_index[..., None]
+        if key_keep is not None:
+            allowed = (allowed & key_keep[:, None, :]) | (j == q_index[..., None])
+        bias = torch.zeros(allowed.shape, device=input_ids.device).masked_fill_(~allowed, float("-inf"))[:, None, None]
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, q_index, key_keep, width, cache, i)
+            x = layer(x, cos, sin, q_index, bias, width, cache, i)
         return self.model.norm(x)
 
     # -- full sequences (training, scoring) -----------------------------------------------
@@ -257,15 +341,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Logits (fp32) for every position.
 
-        ``attention_mask``: 1 for real tokens, 0 for padding (left or right). ``width``: the key
-        width attention reduces over (default: the sequence length); pass the rollout's cache width
-        to reproduce its numerics bit for bit on right-padded sequences.
+        ``attention_mask``: 1 for real tokens, 0 for padding (left or right). With right padding
+        (or none) every token's logits are bit-identical to what ``prefill`` / ``decode`` compute.
+        ``width`` (tests only) forces a larger key width; results do not depend on it.
         """
         b, t = input_ids.shape
         dev = input_ids.device
-        width = t if width is None else width
-        if width < t:
-            raise ValueError(f"width {width} is shorter than the sequence ({t} tokens)")
+        width = key_width(max(t, width or 0))
         q_index = torch.arange(t, device=dev).expand(b, t)
         if attention_mask is None:
             pos, keep = q_index, None
@@ -277,16 +359,16 @@ class LlamaForCausalLM(nn.Module):
 
     # -- incremental decoding (the rollout engine) ----------------------------------------
 
-    def new_cache(self, batch: int, width: int) -> KVCache:
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.lm_head.weight
-        return KVCache(self.config, batch, width, dtype=torch.float32 if p.dtype == torch.float32 else p.dtype,
-                       device=p.device)
+        return KVCache(self.config, batch, key_width(max_len),
+                       dtype=torch.float32 if p.dtype == torch.float32 else p.dtype, device=p.device)
 
     def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Fill the cache with right-padded prompts; logits (fp32) at each prompt's last token."""
         b, t = input_ids.shape
         idx = torch.arange(t, device=input_ids.device).expand(b, t)
-        h = self._trunk(input_ids, idx, idx, None, cache.width, cache)
+        h = self._trunk(input_ids, idx, idx, None, key_width(t), cache)
         cache.lengths = lengths.clone()
         last = h[torch.arange(b, device=h.device), lengths - 1]
         return self.lm_head(last).float()
@@ -294,6 +376,8 @@ class LlamaForCausalLM(nn.Module):
     def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Append one token per sequence at its own length; logits (fp32) for the next token."""
         idx = cache.lengths[:, None]
-        h = self._trunk(tokens[:, None], idx, idx, None, cache.width, cache)
+        if int(cache.lengths.max()) >= cache.width:
+            raise ValueError(f"KV cache full ({cache.width} positions)")
+        h = self._trunk(tokens[:, None], idx, idx, None, key_width(int(cache.lengths.max()) + 1), cache)
         cache.lengths = cache.lengths + 1
         return self.lm_head(h[:, 0]).float()

@@ -40,15 +40,20 @@ def _finish(acc: torch.Tensor, spec: GemmSpec, like: torch.dtype) -> torch.Tenso
     return round_to(acc, spec.out).to(like)
 
 
+def _fprop(x: torch.Tensor, w_op: Operand, bias, prec: LinearPrecision, n_out: int) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    fp = prec.fprop
+    acc = get_backend(fp.backend).mm(cast_operand(x2, fp.a), w_op)
+    if bias is not None:
+        acc = acc + bias.float()
+    return _finish(acc, fp, x.dtype).reshape(*x.shape[:-1], n_out)
+
+
 class _JetLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, prec: LinearPrecision, w_op_fprop: Operand):
         x2 = x.reshape(-1, x.shape[-1])
-        fp = prec.fprop
-        acc = get_backend(fp.backend).mm(cast_operand(x2, fp.a), w_op_fprop)
-        if bias is not None:
-            acc = acc + bias.float()
-        y = _finish(acc, fp, x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        y = _fprop(x, w_op_fprop, bias, prec, weight.shape[0])
 
         ctx.prec = prec
         ctx.x_shape = x.shape
@@ -134,6 +139,10 @@ class JetLinear(nn.Module):
         return self._wcache[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad):
+            # No backward will run: the same forward math, without autograd's bookkeeping or the
+            # FP8 copy of x saved for Wgrad.
+            return _fprop(x, self.quantized_weight(), self.bias, self.precision, self.out_features)
         return _JetLinearFn.apply(x, self.weight, self.bias, self.precision, self.quantized_weight())
 
     def extra_repr(self) -> str:

@@ -2,8 +2,8 @@
 
 Its model holds fp32 master weights; ``apply_flow(model, flow, "train")`` makes every forward
 run the flow's training precision (for the unified flow, the rollout's quantizers). AdamW keeps its
-state in fp32. Sequences are right-padded and attend over the rollout engine's key width, so the
-trainer's scores reproduce the engine's numerics exactly when the precisions agree.
+state in fp32. Sequences are right-padded (each starts at index 0, as in the engine's KV cache), so
+the trainer's scores reproduce the engine's numerics exactly when the precisions agree.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class Trainer:
     def _token_logp(self, model, b: Batch) -> torch.Tensor:
         dev = next(model.parameters()).device
         ids = b.ids.to(dev)
-        logits = model(ids, width=self.width)[:, :-1]
+        logits = model(ids)[:, :-1]
         lp = sampling_logprobs(logits, self.sampling).gather(-1, ids[:, 1:, None])[..., 0]
         return lp * b.mask.to(dev)
 
@@ -102,7 +102,7 @@ class Trainer:
         """Per-token logprobs of the batch's completions under the training precision (no grad)."""
         model = self.ref if ref else self.model
         if b.ids.shape[1] > self.width:
-            raise JetrlError(f"sequence of {b.ids.shape[1]} tokens is longer than the engine width {self.width}")
+            raise JetrlError(f"a sequence of {b.ids.shape[1]} tokens is longer than rollout.max_len ({self.width})")
         out = torch.zeros(b.mask.shape)
         for s in range(0, len(b), self.cfg.micro_batch):
             idx = torch.arange(s, min(s + self.cfg.micro_batch, len(b)))
