@@ -220,17 +220,13 @@ def rollout_cmd(
 
 
 def _read_rollouts(path: Path, vocab: int) -> list[dict]:
-    if not path.exists():
-        raise JetrlError(f"{path}: no such rollout file")
+    from .tasks import read_jsonl
+
     rows = []
     need = ("prompt_ids", "tokens", "logprobs", "reward", "group")
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise JetrlError(f"{path}:{i}: invalid JSON ({e.msg})") from None
+    for i, r in read_jsonl(path, "rollout file"):
+        if not isinstance(r, dict):
+            raise JetrlError(f"{path}:{i}: expected a JSON object per line")
         miss = [k for k in need if k not in r]
         if miss:
             raise JetrlError(f"{path}:{i}: missing field {miss[0]!r} (written by jetrl rollout?)")

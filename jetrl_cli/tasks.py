@@ -16,6 +16,7 @@ completion ends with ``#### <answer>``:
 
 from __future__ import annotations
 
+import abc
 import importlib
 import json
 import random
@@ -88,13 +89,27 @@ def answers_match(predicted: str | None, reference: str) -> bool:
         return " ".join(predicted.split()) == " ".join(reference.split())
 
 
+def read_jsonl(path: Path, what: str):
+    """``(line number, object)`` for each non-blank line; a one-line error for a bad file or line."""
+    if not path.exists():
+        raise JetrlError(f"{path}: no such {what}")
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield i, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise JetrlError(f"{path}:{i}: invalid JSON ({e.msg})") from None
+
+
 # ----------------------------------------------------------------------------- tasks
 
-class Task:
+class Task(abc.ABC):
     name = "task"
 
+    @abc.abstractmethod
     def problems(self, rng: random.Random, n: int, split: str) -> list[Problem]:
-        raise NotImplementedError
+        """``n`` problems of ``split`` drawn with ``rng``."""
 
     def reward(self, problem: Problem, completion: str) -> float:
         return 1.0 if answers_match(extract_answer(completion), problem.answer) else 0.0
@@ -104,8 +119,9 @@ class Task:
 
 
 class _Synthetic(Task):
+    @abc.abstractmethod
     def make(self, rng: random.Random) -> Problem:
-        raise NotImplementedError
+        """One random problem, with its worked solution."""
 
     def problems(self, rng, n, split):
         out = []
@@ -194,17 +210,8 @@ class JsonlTask(Task):
 
     @staticmethod
     def _read(file: str, pk: str, ak: str, template: str) -> list[Problem]:
-        p = Path(file)
-        if not p.exists():
-            raise JetrlError(f"{file}: no such dataset file")
         rows = []
-        for i, line in enumerate(p.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise JetrlError(f"{file}:{i}: invalid JSON ({e.msg})") from None
+        for i, d in read_jsonl(Path(file), "dataset file"):
             if not isinstance(d, dict) or pk not in d:
                 raise JetrlError(f"{file}:{i}: no {pk!r} field (set task.prompt_key)")
             ans = d.get(ak)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..precision.gemm import ROW_TILE, row_invariant_mm
+from ..precision.gemm import row_invariant_mm
 from ..precision.quant import CastSpec, fake_quantize, round_to
 
 
