@@ -8,6 +8,7 @@ one-line ``PresetError`` naming the file and the dotted key.
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,7 +147,7 @@ NON_NEGATIVE = {
 def _check_type(src: str, key: str, value, tp):
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         tp = next(a for a in args if a is not type(None))

@@ -1,6 +1,7 @@
 """The embedded rollout engine: batch invariance, rollout-vs-trainer logprobs, sampling, sync."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -238,5 +239,5 @@ def test_hf_model_with_bpe_tokenizer_runs_a_jsonl_rollout(tmp_path):
                                    "--set", f"task.file={data}", "--set", "task.prompt_key=question",
                                    "--set", "rollout.n=2", "--set", "rollout.max_new_tokens=8"])
     assert res.exit_code == 0, res.output
-    rows = [__import__("json").loads(x) for x in out.read_text().splitlines()]
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(rows) == 4 and rows[0]["prompt"].startswith("What is")

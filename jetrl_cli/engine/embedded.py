@@ -73,11 +73,11 @@ class EmbeddedEngine:
             ids[i, :len(p)] = torch.tensor(p, device=dev)
         cache = self.model.new_cache(b, self.width)
         logits = self.model.prefill(ids, lengths, cache)
-        stops = torch.tensor(sorted(set(params.stop_token_ids)) or [-1], device=dev)
+        stops = set(params.stop_token_ids)
         toks = [[] for _ in range(b)]
         lps = [[] for _ in range(b)]
         reasons = ["length"] * b
-        rows = torch.arange(b, device=dev)  # original index of each active row
+        rows = list(range(b))  # original index of each active row
         for step in range(params.max_new_tokens):
             logp = sampling_logprobs(logits, params)
             if params.greedy:
@@ -86,21 +86,19 @@ class EmbeddedEngine:
                 logp_report = logp
             nxt = sample(logp, params, gen)
             chosen = logp_report.gather(-1, nxt[:, None])[:, 0]
-            nxt_l, lp_l, rows_l = nxt.tolist(), chosen.tolist(), rows.tolist()
-            for r, t, lp in zip(rows_l, nxt_l, lp_l):
+            nxt_l, lp_l = nxt.tolist(), chosen.tolist()
+            keep_l = []
+            for r, t, lp in zip(rows, nxt_l, lp_l):
                 toks[r].append(t)
                 lps[r].append(lp)
-            done = torch.isin(nxt, stops)
-            if done.any():
-                for r in rows[done].tolist():
+                if t in stops:
                     reasons[r] = "stop"
-            if step == params.max_new_tokens - 1:
+                keep_l.append(t not in stops)
+            if step == params.max_new_tokens - 1 or not any(keep_l):
                 break
-            keep = ~done
-            if not keep.any():
-                break
-            if not keep.all():
+            if not all(keep_l):
+                keep = torch.tensor(keep_l, device=dev)
                 cache.select(keep)
-                rows, nxt = rows[keep], nxt[keep]
+                rows, nxt = [r for r, k in zip(rows, keep_l) if k], nxt[keep]
             logits = self.model.decode(nxt, cache)
         return [Completion(toks[i], lps[i], reasons[i]) for i in range(b)]

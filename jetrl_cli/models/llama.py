@@ -178,16 +178,14 @@ def fused_linears(lins, x: torch.Tensor, cache_owner: nn.Module) -> torch.Tensor
     else:
         ops = tuple(m.weight for m in lins)
         prec, xa = None, x2
-    key = (ops, tuple(m.weight._version for m in lins))
+    versions = tuple((m.weight._version, m.bias._version if m.bias is not None else -1) for m in lins)
     cached = getattr(cache_owner, "_fused_cache", None)
-    if cached is None or len(cached[0][0]) != len(ops) or any(a is not b for a, b in zip(cached[0][0], ops)) \
-            or cached[0][1] != key[1]:
+    if cached is None or cached[1] != versions or any(a is not b for a, b in zip(cached[0], ops)):
         w = torch.cat([_values(o) if prec is not None else o.detach() for o in ops])
-        biases = [m.bias for m in lins]
-        b = torch.cat([bb.detach().float() for bb in biases]) if all(bb is not None for bb in biases) else None
-        cached = (key, w, b)
+        b = torch.cat([m.bias.detach().float() for m in lins]) if lins[0].bias is not None else None
+        cached = (ops, versions, w, b)
         cache_owner._fused_cache = cached
-    _, w, b = cached
+    _, _, w, b = cached
     acc = row_invariant_mm(xa, w)
     if b is not None:
         acc = acc + b

@@ -139,7 +139,8 @@ class JetLinear(nn.Module):
         return self._wcache[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad):
+        needs_grad = x.requires_grad or self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
+        if not torch.is_grad_enabled() or not needs_grad:
             # No backward will run: the same forward math, without autograd's bookkeeping or the
             # FP8 copy of x saved for Wgrad.
             return _fprop(x, self.quantized_weight(), self.bias, self.precision, self.out_features)

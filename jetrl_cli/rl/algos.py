@@ -96,7 +96,9 @@ def mismatch_metrics(logp_train: torch.Tensor, logp_rollout: torch.Tensor, mask:
 
 
 def importance(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
-               cfg: CorrectionConfig, eps_high: float) -> Importance:
+               cfg: CorrectionConfig, eps_high: float, with_metrics: bool = True) -> Importance:
+    """The correction for these tokens; ``with_metrics=False`` skips the (host-syncing) metrics,
+    for the trainer's micro-batches once the step's metrics were taken on the whole batch."""
     m = mask.bool()
     log_r = ((logp_old - logp_rollout) * m).detach()
     r = log_r.exp()
@@ -115,8 +117,10 @@ def importance(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.T
         clip_high = (1 + eps_high) / r
     elif cfg.type != "none":
         raise ValueError(f"unknown correction {cfg.type!r} (allowed: {', '.join(CORRECTIONS)})")
-    metrics = mismatch_metrics(logp_old, logp_rollout, m, cfg)
-    metrics["frac_masked"] = float(1 - keep.sum() / m.sum().clamp_min(1))
+    metrics = {}
+    if with_metrics:
+        metrics = mismatch_metrics(logp_old, logp_rollout, m, cfg)
+        metrics["frac_masked"] = float(1 - keep.sum() / m.sum().clamp_min(1))
     return Importance(log_r, weight, keep, clip_high, metrics)
 
 

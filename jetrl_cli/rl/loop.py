@@ -157,7 +157,7 @@ def train_on_samples(job: Job, samples: list[dict], step: int) -> dict:
         adv[b.group == g] = adv_g[i]
     t0 = time.perf_counter()
     stats = tr.update(b, adv, old, ref, step)
-    out = {**{k: v for k, v in imp.metrics.items()}, **stats, "score_s": score_s,
+    out = {**imp.metrics, **stats, "score_s": score_s,
            "train_s": time.perf_counter() - t0}
     return out
 
@@ -191,7 +191,9 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
         lines = [json.loads(x) for x in metrics_file.read_text().splitlines() if x.strip()]
         lines = [m for m in lines if m["step"] < start]
         metrics_file.write_text("".join(json.dumps(m) + "\n" for m in lines))
-    (out / "preset.yaml").write_text(__import__("yaml").safe_dump(cfg.raw, sort_keys=False))
+    import yaml
+
+    (out / "preset.yaml").write_text(yaml.safe_dump(cfg.raw, sort_keys=False))
 
     def emit(m: dict):
         lines.append(m)

@@ -139,7 +139,7 @@ class Trainer:
                     t1 = mb.mask.shape[1]
                     o, r = old[sub, :t1].to(dev), mb.rollout_logp.to(dev)
                     m = mb.mask.to(dev)
-                    imp = importance(o, r, m, self.ccfg, cfg.clip_high)
+                    imp = importance(o, r, m, self.ccfg, cfg.clip_high, with_metrics=False)
                     lp = self._token_logp(self.model, mb)
                     rl = ref_logp[sub, :t1].to(dev) if ref_logp is not None else None
                     loss, st = policy_loss(lp, o, adv[sub].to(dev), m, imp, cfg.clip_low, cfg.clip_high, denom,
@@ -154,8 +154,9 @@ class Trainer:
                 if not torch.isfinite(gnorm):
                     raise NonFiniteError(f"step {step}: the gradient norm is {float(gnorm)}; stopped before the update")
                 self.opt.step()
-                bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
-                if bad:
+                params = list(self.model.named_parameters())
+                if not bool(torch.stack([torch.isfinite(p).all() for _, p in params]).all()):
+                    bad = [n for n, p in params if not torch.isfinite(p).all()]
                     raise NonFiniteError(f"step {step}: parameter {bad[0]} became non-finite after the update")
                 agg["loss"] = agg.get("loss", 0.0) + losses
                 agg["grad_norm"] = agg.get("grad_norm", 0.0) + float(gnorm)
