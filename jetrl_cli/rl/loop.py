@@ -179,7 +179,8 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
     if resume and ckpt is None and metrics_file.exists():
         raise JetrlError(f"{out}: --resume, but there is no complete checkpoint to resume from")
     if not resume and (metrics_file.exists() or (out / "latest").exists()):
-        raise JetrlError(f"{out}: already holds a run (--resume continues it, --force starts over, -o picks another directory)")
+        raise JetrlError(f"{out}: already holds a run (--resume continues it, --force starts over, "
+                         "-o picks another directory)")
     job = setup(cfg, with_trainer=True, init_dir=ckpt)
     tr = job.trainer
     lines: list[dict] = []

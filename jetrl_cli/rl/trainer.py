@@ -145,7 +145,8 @@ class Trainer:
                     loss, st = policy_loss(lp, o, adv[sub].to(dev), m, imp, cfg.clip_low, cfg.clip_high, denom,
                                            rl, cfg.kl_coef)
                     if not torch.isfinite(loss):
-                        raise NonFiniteError(f"step {step}: the loss is {float(loss.detach())}; stopped before the update")
+                        raise NonFiniteError(
+                            f"step {step}: the loss is {float(loss.detach())}; stopped before the update")
                     loss.backward()
                     losses += float(loss.detach())
                     for k, v in st.items():  # loss terms add up over micro-batches, fractions average
