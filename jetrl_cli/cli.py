@@ -280,6 +280,115 @@ def train_cmd(
     console.print(f"checkpoint: {ck}")
 
 
+class GateFailed(JetrlError):
+    exit_code = 4
+
+
+@app.command("mismatch-report")
+@user_errors
+def mismatch_report_cmd(
+    preset: Annotated[str, typer.Argument(help="Preset file, or the name of a shipped preset (model, task, sampling, correction).")],
+    flows: Annotated[Optional[str], typer.Option("--flows", help="Comma-separated flows: 'preset' or built-in names (default: preset,bf16,fp8-rollout,fp8-unified).")] = None,
+    lengths: Annotated[Optional[str], typer.Option("--lengths", help="Comma-separated completion lengths to sample, e.g. 64,256 (default rollout.max_new_tokens). Stop tokens are ignored so every rollout has this length.")] = None,
+    prompts: Annotated[Optional[int], typer.Option("--prompts", help="Prompts to sample (default rollout.prompts_per_step); each gets rollout.n samples.")] = None,
+    rollouts: Annotated[Optional[Path], typer.Option("--rollouts", help="Offline: report on this JSONL (from jetrl rollout / run) without re-sampling; scored with the preset's flow.")] = None,
+    step: Annotated[Optional[int], typer.Option("--step", help="Offline: only the samples of this step of a run's rollouts.jsonl.")] = None,
+    model: Annotated[Optional[Path], typer.Option("--model", help="Score with these weights (a HF directory or a run checkpoint) instead of model.path.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Write report.md, report.json and PNG plots into this directory.")] = None,
+    fail_above: Annotated[Optional[list[str]], typer.Option("--fail-above", help="METRIC=VALUE: exit with code 4 if any flow's metric exceeds VALUE (repeatable).")] = None,
+    attribution: Annotated[bool, typer.Option("--attribution/--no-attribution", help="Per-layer attribution (one scoring pass per quantized layer).")] = True,
+    attribution_sequences: Annotated[int, typer.Option("--attribution-sequences", help="Sequences used for the per-layer attribution.")] = 32,
+    seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 0,
+    override: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print every number as JSON instead of tables.")] = False,
+):
+    """Diagnose rollout-vs-training drift per flow: statistics, drift by position and length, per-layer attribution."""
+    import datetime
+    import shlex
+
+    import torch
+
+    from . import __version__
+    from .config import load_job_config
+    from .models.hf import load_model
+    from .models.tokenizer import Tokenizer
+    from .rl import mismatch as mm
+    from .rl.loop import _device, correction_config, resolve_model_dir, sampling_params
+    from .rl.trainer import fold_invariant_scale
+    from .tasks import PromptSource, build_task
+
+    gates = mm.parse_gates(list(fail_above or []))
+    lens = mm.parse_lengths(lengths)
+    if prompts is not None and prompts <= 0:
+        raise JetrlError(f"--prompts must be > 0, got {prompts}")
+    if attribution_sequences <= 0:
+        raise JetrlError(f"--attribution-sequences must be > 0, got {attribution_sequences}")
+    if rollouts is not None and (flows or lengths):
+        raise JetrlError("--rollouts reports on saved samples with the preset's flow; drop --flows / --lengths")
+    if step is not None and rollouts is None:
+        raise JetrlError("--step selects samples of a --rollouts file; give --rollouts too")
+    cfg = load_job_config(preset, _overrides(override))
+    model_dir = resolve_model_dir(cfg.model.path)
+    if model is not None and not model.is_dir():
+        raise JetrlError(f"--model {model}: no such directory")
+    tok = Tokenizer.from_dir(model_dir)
+    base = load_model(model or model_dir).to(_device(cfg)).eval()
+    if cfg.train.invariant_scale != 1.0 and model is None:
+        fold_invariant_scale(base, cfg.train.invariant_scale)
+    vocab = base.config.vocab_size
+    sampling = sampling_params(cfg, tok)
+    report = {
+        "source": cfg.name, "date": datetime.date.today().isoformat(), "jetrl_version": __version__,
+        "torch": torch.__version__, "device": cfg.model.device, "model": str(model or model_dir),
+        "command": "jetrl mismatch-report " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "correction": {"tis_cap": cfg.correction.tis_cap, "mis_low": cfg.correction.mis_low,
+                       "mis_high": cfg.correction.mis_high},
+        "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                     "n": sampling.n},
+    }
+
+    def progress(msg):
+        if not as_json:
+            err_console.print(f"[dim]{msg}[/]", highlight=False)
+
+    if rollouts is not None:
+        rows = _read_rollouts(rollouts, vocab)
+        if step is not None:
+            rows = [r for r in rows if r.get("step") == step]
+            if not rows:
+                raise JetrlError(f"{rollouts}: no samples with step {step}")
+        inp = mm.ReportInputs(base, functools.partial(tok.decode, skip_special=False), [r["prompt_ids"] for r in rows], sampling, cfg.train,
+                              correction_config(cfg), cfg.rollout.max_batch, seed)
+        progress(f"scoring {len(rows)} saved samples with {cfg.flow.name} (training precision) and fp32")
+        label = cfg.flow.name if cfg.flow.name != "custom" else cfg.name
+        report["rollouts"] = str(rollouts)
+        report["flows"] = [mm.offline_report(label, cfg.flow, inp, rows, attribution=attribution,
+                                             attribution_sequences=attribution_sequences)]
+    else:
+        names = flows.split(",") if flows else ["preset", *mm.DEFAULT_FLOWS]
+        chosen = mm.resolve_flows(names, cfg.flow, cfg.name)
+        lens = lens or [cfg.rollout.max_new_tokens]
+        source = PromptSource(build_task(cfg.task, cfg.run.seed), cfg.run.seed)
+        n = prompts or cfg.rollout.prompts_per_step
+        inp = mm.ReportInputs(base, functools.partial(tok.decode, skip_special=False), [tok.encode(p.prompt) for p in source.batch(0, n)], sampling,
+                              cfg.train, correction_config(cfg), cfg.rollout.max_batch, seed)
+        report["lengths"] = lens
+        report["flows"] = [mm.flow_report(label, f, inp, lens, attribution=attribution,
+                                          attribution_sequences=attribution_sequences, progress=progress)
+                           for label, f in chosen]
+    failures = mm.gate_failures(report["flows"], gates)
+    report["gates"] = {"limits": gates, "failures": failures}
+    written = mm.write_outputs(report, out) if out is not None else []
+    if as_json:
+        print(json.dumps(report, indent=1))
+    else:
+        mm.render(report, console)
+        for p in written:
+            console.print(f"wrote {p}")
+    if failures:
+        raise GateFailed("--fail-above: " + "; ".join(failures))
+
+
 @app.command("run")
 @user_errors
 def run_cmd(

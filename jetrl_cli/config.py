@@ -95,6 +95,7 @@ class RunConfig:
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
     log_samples: int = 2  # completions printed per eval
+    save_rollouts: bool = True  # append each step's samples to rollouts.jsonl (for mismatch-report)
 
 
 @dataclass(frozen=True)

@@ -241,3 +241,12 @@ def test_hf_model_with_bpe_tokenizer_runs_a_jsonl_rollout(tmp_path):
     assert res.exit_code == 0, res.output
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(rows) == 4 and rows[0]["prompt"].startswith("What is")
+    # mismatch-report runs on the same local HF model: unified on-policy, fp8 rollout not
+    task = ["--set", f"model.path={tmp_path / 'm'}", "--set", "task.name=jsonl", "--set", f"task.file={data}",
+            "--set", "task.prompt_key=question", "--set", "rollout.n=2"]
+    res = CliRunner().invoke(app, ["mismatch-report", "bf16", "--flows", "fp8-rollout,fp8-unified", "--lengths", "8",
+                                   "--prompts", "2", "--attribution-sequences", "2", "--json", *task])
+    assert res.exit_code == 0, res.output
+    rep = {f["flow"]: f for f in json.loads(res.stdout)["flows"]}
+    assert rep["fp8-unified"]["summary"]["mismatch_kl"] == 0.0 and rep["fp8-rollout"]["summary"]["mismatch_kl"] > 0
+    assert len(rep["fp8-rollout"]["layers"]) == 2 * 7

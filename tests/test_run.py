@@ -64,6 +64,10 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_run(tmp_path, preset):
     on_disk = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
     assert _strip_timing(on_disk) == _strip_timing(full)
     assert all(m["mismatch_kl"] == 0.0 for m in full if m["step"] > 0)
+    # the samples log is cut back to the checkpoint too: no step appears twice
+    rollouts = (tmp_path / "part" / "rollouts.jsonl").read_text()
+    assert rollouts == (tmp_path / "full" / "rollouts.jsonl").read_text()
+    assert sorted({json.loads(x)["step"] for x in rollouts.splitlines()}) == [1, 2, 3, 4]
 
 
 def test_run_cli_writes_metrics_checkpoints_and_curves(tmp_path):

@@ -71,8 +71,8 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tk.encode(text).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tk.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self._tk.decode(ids, skip_special_tokens=skip_special)
 
     def token_id(self, text: str) -> int | None:
         return self._tk.token_to_id(text)

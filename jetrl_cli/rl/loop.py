@@ -175,6 +175,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
     as a kill would, after that step's checkpoint (if any) is written."""
     out.mkdir(parents=True, exist_ok=True)
     metrics_file = out / "metrics.jsonl"
+    rollouts_file = out / "rollouts.jsonl"
     ckpt = latest_checkpoint(out) if resume else None
     if resume and ckpt is None and metrics_file.exists():
         raise JetrlError(f"{out}: --resume, but there is no complete checkpoint to resume from")
@@ -192,6 +193,9 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
         lines = [json.loads(x) for x in metrics_file.read_text().splitlines() if x.strip()]
         lines = [m for m in lines if m["step"] < start]
         metrics_file.write_text("".join(json.dumps(m) + "\n" for m in lines))
+        if rollouts_file.exists():
+            kept = [x for x in rollouts_file.read_text().splitlines() if x.strip() and json.loads(x)["step"] < start]
+            rollouts_file.write_text("".join(x + "\n" for x in kept))
     import yaml
 
     (out / "preset.yaml").write_text(yaml.safe_dump(cfg.raw, sort_keys=False))
@@ -231,6 +235,11 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
         else:
             train_samples = samples
         rollout_s = time.perf_counter() - t0
+        if cfg.run.save_rollouts:
+            with rollouts_file.open("a") as f:
+                for s in all_samples:
+                    f.write(json.dumps({**s, "model": str(job.model_dir), "flow": cfg.flow.name,
+                                        "policy_updates": step - 1}) + "\n")
         gen_tokens = sum(len(s["tokens"]) for s in all_samples)
         m = {
             "step": step,

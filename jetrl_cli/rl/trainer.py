@@ -70,6 +70,29 @@ def fold_invariant_scale(model: torch.nn.Module, s: float) -> None:
                 lin.weight.div_(s)
 
 
+def token_logprobs(model, b: Batch, sampling: SamplingParams) -> torch.Tensor:
+    """``b``'s completion tokens' logprobs under ``model`` and the sampling distribution (0 off the mask)."""
+    dev = next(model.parameters()).device
+    ids = b.ids.to(dev)
+    logits = model(ids)[:, :-1]
+    lp = sampling_logprobs(logits, sampling).gather(-1, ids[:, 1:, None])[..., 0]
+    return lp * b.mask.to(dev)
+
+
+@torch.no_grad()
+def score_logprobs(model, b: Batch, sampling: SamplingParams, micro_batch: int, width: int) -> torch.Tensor:
+    """What the trainer scores a batch with (its old-policy logprobs), ``micro_batch`` sequences at a
+    time; ``mismatch-report`` calls it too, so both see the same numbers."""
+    if b.ids.shape[1] > width:
+        raise JetrlError(f"a sequence of {b.ids.shape[1]} tokens is longer than rollout.max_len ({width})")
+    out = torch.zeros(b.mask.shape)
+    for s in range(0, len(b), micro_batch):
+        idx = torch.arange(s, min(s + micro_batch, len(b)))
+        mb = b.select(idx)
+        out[idx, :mb.mask.shape[1]] = token_logprobs(model, mb, sampling).float().cpu()
+    return out
+
+
 class Trainer:
     def __init__(self, model, flow, tcfg, ccfg: CorrectionConfig, sampling: SamplingParams, width: int,
                  ref_model=None):
@@ -90,25 +113,10 @@ class Trainer:
 
     # ---------------------------------------------------------------- scoring
 
-    def _token_logp(self, model, b: Batch) -> torch.Tensor:
-        dev = next(model.parameters()).device
-        ids = b.ids.to(dev)
-        logits = model(ids)[:, :-1]
-        lp = sampling_logprobs(logits, self.sampling).gather(-1, ids[:, 1:, None])[..., 0]
-        return lp * b.mask.to(dev)
-
     @torch.no_grad()
     def score(self, b: Batch, ref: bool = False) -> torch.Tensor:
         """Per-token logprobs of the batch's completions under the training precision (no grad)."""
-        model = self.ref if ref else self.model
-        if b.ids.shape[1] > self.width:
-            raise JetrlError(f"a sequence of {b.ids.shape[1]} tokens is longer than rollout.max_len ({self.width})")
-        out = torch.zeros(b.mask.shape)
-        for s in range(0, len(b), self.cfg.micro_batch):
-            idx = torch.arange(s, min(s + self.cfg.micro_batch, len(b)))
-            mb = b.select(idx)
-            out[idx, :mb.mask.shape[1]] = self._token_logp(model, mb).float().cpu()
-        return out
+        return score_logprobs(self.ref if ref else self.model, b, self.sampling, self.cfg.micro_batch, self.width)
 
     # ---------------------------------------------------------------- update
 
@@ -140,7 +148,7 @@ class Trainer:
                     o, r = old[sub, :t1].to(dev), mb.rollout_logp.to(dev)
                     m = mb.mask.to(dev)
                     imp = importance(o, r, m, self.ccfg, cfg.clip_high, with_metrics=False)
-                    lp = self._token_logp(self.model, mb)
+                    lp = token_logprobs(self.model, mb, self.sampling)
                     rl = ref_logp[sub, :t1].to(dev) if ref_logp is not None else None
                     loss, st = policy_loss(lp, o, adv[sub].to(dev), m, imp, cfg.clip_low, cfg.clip_high, denom,
                                            rl, cfg.kl_coef)

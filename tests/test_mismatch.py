@@ -1,0 +1,205 @@
+"""`jetrl mismatch-report`: its statistics by hand, its agreement with the trainer's logs, and the
+report on the tiny policy (unified and bf16 flows on-policy, fp8-rollout not, every layer listed)."""
+
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from jetrl_cli.cli import app
+from jetrl_cli.config import load_job_config
+from jetrl_cli.precision.flow import parse_flow
+from jetrl_cli.rl import mismatch as mm
+from jetrl_cli.rl.algos import CorrectionConfig, mismatch_metrics
+from jetrl_cli.rl.loop import run
+
+runner = CliRunner()
+SMALL = ["rollout.prompts_per_step=4", "rollout.n=2"]
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def sets(items):
+    return [x for it in items for x in ("--set", it)]
+
+
+def _by_hand(lt, lr, mask, cfg):
+    """mismatch_metrics in plain Python, token by token."""
+    toks, seqs = [], []
+    for i in range(lt.shape[0]):
+        s = [(float(lt[i, j]), float(lr[i, j])) for j in range(lt.shape[1]) if mask[i, j]]
+        toks += s
+        if s:
+            seqs.append(sum(a - b for a, b in s))
+    d = [a - b for a, b in toks]
+    r = [math.exp(x) for x in d]
+    n = len(d)
+    return {
+        "mismatch_kl": sum(x - 1 - y for x, y in zip(r, d)) / n,
+        "mismatch_k1": -sum(d) / n,
+        "abs_dlogp_mean": sum(abs(x) for x in d) / n,
+        "abs_dlogp_max": max(abs(x) for x in d),
+        "abs_dp_mean": sum(abs(math.exp(a) - math.exp(b)) for a, b in toks) / n,
+        "abs_dp_max": max(abs(math.exp(a) - math.exp(b)) for a, b in toks),
+        "prob_err": sum(math.exp(abs(x)) for x in d) / n,
+        "chi2": sum(x * x for x in r) / n - 1,
+        "ess": sum(r) ** 2 / (n * sum(x * x for x in r)),
+        "frac_above_tis_cap": sum(x > cfg.tis_cap for x in r) / n,
+        "frac_outside_mis": sum(x < cfg.mis_low or x > cfg.mis_high for x in r) / n,
+        "seq_log_ratio_mean": sum(seqs) / len(seqs),
+        "seq_log_ratio_abs_max": max(abs(x) for x in seqs),
+        "tokens": n,
+    }
+
+
+def test_every_mismatch_statistic_against_plain_python():
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    lr = -torch.rand(6, 9, generator=g) * 3
+    lt = lr + torch.randn(6, 9, generator=g) * 0.8
+    lt[0, :4] = lr[0, :4]  # some bitwise-equal tokens
+    mask = torch.rand(6, 9, generator=g) > 0.3
+    mask[2] = False  # a sequence with no completion tokens
+    mask[1, 0] = True
+    cfg = CorrectionConfig("tis", tis_cap=1.5, mis_low=0.7, mis_high=1.4)
+    got = mismatch_metrics(lt, lr, mask, cfg)
+    want = _by_hand(lt, lr, mask, cfg)
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+
+
+def test_positions_buckets_and_divergence_by_hand():
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 0, 0]], dtype=torch.bool)
+    assert mm.completion_positions(mask).tolist() == [[-1, 0, 1, 2, -1], [0, 1, -1, -1, -1]]
+    assert mm.bucket_edges(10, 4) == [(0, 2), (2, 5), (5, 8), (8, 10)]
+    assert mm.bucket_edges(3, 8) == [(0, 1), (1, 2), (2, 3)]
+    lr = torch.zeros(2, 5)
+    lt = torch.tensor([[0.0, 0.5, 0.0, -0.2, 9.0], [0.1, 0.0, 9.0, 9.0, 9.0]])
+    rows = mm.by_position(lt, lr, mask, CorrectionConfig(), buckets=3)
+    assert [(r["lo"], r["hi"], r["tokens"]) for r in rows] == [(0, 1, 2), (1, 2, 2), (2, 3, 1)]
+    k3 = lambda d: math.exp(d) - 1 - d  # noqa: E731
+    assert rows[0]["mismatch_kl"] == pytest.approx((k3(0.5) + k3(0.1)) / 2)
+    assert rows[1]["mismatch_kl"] == 0.0 and rows[1]["frac_bitwise_equal"] == 1.0
+    assert rows[2]["mismatch_kl"] == pytest.approx(k3(-0.2))
+    assert mm.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert mm.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert mm.first_divergence([1, 2], [1, 2, 3]) == 2
+    st = mm.divergence_stats([[1, 2, 3], [1, 2, 3], [4]], [[1, 2, 3], [1, 2, 0], [5]])
+    assert st == {"sequences": 3, "diverged_frac": pytest.approx(2 / 3), "first_min": 0, "first_median": 2}
+
+
+def test_verdicts_and_gates():
+    eq = mismatch_metrics(torch.zeros(1, 3), torch.zeros(1, 3), torch.ones(1, 3, dtype=torch.bool))
+    assert mm.verdict(eq)[0] == "on-policy"
+    small = mismatch_metrics(torch.full((1, 3), 1e-4), torch.zeros(1, 3), torch.ones(1, 3, dtype=torch.bool))
+    assert mm.verdict(small)[0] == "near"
+    big = mismatch_metrics(torch.full((1, 3), 0.3), torch.zeros(1, 3), torch.ones(1, 3, dtype=torch.bool))
+    assert mm.verdict(big)[0] == "drift"
+    flows = [{"flow": "a", "summary": eq}, {"flow": "b", "summary": big}]
+    assert mm.gate_failures(flows, {"mismatch_kl": 1e-6}) == [f"b: mismatch_kl = {big['mismatch_kl']:.4g} > 1e-06"]
+    assert mm.gate_failures(flows, {"mismatch_kl": 1.0}) == []
+
+
+def test_trainer_view_decodes_with_the_training_precision():
+    f = parse_flow("fp8-rollout")
+    v = mm.trainer_view(f)
+    assert v.rollout.linear == f.train.linear.fprop and v.kv_cast("rollout") == f.kv_cast("train")
+    u = parse_flow("fp8-unified")
+    assert mm.trainer_view(u).rollout == u.rollout  # unified: the trainer's forward is the rollout's
+
+
+def test_report_numbers_equal_the_trainers_logs(tmp_path):
+    """Offline report on a run's step-1 samples == that step's mismatch columns in metrics.jsonl."""
+    cfg = load_job_config("fp8-rollout", SMALL + ["train.steps=1", "eval.prompts=4", "rollout.max_new_tokens=24"])
+    lines = run(cfg, tmp_path / "run")
+    logged = lines[-1]
+    res = invoke("mismatch-report", "fp8-rollout", "--rollouts", tmp_path / "run" / "rollouts.jsonl", "--step", 1,
+                 "--no-attribution", "--json", *sets(SMALL + ["rollout.max_new_tokens=24"]))
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    s = rep["flows"][0]["summary"]
+    assert s["mismatch_kl"] > 0
+    for k, v in s.items():
+        assert logged[k] == v, k  # the same function on the same tensors: exactly equal
+
+
+def test_report_on_the_tiny_policy(tmp_path):
+    res = invoke("mismatch-report", "fp8-rollout", "--flows", "preset,bf16,fp8-unified", "--lengths", "6,12",
+                 "--prompts", 3, "--attribution-sequences", 4, "--json", "--out", tmp_path / "rep", *sets(SMALL))
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    flows = {f["flow"]: f for f in rep["flows"]}
+    assert list(flows) == ["fp8-rollout", "bf16", "fp8-unified"]
+    for name in ("bf16", "fp8-unified"):
+        f = flows[name]
+        assert f["status"] == "on-policy" and f["summary"]["mismatch_kl"] == 0.0
+        assert f["summary"]["frac_bitwise_equal"] == 1.0 and f["top_tokens"] == []
+        assert all(r["mismatch_kl"] == 0.0 for r in f["by_length"] + f["by_position"])
+        assert f["greedy"]["vs_train"]["diverged_frac"] == 0.0
+        assert all(r["rel_diff"] == 0.0 and r["kl_alone"] == 0.0 for r in f["layers"])
+    off = flows["fp8-rollout"]
+    assert off["status"] == "drift" and off["summary"]["mismatch_kl"] > 0
+    assert [r["length"] for r in off["by_length"]] == [6, 12] and off["by_length"][1]["tokens"] == 3 * 2 * 12
+    assert off["rollout_vs_fp32"]["mismatch_kl"] > 0 and off["top_tokens"]
+    assert off["top_layer"] is not None and any(r["kl_alone"] > 0 for r in off["layers"])
+    # every quantized layer is attributed: 7 linears in each of the tiny policy's 4 layers
+    names = [r["name"] for r in off["layers"]]
+    assert len(names) == 28 and "model.layers.3.mlp.down_proj" in names and "lm_head" not in names
+    assert all(r["rel_err_rollout"] > r["rel_err_train"] > 0 for r in off["layers"])  # fp8 vs bf16, both vs fp32
+    assert len(off["hidden"]) == 4
+    for p in ("report.md", "report.json", "drift_vs_position.png", "layer_error.png"):
+        assert (tmp_path / "rep" / p).stat().st_size > 0
+    assert "fp8-rollout" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_fail_above_is_a_ci_gate(tmp_path):
+    common = ["--lengths", "8", "--prompts", 2, "--no-attribution", "--fail-above", "mismatch_kl=1e-9", *sets(SMALL)]
+    res = invoke("mismatch-report", "fp8-rollout", "--flows", "fp8-unified", *common)
+    assert res.exit_code == 0, res.output
+    res = invoke("mismatch-report", "fp8-rollout", "--flows", "preset", *common)
+    assert res.exit_code == 4
+    assert "fp8-rollout: mismatch_kl" in res.stderr and "Traceback" not in res.output
+
+
+def _rollout_file(tmp_path):
+    out = tmp_path / "r.jsonl"
+    assert invoke("rollout", "fp8-rollout", "-o", out, "--prompts", 2, *sets(["rollout.n=2"])).exit_code == 0
+    return out
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--flows", "fp9-magic"], "unknown flow 'fp9-magic'"),
+    (["--lengths", "0"], "--lengths: 0 must be > 0"),
+    (["--lengths", "-5,8"], "--lengths: -5 must be > 0"),
+    (["--lengths", "ten"], "--lengths: 'ten' is not an integer"),
+    (["--fail-above", "kl"], "--fail-above 'kl': expected METRIC=VALUE"),
+    (["--fail-above", "mismatch_kl=high"], "'high' is not a number"),
+    (["--prompts", "0"], "--prompts must be > 0"),
+])
+def test_bad_arguments_are_one_line_errors(args, msg):
+    res = invoke("mismatch-report", "fp8-rollout", *args)
+    assert res.exit_code == 2
+    assert msg in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_bad_rollout_files_are_one_line_errors(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    res = invoke("mismatch-report", "fp8-rollout", "--rollouts", empty)
+    assert res.exit_code == 2 and "empty" in res.stderr
+    good = _rollout_file(tmp_path)
+    rows = [json.loads(x) for x in good.read_text().splitlines()]
+    rows[1]["tokens"][0] = 50_000  # written with another model's vocabulary
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = invoke("mismatch-report", "fp8-rollout", "--rollouts", other)
+    assert res.exit_code == 2 and "token id 50000 is out of range" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    res = invoke("mismatch-report", "fp8-rollout", "--rollouts", good, "--step", 7)
+    assert res.exit_code == 2 and "no samples with step 7" in res.stderr
+    res = invoke("mismatch-report", "fp8-rollout", "--rollouts", good, "--no-attribution", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["flows"][0]["summary"]["mismatch_kl"] > 0
