@@ -419,6 +419,68 @@ def run_cmd(
     display.finish(lines, out)
 
 
+@app.command("bench")
+@user_errors
+def bench_cmd(
+    mode: Annotated[str, typer.Argument(help="gemm, quantize, rollout, train, e2e or all.")] = "all",
+    flows: Annotated[Optional[str], typer.Option("--flows", help="Comma-separated flows for rollout/train/e2e (default bf16,fp8-rollout,fp8-unified).")] = None,
+    shapes: Annotated[Optional[str], typer.Option("--shapes", help="gemm: MxNxK,... ; quantize: MxK,... (default: Llama-3-8B and Qwen2.5-7B layers).")] = None,
+    device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+    model: Annotated[str, typer.Option("--model", help="rollout/train/e2e model: 'tiny' or a local HF directory.")] = "tiny",
+    batch: Annotated[int, typer.Option("--batch", help="rollout: sequences decoded together.")] = 64,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", help="rollout: new tokens per sequence (stop tokens off).")] = 64,
+    train_batch: Annotated[int, typer.Option("--train-batch", help="train: sequences per update.")] = 16,
+    seq: Annotated[int, typer.Option("--seq", help="train: tokens per sequence.")] = 64,
+    steps: Annotated[int, typer.Option("--steps", help="e2e: run steps per flow (the first is a warm-up).")] = 3,
+    task_preset: Annotated[str, typer.Option("--task-preset", help="rollout: also time an RL-shaped batch (this preset's prompts, groups, stop at EOS); 'none' skips it.")] = "fp8-unified",
+    repeats: Annotated[int, typer.Option("--repeats", help="Timed runs per measurement (median reported).")] = 5,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed runs first.")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Also write the results to this JSON file.")] = None,
+    history: Annotated[Path, typer.Option("--history", help="JSONL file every run is appended to.")] = Path("runs/bench/history.jsonl"),
+    no_history: Annotated[bool, typer.Option("--no-history", help="Do not append to the history file.")] = False,
+):
+    """Throughput per flow next to BF16: GEMMs, quantizers, rollout (vs generate()), training step, end to end."""
+    from . import bench
+
+    modes = bench.parse_modes(mode)
+    for name, v in (("--batch", batch), ("--new-tokens", new_tokens), ("--train-batch", train_batch), ("--seq", seq),
+                    ("--steps", steps), ("--repeats", repeats)):
+        if v <= 0:
+            raise JetrlError(f"{name} must be > 0, got {v}")
+    if warmup < 0:
+        raise JetrlError(f"--warmup must be >= 0, got {warmup}")
+    if seq < 2:
+        raise JetrlError(f"--seq must be >= 2 (prompt and completion halves), got {seq}")
+    bench.check_device(device)
+    s = bench.Settings(device=device, repeats=repeats, warmup=warmup, model=model, batch=batch,
+                       new_tokens=new_tokens, train_batch=train_batch, seq=seq, e2e_steps=steps,
+                       task_preset=None if task_preset == "none" else task_preset)
+    if flows:
+        s.flows = tuple(f.strip() for f in flows.split(",") if f.strip())
+        for f in s.flows:
+            bench._flow(f)  # unknown names fail before anything runs
+    if shapes and not set(modes) & {"gemm", "quantize"}:
+        raise JetrlError("--shapes applies to the gemm and quantize modes")
+    if shapes and set(modes) >= {"gemm", "quantize"}:
+        raise JetrlError("--shapes: give one mode (gemm takes MxNxK, quantize takes MxK)")
+    s.gemm_shapes = ([(f"{m}x{n}x{k}", m, n, k) for m, n, k in bench.parse_shapes(shapes, 3)]
+                     if shapes and "gemm" in modes else bench.default_gemm_shapes(device))
+    s.quant_shapes = (bench.parse_shapes(shapes, 2) if shapes and "quantize" in modes
+                      else [(8192, 8192)] if device == "cuda" else [(1024, 4096)])
+    if not as_json:
+        s.progress = lambda msg: err_console.print(f"[dim]{msg}[/]", highlight=False)
+    res = bench.run_bench(modes, s)
+    if not no_history:
+        bench.append_history(res, history)
+    if out is not None:
+        bench.write_json(res, out)
+    if as_json:
+        print(json.dumps(res, indent=1))
+    else:
+        bench.render(res, console)
+
+
 def main() -> None:
     app()
 

@@ -169,7 +169,8 @@ def test_saved_fp8_activations_give_the_same_gradients_and_save_fp8():
     y = layer(xg)
     saved = [t for t in y.grad_fn.saved_tensors]
     assert all(t.data_ptr() != xg.data_ptr() for t in saved)
-    assert y.grad_fn.x_saved.data.dtype == torch.float8_e4m3fn
+    assert [t.dtype for t in saved] == [torch.float32, torch.float8_e4m3fn, torch.float32]  # weight, x fp8, scales
+    assert saved[1].shape == x.shape and saved[2].shape == (1, 256)  # one scale per 128x1 group
 
 
 def test_weight_cache_follows_in_place_updates():

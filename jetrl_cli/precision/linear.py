@@ -23,7 +23,7 @@ from torch import nn
 
 from .flow import GemmSpec, LinearPrecision, PrecisionFlow
 from .gemm import Operand, get_backend
-from .quant import CastSpec, quantize, round_to
+from .quant import CastSpec, QTensor, quantize, round_to
 
 
 def cast_operand(x: torch.Tensor, spec: CastSpec) -> Operand:
@@ -60,11 +60,15 @@ class _JetLinearFn(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.reuse_w = prec.dgrad.b == prec.fprop.b
         ctx.w_op = w_op_fprop if ctx.reuse_w else None
+        ctx.x_spec = None
         if prec.save_fp8_activations:
-            ctx.x_saved = cast_operand(x2, prec.wgrad.b)  # FP8, 128x1 groups: the Wgrad operand
-            ctx.save_for_backward(weight)
+            xq = cast_operand(x2, prec.wgrad.b)  # FP8, 128x1 groups: the Wgrad operand
+            if isinstance(xq, QTensor):  # saved through autograd, so saved-tensor hooks see its bytes
+                ctx.x_spec = xq.spec
+                ctx.save_for_backward(weight, xq.data, xq.scale)
+            else:
+                ctx.save_for_backward(weight, xq)
         else:
-            ctx.x_saved = None
             ctx.save_for_backward(weight, x2)
         return y
 
@@ -81,7 +85,13 @@ class _JetLinearFn(torch.autograd.Function):
             gx = _finish(acc, dg, gy.dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             wg = prec.wgrad
-            x_op = ctx.x_saved if ctx.x_saved is not None else cast_operand(ctx.saved_tensors[1], wg.b)
+            saved = ctx.saved_tensors
+            if ctx.x_spec is not None:
+                x_op = QTensor(saved[1], saved[2], ctx.x_spec)
+            elif prec.save_fp8_activations:
+                x_op = saved[1]
+            else:
+                x_op = cast_operand(saved[1], wg.b)
             acc = get_backend(wg.backend).mm(cast_operand(gy2, wg.a).t(), x_op.t())
             gw = _finish(acc, wg, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -1,0 +1,118 @@
+"""`jetrl bench`: every mode at a tiny size on CPU gives well-formed JSON; accuracy columns are real."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from jetrl_cli.cli import app
+from jetrl_cli.precision import gemm as gemm_mod
+
+runner = CliRunner()
+FAST = ["--repeats", "1", "--warmup", "0", "--json", "--no-history"]
+
+
+def bench(*args):
+    res = runner.invoke(app, ["bench", *[str(a) for a in args]], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert {"date", "jetrl", "torch", "device", "threads"} <= set(out["env"]) and out["env"]["device"] == "cpu"
+    return out
+
+
+def test_gemm_rows_carry_time_and_accuracy():
+    out = bench("gemm", "--shapes", "16x256x256,8x384x128", *FAST)
+    rows = out["results"]["gemm"]
+    assert {r["variant"] for r in rows} >= {"bf16 (emulated)", "fp8 1x128 x 128x128", "fp8 row", "int8 row"}
+    for r in rows:
+        assert {"shape", "M", "N", "K", "backend", "s", "spread_s", "tflops", "vs_bf16", "rel_err", "sqnr_db",
+                "kernel_rel_err", "accuracy_ok", "emulated"} <= set(r)
+        assert r["s"] > 0 and r["tflops"] > 0 and r["accuracy_ok"] and r["emulated"]
+        assert r["tflops"] == pytest.approx(2 * r["M"] * r["N"] * r["K"] / r["s"] / 1e12)
+    by = {(r["shape"], r["variant"]): r for r in rows}
+    # quantization error is what the formats predict: fp8 e4m3 ~ 3 mantissa bits, int8 / bf16 finer
+    fp8 = by[("16x256x256", "fp8 1x128 x 128x128")]["sqnr_db"]
+    assert 20 < fp8 < 40
+    assert by[("16x256x256", "int8 row")]["sqnr_db"] > fp8 and by[("16x256x256", "bf16 (emulated)")]["sqnr_db"] > 45
+
+
+def test_a_broken_backend_is_caught(monkeypatch):
+    class Broken:
+        name = "scaled_mm"
+
+        def check(self, spec, where, gemm):
+            return None
+
+        def mm(self, a, b):  # right shape, plausible values, 2% off
+            return gemm_mod.EmulatedBackend().mm(a, b) * 1.02
+
+    monkeypatch.setitem(gemm_mod._BACKENDS, "scaled_mm", Broken())
+    rows = bench("gemm", "--shapes", "16x256x256", *FAST)["results"]["gemm"]
+    broken = [r for r in rows if r["backend"] == "scaled_mm"]
+    assert broken and all(not r["accuracy_ok"] and r["kernel_rel_err"] > 0.015 for r in broken)
+    assert all(r["accuracy_ok"] for r in rows if r["backend"] != "scaled_mm")
+
+
+def test_quantize_rows_against_copy():
+    rows = bench("quantize", "--shapes", "128x256", *FAST)["results"]["quantize"]
+    assert rows[0]["quantizer"] == "copy (ceiling)" and rows[0]["vs_copy"] == 1.0
+    assert len(rows) == 7
+    for r in rows[1:]:
+        assert r["gb_per_s"] > 0 and r["vs_copy"] > 0 and r["sqnr_db"] > 20 and r["matches_reference"]
+        assert r["bytes"] > 128 * 256 * 4  # read the fp32 input, write data + scales
+
+
+def test_rollout_train_and_e2e_modes():
+    rows = bench("rollout", "--batch", 2, "--new-tokens", 4, "--flows", "bf16", *FAST)["results"]["rollout"]
+    fixed = [r for r in rows if r["workload"] == "fixed"]
+    assert [(r["engine"], r["flow"]) for r in fixed] == [
+        ("transformers generate()", "fp32"), ("jetrl embedded", "fp32"), ("jetrl embedded", "bf16")]
+    task = [r for r in rows if r["workload"].startswith("task")]
+    assert [(r["engine"], r["flow"]) for r in task] == [(r["engine"], r["flow"]) for r in fixed]
+    assert all(0 < r["tokens"] <= 16 * 8 * 40 for r in task)  # the fp8-unified preset: 16 prompts x 8, <= 40 tokens
+    assert all(r["tokens_per_s"] > 0 and r["vs_generate"] > 0 for r in rows)
+    out = bench("train", "--train-batch", 2, "--seq", 16, "--flows", "bf16,fp8-rollout,fp8-unified", *FAST)
+    rows = out["results"]["train"]
+    assert [r["flow"] for r in rows] == ["bf16", "fp8-unified"]  # fp8-rollout trains like bf16
+    bf, u = rows
+    assert bf["step_vs_bf16"] == 1.0 and u["s"] > 0 and u["tokens_per_s"] > 0
+    # the unified flow saves its linear inputs in FP8, the bf16 flow in the activation dtype
+    assert 0 < u["saved_activation_bytes"] < bf["saved_activation_bytes"]
+    assert any(t["target"].startswith("fp8-unified saved activations") for t in out["targets"])
+    rows = bench("e2e", "--steps", 1, "--flows", "fp8-unified", *FAST)["results"]["e2e"]
+    r = rows[0]
+    assert r["flow"] == "fp8-unified" and r["steps"] == 1
+    assert all(r[k] >= 0 for k in ("rollout_s", "score_s", "train_s", "sync_s")) and r["step_s"] > r["rollout_s"]
+
+
+def test_history_and_out_file(tmp_path):
+    args = ["gemm", "--shapes", "8x128x128", "--repeats", "1", "--warmup", "0", "--history", tmp_path / "h.jsonl"]
+    for _ in range(2):
+        res = runner.invoke(app, ["bench", *[str(a) for a in args], "--out", str(tmp_path / "r.json")])
+        assert res.exit_code == 0, res.output
+    lines = (tmp_path / "h.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[1])["results"]["gemm"]
+    assert json.loads((tmp_path / "r.json").read_text())["results"]["gemm"]
+    assert "gemm" in res.stdout and "emulated" in res.stdout
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["fastest"], "unknown bench mode 'fastest'"),
+    (["gemm", "--shapes", "12x12"], "--shapes: '12x12' is not MxNxK"),
+    (["gemm", "--shapes", "4xax4"], "--shapes: '4xax4' is not MxNxK"),
+    (["quantize", "--shapes", "0x128"], "--shapes: '0x128' is not MxK"),
+    (["rollout", "--flows", "fp9"], "unknown flow 'fp9'"),
+    (["gemm", "--device", "tpu"], "--device 'tpu': allowed cpu, cuda"),
+    (["train", "--seq", "1"], "--seq must be >= 2"),
+])
+def test_bad_input_is_one_line(args, msg):
+    res = runner.invoke(app, ["bench", *args, "--no-history"])
+    assert res.exit_code == 2
+    assert msg in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_gpu_is_a_clear_error():
+    res = runner.invoke(app, ["bench", "gemm", "--device", "cuda", "--no-history"])
+    assert res.exit_code == 2 and "--device cuda: torch sees no CUDA device" in res.stderr
