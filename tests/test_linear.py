@@ -234,9 +234,23 @@ def test_backend_that_cannot_run_a_spec_is_a_clear_error():
     with pytest.raises(JetrlError, match="scaled_mm needs per-tensor or per-row"):
         JetLinear(nn.Parameter(torch.randn(8, 128)), None,
                   LinearPrecision.forward_only(GemmSpec(cs, CastSpec("fp8_e4m3", "128x128"), Format.BF16, "scaled_mm")))
-    with pytest.raises(JetrlError, match="'triton' is not available"):
+    with pytest.raises(JetrlError, match="backend triton runs FP8 operands with 1x128 or 128x128"):
         JetLinear(nn.Parameter(torch.randn(8, 128)), None,
-                  LinearPrecision.forward_only(GemmSpec(cs, CastSpec("fp8_e4m3", "128x128"), Format.BF16, "triton")))
+                  LinearPrecision.forward_only(GemmSpec(CastSpec("fp8_e4m3", "row"), CastSpec("fp8_e4m3", "128x128"),
+                                                        Format.BF16, "triton")))
+    with pytest.raises(JetrlError, match="'te' is not available"):
+        JetLinear(nn.Parameter(torch.randn(8, 128)), None,
+                  LinearPrecision.forward_only(GemmSpec(cs, CastSpec("fp8_e4m3", "128x128"), Format.BF16, "te")))
+
+
+def test_triton_backend_unavailable_without_gpu_or_interpreter(monkeypatch):
+    from jetrl_cli.precision import gemm
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setitem(gemm._BACKENDS, "triton", gemm.UnavailableBackend("triton", "not loaded"))
+    with pytest.raises(JetrlError, match="the Triton kernels need a CUDA GPU"):
+        gemm.get_backend("triton").check(None, "precision.train.fprop", "fprop")
 
 
 def test_non_finite_input_propagates_as_nan_not_garbage():

@@ -9,8 +9,9 @@ return the fp32 product; the caller adds the bias and rounds to the GEMM's ``out
 - ``scaled_mm``: ``torch._scaled_mm`` for FP8 with per-tensor or per-row scales (runs on CPU too),
   ``torch._int_mm`` (int32 accumulation) for INT8 per-row / per-tensor. Blockwise scales are not
   supported by it: choose ``emulated`` or the ``triton`` kernels for 1x128 / 128x128.
-- ``triton``, ``te``: slots registered by ``jetrl_cli.kernels`` (the Triton blockwise kernels) and by
-  a Transformer Engine integration; until one registers, choosing it is a clear error.
+- ``triton``: the blockwise FP8 kernels of ``jetrl_cli.kernels``, loaded on first use (on a CUDA
+  GPU, or in Triton's interpreter with ``TRITON_INTERPRET=1``); elsewhere choosing it is a clear error.
+- ``te``: a slot for a Transformer Engine integration; until one registers, choosing it is a clear error.
 
 ``register_backend(name, backend)`` is the extension point.
 """
@@ -131,7 +132,7 @@ class UnavailableBackend:
 _BACKENDS: dict[str, GemmBackend] = {
     "emulated": EmulatedBackend(),
     "scaled_mm": ScaledMMBackend(),
-    "triton": UnavailableBackend("triton", "the blockwise Triton FP8 kernels are not in this release; use 'emulated'"),
+    "triton": UnavailableBackend("triton", "not loaded"),  # replaced by jetrl_cli.kernels on first use
     "te": UnavailableBackend("te", "no Transformer Engine integration is in this release; use 'emulated'"),
 }
 
@@ -141,6 +142,12 @@ def register_backend(name: str, backend: GemmBackend) -> None:
 
 
 def get_backend(name: str) -> GemmBackend:
+    if name == "triton" and isinstance(_BACKENDS["triton"], UnavailableBackend):
+        from ..kernels import register  # imports triton only when a flow asks for it
+
+        why = register()
+        if why is not None:
+            _BACKENDS["triton"] = UnavailableBackend("triton", why)
     try:
         return _BACKENDS[name]
     except KeyError:

@@ -26,9 +26,16 @@ from .gemm import Operand, get_backend
 from .quant import CastSpec, QTensor, quantize, round_to
 
 
-def cast_operand(x: torch.Tensor, spec: CastSpec) -> Operand:
-    """An operand in the form a backend consumes: a QTensor, or fp32 values rounded to the format."""
+def cast_operand(x: torch.Tensor, spec: CastSpec, backend: str = "emulated") -> Operand:
+    """An operand in the form a backend consumes: a QTensor, or fp32 values rounded to the format.
+    A backend with its own quantizers (``cast``: the Triton kernels, bit-exact with the reference)
+    quantizes the operands of its GEMMs."""
     if spec.is_scaled:
+        if backend != "emulated":
+            own = getattr(get_backend(backend), "cast", None)
+            q = own(x, spec) if own is not None else None
+            if q is not None:
+                return q
         return quantize(x, spec)
     if x.is_cuda and spec.format.value == "bf16":
         return x.to(torch.bfloat16)
@@ -43,7 +50,7 @@ def _finish(acc: torch.Tensor, spec: GemmSpec, like: torch.dtype) -> torch.Tenso
 def _fprop(x: torch.Tensor, w_op: Operand, bias, prec: LinearPrecision, n_out: int) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     fp = prec.fprop
-    acc = get_backend(fp.backend).mm(cast_operand(x2, fp.a), w_op)
+    acc = get_backend(fp.backend).mm(cast_operand(x2, fp.a, fp.backend), w_op)
     if bias is not None:
         acc = acc + bias.float()
     return _finish(acc, fp, x.dtype).reshape(*x.shape[:-1], n_out)
@@ -62,7 +69,7 @@ class _JetLinearFn(torch.autograd.Function):
         ctx.w_op = w_op_fprop if ctx.reuse_w else None
         ctx.x_spec = None
         if prec.save_fp8_activations:
-            xq = cast_operand(x2, prec.wgrad.b)  # FP8, 128x1 groups: the Wgrad operand
+            xq = cast_operand(x2, prec.wgrad.b, prec.wgrad.backend)  # FP8, 128x1 groups: the Wgrad operand
             if isinstance(xq, QTensor):  # saved through autograd, so saved-tensor hooks see its bytes
                 ctx.x_spec = xq.spec
                 ctx.save_for_backward(weight, xq.data, xq.scale)
@@ -80,8 +87,8 @@ class _JetLinearFn(torch.autograd.Function):
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
             dg = prec.dgrad
-            w_op = ctx.w_op if ctx.reuse_w else cast_operand(weight, dg.b)
-            acc = get_backend(dg.backend).mm(cast_operand(gy2, dg.a), w_op.t())
+            w_op = ctx.w_op if ctx.reuse_w else cast_operand(weight, dg.b, dg.backend)
+            acc = get_backend(dg.backend).mm(cast_operand(gy2, dg.a, dg.backend), w_op.t())
             gx = _finish(acc, dg, gy.dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             wg = prec.wgrad
@@ -91,8 +98,8 @@ class _JetLinearFn(torch.autograd.Function):
             elif prec.save_fp8_activations:
                 x_op = saved[1]
             else:
-                x_op = cast_operand(saved[1], wg.b)
-            acc = get_backend(wg.backend).mm(cast_operand(gy2, wg.a).t(), x_op.t())
+                x_op = cast_operand(saved[1], wg.b, wg.backend)
+            acc = get_backend(wg.backend).mm(cast_operand(gy2, wg.a, wg.backend).t(), x_op.t())
             gw = _finish(acc, wg, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = gy2.float().sum(0).to(gy.dtype)
@@ -145,7 +152,7 @@ class JetLinear(nn.Module):
         key = (w.data_ptr(), w._version, w.dtype, w.device, spec)
         if self._wcache is None or self._wcache[0] != key:
             with torch.no_grad():
-                self._wcache = (key, cast_operand(w.detach(), spec))
+                self._wcache = (key, cast_operand(w.detach(), spec, self.precision.fprop.backend))
         return self._wcache[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

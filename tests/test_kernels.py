@@ -1,0 +1,165 @@
+"""The Triton kernels against the pure-torch reference, in Triton's interpreter on CPU.
+
+Quantizers are compared bit for bit (data bytes and scales); the GEMM by relative error against
+the emulated reference on the same quantized operands and by SQNR against float64. The interpreter's
+fp32 -> fp8 conversion is wrong (tests/triton_interp_fix.py); the first test shows it and checks
+the fix, which every other test runs under.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytest.importorskip("ml_dtypes")
+
+from jetrl_cli.precision.flow import GemmSpec, LinearPrecision  # noqa: E402
+from jetrl_cli.precision.formats import Block, Format  # noqa: E402
+from jetrl_cli.precision.gemm import EmulatedBackend, get_backend  # noqa: E402
+from jetrl_cli.precision.linear import JetLinear  # noqa: E402
+from jetrl_cli.precision.quant import CastSpec, error_stats, quantize  # noqa: E402
+
+from .triton_interp_fix import fixed_fp8_conversion  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs a GPU or TRITON_INTERPRET=1")
+E4, E5 = Format.FP8_E4M3, Format.FP8_E5M2
+
+
+def dev():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def fp8_fix():
+    if torch.cuda.is_available():
+        yield
+    else:
+        with fixed_fp8_conversion():
+            yield
+
+
+def _cast_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast(x_ptr, y_ptr, n, OUT: tl.constexpr, B: tl.constexpr):
+        i = tl.arange(0, B)
+        tl.store(y_ptr + i, tl.load(x_ptr + i, mask=i < n).to(OUT), mask=i < n)
+
+    return cast
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="about the interpreter")
+@pytest.mark.parametrize("fmt", [E4, E5])
+def test_interpreter_fp8_cast_is_wrong_and_the_fix_is_right(fmt):
+    import triton.language as tl
+
+    cast = _cast_kernel()
+    out_t = {E4: tl.float8e4nv, E5: tl.float8e5}[fmt]
+    fresh = torch.randn(4000) * torch.logspace(-6, 2, 4000)
+    edge = torch.tensor([31.6, 126.3, 0.3, -15.9, 0.0, -0.0, 2.0**-9, 240.0, 239.9])
+    x = torch.cat([edge, fresh]).clamp(-fmt.max, fmt.max)
+    want = x.to(fmt.torch_dtype()).view(torch.uint8)
+    y = torch.empty(len(x), dtype=fmt.torch_dtype())
+    from triton.runtime import interpreter
+
+    with fixed_fp8_conversion() as original:
+        cast[(1,)](x, y, len(x), OUT=out_t, B=8192)
+        assert torch.equal(y.view(torch.uint8), want)  # the fix: bit for bit torch's cast
+        interpreter._convert_float = original  # the original conversion (restored by the context manager)
+        cast[(1,)](x, y, len(x), OUT=out_t, B=8192)
+        assert not torch.equal(y.view(torch.uint8), want)  # the defect: the fix is needed
+    assert float(torch.tensor([31.6]).to(torch.float8_e4m3fn).float()) == 32.0
+
+
+SHAPES = [(128, 128), (200, 300), (1, 130), (257, 129)]
+
+
+@pytest.mark.parametrize("m,k", SHAPES)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fused_activation_quantizer_is_bit_exact(m, k, pow2):
+    from jetrl_cli.kernels import fp8
+
+    x = torch.randn(m, k) * torch.rand(m, 1) * 10
+    x[0, : min(k, 128)] = 0.0  # an all-zero group
+    x = x.to(dev())
+    row, col = fp8.quantize_act(x, E4, pow2_scale=pow2)
+    for got, block in ((row, Block(1, 128)), (col, Block(128, 1))):
+        ref = quantize(x, CastSpec(E4, block, pow2))
+        assert torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8))
+        assert torch.equal(got.scale, ref.scale) and got.spec == ref.spec
+
+
+@pytest.mark.parametrize("m,k", SHAPES)
+@pytest.mark.parametrize("fmt", [E4, E5])
+def test_weight_quantizer_is_bit_exact(m, k, fmt):
+    from jetrl_cli.kernels import fp8
+
+    w = (torch.randn(m, k) * 0.05).to(dev())
+    got, ref = fp8.quantize_weight(w, fmt), quantize(w, CastSpec(fmt, Block(128, 128)))
+    assert torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(got.scale, ref.scale)
+    t = got.t()  # Dgrad's operand: the same bytes and scales, transposed (symmetric block grid)
+    assert torch.equal(t.data.view(torch.uint8), quantize(w.t().contiguous(), CastSpec(fmt, Block(128, 128))).data.view(torch.uint8))
+
+
+def test_non_finite_blocks_become_nan_like_the_reference():
+    from jetrl_cli.kernels import fp8
+
+    x = torch.randn(130, 256)
+    x[3, 5] = float("inf")
+    x[129, 200] = float("nan")
+    x = x.to(dev())
+    row, col = fp8.quantize_act(x)
+    for got, block in ((row, Block(1, 128)), (col, Block(128, 1))):
+        ref = quantize(x, CastSpec(E4, block))
+        assert torch.equal(got.scale.isnan(), ref.scale.isnan())
+        fin = ~ref.data.float().isnan()
+        assert torch.equal(got.data.float().isnan(), ~fin)
+        assert torch.equal(got.data.view(torch.uint8)[fin], ref.data.view(torch.uint8)[fin])
+
+
+@pytest.mark.parametrize("m,n,k", [(64, 128, 256), (100, 200, 300), (3, 129, 128)])
+@pytest.mark.parametrize("b_block", [Block(128, 128), Block(1, 128)])
+def test_blockwise_gemm_against_reference(m, n, k, b_block):
+    from jetrl_cli.kernels import fp8
+
+    x, w = torch.randn(m, k).to(dev()), (torch.randn(n, k) * 0.02).to(dev())
+    a, b = quantize(x, CastSpec(E4, Block(1, 128))), quantize(w, CastSpec(E4, b_block))
+    out = fp8.blockwise_mm(a, b)
+    emu = EmulatedBackend().mm(a, b)
+    assert error_stats(emu, out)["rel_err"] < 1e-5  # same products, fp32 sums in another order
+    ref64 = x.double() @ w.double().t()
+    assert error_stats(ref64, out)["sqnr_db"] > 25  # FP8 quantization error only
+    o16 = fp8.blockwise_mm(a, b, out_dtype=torch.bfloat16)
+    assert o16.dtype == torch.bfloat16 and error_stats(emu, o16.float())["rel_err"] < 1e-2
+
+
+def test_gemm_rejects_unsupported_scales():
+    from jetrl_cli.kernels import fp8
+
+    x = torch.randn(8, 128)
+    with pytest.raises(ValueError, match="1x128 or 128x128 scales along K"):
+        fp8.blockwise_mm(quantize(x, CastSpec(E4, "row")), quantize(x, CastSpec(E4, "128x128")))
+
+
+def test_triton_backend_runs_the_unified_linear_layer_like_emulated():
+    """Fprop, Dgrad and Wgrad through ``backend: triton`` vs ``emulated``: the triton quantizers give
+    the same operands, the GEMMs the same products up to fp32 summation order."""
+    from jetrl_cli.precision.flow import named_flow
+
+    base = named_flow("fp8-unified").train.linear
+    tri = LinearPrecision(*(GemmSpec(g.a, g.b, g.out, "triton") for g in (base.fprop, base.dgrad, base.wgrad)),
+                          base.save_fp8_activations)
+    assert get_backend("triton").name == "triton"
+    x, w, gy = torch.randn(96, 256), torch.randn(128, 256) * 0.05, torch.randn(96, 128)
+    outs = []
+    for prec in (base, tri):
+        xi = x.clone().to(dev()).requires_grad_(True)
+        lin = JetLinear(torch.nn.Parameter(w.clone().to(dev())), None, prec)
+        y = lin(xi)
+        y.backward(gy.to(dev()))
+        outs.append((y.detach().float(), xi.grad.float(), lin.weight.grad.float()))
+    for e, t in zip(*outs):
+        assert error_stats(e, t)["rel_err"] < 1e-2  # bf16 outputs: at most a rounding step apart
+    assert error_stats(outs[0][0], outs[1][0])["rel_err"] < 5e-3
