@@ -340,17 +340,13 @@ def _triton_quantizers():
 # --------------------------------------------------------------------------- rollout
 
 
-def _fp32_flow():
-    from .rl.mismatch import reference_flow
-
-    return reference_flow()
-
-
 def _flow(name: str):
     from .precision.flow import NAMED_FLOWS, parse_flow
 
     if name == "fp32":
-        return _fp32_flow()
+        from .rl.mismatch import reference_flow
+
+        return reference_flow()
     if name not in NAMED_FLOWS:
         raise JetrlError(f"--flows: unknown flow {name!r} (allowed: fp32, {', '.join(NAMED_FLOWS)})")
     return parse_flow(name, source="--flows")

@@ -53,12 +53,8 @@ def _cast(y, FMAX: tl.constexpr, OUT: tl.constexpr):
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, stride_xm, stride_xk,
-                      stride_srm, stride_srk, stride_scm, stride_sck,
-                      FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
-                      ROWS: tl.constexpr, COLS: tl.constexpr, T: tl.constexpr):
-    pm = tl.program_id(0)
-    pk = tl.program_id(1)
+def _load_tile(x_ptr, pm, pk, M, K, stride_xm, stride_xk, T: tl.constexpr):
+    """Tile (pm, pk) of x in fp32 with its |x| (non-finite as 0) and a non-finite flag per element."""
     rm = pm * T + tl.arange(0, T)
     rk = pk * T + tl.arange(0, T)
     inb = (rm < M)[:, None] & (rk < K)[None, :]
@@ -66,8 +62,17 @@ def _act_quant_kernel(x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, stride_xm, st
     x = tl.load(x_ptr + offs, mask=inb, other=0.0).to(tl.float32)
     ax = tl.abs(x)
     finite = ax < float("inf")  # False for inf and NaN
-    ax = tl.where(finite, ax, 0.0)
-    nonfinite = (~finite).to(tl.int32)
+    return rm, rk, inb, offs, x, tl.where(finite, ax, 0.0), (~finite).to(tl.int32)
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, stride_xm, stride_xk,
+                      stride_srm, stride_srk, stride_scm, stride_sck,
+                      FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
+                      ROWS: tl.constexpr, COLS: tl.constexpr, T: tl.constexpr):
+    pm = tl.program_id(0)
+    pk = tl.program_id(1)
+    rm, rk, inb, offs, x, ax, nonfinite = _load_tile(x_ptr, pm, pk, M, K, stride_xm, stride_xk, T)
     if ROWS:  # 1x128: one scale per row of the tile
         s = _finish_scale(tl.max(ax, axis=1), tl.max(nonfinite, axis=1) > 0, FMAX, FLOOR, POW2)
         tl.store(sr_ptr + rm * stride_srm + pk * stride_srk, s, mask=rm < M)
@@ -84,15 +89,8 @@ def _weight_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, stride
                          T: tl.constexpr):
     pm = tl.program_id(0)
     pk = tl.program_id(1)
-    rm = pm * T + tl.arange(0, T)
-    rk = pk * T + tl.arange(0, T)
-    inb = (rm < M)[:, None] & (rk < K)[None, :]
-    offs = rm[:, None] * stride_xm + rk[None, :] * stride_xk
-    x = tl.load(x_ptr + offs, mask=inb, other=0.0).to(tl.float32)
-    ax = tl.abs(x)
-    finite = ax < float("inf")
-    ax = tl.where(finite, ax, 0.0)
-    s = _finish_scale(tl.max(tl.max(ax, axis=1), axis=0), tl.max(tl.max((~finite).to(tl.int32), axis=1), axis=0) > 0,
+    rm, rk, inb, offs, x, ax, nonfinite = _load_tile(x_ptr, pm, pk, M, K, stride_xm, stride_xk, T)
+    s = _finish_scale(tl.max(tl.max(ax, axis=1), axis=0), tl.max(tl.max(nonfinite, axis=1), axis=0) > 0,
                       FMAX, FLOOR, POW2)
     tl.store(s_ptr + pm * stride_sm + pk * stride_sk, s)
     tl.store(q_ptr + offs, _cast(x / s, FMAX, OUT), mask=inb)
