@@ -372,6 +372,16 @@ def mismatch_report_cmd(
         n = prompts or cfg.rollout.prompts_per_step
         inp = mm.ReportInputs(base, functools.partial(tok.decode, skip_special=False), [tok.encode(p.prompt) for p in source.batch(0, n)], sampling,
                               cfg.train, correction_config(cfg), cfg.rollout.max_batch, seed)
+        if cfg.rollout.backend != "embedded":
+            from .engine.base import make_payload
+            from .rl.loop import build_engine
+
+            def start_engine(flow, width):
+                eng = build_engine(cfg, base, model_dir, flow=flow, width=width)
+                eng.load_weights(make_payload(base, flow))
+                return eng
+
+            inp.engine_factory, inp.engine_name = start_engine, cfg.rollout.backend
         report["lengths"] = lens
         report["flows"] = [mm.flow_report(label, f, inp, lens, attribution=attribution,
                                           attribution_sequences=attribution_sequences, progress=progress)

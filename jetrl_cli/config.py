@@ -39,7 +39,7 @@ class TaskConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    backend: str = "embedded"
+    backend: str = "embedded"  # embedded | vllm (pip install 'jetrl[vllm]')
     prompts_per_step: int = 16
     n: int = 8  # samples per prompt (the GRPO group)
     max_new_tokens: int = 48
@@ -49,6 +49,11 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)  # extra stop tokens (each must be one token)
     max_len: int = 128  # engine width: the longest prompt + completion
     max_batch: int = 256  # sequences decoded together
+    # backend: vllm only
+    vllm_quantization: str = "jetrl"  # jetrl (the flow's quantizers) | fp8 | fp8-block | none (vLLM's own)
+    vllm_dtype: str = "float32"  # vLLM's activation dtype: float32 (as jetrl's model) | bfloat16 | float16
+    vllm_gpu_memory_utilization: float = 0.4  # share of GPU memory vLLM may take (the trainer shares the GPU)
+    vllm_enforce_eager: bool | None = None  # default: eager on CPU, CUDA graphs on GPU
 
 
 @dataclass(frozen=True)
@@ -125,7 +130,9 @@ SECTIONS = {
 CHOICES = {
     ("model", "device"): ("cpu", "cuda"),
     ("task", "name"): ("arith", "sort", "count", "mix", "jsonl"),
-    ("rollout", "backend"): ("embedded",),
+    ("rollout", "backend"): ("embedded", "vllm"),
+    ("rollout", "vllm_quantization"): ("jetrl", "fp8", "fp8-block", "none"),
+    ("rollout", "vllm_dtype"): ("float32", "bfloat16", "float16"),
     ("train", "adv_norm"): ("std", "none"),
     ("correction", "type"): ("none", "tis", "mis", "acr"),
     ("correction", "mis_level"): ("token", "sequence"),
@@ -133,6 +140,7 @@ CHOICES = {
 POSITIVE = {
     ("task", "digits"), ("task", "length"), ("rollout", "prompts_per_step"), ("rollout", "n"),
     ("rollout", "max_new_tokens"), ("rollout", "max_len"), ("rollout", "max_batch"), ("train", "lr"),
+    ("rollout", "vllm_gpu_memory_utilization"),
     ("train", "micro_batch"), ("train", "ppo_epochs"), ("train", "minibatches"), ("train", "invariant_scale"),
     ("correction", "tis_cap"), ("correction", "mis_high"), ("eval", "prompts"),
     ("run", "keep_checkpoints"), ("train", "grad_clip"), ("train", "adam_eps"),
@@ -220,6 +228,8 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
         raise PresetError(source, "rollout.n", f"GRPO needs at least 2 samples per prompt, got {r.n}")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         raise PresetError(source, "train.betas", f"expected two numbers in [0, 1), got {t.betas}")
+    if r.vllm_gpu_memory_utilization > 1:
+        raise PresetError(source, "rollout.vllm_gpu_memory_utilization", f"must be in (0, 1], got {r.vllm_gpu_memory_utilization}")
     if c.mis_low >= c.mis_high:
         raise PresetError(source, "correction.mis_low", f"must be below mis_high ({c.mis_low} >= {c.mis_high})")
     if t.minibatches > r.prompts_per_step:

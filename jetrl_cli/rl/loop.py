@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from ..config import JobConfig
-from ..engine.base import make_payload
+from ..engine.base import RolloutEngine, make_payload
 from ..engine.embedded import EmbeddedEngine
 from ..engine.sampling import SamplingParams
 from ..errors import JetrlError
@@ -68,13 +68,27 @@ def correction_config(cfg: JobConfig) -> CorrectionConfig:
     return CorrectionConfig(c.type, c.tis_cap, c.mis_low, c.mis_high, c.mis_level)
 
 
+def build_engine(cfg: JobConfig, model: torch.nn.Module, model_dir: Path, flow=None, width: int | None = None):
+    """The preset's rollout engine (``rollout.backend``), before its first weight sync."""
+    flow = flow or cfg.flow
+    r = cfg.rollout
+    width = width or r.max_len
+    if r.backend == "vllm":
+        from ..engine.vllm_engine import VLLMEngine, VLLMSettings
+
+        settings = VLLMSettings(r.vllm_quantization, r.vllm_dtype, r.vllm_gpu_memory_utilization,
+                                r.vllm_enforce_eager, r.max_batch)
+        return VLLMEngine(model_dir, flow, width, settings, device=cfg.model.device, seed=cfg.run.seed)
+    return EmbeddedEngine(model, flow, width, r.max_batch)
+
+
 @dataclass
 class Job:
     cfg: JobConfig
     model_dir: Path
     tokenizer: Tokenizer
     source: PromptSource
-    engine: EmbeddedEngine
+    engine: RolloutEngine
     sampling: SamplingParams
     trainer: Trainer | None = None
 
@@ -101,7 +115,7 @@ def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None) -> J
     trainer = None
     if with_trainer:
         trainer = Trainer(model, cfg.flow, cfg.train, correction_config(cfg), sampling, cfg.rollout.max_len, ref)
-    engine = EmbeddedEngine(model, cfg.flow, cfg.rollout.max_len, cfg.rollout.max_batch)
+    engine = build_engine(cfg, model, model_dir)
     engine.load_weights(make_payload(model, cfg.flow))
     return Job(cfg, model_dir, tok, source, engine, sampling, trainer)
 

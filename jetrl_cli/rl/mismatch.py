@@ -321,6 +321,10 @@ class ReportInputs:
     max_batch: int
     seed: int = 0
     greedy_cache: dict = dataclasses.field(default_factory=dict)  # decodes shared between flows
+    # (flow, width) -> a rollout engine with the policy's weights loaded; None: the embedded engine.
+    # Greedy divergence and per-layer attribution always run on jetrl's own model.
+    engine_factory: object = None
+    engine_name: str = "embedded"
 
 
 def _batch(prompts: list[list[int]], groups, pad_id: int = 0) -> tuple[Batch, list[list[int]]]:
@@ -351,9 +355,10 @@ def flow_report(label: str, flow: PrecisionFlow, inp: ReportInputs, lengths: lis
     ref = copy.deepcopy(inp.model).eval()
     ref.set_kv_spec(None)
     train_model = _train_model(inp.model, flow, inp, width)
-    engine = EmbeddedEngine(inp.model, flow, width, inp.max_batch)
+    embedded = EmbeddedEngine(inp.model, flow, width, inp.max_batch)
+    engine = embedded if inp.engine_factory is None else inp.engine_factory(flow, width)
     res: dict = {"flow": label, "description": flow.short_str(), "on_policy_by_design": flow.is_on_policy,
-                 "by_length": []}
+                 "engine": inp.engine_name, "by_length": []}
     last = None
     for L in lengths:
         progress(f"{label}: sampling {len(inp.prompts)} x {inp.sampling.n} completions of {L} tokens")
@@ -364,9 +369,13 @@ def flow_report(label: str, flow: PrecisionFlow, inp: ReportInputs, lengths: lis
         lt = _score(train_model, b, inp, width)
         lr = _score(ref, b, inp, width)
         m = mismatch_metrics(lt, b.rollout_logp, b.mask, inp.ccfg)
-        res["by_length"].append({"length": L, "sequences": len(b), **m,
-                                 "rollout_vs_fp32_kl": mismatch_metrics(lr, b.rollout_logp, b.mask, inp.ccfg)["mismatch_kl"],
-                                 "train_vs_fp32_kl": mismatch_metrics(lr, lt, b.mask, inp.ccfg)["mismatch_kl"]})
+        row = {"length": L, "sequences": len(b), **m,
+               "rollout_vs_fp32_kl": mismatch_metrics(lr, b.rollout_logp, b.mask, inp.ccfg)["mismatch_kl"],
+               "train_vs_fp32_kl": mismatch_metrics(lr, lt, b.mask, inp.ccfg)["mismatch_kl"]}
+        if engine is not embedded:  # the other engine against jetrl's engine in the same rollout precision
+            le = _score(embedded.model, b, inp, width)
+            row["engine_vs_embedded_kl"] = mismatch_metrics(le, b.rollout_logp, b.mask, inp.ccfg)["mismatch_kl"]
+        res["by_length"].append(row)
         last = (b, lt, lr)
     b, lt, lr = last
     _fill_token_stats(res, b, lt, lr, inp)
@@ -375,7 +384,9 @@ def flow_report(label: str, flow: PrecisionFlow, inp: ReportInputs, lengths: lis
         res["greedy"] = greedy_divergence(inp, flow, max(lengths), width)
     if attribution:
         progress(f"{label}: per-layer attribution")
-        res.update(_attribution(inp, flow, engine.model, train_model, ref, b, lt, width, attribution_sequences))
+        res.update(_attribution(inp, flow, embedded.model, train_model, ref, b, lt, width, attribution_sequences))
+    if engine is not embedded and hasattr(engine, "close"):
+        engine.close()
     return res
 
 
@@ -486,7 +497,9 @@ def render(report: dict, console) -> None:
     from rich.table import Table
 
     flows = report["flows"]
-    t = Table(title=f"rollout vs training precision, per token ({report['source']})", title_justify="left")
+    engine = flows[0].get("engine", "embedded")
+    t = Table(title=f"rollout ({engine} engine) vs training precision, per token ({report['source']})",
+              title_justify="left")
     t.add_column("metric")
     for f in flows:
         t.add_column(f["flow"], justify="right")
@@ -495,6 +508,8 @@ def render(report: dict, console) -> None:
         t.add_row(head, *[_fmt(f["summary"].get(k)) for f in flows])
     t.add_row("rollout vs fp32 KL", *[_fmt(f["rollout_vs_fp32"].get("mismatch_kl")) for f in flows])
     t.add_row("train vs fp32 KL", *[_fmt(f["train_vs_fp32"].get("mismatch_kl")) for f in flows])
+    if any("engine_vs_embedded_kl" in r for f in flows for r in f["by_length"]):
+        t.add_row(f"{engine} vs embedded KL", *[_fmt(f["by_length"][-1].get("engine_vs_embedded_kl")) for f in flows])
     console.print(t)
     if any(f["by_length"] for f in flows) and len(flows[0]["by_length"]) > 1:
         t = Table(title="mismatch KL by rollout length", title_justify="left")

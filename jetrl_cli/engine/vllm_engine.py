@@ -1,0 +1,175 @@
+"""The vLLM rollout engine (``rollout.backend: vllm``): ``generate`` and ``load_weights`` on vLLM.
+
+vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), next to the trainer, as the
+colocated engines of verl's hybrid mode: the weight sync hands tensors over without a copy
+through another process. Quantization inside vLLM is one of
+
+- ``jetrl`` (default): jetrl's own method (``vllm_quant``), the flow's rollout GEMM with the
+  trainer's quantizers, so the unified flow stays on-policy in vLLM; weight sync in place.
+- ``fp8`` / ``fp8-block``: vLLM's own FP8 (per-tensor online, or 128x128 blocks), the off-policy
+  baselines; weight sync through vLLM's ``reload_weights`` (its loaders and post-processing).
+- ``none``: vLLM unquantized in ``vllm_dtype``; weight sync through ``reload_weights``.
+
+Each sampled token's logprob is vLLM's ``processed_logprobs``: under the distribution it was
+sampled from (after temperature and top-k / top-p), as the trainer scores it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from ..errors import JetrlError, MissingExtraError
+from ..precision.formats import Format
+from ..precision.quant import QTensor
+from .base import Completion, WeightPayload
+from .sampling import SamplingParams
+
+QUANTIZATIONS = ("jetrl", "fp8", "fp8-block", "none")
+
+
+def require_vllm() -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        if getattr(e, "name", None) not in (None, "vllm"):
+            raise JetrlError(f"rollout.backend: vllm: importing vLLM failed: {e}") from None
+        raise MissingExtraError("rollout.backend: vllm", "vllm", "vllm") from None
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    quantization: str = "jetrl"
+    dtype: str = "float32"  # the model's activation dtype in vLLM (jetrl's model computes in fp32)
+    gpu_memory_utilization: float = 0.4
+    enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPU
+    max_batch: int = 256
+
+
+def kv_rounding(flow, quantization: str) -> Format | None:
+    """The format keys/values are rounded to before vLLM's cache (jetrl's quantization only).
+
+    vLLM's own ``kv_cache_dtype=bfloat16`` under an fp32 model gave wrong attention on the CPU
+    build (mismatch KL 0.78 against jetrl's engine); rounding the values and keeping vLLM's cache
+    in the model dtype stores exactly what jetrl's engine stores."""
+    if quantization != "jetrl":
+        return None
+    kv = flow.rollout.kv_cache
+    if kv.format is Format.BF16:
+        return kv.format
+    if kv.format is Format.FP32:
+        return None
+    raise JetrlError(f"rollout.backend: vllm: a {kv.short_str()} KV cache (precision.rollout.kv_cache) is not "
+                     "supported on vLLM yet (vLLM's FP8 KV cache uses static scales); use bf16 or fp32")
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(self, model_dir: str | Path, flow, width: int, settings: VLLMSettings = VLLMSettings(),
+                 device: str = "cpu", seed: int = 0):
+        require_vllm()
+        s = settings
+        if s.quantization not in QUANTIZATIONS:
+            raise JetrlError(f"rollout.vllm_quantization: {s.quantization!r} is not allowed "
+                             f"(allowed: {', '.join(QUANTIZATIONS)})")
+        if s.quantization != "jetrl" and flow.weight_sync.payload == "quantized":
+            raise JetrlError(f"rollout.vllm_quantization: {s.quantization} quantizes inside vLLM, so the flow's "
+                             "weight_sync must be hp (jetrl-quantized weights only load into jetrl's method)")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in process: the sync hands tensors over
+        if device == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes a large share of RAM
+        from vllm import LLM
+
+        from . import vllm_quant  # registers "jetrl" with vLLM
+
+        kw = dict(
+            model=str(model_dir), skip_tokenizer_init=True, dtype=s.dtype, max_model_len=width,
+            max_num_seqs=s.max_batch, logprobs_mode="processed_logprobs", seed=seed,
+            enforce_eager=(device == "cpu") if s.enforce_eager is None else s.enforce_eager,
+        )
+        kv_fmt = kv_rounding(flow, s.quantization)
+        if device != "cpu":
+            kw["gpu_memory_utilization"] = s.gpu_memory_utilization
+        if s.quantization == "jetrl":
+            kw.update(quantization="jetrl", hf_overrides={"quantization_config": vllm_quant.config_dict(flow)})
+        elif s.quantization == "fp8":
+            kw.update(quantization="fp8")
+        elif s.quantization == "fp8-block":
+            kw.update(quantization="fp8", hf_overrides={"quantization_config": {
+                "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}})
+        threads = torch.get_num_threads()
+        try:
+            self.llm = LLM(**kw)
+        except Exception as e:  # vLLM reports unsupported set-ups (e.g. its FP8 kernels on CPU) as exceptions
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise JetrlError(f"rollout.backend: vllm (vllm_quantization: {s.quantization}, dtype: {s.dtype}) "
+                             f"could not start: {type(e).__name__}: {msg[:300]}") from None
+        finally:
+            if torch.get_num_threads() != threads:  # vLLM's CPU worker may lower torch's thread count
+                torch.set_num_threads(threads)
+        if kv_fmt is not None:
+            self.llm.apply_model(partial(vllm_quant.install_kv_rounding, fmt=kv_fmt))
+        self.flow = flow
+        self.width = width
+        self.settings = s
+        self.device = device
+        self.weights_version = -1
+
+    def _sampling(self, params: SamplingParams, seed: int):
+        from vllm import SamplingParams as VSampling
+
+        return VSampling(
+            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids), logprobs=0,
+            seed=seed, detokenize=False, skip_special_tokens=False,
+        )
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[list[Completion]]:
+        from vllm.inputs import TokensPrompt
+
+        if any(len(p) == 0 for p in prompts):
+            raise JetrlError("rollout: empty prompt (no tokens)")
+        longest = max(len(p) for p in prompts) + params.max_new_tokens
+        if longest > self.width:
+            raise JetrlError(f"rollout: prompt + max_new_tokens = {longest} tokens exceeds the engine width "
+                             f"{self.width} (raise rollout.max_len or shorten prompts)")
+        sps = [self._sampling(params, seed * 1_000_003 + i) for i in range(len(prompts))]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sps, use_tqdm=False)
+        groups = []
+        for o in outs:
+            comps = []
+            for c in sorted(o.outputs, key=lambda c: c.index):
+                toks = list(c.token_ids)
+                if c.logprobs is None or len(c.logprobs) != len(toks):
+                    raise JetrlError("vLLM returned no logprob for some sampled tokens")
+                lps = [float(step[t].logprob) for step, t in zip(c.logprobs, toks)]
+                if c.finish_reason not in ("stop", "length"):
+                    raise JetrlError(f"vLLM finished a sequence with reason {c.finish_reason!r}")
+                comps.append(Completion(toks, lps, c.finish_reason))
+            groups.append(comps)
+        return groups
+
+    def load_weights(self, payload: WeightPayload) -> None:
+        if self.settings.quantization == "jetrl":
+            from .vllm_quant import load_payload
+
+            try:
+                self.llm.apply_model(partial(load_payload, tensors=payload.tensors))
+            except (KeyError, ValueError) as e:
+                raise JetrlError(f"weight sync into vLLM: {e}") from None
+        else:
+            weights = [(n, t.dequantize() if isinstance(t, QTensor) else t) for n, t in payload.tensors.items()]
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(weights),
+                                                                  is_checkpoint_format=True))
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        self.weights_version = payload.version
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            del self.llm

@@ -1,0 +1,251 @@
+"""jetrl's quantization method inside vLLM: vLLM's linear layers run the precision core's casts.
+
+Importing this module registers the quantization config ``"jetrl"`` with vLLM
+(``register_quantization_config``, vLLM's registry for out-of-tree methods). The engine selects it
+with ``quantization="jetrl"`` and passes the flow through ``hf_overrides={"quantization_config":
+config_dict(flow)}``, the same path a checkpoint's ``config.json`` takes, so worker processes
+rebuild the identical flow from plain data.
+
+Every ``LinearBase`` (and the ``ParallelLMHead``) gets a :class:`JetrlLinearMethod` that runs
+the flow's rollout GEMM exactly as :class:`jetrl_cli.precision.linear.JetLinear` does: the input
+cast with ``cast_operand``, the weight cast once per logical shard (vLLM fuses q/k/v and
+gate/up into one layer; jetrl quantizes each projection on its own, so block boundaries and
+scales stay the trainer's), the product in fp32, the bias added, then rounded to the GEMM's
+``out`` format. Layers on the flow's skip list run the high-precision (fp32) product.
+
+The weight sync (:func:`load_payload`) writes new weights into the tensors the method already
+holds (``copy_``), so their addresses do not change (CUDA graphs captured over them stay valid)
+and vLLM's post-load processing is not re-run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.parameter import ModelWeightParameter
+
+from ..precision.flow import GemmSpec, PrecisionFlow, parse_flow
+from ..precision.formats import Format
+from ..precision.gemm import _values, get_backend, row_invariant_mm
+from ..precision.linear import _finish, cast_operand, matches_skip
+from ..precision.quant import CastSpec, QTensor, round_to
+
+NAME = "jetrl"
+HIGH_PRECISION = GemmSpec(CastSpec(Format.FP32), CastSpec(Format.FP32), Format.FP32, "emulated")
+
+
+def config_dict(flow: PrecisionFlow) -> dict:
+    """The ``quantization_config`` entry that selects jetrl's method with ``flow``."""
+    return {"quant_method": NAME, "flow_name": flow.name, "flow": flow.to_dict()}
+
+
+@register_quantization_config(NAME)
+class JetrlQuantConfig(QuantizationConfig):
+    def __init__(self, flow: PrecisionFlow):
+        super().__init__()
+        self.flow = flow
+
+    def get_name(self) -> str:
+        return NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0  # the GEMM backend checks its own hardware needs (precision.gemm)
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "JetrlQuantConfig":
+        if "flow" not in config:
+            raise ValueError("quantization_config for 'jetrl' needs a 'flow' entry (jetrl_cli.engine.vllm_quant.config_dict)")
+        return cls(parse_flow(config["flow"], source="vLLM quantization_config",
+                              name=config.get("flow_name", "custom")))
+
+    def _skipped(self, prefix: str) -> bool:
+        """A fused vLLM layer (qkv_proj) is skipped when all its projections (q/k/v_proj) are."""
+        parent, _, leaf = prefix.rpartition(".")
+        parts = self.packed_modules_mapping.get(leaf, [leaf])
+        names = [f"{parent}.{p}" if parent else p for p in parts]
+        skipped = {matches_skip(n, self.flow.skip) for n in names}
+        if len(skipped) > 1:
+            raise ValueError(f"flow skip list {list(self.flow.skip)} skips some but not all of {names}, "
+                             f"which vLLM fuses into {prefix}")
+        return skipped.pop()
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        if isinstance(layer, ParallelLMHead):
+            return JetrlLinearMethod(HIGH_PRECISION if self._skipped(prefix) else self.flow.rollout.linear)
+        if isinstance(layer, LinearBase):
+            return JetrlLinearMethod(HIGH_PRECISION if self._skipped(prefix) else self.flow.rollout.linear)
+        return None
+
+
+class JetrlLinearMethod(LinearMethodBase):
+    """One vLLM linear layer in one GEMM spec (the flow's rollout GEMM, or fp32)."""
+
+    def __init__(self, spec: GemmSpec):
+        self.spec = spec
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, **extra_weight_attrs):
+        # A plain weight, so vLLM's own loaders (and their q/k/v shard offsets) fill it at start-up;
+        # process_weights_after_loading turns it into jetrl's operands and frees it.
+        weight = ModelWeightParameter(
+            data=torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            input_dim=1, output_dim=0, weight_loader=extra_weight_attrs.pop("weight_loader"))
+        layer.register_parameter("weight", weight)
+        for k, v in extra_weight_attrs.items():
+            setattr(weight, k, v)
+        layer.jetrl_sizes = list(output_partition_sizes)
+
+    def _fused(self, device: torch.device) -> bool:
+        # As jetrl's own model (models.llama.fused_linears): on CPU with the emulated backend the
+        # shards' dequantized weights are concatenated into one fp32 GEMM, whose every output element
+        # is the same dot product as the separate GEMMs'.
+        return self.spec.backend == "emulated" and device.type == "cpu"
+
+    def process_weights_after_loading(self, layer) -> None:
+        w = layer.weight.detach()
+        with torch.no_grad():
+            layer.jetrl_ops = [cast_operand(s.float(), self.spec.b, self.spec.backend)
+                               for s in w.split(layer.jetrl_sizes, 0)]
+            layer.jetrl_fused = (torch.cat([_values(op) for op in layer.jetrl_ops]).contiguous()
+                                 if self._fused(w.device) else None)
+        layer.weight.data = torch.empty(0, dtype=w.dtype, device=w.device)  # jetrl_ops hold the weights now
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        spec = self.spec
+        x2 = x.reshape(-1, x.shape[-1])
+        if layer.jetrl_fused is not None:
+            acc = row_invariant_mm(_values(cast_operand(x2, spec.a)), layer.jetrl_fused)
+        else:
+            xa = cast_operand(x2, spec.a, spec.backend)
+            mm = get_backend(spec.backend).mm
+            acc = torch.cat([mm(xa, op) for op in layer.jetrl_ops], dim=-1)
+        if bias is not None:
+            acc = acc + bias.float()
+        return _finish(acc, spec, x.dtype).reshape(*x.shape[:-1], acc.shape[-1])
+
+    # ------------------------------------------------------------------ weight sync, in place
+
+    def load_shard(self, layer, param: str, shard: int, value) -> None:
+        sizes = layer.jetrl_sizes
+        if param == "bias":
+            off = sum(sizes[:shard])
+            layer.bias.data[off:off + sizes[shard]].copy_(value)
+            return
+        if param != "weight":
+            raise KeyError(param)
+        dst = layer.jetrl_ops[shard]
+        if isinstance(value, QTensor):
+            if not isinstance(dst, QTensor) or value.spec != dst.spec:
+                have = dst.spec.short_str() if isinstance(dst, QTensor) else "high precision"
+                raise ValueError(f"quantized weight with spec {value.spec.short_str()}, the layer holds {have}")
+            if value.data.shape != dst.data.shape:
+                raise ValueError(f"weight shape {tuple(value.shape)}, the layer holds {tuple(dst.shape)}")
+            dst.data.copy_(value.data)
+            dst.scale.copy_(value.scale)
+            return
+        device = (dst.data if isinstance(dst, QTensor) else dst).device
+        q = cast_operand(value.to(device).float(), self.spec.b, self.spec.backend)
+        if tuple(q.shape) != tuple(dst.shape):
+            raise ValueError(f"weight shape {tuple(q.shape)}, the layer holds {tuple(dst.shape)}")
+        if isinstance(dst, QTensor):
+            dst.data.copy_(q.data)
+            dst.scale.copy_(q.scale)
+        else:
+            dst.copy_(q)
+
+    def refresh(self, layer) -> None:
+        """After shards changed: rewrite the fused fp32 weight, in place."""
+        if layer.jetrl_fused is None:
+            return
+        off = 0
+        for op in layer.jetrl_ops:
+            n = op.shape[0]
+            layer.jetrl_fused[off:off + n].copy_(_values(op))
+            off += n
+
+
+def load_payload(model: torch.nn.Module, tensors: dict) -> int:
+    """Write a jetrl weight payload (Hugging Face parameter names) into a vLLM model in place.
+
+    Projections vLLM fuses (``packed_modules_mapping``: q/k/v_proj -> qkv_proj) go to their shard
+    of the fused layer. Returns the number of tensors written; an unknown name raises KeyError.
+    """
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    to_fused = {sub: (fused, i) for fused, subs in packed.items() for i, sub in enumerate(subs)}
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    touched: dict[str, torch.nn.Module] = {}
+    reprocess: dict[str, torch.nn.Module] = {}
+    with torch.no_grad():
+        for name, value in tensors.items():
+            mod_name, _, param = name.rpartition(".")
+            parent, _, leaf = mod_name.rpartition(".")
+            shard = 0
+            if leaf in to_fused:
+                fused, shard = to_fused[leaf]
+                mod_name = f"{parent}.{fused}" if parent else fused
+            mod = modules.get(mod_name)
+            method = getattr(mod, "quant_method", None)
+            if isinstance(method, JetrlLinearMethod):
+                method.load_shard(mod, param, shard, value)
+                touched[mod_name] = mod
+                continue
+            p = params.get(name)
+            if p is None:
+                raise KeyError(f"the vLLM model has no parameter {name}")
+            if isinstance(value, QTensor):
+                raise ValueError(f"{name} arrived quantized but is not a jetrl-quantized layer in vLLM")
+            if p.shape != value.shape:
+                # vocab-parallel embeddings are padded to a multiple of 64 rows
+                if p.dim() == value.dim() and p.shape[1:] == value.shape[1:] and p.shape[0] > value.shape[0]:
+                    p.data[:value.shape[0]].copy_(value)
+                    continue
+                raise ValueError(f"{name}: shape {tuple(value.shape)}, vLLM holds {tuple(p.shape)}")
+            p.data.copy_(value)
+            if method is not None and hasattr(method, "process_weights_after_loading") and mod is not None:
+                reprocess[mod_name] = mod  # e.g. a tied embedding's packed CPU GEMM copy
+        for mod in touched.values():
+            mod.quant_method.refresh(mod)
+        for mod in reprocess.values():
+            if getattr(mod, "weight", None) is not None and mod.weight.numel():
+                mod.quant_method.process_weights_after_loading(mod)
+    return len(tensors)
+
+
+def install_kv_rounding(model: torch.nn.Module, fmt: Format) -> int:
+    """Round keys and values to ``fmt`` as they enter attention (after RoPE), elementwise, as jetrl's
+    engine rounds them into its KV cache (``models.llama.cast_kv``). vLLM then keeps them in an
+    fp32 cache, holding the same values. Returns the number of attention layers hooked."""
+
+    def hook(_mod, args, kwargs):
+        if len(args) >= 3:
+            q, k, v = args[:3]
+            return (q, round_to(k, fmt).to(k.dtype), round_to(v, fmt).to(v.dtype), *args[3:]), kwargs
+        kwargs = dict(kwargs)
+        for name in ("key", "value"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = round_to(kwargs[name], fmt).to(kwargs[name].dtype)
+        return args, kwargs
+
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, Attention) and not getattr(mod, "_jetrl_kv_hook", False):
+            mod.register_forward_pre_hook(hook, with_kwargs=True)
+            mod._jetrl_kv_hook = True
+            n += 1
+    return n
+
