@@ -37,7 +37,9 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except JetrlError as e:
-            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            from rich.markup import escape
+
+            err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             err_console.print("[bold red]interrupted[/]: nothing was written")

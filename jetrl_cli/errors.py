@@ -17,7 +17,3 @@ class PresetError(JetrlError):
         where = f"{source}: {key}" if key else source
         super().__init__(f"{where}: {message}")
 
-
-class MissingExtraError(JetrlError):
-    def __init__(self, what: str, extra: str, package: str):
-        super().__init__(f"{what} needs the optional dependency {package!r}: pip install 'jetrl[{extra}]'")

@@ -163,3 +163,21 @@ def test_tiny_bf16_run_improves_reward(tmp_path):
     first = sum(m["reward_mean"] for m in lines[:4]) / 4
     last = sum(m["reward_mean"] for m in lines[-4:]) / 4
     assert last > first + 0.05, (first, last)
+
+
+def test_vllm_backend_settings_and_missing_extra(tmp_path):
+    import importlib.util
+
+    from jetrl_cli.errors import PresetError
+
+    with pytest.raises(PresetError, match=r"rollout.vllm_quantization: 'int4' is not allowed \(allowed: jetrl, fp8"):
+        load_job_config("fp8-unified", ["rollout.vllm_quantization=int4"])
+    with pytest.raises(PresetError, match="rollout.backend: 'sglang' is not allowed"):
+        load_job_config("fp8-unified", ["rollout.backend=sglang"])
+    with pytest.raises(PresetError, match="rollout.vllm_gpu_memory_utilization: must be in"):
+        load_job_config("fp8-unified", ["rollout.vllm_gpu_memory_utilization=1.5"])
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here (tests/test_vllm.py covers the backend)")
+    res = invoke("run", "fp8-unified", "-o", tmp_path / "r", "--set", "rollout.backend=vllm")
+    assert res.exit_code == 2
+    assert "pip install 'jetrl[vllm]'" in res.output and "Traceback" not in res.output

