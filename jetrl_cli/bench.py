@@ -394,7 +394,6 @@ def bench_rollout(s: Settings) -> list[dict]:
     sp = SamplingParams(max_new_tokens=s.new_tokens, temperature=1.0, n=1, stop_token_ids=())
     plist = prompts.tolist()
     names = (["fp32"] if s.device == "cpu" else []) + list(s.flows)
-    bf16_tps = None
     for name in names:
         flow = _flow(name)
         s.say(f"rollout: embedded engine, {name}")
@@ -402,16 +401,65 @@ def bench_rollout(s: Settings) -> list[dict]:
         eng.load_weights(make_payload(model, flow))
         t = measure(lambda: eng.generate(plist, sp, seed=0), s)
         tps = total / t["s"]
-        if name == "bf16":
-            bf16_tps = tps
         rows.append({"engine": "jetrl embedded", "flow": name, "emulated": s.device == "cpu" and name != "fp32", **t,
                      "tokens_per_s": tps, "vs_generate": tps / base if base else None})
+    rows += _vllm_rows(s, model, path, names, plist, sp, s.prompt + s.new_tokens, s.batch, base)
+    _ratios_to_bf16(rows)
     for r in rows:
-        r["vs_bf16"] = r["tokens_per_s"] / bf16_tps if bf16_tps and r["engine"] == "jetrl embedded" else None
         r.update({"workload": "fixed", "model": path.name, "batch": s.batch, "prompt": s.prompt,
                   "new_tokens": s.new_tokens})
     if s.task_preset:
         rows += _rollout_task_rows(s, model, path, transformers, names)
+    return rows
+
+
+def _ratios_to_bf16(rows: list[dict]) -> None:
+    """Each engine's rows against the same engine's bf16 row."""
+    for r in rows:
+        bf = next((x["tokens_per_s"] for x in rows if x["engine"] == r["engine"] and x["flow"] == "bf16"), None)
+        r["vs_bf16"] = r["tokens_per_s"] / bf if bf and r["engine"] != "transformers generate()" else None
+
+
+def _vllm_rows(s: Settings, model, path, names, prompts, sp, width: int, max_batch: int, base) -> list[dict]:
+    """vLLM, when installed: each flow through jetrl's quantization method in vLLM, with the time of
+    its in-place weight sync (``sync_s``); on a GPU also vLLM's own FP8 (per-tensor and 128x128 blocks)
+    and its unquantized bf16, whose syncs go through vLLM's reload_weights."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return []
+    from .engine.base import make_payload
+    from .engine.vllm_engine import VLLMEngine, VLLMSettings
+
+    runs = [(name, "jetrl") for name in names]
+    if s.device == "cuda":
+        runs += [("bf16", "none"), ("fp8-rollout", "fp8"), ("fp8-rollout", "fp8-block")]
+    rows = []
+    for name, quant in runs:
+        flow = _flow(name)
+        if quant != "jetrl" and flow.weight_sync.payload != "hp":
+            continue
+        label = "vLLM (jetrl quantizers)" if quant == "jetrl" else f"vLLM ({quant}, its own)"
+        s.say(f"rollout: {label}, {name}")
+        settings = VLLMSettings(quantization=quant, dtype="bfloat16" if quant != "jetrl" and s.device == "cuda"
+                                else "float32", max_batch=max_batch)
+        eng = VLLMEngine(path, flow, width, settings, device=s.device)
+        try:
+            payload = make_payload(model, flow)
+            sync = measure(lambda: eng.load_weights(payload), s)
+            count = [0]
+
+            def run_vllm():
+                count[0] = sum(len(c.tokens) for g in eng.generate(prompts, sp, seed=0) for c in g)
+
+            t = measure(run_vllm, s)
+        finally:
+            eng.close()
+        tps = count[0] / t["s"]
+        rows.append({"engine": label, "flow": name if quant == "jetrl" else f"{quant} ({settings.dtype})",
+                     "emulated": s.device == "cpu" and name != "fp32", **t, "tokens": count[0], "tokens_per_s": tps,
+                     "vs_generate": tps / base if base else None, "sync_s": sync["s"],
+                     "sync_bytes": payload.nbytes})
     return rows
 
 
@@ -472,9 +520,9 @@ def _rollout_task_rows(s: Settings, model, path, transformers, names) -> list[di
         tps = count[0] / t["s"]
         rows.append({"engine": "jetrl embedded", "flow": name, "emulated": s.device == "cpu" and name != "fp32", **t,
                      "tokens": count[0], "tokens_per_s": tps, "vs_generate": tps / base if base else None})
-    bf = next((r["tokens_per_s"] for r in rows if r["flow"] == "bf16" and r["engine"] == "jetrl embedded"), None)
+    rows += _vllm_rows(s, model, path, names, prompts, sp, width, cfg.rollout.max_batch, base)
+    _ratios_to_bf16(rows)
     for r in rows:
-        r["vs_bf16"] = r["tokens_per_s"] / bf if bf and r["engine"] == "jetrl embedded" else None
         r.update({"workload": label, "model": path.name, "batch": len(prompts) * n, "prompt": None, "new_tokens": new})
     return rows
 
@@ -721,12 +769,12 @@ def render(res: dict, console) -> None:
             title = (f"rollout: {x0['model']}, batch {x0['batch']}, prompt {x0['prompt']}, {x0['new_tokens']} new tokens"
                      if wl == "fixed" else f"rollout: {x0['model']}, {wl}")
             t = Table(title=title, title_justify="left")
-            for c in ("engine", "flow", "s", "spread", "tokens/s", "vs generate()", "vs bf16"):
+            for c in ("engine", "flow", "s", "spread", "tokens/s", "vs generate()", "vs bf16", "sync s"):
                 t.add_column(c, justify="left" if c in ("engine", "flow") else "right", no_wrap=c in ("engine", "flow"))
             for x in xs:
                 flow = x["flow"] + (" (emul.)" if x["emulated"] else "")
                 t.add_row(x["engine"], flow, f"{x['s']:.3f}", f"{x['spread_s']:.3f}", f"{x['tokens_per_s']:.0f}",
-                          _f(x["vs_generate"], "{:.2f}x"), _f(x["vs_bf16"], "{:.2f}x"))
+                          _f(x["vs_generate"], "{:.2f}x"), _f(x["vs_bf16"], "{:.2f}x"), _f(x.get("sync_s"), "{:.4f}"))
             console.print(t)
     if "train" in r:
         x0 = r["train"][0]

@@ -11,9 +11,11 @@ import os
 import pytest
 import torch
 
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # as jetrl sets it: stdout is for --json
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from typer.testing import CliRunner  # noqa: E402
 
@@ -296,3 +298,17 @@ def test_run_and_mismatch_report_on_vllm(tmp_path):
     on, off = rep["fp8-unified"], rep["fp8-rollout"]
     assert on["by_length"][0]["engine_vs_embedded_kl"] < 1e-4
     assert off["summary"]["mismatch_kl"] > 20 * on["summary"]["mismatch_kl"]
+
+
+def test_bench_rollout_has_vllm_rows_with_sync_time():
+    res = CliRunner().invoke(app, ["bench", "rollout", "--batch", "3", "--new-tokens", "5", "--flows", "bf16,fp8-unified",
+                                   "--task-preset", "none", "--repeats", "1", "--warmup", "0", "--json", "--no-history"],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    rows = [r for r in out["results"]["rollout"] if r["engine"].startswith("vLLM")]
+    assert [r["flow"] for r in rows] == ["fp32", "bf16", "fp8-unified"]
+    for r in rows:
+        assert r["tokens"] == 3 * 5 and r["tokens_per_s"] > 0 and r["sync_s"] > 0 and r["sync_bytes"] > 0
+    assert rows[2]["vs_bf16"] == pytest.approx(rows[2]["tokens_per_s"] / rows[1]["tokens_per_s"])
+    assert out["env"]["vllm"]  # its version, next to the numbers

@@ -33,6 +33,9 @@ QUANTIZATIONS = ("jetrl", "fp8", "fp8-block", "none")
 
 
 def require_vllm() -> None:
+    # vLLM logs to stdout at INFO by default; jetrl's stdout carries tables and --json output
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -128,6 +131,7 @@ class VLLMEngine:
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids), logprobs=0,
             seed=seed, detokenize=False, skip_special_tokens=False,
+            ignore_eos=True,  # jetrl's stop list (the tokenizer's EOS included) is the only one, as in its engine
         )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[list[Completion]]:
