@@ -157,6 +157,11 @@ def _fusable(lins) -> bool:
     return all(m.precision == p for m in lins) and p.fprop.backend == "emulated"
 
 
+def _same_key(a: tuple, b: tuple) -> bool:
+    """Cache keys compared by identity for the objects in them (precisions, quantized weights)."""
+    return all(x[:3] == y[:3] and x[3] is y[3] and x[4] is y[4] for x, y in zip(a, b))
+
+
 def fused_linears(lins, x: torch.Tensor, cache_owner: nn.Module) -> torch.Tensor:
     """Several linear layers that read the same input, outputs concatenated along the last dim:
     one GEMM when no gradient is needed.
@@ -165,27 +170,29 @@ def fused_linears(lins, x: torch.Tensor, cache_owner: nn.Module) -> torch.Tensor
     are concatenated along N. Each output element is the same dot product in the same order as
     the separate GEMMs' (this BLAS's results do not depend on N; ``tests/test_engine.py`` checks
     the model's grad and no-grad forwards agree bit for bit), so this is a pure speed-up."""
-    if torch.is_grad_enabled() or x.is_cuda or not _fusable(lins):
+    if torch.is_grad_enabled() or x.is_cuda:
         return torch.cat([m(x) for m in lins], dim=-1)
     from ..precision.gemm import _values
     from ..precision.linear import JetLinear, _finish, cast_operand
 
-    x2 = x.reshape(-1, x.shape[-1])
-    if isinstance(lins[0], JetLinear):
-        ops = tuple(m.quantized_weight() for m in lins)
-        prec = lins[0].precision.fprop
-        xa = _values(cast_operand(x2, prec.a))
-    else:
-        ops = tuple(m.weight for m in lins)
-        prec, xa = None, x2
-    versions = tuple((m.weight._version, m.bias._version if m.bias is not None else -1) for m in lins)
+    # What the concatenated weight depends on: each layer's weight (storage and in-place version),
+    # bias version, precision object (set_precision replaces it) and loaded quantized weight.
+    key = tuple((m.weight.data_ptr(), m.weight._version, -1 if m.bias is None else m.bias._version,
+                 getattr(m, "precision", None), getattr(m, "_wfixed", None)) for m in lins)
     cached = getattr(cache_owner, "_fused_cache", None)
-    if cached is None or cached[1] != versions or any(a is not b for a, b in zip(cached[0], ops)):
-        w = torch.cat([_values(o) if prec is not None else o.detach() for o in ops])
+    if cached is None or not _same_key(cached[0], key):
+        if not _fusable(lins):
+            cache_owner._fused_cache = None
+            return torch.cat([m(x) for m in lins], dim=-1)
+        jet = isinstance(lins[0], JetLinear)
+        prec = lins[0].precision.fprop if jet else None
+        w = torch.cat([_values(m.quantized_weight()) if jet else m.weight.detach() for m in lins])
         b = torch.cat([m.bias.detach().float() for m in lins]) if lins[0].bias is not None else None
-        cached = (ops, versions, w, b)
+        cached = (key, prec, w, b)
         cache_owner._fused_cache = cached
-    _, _, w, b = cached
+    _, prec, w, b = cached
+    x2 = x.reshape(-1, x.shape[-1])
+    xa = _values(cast_operand(x2, prec.a)) if prec is not None else x2
     acc = row_invariant_mm(xa, w)
     if b is not None:
         acc = acc + b
@@ -202,12 +209,25 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.width = width
+        self._index: tuple | None = None
+
+    def write_index(self, q_index: torch.Tensor) -> torch.Tensor:
+        """Rows of the flattened ``(batch * kv_heads * width, head_dim)`` cache that the keys of
+        ``q_index`` (batch, t) go to, in ``(batch, kv_heads, t)`` order; computed once per forward."""
+        if self._index is not None and self._index[0] is q_index:
+            return self._index[1]
+        b, hk, w, _ = self.k[0].shape
+        bh = torch.arange(b * hk, device=q_index.device).reshape(b, hk, 1)
+        idx = (bh * w + q_index[:, None, :]).reshape(-1)
+        self._index = (q_index, idx)
+        return idx
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (finished sequences leave the batch)."""
         self.k = [k[rows] for k in self.k]
         self.v = [v[rows] for v in self.v]
         self.lengths = self.lengths[rows]
+        self._index = None
 
 
 class Attention(nn.Module):
@@ -235,10 +255,11 @@ class Attention(nn.Module):
             keys = F.pad(k, (0, 0, 0, width - t))
             values = F.pad(v, (0, 0, 0, width - t))
         else:
-            bi = torch.arange(b, device=x.device)[:, None].expand(b, t)
-            cache.k[layer].transpose(1, 2)[bi, q_index] = k.transpose(1, 2).to(cache.k[layer].dtype)
-            cache.v[layer].transpose(1, 2)[bi, q_index] = v.transpose(1, 2).to(cache.v[layer].dtype)
-            keys, values = cache.k[layer][:, :, :width], cache.v[layer][:, :, :width]
+            ck, cv = cache.k[layer], cache.v[layer]
+            idx = cache.write_index(q_index)
+            ck.view(-1, ck.shape[-1]).index_copy_(0, idx, k.reshape(-1, k.shape[-1]).to(ck.dtype))
+            cv.view(-1, cv.shape[-1]).index_copy_(0, idx, v.reshape(-1, v.shape[-1]).to(cv.dtype))
+            keys, values = ck[:, :, :width], cv[:, :, :width]
         # GQA without copying the cache: the `rep` query heads sharing a KV head are stacked as rows
         # of one (rep*t, d) matrix per (sequence, KV head).
         hk, rep = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads

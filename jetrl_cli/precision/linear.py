@@ -148,11 +148,11 @@ class JetLinear(nn.Module):
         if self._wfixed is not None:
             return self._wfixed
         w = self.weight
-        spec = self.precision.fprop.b
-        key = (w.data_ptr(), w._version, w.dtype, w.device, spec)
+        # set_precision clears the cache; a new dtype or device means new storage (data_ptr)
+        key = (w.data_ptr(), w._version)
         if self._wcache is None or self._wcache[0] != key:
             with torch.no_grad():
-                self._wcache = (key, cast_operand(w.detach(), spec, self.precision.fprop.backend))
+                self._wcache = (key, cast_operand(w.detach(), self.precision.fprop.b, self.precision.fprop.backend))
         return self._wcache[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
