@@ -312,3 +312,26 @@ def test_bench_rollout_has_vllm_rows_with_sync_time():
         assert r["tokens"] == 3 * 5 and r["tokens_per_s"] > 0 and r["sync_s"] > 0 and r["sync_bytes"] > 0
     assert rows[2]["vs_bf16"] == pytest.approx(rows[2]["tokens_per_s"] / rows[1]["tokens_per_s"])
     assert out["env"]["vllm"]  # its version, next to the numbers
+
+
+def test_tied_embeddings_and_padded_vocab_sync(tmp_path):
+    """A Qwen2 with tied embeddings and a vocabulary vLLM pads (300 -> 320 rows), built here: the
+    sync reaches vLLM's padded embedding and its packed logits copy."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=True, eos_token_id=1)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    model = load_model(tmp_path / "m").eval()
+    flow = named_flow("fp8-unified")
+    eng = VLLMEngine(tmp_path / "m", flow, WIDTH)
+    try:
+        prompts = [[5, 17, 40, 2], [250, 3, 9]]
+        sp = SamplingParams(max_new_tokens=16, temperature=1.0, n=4)
+        for m in (model, _perturbed(model, 4)):
+            eng.load_weights(make_payload(m, flow))
+            got = _mismatch(eng, m, "fp8-unified", prompts, sp)
+            assert got["mismatch_kl"] < 2e-5, got
+    finally:
+        eng.close()

@@ -84,9 +84,8 @@ class JetrlQuantConfig(QuantizationConfig):
         return skipped.pop()
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
-        if isinstance(layer, ParallelLMHead):
-            return JetrlLinearMethod(HIGH_PRECISION if self._skipped(prefix) else self.flow.rollout.linear)
-        if isinstance(layer, LinearBase):
+        # A tied lm_head is the embedding itself in vLLM (a VocabParallelEmbedding): vLLM's own method
+        if isinstance(layer, (LinearBase, ParallelLMHead)):
             return JetrlLinearMethod(HIGH_PRECISION if self._skipped(prefix) else self.flow.rollout.linear)
         return None
 
@@ -115,6 +114,12 @@ class JetrlLinearMethod(LinearMethodBase):
         # is the same dot product as the separate GEMMs'.
         return self.spec.backend == "emulated" and device.type == "cpu"
 
+    def tie_weights(self, layer, embed_tokens):
+        """A tied lm_head reads the embedding's weight, which stays (the embedding needs it)."""
+        layer.weight = embed_tokens.weight
+        layer.jetrl_tied = True
+        return layer
+
     def process_weights_after_loading(self, layer) -> None:
         w = layer.weight.detach()
         with torch.no_grad():
@@ -122,7 +127,8 @@ class JetrlLinearMethod(LinearMethodBase):
                                for s in w.split(layer.jetrl_sizes, 0)]
             layer.jetrl_fused = (torch.cat([_values(op) for op in layer.jetrl_ops]).contiguous()
                                  if self._fused(w.device) else None)
-        layer.weight.data = torch.empty(0, dtype=w.dtype, device=w.device)  # jetrl_ops hold the weights now
+        if not getattr(layer, "jetrl_tied", False):
+            layer.weight.data = torch.empty(0, dtype=w.dtype, device=w.device)  # jetrl_ops hold the weights now
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         spec = self.spec
@@ -158,7 +164,13 @@ class JetrlLinearMethod(LinearMethodBase):
             dst.scale.copy_(value.scale)
             return
         device = (dst.data if isinstance(dst, QTensor) else dst).device
-        q = cast_operand(value.to(device).float(), self.spec.b, self.spec.backend)
+        value = value.to(device).float()
+        rows = dst.shape[0]
+        if value.dim() == 2 and value.shape[0] < rows and value.shape[1] == dst.shape[1]:
+            # vLLM pads vocab-sized layers (lm_head) to a multiple of 64 rows with zeros; zero rows
+            # leave every block's amax, so the real rows quantize exactly as the trainer's do
+            value = torch.nn.functional.pad(value, (0, 0, 0, rows - value.shape[0]))
+        q = cast_operand(value, self.spec.b, self.spec.backend)
         if tuple(q.shape) != tuple(dst.shape):
             raise ValueError(f"weight shape {tuple(q.shape)}, the layer holds {tuple(dst.shape)}")
         if isinstance(dst, QTensor):
@@ -218,6 +230,10 @@ def load_payload(model: torch.nn.Module, tensors: dict) -> int:
             p.data.copy_(value)
             if method is not None and hasattr(method, "process_weights_after_loading") and mod is not None:
                 reprocess[mod_name] = mod  # e.g. a tied embedding's packed CPU GEMM copy
+        for name, mod in modules.items():  # a tied lm_head re-reads the (updated) embedding
+            if getattr(mod, "jetrl_tied", False) and tensors:
+                mod.quant_method.load_shard(mod, "weight", 0, mod.weight.detach())
+                touched[name] = mod
         for mod in touched.values():
             mod.quant_method.refresh(mod)
         for mod in reprocess.values():
