@@ -67,12 +67,21 @@ class EmbeddedEngine:
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, gen) -> list[Completion]:
         b = len(prompts)
         dev = self.device
-        lengths = torch.tensor([len(p) for p in prompts], device=dev)
-        ids = torch.zeros(b, int(lengths.max()), dtype=torch.long, device=dev)
-        for i, p in enumerate(prompts):
+        # A GRPO group repeats its prompt n times: prefill each distinct prompt once, then copy its
+        # cache rows and logits to every sample (rows are computed independently of each other, so
+        # the copies hold the same bits a prefill of every row would give).
+        distinct: dict[tuple, int] = {}
+        which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        lengths = torch.tensor([len(p) for p in distinct], device=dev)
+        ids = torch.zeros(len(distinct), int(lengths.max()), dtype=torch.long, device=dev)
+        for i, p in enumerate(distinct):
             ids[i, :len(p)] = torch.tensor(p, device=dev)
-        cache = self.model.new_cache(b, self.width)
+        cache = self.model.new_cache(len(distinct), self.width)
         logits = self.model.prefill(ids, lengths, cache)
+        if len(distinct) < b:
+            rows = torch.tensor(which, device=dev)
+            cache.select(rows)
+            logits = logits[rows]
         stops = set(params.stop_token_ids)
         toks = [[] for _ in range(b)]
         lps = [[] for _ in range(b)]

@@ -175,6 +175,14 @@ class VLLMEngine:
         self.weights_version = payload.version
 
     def close(self) -> None:
-        llm = getattr(self, "llm", None)
+        """Shut vLLM's engine core down (its executor, KV cache and model), so the next engine in
+        this process (bench, mismatch-report over several flows) starts with the memory back."""
+        llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            del self.llm
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            import gc
+
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
