@@ -250,3 +250,38 @@ def test_hf_model_with_bpe_tokenizer_runs_a_jsonl_rollout(tmp_path):
     rep = {f["flow"]: f for f in json.loads(res.stdout)["flows"]}
     assert rep["fp8-unified"]["summary"]["mismatch_kl"] == 0.0 and rep["fp8-rollout"]["summary"]["mismatch_kl"] > 0
     assert len(rep["fp8-rollout"]["layers"]) == 2 * 7
+
+
+@pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified"])
+def test_group_prompts_share_one_prefill_with_the_same_bits(model, flow_name):
+    """The engine prefills each distinct prompt once and copies its rows to the group: the cache
+    and logits equal a prefill of every row, and sampling is unchanged."""
+    m = copy.deepcopy(model).eval()
+    apply_flow(m, named_flow(flow_name), "rollout")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    distinct = [torch.randint(3, 60, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (3,), generator=g)]
+    which = [0, 0, 1, 2, 2, 2, 1]
+    prompts = [distinct[i] for i in which]
+
+    def prefill(ps):
+        lengths = torch.tensor([len(p) for p in ps])
+        ids = torch.zeros(len(ps), int(lengths.max()), dtype=torch.long)
+        for i, p in enumerate(ps):
+            ids[i, :len(p)] = torch.tensor(p)
+        cache = m.new_cache(len(ps), WIDTH)
+        return m.prefill(ids, lengths, cache), cache
+
+    with torch.inference_mode():
+        full_logits, full = prefill(prompts)
+        logits, shared = prefill(distinct)
+        shared.select(torch.tensor(which))
+        logits = logits[torch.tensor(which)]
+    assert torch.equal(logits, full_logits)
+    for a, b in zip(full.k + full.v, shared.k + shared.v):
+        for i, p in enumerate(prompts):
+            assert torch.equal(a[i, :, :len(p)], b[i, :, :len(p)])
+    eng = EmbeddedEngine(model, named_flow(flow_name), WIDTH)
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, n=3)
+    grouped = eng.generate(distinct, sp, seed=5)
+    assert all(len(gr) == 3 for gr in grouped)
+    assert len({tuple(c.tokens) for gr in grouped for c in gr}) > 3  # samples of a group differ
