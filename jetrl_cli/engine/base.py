@@ -13,6 +13,7 @@ from typing import Protocol, Union
 
 import torch
 
+from ..errors import JetrlError
 from ..precision.quant import QTensor
 from .sampling import SamplingParams
 
@@ -43,6 +44,16 @@ class RolloutEngine(Protocol):
 
     def load_weights(self, payload: WeightPayload) -> None:
         """Replace the engine's weights with the trainer's (the weight sync)."""
+
+
+def check_prompts(prompts: list[list[int]], params: SamplingParams, width: int) -> None:
+    """What every engine refuses: an empty prompt, or one that cannot fit its completion."""
+    if any(len(p) == 0 for p in prompts):
+        raise JetrlError("rollout: empty prompt (no tokens)")
+    longest = max(len(p) for p in prompts) + params.max_new_tokens
+    if longest > width:
+        raise JetrlError(f"rollout: prompt + max_new_tokens = {longest} tokens exceeds the engine width "
+                         f"{width} (raise rollout.max_len or shorten prompts)")
 
 
 def make_payload(model: torch.nn.Module, flow, version: int = 0) -> WeightPayload:

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import JetrlError
 from ..precision.linear import JetLinear, apply_flow
-from .base import Completion, WeightPayload
+from .base import Completion, WeightPayload, check_prompts
 from .sampling import SamplingParams, sample, sampling_logprobs
 
 
@@ -51,12 +51,7 @@ class EmbeddedEngine:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[list[Completion]]:
-        if any(len(p) == 0 for p in prompts):
-            raise JetrlError("rollout: empty prompt (no tokens)")
-        longest = max(len(p) for p in prompts) + params.max_new_tokens
-        if longest > self.width:
-            raise JetrlError(f"rollout: prompt + max_new_tokens = {longest} tokens exceeds the engine width "
-                             f"{self.width} (raise rollout.max_len or shorten prompts)")
+        check_prompts(prompts, params, self.width)
         flat = [p for p in prompts for _ in range(params.n)]  # group-major: prompt i -> rows i*n .. i*n+n-1
         out: list[Completion] = []
         for c, start in enumerate(range(0, len(flat), self.max_batch)):

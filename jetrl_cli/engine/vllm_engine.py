@@ -26,7 +26,7 @@ import torch
 from ..errors import JetrlError
 from ..precision.formats import Format
 from ..precision.quant import QTensor
-from .base import Completion, WeightPayload
+from .base import Completion, WeightPayload, check_prompts
 from .sampling import SamplingParams
 
 QUANTIZATIONS = ("jetrl", "fp8", "fp8-block", "none")
@@ -137,12 +137,7 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
-        if any(len(p) == 0 for p in prompts):
-            raise JetrlError("rollout: empty prompt (no tokens)")
-        longest = max(len(p) for p in prompts) + params.max_new_tokens
-        if longest > self.width:
-            raise JetrlError(f"rollout: prompt + max_new_tokens = {longest} tokens exceeds the engine width "
-                             f"{self.width} (raise rollout.max_len or shorten prompts)")
+        check_prompts(prompts, params, self.width)
         sps = [self._sampling(params, seed * 1_000_003 + i) for i in range(len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sps, use_tqdm=False)
         groups = []
