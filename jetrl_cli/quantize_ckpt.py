@@ -125,6 +125,19 @@ def _is_linear_weight(name: str, t: torch.Tensor) -> bool:
     return name.endswith(".weight") and t.dim() == 2
 
 
+def checkpoint_tensors(name: str, t: torch.Tensor, fmt: str, skip: tuple[str, ...] = DEFAULT_SKIP):
+    """One checkpoint tensor in ``fmt``: ``[(name, tensor)]`` as stored, or ``[(weight, data),
+    (scale name, scale)]`` with the quantized tensor (its QTensor third) for a linear weight.
+    ``jetrl quantize`` writes these; the vLLM backend syncs vLLM's own FP8 layers with them."""
+    module = name[: -len(".weight")] if name.endswith(".weight") else name
+    if not _is_linear_weight(name, t) or matches_skip(module, skip):
+        return [(name, t.contiguous())], None
+    q = quantize(t, FORMATS[fmt])
+    scale_name = f"{module}.weight_scale_inv" if fmt == "fp8-block" else f"{module}.weight_scale"
+    scale = q.scale.reshape(()) if fmt == "fp8-tensor" else q.scale.contiguous()
+    return [(name, q.data.contiguous()), (scale_name, scale)], q
+
+
 def quantize_checkpoint(
     src: str | Path,
     dst: str | Path,
@@ -168,18 +181,15 @@ def quantize_checkpoint(
                 if not torch.isfinite(t).all():
                     raise JetrlError(f"{f.name}: tensor {name} contains NaN or Inf; refusing to quantize a broken checkpoint")
                 module = name[: -len(".weight")] if name.endswith(".weight") else name
-                if not _is_linear_weight(name, t) or matches_skip(module, skip):
+                stored, q = checkpoint_tensors(name, t, fmt, skip)
+                for k, v in stored:
+                    out[k] = v
+                    weight_map[k] = f.name
+                if q is None:
                     if _is_linear_weight(name, t) and "embed" not in module:
                         ignored.add(module)
-                    out[name] = t.contiguous()
-                    weight_map[name] = f.name
                     continue
-                q = quantize(t, spec)
                 st = error_stats(t.float(), q.dequantize())
-                out[name] = q.data.contiguous()
-                scale_name = f"{module}.weight_scale_inv" if fmt == "fp8-block" else f"{module}.weight_scale"
-                out[scale_name] = q.scale.reshape(()) if fmt == "fp8-tensor" else q.scale.contiguous()
-                weight_map[name] = weight_map[scale_name] = f.name
                 before = t.numel() * t.element_size()
                 result.bytes_before += before
                 after = q.nbytes()

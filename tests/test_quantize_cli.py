@@ -1,6 +1,7 @@
 """`jetrl quantize` and the CLI shell: round trips on models the test builds, and every bad input."""
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -235,3 +236,33 @@ def test_version_and_help_do_not_import_torch():
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", code], check=True)
     assert time.perf_counter() - t0 < 30  # a sanity bound, not a speed test
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-tensor"])
+def test_checkpoint_tensors_of_live_weights_equal_the_written_checkpoint(tmp_path, fmt):
+    """The vLLM backend syncs vLLM's own FP8 layers with ``checkpoint_tensors`` of the trainer's
+    weights: the same tensors, bit for bit, as ``jetrl quantize`` writes for those weights."""
+    from jetrl_cli.models.hf import safetensors_files
+    from jetrl_cli.quantize_ckpt import checkpoint_tensors, quantize_checkpoint
+    from jetrl_cli.rl.loop import tiny_policy_dir
+
+    model = load_model(tiny_policy_dir())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)  # live weights, as after an update
+    src = tmp_path / "src"
+    shutil.copytree(tiny_policy_dir(), src)
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(src / "model.safetensors"))
+    quantize_checkpoint(src, tmp_path / "q", fmt)
+    written = {}
+    for f in safetensors_files(tmp_path / "q"):
+        written.update(load_file(f))
+    live = {}
+    for name, p in model.named_parameters():
+        live.update(dict(checkpoint_tensors(name, p.detach(), fmt)[0]))
+    assert set(live) == set(written)
+    for k, v in live.items():
+        a, b = v, written[k]
+        assert a.dtype == b.dtype and a.shape == b.shape, k
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a.float(),
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b.float()), k

@@ -256,6 +256,14 @@ def test_vllm_own_fp8_needs_hp_sync_and_reports_cpu_failure_in_one_line(policy):
     with pytest.raises(JetrlError, match=r"vllm_quantization: fp8.*could not start") as e:
         VLLMEngine(tiny_policy_dir(), named_flow("fp8-rollout"), WIDTH, VLLMSettings(quantization="fp8"))
     assert "\n" not in str(e.value)
+    import glob
+    import tempfile
+
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "jetrl-vllm-fp8-block-*")))
+    with pytest.raises(JetrlError, match=r"vllm_quantization: fp8-block.*could not start") as e:
+        VLLMEngine(tiny_policy_dir(), named_flow("fp8-rollout"), WIDTH, VLLMSettings(quantization="fp8-block"))
+    assert "\n" not in str(e.value)
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "jetrl-vllm-fp8-block-*"))) == before  # cleaned up
 
 
 def test_vllm_unquantized_baseline_syncs_through_reload(policy, prompts):

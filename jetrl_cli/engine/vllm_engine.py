@@ -6,8 +6,11 @@ through another process. Quantization inside vLLM is one of
 
 - ``jetrl`` (default): jetrl's own method (``vllm_quant``), the flow's rollout GEMM with the
   trainer's quantizers, so the unified flow stays on-policy in vLLM; weight sync in place.
-- ``fp8`` / ``fp8-block``: vLLM's own FP8 (per-tensor online, or 128x128 blocks), the off-policy
-  baselines; weight sync through vLLM's ``reload_weights`` (its loaders and post-processing).
+- ``fp8`` / ``fp8-block``: vLLM's own FP8, the off-policy baselines. ``fp8`` quantizes the
+  checkpoint online, per tensor; ``fp8-block`` starts vLLM from a block-FP8 checkpoint (128x128
+  weight scales, as ``jetrl quantize --format fp8-block`` writes, in a temporary directory) and
+  runs vLLM's block-FP8 kernels with vLLM's own activation quantization. Weight sync through
+  vLLM's ``reload_weights`` (its loaders and post-processing), in checkpoint format.
 - ``none``: vLLM unquantized in ``vllm_dtype``; weight sync through ``reload_weights``.
 
 Each sampled token's logprob is vLLM's ``processed_logprobs``: under the distribution it was
@@ -17,6 +20,8 @@ sampled from (after temperature and top-k / top-p), as the trainer scores it.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -104,12 +109,15 @@ class VLLMEngine:
         elif s.quantization == "fp8":
             kw.update(quantization="fp8")
         elif s.quantization == "fp8-block":
-            kw.update(quantization="fp8", hf_overrides={"quantization_config": {
-                "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}})
+            from ..quantize_ckpt import quantize_checkpoint
+
+            self._tmp = tempfile.mkdtemp(prefix="jetrl-vllm-fp8-block-")
+            kw["model"] = str(quantize_checkpoint(model_dir, Path(self._tmp) / "model", "fp8-block", flow.skip).output)
         threads = torch.get_num_threads()
         try:
             self.llm = LLM(**kw)
         except Exception as e:  # vLLM reports unsupported set-ups (e.g. its FP8 kernels on CPU) as exceptions
+            self.close()
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise JetrlError(f"rollout.backend: vllm (vllm_quantization: {s.quantization}, dtype: {s.dtype}) "
                              f"could not start: {type(e).__name__}: {msg[:300]}") from None
@@ -164,6 +172,10 @@ class VLLMEngine:
                 raise JetrlError(f"weight sync into vLLM: {e}") from None
         else:
             weights = [(n, t.dequantize() if isinstance(t, QTensor) else t) for n, t in payload.tensors.items()]
+            if self.settings.quantization == "fp8-block":  # the checkpoint's format: FP8 data + block scales
+                from ..quantize_ckpt import checkpoint_tensors
+
+                weights = [x for n, t in weights for x in checkpoint_tensors(n, t, "fp8-block", self.flow.skip)[0]]
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(weights),
                                                                   is_checkpoint_format=True))
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
@@ -172,6 +184,9 @@ class VLLMEngine:
     def close(self) -> None:
         """Shut vLLM's engine core down (its executor, KV cache and model), so the next engine in
         this process (bench, mismatch-report over several flows) starts with the memory back."""
+        tmp = self.__dict__.pop("_tmp", None)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
