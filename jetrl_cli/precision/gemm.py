@@ -62,7 +62,9 @@ def row_invariant_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _values(op: Operand) -> torch.Tensor:
-    return op.dequantize(torch.float32) if isinstance(op, QTensor) else op.float()
+    if isinstance(op, QTensor):
+        return op.dequantize(torch.float32)
+    return op if op.dtype is torch.float32 else op.float()
 
 
 class EmulatedBackend:

@@ -44,7 +44,8 @@ def cast_operand(x: torch.Tensor, spec: CastSpec, backend: str = "emulated") -> 
 
 def _finish(acc: torch.Tensor, spec: GemmSpec, like: torch.dtype) -> torch.Tensor:
     """Round the fp32 product to the GEMM's output precision, return in the activation dtype."""
-    return round_to(acc, spec.out).to(like)
+    out = round_to(acc, spec.out)
+    return out if out.dtype is like else out.to(like)
 
 
 def _fprop(x: torch.Tensor, w_op: Operand, bias, prec: LinearPrecision, n_out: int) -> torch.Tensor:

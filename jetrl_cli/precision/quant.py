@@ -156,7 +156,7 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 def round_to(x: torch.Tensor, fmt: Format) -> torch.Tensor:
     """Round to an unscaled high-precision format and return fp32 (the CPU emulation of bf16)."""
     if fmt is Format.FP32:
-        return x.float()
+        return x if x.dtype is torch.float32 else x.float()
     if fmt is Format.BF16:
         return x.to(torch.bfloat16).float()
     raise ValueError(f"round_to() takes fp32 or bf16, got {fmt.value}")
