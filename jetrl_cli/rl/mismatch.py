@@ -511,21 +511,18 @@ def render(report: dict, console) -> None:
     if any("engine_vs_embedded_kl" in r for f in flows for r in f["by_length"]):
         t.add_row(f"{engine} vs embedded KL", *[_fmt(f["by_length"][-1].get("engine_vs_embedded_kl")) for f in flows])
     console.print(t)
-    if any(f["by_length"] for f in flows) and len(flows[0]["by_length"]) > 1:
-        t = Table(title="mismatch KL by rollout length", title_justify="left")
+    def kl_table(title: str, key: str, head) -> None:
+        t = Table(title=title, title_justify="left")
         t.add_column("flow", no_wrap=True)
-        for r in flows[0]["by_length"]:
-            t.add_column(f"{r['length']} tok", justify="right")
+        for r in flows[0][key]:
+            t.add_column(head(r), justify="right")
         for f in flows:
-            t.add_row(f["flow"], *[_fmt(r["mismatch_kl"]) for r in f["by_length"]])
+            t.add_row(f["flow"], *[_fmt(r["mismatch_kl"]) for r in f[key]])
         console.print(t)
-    t = Table(title="mismatch KL by position in the completion", title_justify="left")
-    t.add_column("flow", no_wrap=True)
-    for r in flows[0]["by_position"]:
-        t.add_column(f"{r['lo']}-{r['hi'] - 1}", justify="right")
-    for f in flows:
-        t.add_row(f["flow"], *[_fmt(r["mismatch_kl"]) for r in f["by_position"]])
-    console.print(t)
+
+    if any(f["by_length"] for f in flows) and len(flows[0]["by_length"]) > 1:
+        kl_table("mismatch KL by rollout length", "by_length", lambda r: f"{r['length']} tok")
+    kl_table("mismatch KL by position in the completion", "by_position", lambda r: f"{r['lo']}-{r['hi'] - 1}")
     for f in flows:
         if "layers" not in f:
             continue
