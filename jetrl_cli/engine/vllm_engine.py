@@ -30,7 +30,7 @@ import torch
 
 from ..errors import JetrlError
 from ..precision.formats import Format
-from ..precision.quant import QTensor
+from ..precision.quant import CastSpec
 from .base import Completion, WeightPayload, check_prompts
 from .sampling import SamplingParams
 
@@ -59,8 +59,8 @@ class VLLMSettings:
     max_batch: int = 256
 
 
-def kv_rounding(flow, quantization: str) -> Format | None:
-    """The format keys/values are rounded to before vLLM's cache (jetrl's quantization only).
+def kv_rounding(flow, quantization: str) -> CastSpec | None:
+    """How keys/values are rounded before vLLM's cache (jetrl's quantization only).
 
     vLLM's own ``kv_cache_dtype=bfloat16`` under an fp32 model gave wrong attention on the CPU
     build (mismatch KL 0.78 against jetrl's engine); rounding the values and keeping vLLM's cache
@@ -69,7 +69,7 @@ def kv_rounding(flow, quantization: str) -> Format | None:
         return None
     kv = flow.rollout.kv_cache
     if kv.format is Format.BF16:
-        return kv.format
+        return CastSpec(kv.format, kv.block)
     if kv.format is Format.FP32:
         return None
     raise JetrlError(f"rollout.backend: vllm: a {kv.short_str()} KV cache (precision.rollout.kv_cache) is not "
@@ -101,7 +101,7 @@ class VLLMEngine:
             max_num_seqs=s.max_batch, logprobs_mode="processed_logprobs", seed=seed,
             enforce_eager=(device == "cpu") if s.enforce_eager is None else s.enforce_eager,
         )
-        kv_fmt = kv_rounding(flow, s.quantization)
+        kv_spec = kv_rounding(flow, s.quantization)
         if device != "cpu":
             kw["gpu_memory_utilization"] = s.gpu_memory_utilization
         if s.quantization == "jetrl":
@@ -124,8 +124,8 @@ class VLLMEngine:
         finally:
             if torch.get_num_threads() != threads:  # vLLM's CPU worker may lower torch's thread count
                 torch.set_num_threads(threads)
-        if kv_fmt is not None:
-            self.llm.apply_model(partial(vllm_quant.install_kv_rounding, fmt=kv_fmt))
+        if kv_spec is not None:
+            self.llm.apply_model(partial(vllm_quant.install_kv_rounding, spec=kv_spec))
         self.flow = flow
         self.width = width
         self.settings = s
@@ -171,7 +171,7 @@ class VLLMEngine:
             except (KeyError, ValueError) as e:
                 raise JetrlError(f"weight sync into vLLM: {e}") from None
         else:
-            weights = [(n, t.dequantize() if isinstance(t, QTensor) else t) for n, t in payload.tensors.items()]
+            weights = list(payload.tensors.items())  # high precision: __init__ refuses weight_sync: quantized
             if self.settings.quantization == "fp8-block":  # the checkpoint's format: FP8 data + block scales
                 from ..quantize_ckpt import checkpoint_tensors
 

@@ -30,14 +30,14 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.parameter import ModelWeightParameter
 
+from ..models.llama import cast_kv
+from ..precision.flow import HIGH_PRECISION_GEMM as HIGH_PRECISION
 from ..precision.flow import GemmSpec, PrecisionFlow, parse_flow
-from ..precision.formats import Format
 from ..precision.gemm import _values, get_backend, row_invariant_mm
 from ..precision.linear import _finish, cast_operand, matches_skip
-from ..precision.quant import CastSpec, QTensor, round_to
+from ..precision.quant import CastSpec, QTensor
 
 NAME = "jetrl"
-HIGH_PRECISION = GemmSpec(CastSpec(Format.FP32), CastSpec(Format.FP32), Format.FP32, "emulated")
 
 
 def config_dict(flow: PrecisionFlow) -> dict:
@@ -201,7 +201,6 @@ def load_payload(model: torch.nn.Module, tensors: dict) -> int:
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     touched: dict[str, torch.nn.Module] = {}
-    reprocess: dict[str, torch.nn.Module] = {}
     with torch.no_grad():
         for name, value in tensors.items():
             mod_name, _, param = name.rpartition(".")
@@ -228,33 +227,28 @@ def load_payload(model: torch.nn.Module, tensors: dict) -> int:
                     continue
                 raise ValueError(f"{name}: shape {tuple(value.shape)}, vLLM holds {tuple(p.shape)}")
             p.data.copy_(value)
-            if method is not None and hasattr(method, "process_weights_after_loading") and mod is not None:
-                reprocess[mod_name] = mod  # e.g. a tied embedding's packed CPU GEMM copy
         for name, mod in modules.items():  # a tied lm_head re-reads the (updated) embedding
             if getattr(mod, "jetrl_tied", False) and tensors:
                 mod.quant_method.load_shard(mod, "weight", 0, mod.weight.detach())
                 touched[name] = mod
         for mod in touched.values():
             mod.quant_method.refresh(mod)
-        for mod in reprocess.values():
-            if getattr(mod, "weight", None) is not None and mod.weight.numel():
-                mod.quant_method.process_weights_after_loading(mod)
     return len(tensors)
 
 
-def install_kv_rounding(model: torch.nn.Module, fmt: Format) -> int:
-    """Round keys and values to ``fmt`` as they enter attention (after RoPE), elementwise, as jetrl's
-    engine rounds them into its KV cache (``models.llama.cast_kv``). vLLM then keeps them in an
-    fp32 cache, holding the same values. Returns the number of attention layers hooked."""
+def install_kv_rounding(model: torch.nn.Module, spec: CastSpec) -> int:
+    """Round keys and values with jetrl's ``cast_kv`` (its engine's KV-cache rounding) as they enter
+    attention, after RoPE. vLLM then keeps them in a cache in the model dtype, holding the values
+    jetrl's engine holds. Returns the number of attention layers hooked."""
 
     def hook(_mod, args, kwargs):
         if len(args) >= 3:
             q, k, v = args[:3]
-            return (q, round_to(k, fmt).to(k.dtype), round_to(v, fmt).to(v.dtype), *args[3:]), kwargs
+            return (q, cast_kv(k, spec), cast_kv(v, spec), *args[3:]), kwargs
         kwargs = dict(kwargs)
         for name in ("key", "value"):
             if kwargs.get(name) is not None:
-                kwargs[name] = round_to(kwargs[name], fmt).to(kwargs[name].dtype)
+                kwargs[name] = cast_kv(kwargs[name], spec)
         return args, kwargs
 
     n = 0

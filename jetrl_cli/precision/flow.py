@@ -56,6 +56,9 @@ class GemmSpec:
         return self.a.is_scaled or self.b.is_scaled
 
 
+HIGH_PRECISION_GEMM = GemmSpec(CastSpec(Format.FP32), CastSpec(Format.FP32), Format.FP32, "emulated")
+
+
 @dataclass(frozen=True)
 class LinearPrecision:
     """The three GEMMs of a linear layer (operand a / b per the module docstring)."""
@@ -68,8 +71,7 @@ class LinearPrecision:
     @classmethod
     def forward_only(cls, fprop: GemmSpec) -> "LinearPrecision":
         """A rollout-side linear: the backward GEMMs mirror fprop in high precision (never run)."""
-        hp = GemmSpec(CastSpec(Format.FP32), CastSpec(Format.FP32), Format.FP32, "emulated")
-        return cls(fprop=fprop, dgrad=hp, wgrad=hp)
+        return cls(fprop=fprop, dgrad=HIGH_PRECISION_GEMM, wgrad=HIGH_PRECISION_GEMM)
 
     def short_str(self) -> str:
         s = f"fprop={self.fprop.short_str()} dgrad={self.dgrad.short_str()} wgrad={self.wgrad.short_str()}"
