@@ -95,7 +95,8 @@ def test_decode_logits_match_full_forward_in_fp32(model):
     assert torch.equal(nxt, full[torch.arange(3), lengths])
     assert torch.equal(m(ids), full)
     with torch.no_grad():  # keys past the sequence add exact zeros, in any number of key chunks
-        assert torch.equal(m(ids, width=300), full)
+        for w in (16, 32, 48, 80, 300):
+            assert torch.equal(m(ids, width=w), full)
 
 
 def test_generate_is_seeded_grouped_and_stops(model):
@@ -182,7 +183,7 @@ def test_grad_and_no_grad_forwards_are_bitwise_equal(model, flow):
     assert torch.equal(fused_r, sep_r.detach())
 
 
-@pytest.mark.parametrize("w", [64, 128, 192])
+@pytest.mark.parametrize("w", [16, 48, 64, 128, 192])
 def test_attention_bmm_rows_do_not_depend_on_row_count(w):
     """The property the attention relies on: bmm rows agree for every M that is a multiple of 4."""
     from jetrl_cli.models.llama import ATT_ROW_TILE, _pad_rows
@@ -285,3 +286,90 @@ def test_group_prompts_share_one_prefill_with_the_same_bits(model, flow_name):
     grouped = eng.generate(distinct, sp, seed=5)
     assert all(len(gr) == 3 for gr in grouped)
     assert len({tuple(c.tokens) for gr in grouped for c in gr}) > 3  # samples of a group differ
+
+
+def test_attention_bmm_columns_do_not_depend_on_key_width():
+    """The other property: q @ k.T for the first keys and p @ v with zero weights on the extra keys
+    give the same bits at every key width (a multiple of KEY_CHUNK) the attention may run at."""
+    from jetrl_cli.models.llama import KEY_CHUNK, _chunked_pv
+
+    q, k, v = torch.randn(32, 4, 32), torch.randn(32, 320, 32), torch.randn(32, 320, 32)
+    p = torch.rand(32, 4, 320)
+    p[..., KEY_CHUNK:] = 0
+    qk = torch.bmm(q, k[:, :KEY_CHUNK].transpose(1, 2))
+    pv = torch.bmm(p[..., :KEY_CHUNK], v[:, :KEY_CHUNK])
+    for w in range(KEY_CHUNK, 321, KEY_CHUNK):
+        assert torch.equal(torch.bmm(q, k[:, :w].transpose(1, 2))[..., :KEY_CHUNK], qk)
+        assert torch.equal(_chunked_pv(p[..., :w], v[:, :w]), pv)
+
+
+def test_compaction_policy():
+    from jetrl_cli.engine.embedded import compaction
+    from jetrl_cli.precision.gemm import ROW_TILE
+
+    rows = list(range(32))
+    assert compaction(rows, 32) is None
+    done = [i if i % 5 else -1 for i in rows]  # 7 finished: fewer than a ROW_TILE
+    assert compaction(done, 25) is None
+    done = [i if i % 3 else -1 for i in rows]  # 11 finished of 32: drop them, keep 24 = 21 live + 3
+    keep = compaction(done, 21)
+    assert len(keep) % ROW_TILE == 0 and len(keep) == 24 and keep == sorted(keep)
+    assert all(i in keep for i, r in enumerate(done) if r >= 0)
+    assert compaction([-1] * 7 + [3], 1) is None  # never below one tile
+
+
+@pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified"])
+def test_rows_dropped_mid_rollout_keep_logprobs_bitwise_on_policy(model, flow_name):
+    """Many stop tokens: rows finish at different steps and the batch is compacted several times
+    (into the engine's reused KV storage); the logprobs still equal the trainer's, and a second
+    call with the same seed, on the reused storage, gives the same samples."""
+    flow = named_flow(flow_name)
+    tm = copy.deepcopy(model)
+    stops = tuple(range(0, 512, 6))  # ~1 token in 6 stops a row
+    sp = SamplingParams(max_new_tokens=20, temperature=1.0, n=8, stop_token_ids=stops)
+    tr = Trainer(tm, flow, TrainConfig(micro_batch=16), CorrectionConfig(), sp, WIDTH)
+    eng = EmbeddedEngine(tm, flow, WIDTH, max_batch=64)
+    eng.load_weights(make_payload(tm, flow))
+    sizes = []
+    orig = eng.model.decode
+
+    def decode(tokens, cache):
+        sizes.append(tokens.shape[0])
+        return orig(tokens, cache)
+
+    eng.model.decode = decode
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    prompts = [torch.randint(1, 512, (int(k),), generator=g).tolist() for k in torch.randint(2, 14, (5,), generator=g)]
+    out = eng.generate(prompts, sp, seed=11)
+    assert len(set(sizes)) >= 3 and all(s % 8 == 0 for s in sizes)  # compacted, to whole row tiles
+    flat = [(p, c) for p, grp in zip(prompts, out) for c in grp]
+    lens = [len(c.tokens) for _, c in flat]
+    assert min(lens) < 5 and max(lens) > 10
+    b = Batch.build([p for p, _ in flat], [c.tokens for _, c in flat], [c.logprobs for _, c in flat],
+                    [0.0] * len(flat), [i // 8 for i in range(len(flat))])
+    old = tr.score(b)
+    assert torch.equal(old[b.mask], b.rollout_logp[b.mask])
+    again = eng.generate(prompts, sp, seed=11)
+    assert [[c.tokens for c in gr] for gr in again] == [[c.tokens for c in gr] for gr in out]
+    assert [[c.logprobs for c in gr] for gr in again] == [[c.logprobs for c in gr] for gr in out]
+
+
+def test_kv_cache_select_into_storage():
+    from jetrl_cli.models.llama import KVCache
+
+    cfg = tiny_config("qwen2", hidden=64, layers=2, vocab=64)
+    cache = KVCache(cfg, 5, 32)
+    cache.kv.normal_()
+    cache.lengths = torch.tensor([3, 4, 5, 6, 7])
+    before = cache.kv.clone()
+    storage = torch.full((KVCache.numel(cfg, 8, 32),), float("nan"))
+    rows = torch.tensor([4, 1, 1])
+    cache.select(rows, storage)
+    assert cache.kv.data_ptr() == storage.data_ptr() and torch.equal(cache.kv, before[:, rows])
+    assert all(torch.equal(k, cache.kv[2 * i]) and torch.equal(v, cache.kv[2 * i + 1])
+               for i, (k, v) in enumerate(zip(cache.k, cache.v)))
+    assert cache.lengths.tolist() == [7, 4, 4]
+    fresh = KVCache(cfg, 8, 32, storage=storage)  # reused storage starts from zeros, never stale
+    assert torch.count_nonzero(fresh.kv) == 0
+    with pytest.raises(ValueError, match="storage holds"):
+        KVCache(cfg, 9, 32, storage=storage)

@@ -3,7 +3,7 @@
 It runs jetrl's own model with the flow's rollout precision (``apply_flow(model, flow,
 "rollout")``) and reports each sampled token's logprob from ``sampling_logprobs``, the function
 the trainer scores with. Prompts are right-padded and every sequence lives in the cache from index
-0, finished sequences leave the batch, and up to ``max_batch`` sequences decode together.
+0, finished sequences leave the batch (see ``compaction``), and up to ``max_batch`` sequences decode together.
 """
 
 from __future__ import annotations
@@ -13,9 +13,27 @@ import copy
 import torch
 
 from ..errors import JetrlError
+from ..precision.gemm import ROW_TILE
 from ..precision.linear import JetLinear, apply_flow
 from .base import Completion, WeightPayload, check_prompts
 from .sampling import SamplingParams, sample, sampling_logprobs
+
+
+def compaction(rows: list[int], live: int) -> list[int] | None:
+    """Which batch rows to keep, or None to keep them all, once some sequences have finished.
+
+    A finished row stays in the batch (its tokens are ignored: rows never affect each other) until
+    a quarter of the batch has finished: dropping rows copies every layer's KV cache, which costs
+    more than decoding a few extra rows. The rows kept are rounded up to a multiple of
+    ``ROW_TILE`` with finished ones, so the GEMMs need no row padding."""
+    dead = len(rows) - live
+    if dead < max(ROW_TILE, len(rows) // 4):
+        return None
+    target = min(len(rows), -(-live // ROW_TILE) * ROW_TILE)
+    keep = [i for i, r in enumerate(rows) if r >= 0]
+    if target > live:
+        keep = sorted(keep + [i for i, r in enumerate(rows) if r < 0][:target - live])
+    return keep
 
 
 class EmbeddedEngine:
@@ -32,6 +50,22 @@ class EmbeddedEngine:
         self.max_batch = max_batch
         self.device = next(self.model.parameters()).device
         self.weights_version = -1
+        self._kv_storage: list[torch.Tensor | None] = [None, None]
+
+    def _storage(self, i: int, batch: int) -> torch.Tensor | None:
+        """Flat buffer ``i`` of two that the KV cache lives in and is compacted between, kept from
+        one rollout to the next on CPU (a fresh tensor there costs page faults on first touch;
+        CUDA's caching allocator already reuses memory, and the trainer needs it between rollouts)."""
+        if self.device.type != "cpu":
+            return None
+        from ..models.llama import KVCache, key_width
+
+        n = KVCache.numel(self.model.config, batch, key_width(self.width))
+        buf = self._kv_storage[i]
+        if buf is None or buf.numel() < n or buf.dtype != self.model.cache_dtype():
+            n = KVCache.numel(self.model.config, max(batch, min(self.max_batch, 256)), key_width(self.width))
+            buf = self._kv_storage[i] = torch.empty(n, dtype=self.model.cache_dtype(), device=self.device)
+        return buf
 
     def load_weights(self, payload: WeightPayload) -> None:
         params = dict(self.model.named_parameters())
@@ -71,17 +105,20 @@ class EmbeddedEngine:
         ids = torch.zeros(len(distinct), int(lengths.max()), dtype=torch.long, device=dev)
         for i, p in enumerate(distinct):
             ids[i, :len(p)] = torch.tensor(p, device=dev)
-        cache = self.model.new_cache(len(distinct), self.width)
+        cache = self.model.new_cache(len(distinct), self.width, self._storage(0, len(distinct)))
+        spare = 1  # the storage buffer the next select copies into
         logits = self.model.prefill(ids, lengths, cache)
         if len(distinct) < b:
             rows = torch.tensor(which, device=dev)
-            cache.select(rows)
+            cache.select(rows, self._storage(spare, b))
+            spare = 1 - spare
             logits = logits[rows]
         stops = set(params.stop_token_ids)
         toks = [[] for _ in range(b)]
         lps = [[] for _ in range(b)]
         reasons = ["length"] * b
-        rows = list(range(b))  # original index of each active row
+        rows = list(range(b))  # original index of each batch row; -1: finished, not yet dropped
+        live = b
         for step in range(params.max_new_tokens):
             logp = sampling_logprobs(logits, params)
             if params.greedy:
@@ -90,19 +127,22 @@ class EmbeddedEngine:
                 logp_report = logp
             nxt = sample(logp, params, gen)
             chosen = logp_report.gather(-1, nxt[:, None])[:, 0]
-            nxt_l, lp_l = nxt.tolist(), chosen.tolist()
-            keep_l = []
-            for r, t, lp in zip(rows, nxt_l, lp_l):
+            for i, (r, t, lp) in enumerate(zip(rows, nxt.tolist(), chosen.tolist())):
+                if r < 0:
+                    continue
                 toks[r].append(t)
                 lps[r].append(lp)
                 if t in stops:
                     reasons[r] = "stop"
-                keep_l.append(t not in stops)
-            if step == params.max_new_tokens - 1 or not any(keep_l):
+                    rows[i] = -1
+                    live -= 1
+            if step == params.max_new_tokens - 1 or live == 0:
                 break
-            if not all(keep_l):
-                keep = torch.tensor(keep_l, device=dev)
-                cache.select(keep)
-                rows, nxt = [r for r, k in zip(rows, keep_l) if k], nxt[keep]
+            keep = compaction(rows, live)
+            if keep is not None:
+                idx = torch.tensor(keep, device=dev)
+                cache.select(idx, self._storage(spare, len(keep)))
+                spare = 1 - spare
+                rows, nxt = [rows[i] for i in keep], nxt[idx]
             logits = self.model.decode(nxt, cache)
         return [Completion(toks[i], lps[i], reasons[i]) for i in range(b)]

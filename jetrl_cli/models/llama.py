@@ -69,7 +69,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused, per-row kernel
+            # F.rms_norm's own ops (mean = sum, then div_), without its ~10 dtype checks and copies
+            ms = (x * x).sum(-1, keepdim=True).div_(x.shape[-1])
+            return x * torch.rsqrt(ms.add_(self.eps)) * self.weight
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * xf).to(x.dtype)
@@ -115,7 +117,7 @@ def cast_kv(t: torch.Tensor, spec: CastSpec | None) -> torch.Tensor:
     return t + (q - t).detach() if t.requires_grad else q  # straight-through in training
 
 
-KEY_CHUNK = 64  # key widths are multiples of this
+KEY_CHUNK = 16  # key widths are multiples of this
 PV_CHUNK = 128  # keys per p @ v GEMM (the last one of a width may hold 64)
 
 
@@ -144,6 +146,23 @@ def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, pad)) if pad else x
 
 
+def _decode_attention(q, kf, vf, bias, rep: int) -> torch.Tensor:
+    """Attention for one query per sequence (a decode step), (b, 1, heads * d): the same bits as
+    the general path, with fewer ops. The query rows of a KV head are padded to ``ATT_ROW_TILE``
+    once, and the padding rows (zeros) go through softmax and ``p @ v`` with the real ones instead
+    of being cut and padded again (rows never affect each other; their softmax is finite)."""
+    b, h, _, d = q.shape
+    hk = h // rep
+    tile = -(-rep // ATT_ROW_TILE) * ATT_ROW_TILE
+    qf = torch.zeros(b * hk, tile, d, dtype=torch.float32, device=q.device)
+    torch.mul(q.float().reshape(b, hk, rep, d), d ** -0.5, out=qf.view(b, hk, tile, d)[:, :, :rep])
+    att = torch.bmm(qf, kf.transpose(1, 2))
+    w = att.shape[-1]
+    att = (att.view(b, hk, tile, w) + bias.view(b, 1, 1, w)).softmax(-1)
+    out = _chunked_pv(att.view(b * hk, tile, w), vf)
+    return out.view(b, hk, tile, d)[:, :, :rep].reshape(b, 1, h * d)
+
+
 def _fusable(lins) -> bool:
     from ..precision.linear import JetLinear
 
@@ -157,40 +176,48 @@ def _fusable(lins) -> bool:
     return all(m.precision == p for m in lins) and p.fprop.backend == "emulated"
 
 
-def _same_key(a: tuple, b: tuple) -> bool:
-    """Cache keys compared by identity for the objects in them (precisions, quantized weights)."""
-    return all(x[:3] == y[:3] and x[3] is y[3] and x[4] is y[4] for x, y in zip(a, b))
+def _weights_key(lins) -> tuple:
+    """What a concatenated weight depends on: each layer's weight (storage and in-place version),
+    bias version, precision object (set_precision replaces it) and loaded quantized weight, the
+    last two by identity (the cache entry holds them, so their ids cannot be reused)."""
+    key = []
+    for m in lins:
+        w, b = m.weight, m.bias
+        key += (w.data_ptr(), w._version, -1 if b is None else b._version,
+                id(getattr(m, "precision", None)), id(getattr(m, "_wfixed", None)))
+    return tuple(key)
 
 
 def fused_linears(lins, x: torch.Tensor, cache_owner: nn.Module) -> torch.Tensor:
-    """Several linear layers that read the same input, outputs concatenated along the last dim:
-    one GEMM when no gradient is needed.
+    """Linear layers that read the same input, outputs concatenated along the last dim: one GEMM
+    on a cached weight when no gradient is needed.
 
-    Inference only (rollout, scoring): the input is cast once and the layers' (quantized) weights
-    are concatenated along N. Each output element is the same dot product in the same order as
-    the separate GEMMs' (this BLAS's results do not depend on N; ``tests/test_engine.py`` checks
-    the model's grad and no-grad forwards agree bit for bit), so this is a pure speed-up."""
+    Inference only (rollout, scoring): the input is cast once and the layers' (quantized,
+    dequantized) weights are concatenated along N and kept until a weight changes. Each output
+    element is the same dot product in the same order as the separate GEMMs' (this BLAS's results
+    do not depend on N; ``tests/test_engine.py`` checks the model's grad and no-grad forwards agree
+    bit for bit), so this is a pure speed-up. One layer is fine too: its weight is then not
+    dequantized again at every call."""
     if torch.is_grad_enabled() or x.is_cuda:
-        return torch.cat([m(x) for m in lins], dim=-1)
+        return lins[0](x) if len(lins) == 1 else torch.cat([m(x) for m in lins], dim=-1)
     from ..precision.gemm import _values
     from ..precision.linear import JetLinear, _finish, cast_operand
 
-    # What the concatenated weight depends on: each layer's weight (storage and in-place version),
-    # bias version, precision object (set_precision replaces it) and loaded quantized weight.
-    key = tuple((m.weight.data_ptr(), m.weight._version, -1 if m.bias is None else m.bias._version,
-                 getattr(m, "precision", None), getattr(m, "_wfixed", None)) for m in lins)
-    cached = getattr(cache_owner, "_fused_cache", None)
-    if cached is None or not _same_key(cached[0], key):
+    key = _weights_key(lins)
+    cached = cache_owner.__dict__.get("_fused_cache")
+    if cached is None or cached[0] != key:
         if not _fusable(lins):
-            cache_owner._fused_cache = None
-            return torch.cat([m(x) for m in lins], dim=-1)
+            cache_owner.__dict__["_fused_cache"] = None
+            return lins[0](x) if len(lins) == 1 else torch.cat([m(x) for m in lins], dim=-1)
         jet = isinstance(lins[0], JetLinear)
         prec = lins[0].precision.fprop if jet else None
-        w = torch.cat([_values(m.quantized_weight()) if jet else m.weight.detach() for m in lins])
+        ws = [_values(m.quantized_weight()) if jet else m.weight.detach() for m in lins]
+        w = ws[0] if len(ws) == 1 else torch.cat(ws)
         b = torch.cat([m.bias.detach().float() for m in lins]) if lins[0].bias is not None else None
-        cached = (key, prec, w, b)
-        cache_owner._fused_cache = cached
-    _, prec, w, b = cached
+        held = [(getattr(m, "precision", None), getattr(m, "_wfixed", None)) for m in lins]
+        cached = (key, prec, w, b, held)
+        cache_owner.__dict__["_fused_cache"] = cached
+    _, prec, w, b, _ = cached
     x2 = x.reshape(-1, x.shape[-1])
     xa = _values(cast_operand(x2, prec.a)) if prec is not None else x2
     acc = row_invariant_mm(xa, w)
@@ -201,15 +228,33 @@ def fused_linears(lins, x: torch.Tensor, cache_owner: nn.Module) -> torch.Tensor
 
 
 class KVCache:
-    """Per-layer keys/values, ``(batch, kv_heads, width, head_dim)``, each sequence from index 0."""
+    """Keys and values of every layer in one tensor, ``(2 * layers, batch, kv_heads, width,
+    head_dim)`` (layer i: keys at 2i, values at 2i+1), each sequence stored from index 0.
 
-    def __init__(self, cfg: ModelConfig, batch: int, width: int, dtype=torch.float32, device=None):
-        shape = (batch, cfg.num_key_value_heads, width, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+    ``storage``: a flat tensor to build the cache in (at least ``KVCache.numel(...)`` elements),
+    reused from one rollout to the next. On CPU a fresh multi-MB tensor costs a page fault per
+    4 KiB page on first touch, more than the copy that fills it."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, width: int, dtype=torch.float32, device=None,
+                 storage: torch.Tensor | None = None):
+        shape = (2 * cfg.num_hidden_layers, batch, cfg.num_key_value_heads, width, cfg.head_dim)
+        if storage is None:
+            kv = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            kv = _view(storage, shape).zero_()  # positions never written must hold finite values
+        self._set(kv)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=kv.device)
         self.width = width
         self._index: tuple | None = None
+
+    @staticmethod
+    def numel(cfg: ModelConfig, batch: int, width: int) -> int:
+        return 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * width * cfg.head_dim
+
+    def _set(self, kv: torch.Tensor) -> None:
+        self.kv = kv
+        self.k = list(kv[0::2])
+        self.v = list(kv[1::2])
 
     def write_index(self, q_index: torch.Tensor) -> torch.Tensor:
         """Rows of the flattened ``(batch * kv_heads * width, head_dim)`` cache that the keys of
@@ -222,12 +267,24 @@ class KVCache:
         self._index = (q_index, idx)
         return idx
 
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (finished sequences leave the batch)."""
-        self.k = [k[rows] for k in self.k]
-        self.v = [v[rows] for v in self.v]
-        self.lengths = self.lengths[rows]
+    def select(self, rows: torch.Tensor, storage: torch.Tensor | None = None) -> None:
+        """Keep only ``rows`` (finished sequences leave the batch, a prompt's cache is copied to
+        its group), in one copy into ``storage`` (which must not be this cache's) or a new tensor."""
+        shape = (self.kv.shape[0], rows.numel(), *self.kv.shape[2:])
+        if storage is None:
+            kv = self.kv.index_select(1, rows)
+        else:
+            kv = torch.index_select(self.kv, 1, rows, out=_view(storage, shape))
+        self._set(kv)
+        self.lengths = self.lengths.index_select(0, rows)
         self._index = None
+
+
+def _view(storage: torch.Tensor, shape: tuple) -> torch.Tensor:
+    n = math.prod(shape)
+    if storage.numel() < n:
+        raise ValueError(f"KV-cache storage holds {storage.numel()} elements, {n} needed")
+    return storage[:n].view(shape)
 
 
 class Attention(nn.Module):
@@ -262,17 +319,20 @@ class Attention(nn.Module):
             keys, values = ck[:, :, :width], cv[:, :, :width]
         # GQA without copying the cache: the `rep` query heads sharing a KV head are stacked as rows
         # of one (rep*t, d) matrix per (sequence, KV head).
-        hk, rep = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads
+        rep = h // hk
         w, d = keys.shape[2], c.head_dim
-        rows = rep * t
-        qf = _pad_rows((q.float() * (d ** -0.5)).reshape(b * hk, rows, d))
         kf = keys.float().reshape(b * hk, w, d)
-        vf = values.float().reshape(b * hk, w, d)  # copies the cache's active width only
-        att = torch.bmm(qf, kf.transpose(1, 2))[:, :rows].reshape(b, hk, rep, t, w)
-        att = (att + bias).softmax(-1)
-        out = _chunked_pv(_pad_rows(att.reshape(b * hk, rows, w)), vf)[:, :rows]
-        out = out.reshape(b, c.num_attention_heads, t, d).to(x.dtype).transpose(1, 2).reshape(b, t, -1)
-        return self.o_proj(out)
+        vf = values.float().reshape(b * hk, w, d)
+        if t == 1:
+            out = _decode_attention(q, kf, vf, bias, rep)
+        else:
+            rows = rep * t
+            qf = _pad_rows((q.float() * (d ** -0.5)).reshape(b * hk, rows, d))
+            att = torch.bmm(qf, kf.transpose(1, 2))[:, :rows].reshape(b, hk, rep, t, w)
+            att = (att + bias).softmax(-1)
+            out = _chunked_pv(_pad_rows(att.reshape(b * hk, rows, w)), vf)[:, :rows]
+            out = out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, -1)
+        return fused_linears((self.o_proj,), out.to(x.dtype), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -285,7 +345,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         g, u = fused_linears((self.gate_proj, self.up_proj), x, self).chunk(2, dim=-1)
-        return self.down_proj(silu(g) * u)
+        return fused_linears((self.down_proj,), silu(g) * u, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -374,14 +434,16 @@ class LlamaForCausalLM(nn.Module):
             keep = F.pad(attention_mask.bool(), (0, width - t))
             pos = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         h = self._trunk(input_ids, pos, q_index, keep, width)
-        return self.lm_head(h).float()
+        return fused_linears((self.lm_head,), h, self.lm_head).float()
 
     # -- incremental decoding (the rollout engine) ----------------------------------------
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        p = self.lm_head.weight
-        return KVCache(self.config, batch, key_width(max_len),
-                       dtype=torch.float32 if p.dtype == torch.float32 else p.dtype, device=p.device)
+    def new_cache(self, batch: int, max_len: int, storage: torch.Tensor | None = None) -> KVCache:
+        return KVCache(self.config, batch, key_width(max_len), dtype=self.cache_dtype(),
+                       device=self.lm_head.weight.device, storage=storage)
+
+    def cache_dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
 
     def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Fill the cache with right-padded prompts; logits (fp32) at each prompt's last token."""
@@ -390,7 +452,7 @@ class LlamaForCausalLM(nn.Module):
         h = self._trunk(input_ids, idx, idx, None, key_width(t), cache)
         cache.lengths = lengths.clone()
         last = h[torch.arange(b, device=h.device), lengths - 1]
-        return self.lm_head(last).float()
+        return fused_linears((self.lm_head,), last, self.lm_head).float()
 
     def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Append one token per sequence at its own length; logits (fp32) for the next token."""
@@ -399,4 +461,4 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"KV cache full ({cache.width} positions)")
         h = self._trunk(tokens[:, None], idx, idx, None, key_width(int(cache.lengths.max()) + 1), cache)
         cache.lengths = cache.lengths + 1
-        return self.lm_head(h[:, 0]).float()
+        return fused_linears((self.lm_head,), h[:, 0], self.lm_head).float()
