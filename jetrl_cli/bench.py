@@ -139,6 +139,43 @@ def measure(fn, s: Settings) -> dict:
     return {"s": statistics.median(ts), "spread_s": max(ts) - min(ts), "repeats": len(ts)}
 
 
+def measure_interleaved(fns: dict, s: Settings) -> dict:
+    """``measure`` for several functions compared with each other (engines on one workload): after
+    the warm-up, the timed runs alternate between them, so a change in the machine's speed while
+    the benchmark runs (other tenants on a shared CPU) hits all of them alike. A function may
+    return the number of tokens it produced: ``tokens_per_s`` is then the median of tokens / time."""
+    cuda = s.device == "cuda"
+    for fn in fns.values():
+        for _ in range(s.warmup):
+            fn()
+    ts: dict = {k: [] for k in fns}
+    counts: dict = {k: [] for k in fns}
+    for _ in range(s.repeats):
+        for k, fn in fns.items():
+            if cuda:
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                c = fn()
+                b.record()
+                torch.cuda.synchronize()
+                ts[k].append(a.elapsed_time(b) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                c = fn()
+                ts[k].append(time.perf_counter() - t0)
+            counts[k].append(c)
+    out = {}
+    for k in fns:
+        t = ts[k]
+        res = {"s": statistics.median(t), "spread_s": max(t) - min(t), "repeats": len(t)}
+        if all(c is not None for c in counts[k]):
+            res["tokens"] = int(statistics.median(counts[k]))
+            res["tokens_per_s"] = statistics.median(c / x for c, x in zip(counts[k], t))
+        out[k] = res
+    return out
+
+
 def environment(device: str) -> dict:
     from . import __version__
 
@@ -373,6 +410,10 @@ def bench_rollout(s: Settings) -> list[dict]:
         import transformers
     except ImportError:
         transformers = None
+    sp = SamplingParams(max_new_tokens=s.new_tokens, temperature=1.0, n=1, stop_token_ids=())
+    plist = prompts.tolist()
+    names = (["fp32"] if s.device == "cpu" else []) + list(s.flows)
+    fns = {}
     if transformers is not None:
         s.say(f"rollout: transformers generate() ({hp})")
         hf = transformers.AutoModelForCausalLM.from_pretrained(
@@ -386,23 +427,29 @@ def bench_rollout(s: Settings) -> list[dict]:
                                   pad_token_id=0, eos_token_id=None)
             assert out.shape[1] == s.prompt + s.new_tokens
 
-        t = measure(run_hf, s)
-        base = total / t["s"]
-        rows.append({"engine": "transformers generate()", "flow": hp, "emulated": False, **t,
-                     "tokens_per_s": base, "vs_generate": 1.0})
-        del hf
-    sp = SamplingParams(max_new_tokens=s.new_tokens, temperature=1.0, n=1, stop_token_ids=())
-    plist = prompts.tolist()
-    names = (["fp32"] if s.device == "cpu" else []) + list(s.flows)
+        fns["hf"] = run_hf
     for name in names:
-        flow = _flow(name)
         s.say(f"rollout: embedded engine, {name}")
+        flow = _flow(name)
         eng = EmbeddedEngine(model, flow, s.prompt + s.new_tokens, max_batch=s.batch)
         eng.load_weights(make_payload(model, flow))
-        t = measure(lambda: eng.generate(plist, sp, seed=0), s)
-        tps = total / t["s"]
-        rows.append({"engine": "jetrl embedded", "flow": name, "emulated": s.device == "cpu" and name != "fp32", **t,
-                     "tokens_per_s": tps, "vs_generate": tps / base if base else None})
+
+        def run_ours(eng=eng):
+            eng.generate(plist, sp, seed=0)
+
+        fns[name] = run_ours
+    s.say("rollout: timing the engines in turn")
+    timed = measure_interleaved(fns, s)
+    fns.clear()  # frees the engines and transformers' model
+    hf = eng = None
+    base = total / timed["hf"]["s"] if "hf" in timed else None
+    if base is not None:
+        rows.append({"engine": "transformers generate()", "flow": hp, "emulated": False, **timed["hf"],
+                     "tokens_per_s": base, "vs_generate": 1.0})
+    for name in names:
+        tps = total / timed[name]["s"]
+        rows.append({"engine": "jetrl embedded", "flow": name, "emulated": s.device == "cpu" and name != "fp32",
+                     **timed[name], "tokens_per_s": tps, "vs_generate": tps / base if base else None})
     rows += _vllm_rows(s, model, path, names, plist, sp, s.prompt + s.new_tokens, s.batch, base)
     _ratios_to_bf16(rows)
     for r in rows:
@@ -481,7 +528,7 @@ def _rollout_task_rows(s: Settings, model, path, transformers, names) -> list[di
     dev = torch.device(s.device)
     label = f"task ({s.task_preset}: {len(prompts)} prompts x {n}, stop at EOS, <= {new} tokens)"
     rows = []
-    base = None
+    fns = {}
     if transformers is not None:
         s.say(f"rollout: {label}: transformers generate()")
         hf = transformers.AutoModelForCausalLM.from_pretrained(
@@ -490,36 +537,36 @@ def _rollout_task_rows(s: Settings, model, path, transformers, names) -> list[di
         ids = torch.tensor([[tok.pad_id] * (longest - len(p)) + p for p in prompts], device=dev)  # left-padded
         att = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=dev)
         stops = set(sp.stop_token_ids)
-        count = [0]
 
         def run_hf():
             with torch.inference_mode():
                 out = hf.generate(ids, attention_mask=att, do_sample=True, temperature=sp.temperature, top_k=0,
                                   top_p=1.0, max_new_tokens=new, num_return_sequences=n, pad_token_id=tok.pad_id,
                                   eos_token_id=list(stops))
-            c = 0
-            for row in out[:, longest:].tolist():
-                k = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
-                c += k
-            count[0] = c
+            return sum(next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+                       for row in out[:, longest:].tolist())
 
-        t = measure(run_hf, s)
-        base = count[0] / t["s"]
-        rows.append({"engine": "transformers generate()", "flow": "bf16" if s.device == "cuda" else "fp32",
-                     "emulated": False, **t, "tokens": count[0], "tokens_per_s": base, "vs_generate": 1.0})
+        fns["hf"] = run_hf
     for name in names:
-        flow = _flow(name)
         s.say(f"rollout: {label}: embedded engine, {name}")
-        eng = EmbeddedEngine(model, flow, width, max_batch=cfg.rollout.max_batch)
-        count = [0]
+        eng = EmbeddedEngine(model, _flow(name), width, max_batch=cfg.rollout.max_batch)
 
-        def run_ours():
-            count[0] = sum(len(c.tokens) for g in eng.generate(prompts, sp, seed=0) for c in g)
+        def run_ours(eng=eng):
+            return sum(len(c.tokens) for g in eng.generate(prompts, sp, seed=0) for c in g)
 
-        t = measure(run_ours, s)
-        tps = count[0] / t["s"]
-        rows.append({"engine": "jetrl embedded", "flow": name, "emulated": s.device == "cpu" and name != "fp32", **t,
-                     "tokens": count[0], "tokens_per_s": tps, "vs_generate": tps / base if base else None})
+        fns[name] = run_ours
+    s.say(f"rollout: {label}: timing the engines in turn")
+    timed = measure_interleaved(fns, s)
+    fns.clear()
+    hf = eng = None
+    base = timed["hf"]["tokens_per_s"] if "hf" in timed else None
+    if base is not None:
+        rows.append({"engine": "transformers generate()", "flow": "bf16" if s.device == "cuda" else "fp32",
+                     "emulated": False, **timed["hf"], "vs_generate": 1.0})
+    for name in names:
+        tps = timed[name]["tokens_per_s"]
+        rows.append({"engine": "jetrl embedded", "flow": name, "emulated": s.device == "cpu" and name != "fp32",
+                     **timed[name], "vs_generate": tps / base if base else None})
     rows += _vllm_rows(s, model, path, names, prompts, sp, width, cfg.rollout.max_batch, base)
     _ratios_to_bf16(rows)
     for r in rows:

@@ -63,7 +63,7 @@ class EmbeddedEngine:
         n = KVCache.numel(self.model.config, batch, key_width(self.width))
         buf = self._kv_storage[i]
         if buf is None or buf.numel() < n or buf.dtype != self.model.cache_dtype():
-            n = KVCache.numel(self.model.config, max(batch, min(self.max_batch, 256)), key_width(self.width))
+            self._kv_storage[i] = None  # free the old one first
             buf = self._kv_storage[i] = torch.empty(n, dtype=self.model.cache_dtype(), device=self.device)
         return buf
 
@@ -105,6 +105,7 @@ class EmbeddedEngine:
         ids = torch.zeros(len(distinct), int(lengths.max()), dtype=torch.long, device=dev)
         for i, p in enumerate(distinct):
             ids[i, :len(p)] = torch.tensor(p, device=dev)
+        self._storage(0, b), self._storage(1, b)  # each holds the chunk's largest batch
         cache = self.model.new_cache(len(distinct), self.width, self._storage(0, len(distinct)))
         spare = 1  # the storage buffer the next select copies into
         logits = self.model.prefill(ids, lengths, cache)

@@ -101,8 +101,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin``; ``sin`` comes with the sign of rotate_half folded in."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin  # roll by half: [x2, x1]
 
 
 def cast_kv(t: torch.Tensor, spec: CastSpec | None) -> torch.Tensor:
@@ -218,13 +217,13 @@ def fused_linears(lins, x: torch.Tensor, cache_owner: nn.Module) -> torch.Tensor
         cached = (key, prec, w, b, held)
         cache_owner.__dict__["_fused_cache"] = cached
     _, prec, w, b, _ = cached
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     xa = _values(cast_operand(x2, prec.a)) if prec is not None else x2
     acc = row_invariant_mm(xa, w)
     if b is not None:
         acc = acc + b
     y = _finish(acc, prec, x.dtype) if prec is not None else acc
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class KVCache:

@@ -56,9 +56,9 @@ def row_invariant_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     m = a.shape[0]
     if a.is_cuda or m % ROW_TILE == 0:
-        return torch.matmul(a, b.t())
+        return torch.mm(a, b.t())
     pad = ROW_TILE - m % ROW_TILE
-    return torch.matmul(torch.nn.functional.pad(a, (0, 0, 0, pad)), b.t())[:m]
+    return torch.mm(torch.nn.functional.pad(a, (0, 0, 0, pad)), b.t())[:m]
 
 
 def _values(op: Operand) -> torch.Tensor:
