@@ -104,6 +104,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin  # roll by half: [x2, x1]
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without a dispatcher call when it is already that dtype (decode steps
+    are made of small ops, and each call costs microseconds)."""
+    return t if t.dtype is dtype else t.to(dtype)
+
+
 def cast_kv(t: torch.Tensor, spec: CastSpec | None) -> torch.Tensor:
     """Round keys/values to the KV-cache format (per token and head for fp8: rows of head_dim)."""
     if spec is None or spec.format.value == "fp32":
@@ -154,7 +160,7 @@ def _decode_attention(q, kf, vf, bias, rep: int) -> torch.Tensor:
     hk = h // rep
     tile = -(-rep // ATT_ROW_TILE) * ATT_ROW_TILE
     qf = torch.zeros(b * hk, tile, d, dtype=torch.float32, device=q.device)
-    torch.mul(q.float().reshape(b, hk, rep, d), d ** -0.5, out=qf.view(b, hk, tile, d)[:, :, :rep])
+    torch.mul(_as(q, torch.float32).reshape(b, hk, rep, d), d ** -0.5, out=qf.view(b, hk, tile, d)[:, :, :rep])
     att = torch.bmm(qf, kf.transpose(1, 2))
     w = att.shape[-1]
     att = (att.view(b, hk, tile, w) + bias.view(b, 1, 1, w)).softmax(-1)
@@ -313,15 +319,15 @@ class Attention(nn.Module):
         else:
             ck, cv = cache.k[layer], cache.v[layer]
             idx = cache.write_index(q_index)
-            ck.view(-1, ck.shape[-1]).index_copy_(0, idx, k.reshape(-1, k.shape[-1]).to(ck.dtype))
-            cv.view(-1, cv.shape[-1]).index_copy_(0, idx, v.reshape(-1, v.shape[-1]).to(cv.dtype))
+            ck.view(-1, ck.shape[-1]).index_copy_(0, idx, _as(k.reshape(-1, k.shape[-1]), ck.dtype))
+            cv.view(-1, cv.shape[-1]).index_copy_(0, idx, _as(v.reshape(-1, v.shape[-1]), cv.dtype))
             keys, values = ck[:, :, :width], cv[:, :, :width]
         # GQA without copying the cache: the `rep` query heads sharing a KV head are stacked as rows
         # of one (rep*t, d) matrix per (sequence, KV head).
         rep = h // hk
         w, d = keys.shape[2], c.head_dim
-        kf = keys.float().reshape(b * hk, w, d)
-        vf = values.float().reshape(b * hk, w, d)
+        kf = _as(keys, torch.float32).reshape(b * hk, w, d)
+        vf = _as(values, torch.float32).reshape(b * hk, w, d)
         if t == 1:
             out = _decode_attention(q, kf, vf, bias, rep)
         else:
@@ -331,7 +337,7 @@ class Attention(nn.Module):
             att = (att + bias).softmax(-1)
             out = _chunked_pv(_pad_rows(att.reshape(b * hk, rows, w)), vf)[:, :rows]
             out = out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, -1)
-        return fused_linears((self.o_proj,), out.to(x.dtype), self.o_proj)
+        return fused_linears((self.o_proj,), _as(out, x.dtype), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -403,10 +409,11 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self._cos_sin(pos)
         # Which keys each query sees, as an additive mask (0 or -inf), (b, 1, 1, t, width).
         j = torch.arange(width, device=input_ids.device)
-        allowed = j <= q_index[..., None]
-        if key_keep is not None:
-            allowed = (allowed & key_keep[:, None, :]) | (j == q_index[..., None])
-        bias = torch.zeros(allowed.shape, device=input_ids.device).masked_fill_(~allowed, float("-inf"))[:, None, None]
+        if key_keep is None:
+            hidden = j > q_index[..., None]
+        else:
+            hidden = ~((j <= q_index[..., None]) & key_keep[:, None, :]) & (j != q_index[..., None])
+        bias = torch.zeros(hidden.shape, device=input_ids.device).masked_fill_(hidden, float("-inf"))[:, None, None]
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, q_index, bias, width, cache, i)
@@ -456,8 +463,9 @@ class LlamaForCausalLM(nn.Module):
     def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Append one token per sequence at its own length; logits (fp32) for the next token."""
         idx = cache.lengths[:, None]
-        if int(cache.lengths.max()) >= cache.width:
+        longest = int(cache.lengths.max())
+        if longest >= cache.width:
             raise ValueError(f"KV cache full ({cache.width} positions)")
-        h = self._trunk(tokens[:, None], idx, idx, None, key_width(int(cache.lengths.max()) + 1), cache)
+        h = self._trunk(tokens[:, None], idx, idx, None, key_width(longest + 1), cache)
         cache.lengths = cache.lengths + 1
         return fused_linears((self.lm_head,), h[:, 0], self.lm_head).float()
