@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..precision.gemm import row_invariant_mm
+from ..precision.gemm import _values, row_invariant_mm
+from ..precision.linear import JetLinear, _finish, cast_operand
 from ..precision.quant import CastSpec, fake_quantize, round_to
 
 
@@ -169,8 +170,6 @@ def _decode_attention(q, kf, vf, bias, rep: int) -> torch.Tensor:
 
 
 def _fusable(lins) -> bool:
-    from ..precision.linear import JetLinear
-
     if len({m.bias is None for m in lins}) > 1:
         return False
     if all(type(m) is Linear for m in lins):
@@ -205,9 +204,6 @@ def fused_linears(lins, x: torch.Tensor, cache_owner: nn.Module) -> torch.Tensor
     dequantized again at every call."""
     if torch.is_grad_enabled() or x.is_cuda:
         return lins[0](x) if len(lins) == 1 else torch.cat([m(x) for m in lins], dim=-1)
-    from ..precision.gemm import _values
-    from ..precision.linear import JetLinear, _finish, cast_operand
-
     key = _weights_key(lins)
     cached = cache_owner.__dict__.get("_fused_cache")
     if cached is None or cached[0] != key:
