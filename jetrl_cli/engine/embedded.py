@@ -3,7 +3,8 @@
 It runs jetrl's own model with the flow's rollout precision (``apply_flow(model, flow,
 "rollout")``) and reports each sampled token's logprob from ``sampling_logprobs``, the function
 the trainer scores with. Prompts are right-padded and every sequence lives in the cache from index
-0, finished sequences leave the batch (see ``compaction``), and up to ``max_batch`` sequences decode together.
+0, finished sequences leave the batch (see ``compaction``), and up to ``max_batch`` sequences
+decode together.
 """
 
 from __future__ import annotations
@@ -110,10 +111,10 @@ class EmbeddedEngine:
         spare = 1  # the storage buffer the next select copies into
         logits = self.model.prefill(ids, lengths, cache)
         if len(distinct) < b:
-            rows = torch.tensor(which, device=dev)
-            cache.select(rows, self._storage(spare, b))
+            src = torch.tensor(which, device=dev)
+            cache.select(src, self._storage(spare, b))
             spare = 1 - spare
-            logits = logits[rows]
+            logits = logits[src]
         stops = set(params.stop_token_ids)
         toks = [[] for _ in range(b)]
         lps = [[] for _ in range(b)]

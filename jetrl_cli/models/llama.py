@@ -12,10 +12,10 @@ Two ways to run it, one set of numerics:
 
 Every op is computed so that a token's result does not depend on how many other rows are in the
 batch or on whether it was computed in a full forward or in a decode step: GEMMs go through
-``row_invariant_mm``, attention reduces over keys in fixed chunks of ``KEY_CHUNK`` with each sequence
-stored from index 0 (so keys past a sequence's end add exact zeros, whatever the width), and
-SiLU / RoPE avoid kernels whose vectorised and scalar
-paths round differently. That is what lets the rollout's logprobs equal the trainer's bit for
+``row_invariant_mm``, attention runs over a key width that is a multiple of ``KEY_CHUNK`` and reduces
+over keys in fixed chunks of ``PV_CHUNK`` with each sequence stored from index 0 (so keys past a
+sequence's end add exact zeros, whatever the width), and SiLU / RoPE avoid kernels whose
+vectorised and scalar paths round differently. That is what lets the rollout's logprobs equal the trainer's bit for
 bit when both run the same precision (tested in ``tests/test_engine.py``).
 """
 
