@@ -13,8 +13,9 @@ Modes:
   activations saved for backward, and on CUDA the peak memory.
 - ``e2e``: a few ``jetrl run`` steps per flow with the time split rollout / score / train / sync.
 
-Method: warm-up, then ``repeats`` timed runs; the median and the spread (max - min). CUDA timings
-use device events after a synchronize. Inputs are fresh random tensors (never zeros). On CPU every
+Method: warm-up, then ``repeats`` timed runs; the median and the spread (max - min). Engines
+compared on one rollout workload are timed in turn (``measure_interleaved``). CUDA timings use
+device events after a synchronize. Inputs are fresh random tensors (never zeros). On CPU every
 FP8/INT8 path is emulated in fp32 and BF16 is emulated too (bf16-rounded operands, fp32 matmul):
 those rows are labelled ``emulated`` and their ratios are not speed-ups of FP8 hardware.
 """
@@ -117,26 +118,30 @@ def check_device(device: str) -> None:
 # --------------------------------------------------------------------------- timing
 
 
+def _timed(fn, cuda: bool):
+    """(seconds, result) of one call: CUDA events after a synchronize, else the wall clock."""
+    if cuda:
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        out = fn()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) / 1e3, out
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def _stats(ts: list[float]) -> dict:
+    return {"s": statistics.median(ts), "spread_s": max(ts) - min(ts), "repeats": len(ts)}
+
+
 def measure(fn, s: Settings) -> dict:
     """Median and spread of ``fn()`` over ``s.repeats`` runs after ``s.warmup`` warm-up runs."""
-    cuda = s.device == "cuda"
     for _ in range(s.warmup):
         fn()
-    ts = []
-    for _ in range(s.repeats):
-        if cuda:
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    return {"s": statistics.median(ts), "spread_s": max(ts) - min(ts), "repeats": len(ts)}
+    return _stats([_timed(fn, s.device == "cuda")[0] for _ in range(s.repeats)])
 
 
 def measure_interleaved(fns: dict, s: Settings) -> dict:
@@ -144,7 +149,6 @@ def measure_interleaved(fns: dict, s: Settings) -> dict:
     the warm-up, the timed runs alternate between them, so a change in the machine's speed while
     the benchmark runs (other tenants on a shared CPU) hits all of them alike. A function may
     return the number of tokens it produced: ``tokens_per_s`` is then the median of tokens / time."""
-    cuda = s.device == "cuda"
     for fn in fns.values():
         for _ in range(s.warmup):
             fn()
@@ -152,26 +156,15 @@ def measure_interleaved(fns: dict, s: Settings) -> dict:
     counts: dict = {k: [] for k in fns}
     for _ in range(s.repeats):
         for k, fn in fns.items():
-            if cuda:
-                torch.cuda.synchronize()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                c = fn()
-                b.record()
-                torch.cuda.synchronize()
-                ts[k].append(a.elapsed_time(b) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                c = fn()
-                ts[k].append(time.perf_counter() - t0)
+            t, c = _timed(fn, s.device == "cuda")
+            ts[k].append(t)
             counts[k].append(c)
     out = {}
     for k in fns:
-        t = ts[k]
-        res = {"s": statistics.median(t), "spread_s": max(t) - min(t), "repeats": len(t)}
-        if all(c is not None for c in counts[k]):
+        res = _stats(ts[k])
+        if all(isinstance(c, int) for c in counts[k]):
             res["tokens"] = int(statistics.median(counts[k]))
-            res["tokens_per_s"] = statistics.median(c / x for c, x in zip(counts[k], t))
+            res["tokens_per_s"] = statistics.median(c / x for c, x in zip(counts[k], ts[k]))
         out[k] = res
     return out
 

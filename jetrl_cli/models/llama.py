@@ -15,8 +15,8 @@ batch or on whether it was computed in a full forward or in a decode step: GEMMs
 ``row_invariant_mm``, attention runs over a key width that is a multiple of ``KEY_CHUNK`` and reduces
 over keys in fixed chunks of ``PV_CHUNK`` with each sequence stored from index 0 (so keys past a
 sequence's end add exact zeros, whatever the width), and SiLU / RoPE avoid kernels whose
-vectorised and scalar paths round differently. That is what lets the rollout's logprobs equal the trainer's bit for
-bit when both run the same precision (tested in ``tests/test_engine.py``).
+vectorised and scalar paths round differently. That is what lets the rollout's logprobs equal the
+trainer's bit for bit when both run the same precision (tested in ``tests/test_engine.py``).
 """
 
 from __future__ import annotations
