@@ -14,6 +14,7 @@ import copy
 import torch
 
 from ..errors import JetrlError
+from ..models.llama import KVCache, key_width
 from ..precision.gemm import ROW_TILE
 from ..precision.linear import JetLinear, apply_flow
 from .base import Completion, WeightPayload, check_prompts
@@ -59,8 +60,6 @@ class EmbeddedEngine:
         CUDA's caching allocator already reuses memory, and the trainer needs it between rollouts)."""
         if self.device.type != "cpu":
             return None
-        from ..models.llama import KVCache, key_width
-
         n = KVCache.numel(self.model.config, batch, key_width(self.width))
         buf = self._kv_storage[i]
         if buf is None or buf.numel() < n or buf.dtype != self.model.cache_dtype():

@@ -388,9 +388,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.kv_spec = spec
 
-    def _cos_sin(self, pos: torch.Tensor):
-        """RoPE angles from one table, so a position gets the same bits in every batch shape."""
-        need = int(pos.max()) + 1 if pos.numel() else 1
+    def _cos_sin(self, pos: torch.Tensor, need: int):
+        """RoPE angles from one table, so a position gets the same bits in every batch shape.
+        ``need``: a bound on the positions (the key width), so no host sync reads ``pos.max()``."""
         if self._rope is None or self._rope[0].shape[0] < need or self._rope[0].device != pos.device:
             n = max(need, self.config.max_position_embeddings)
             ang = torch.arange(n, device=pos.device, dtype=torch.float32)[:, None] * self.inv_freq.to(pos.device)
@@ -402,7 +402,7 @@ class LlamaForCausalLM(nn.Module):
         return cos[pos][:, None], sin[pos][:, None]
 
     def _trunk(self, input_ids, pos, q_index, key_keep, width, cache=None) -> torch.Tensor:
-        cos, sin = self._cos_sin(pos)
+        cos, sin = self._cos_sin(pos, width)  # every position is < width
         # Which keys each query sees, as an additive mask (0 or -inf), (b, 1, 1, t, width).
         j = torch.arange(width, device=input_ids.device)
         if key_keep is None:
