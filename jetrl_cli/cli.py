@@ -438,7 +438,8 @@ def bench_cmd(
     flows: Annotated[Optional[str], typer.Option("--flows", help="Comma-separated flows for rollout/train/e2e (default bf16,fp8-rollout,fp8-unified).")] = None,
     shapes: Annotated[Optional[str], typer.Option("--shapes", help="gemm: MxNxK,... ; quantize: MxK,... (default: Llama-3-8B and Qwen2.5-7B layers).")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
-    model: Annotated[str, typer.Option("--model", help="rollout/train/e2e model: 'tiny' or a local HF directory.")] = "tiny",
+    model: Annotated[str, typer.Option("--model", help="rollout/train/e2e model: 'tiny', a local HF directory, or a shape with random weights: qwen2.5-1.5b, qwen2.5-7b, llama-3-8b.")] = "tiny",
+    layers: Annotated[Optional[int], typer.Option("--layers", help="rollout/train: keep the first N decoder layers (7-8B layer shapes on one GPU).")] = None,
     batch: Annotated[int, typer.Option("--batch", help="rollout: sequences decoded together.")] = 64,
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="rollout: new tokens per sequence (stop tokens off).")] = 64,
     train_batch: Annotated[int, typer.Option("--train-batch", help="train: sequences per update.")] = 16,
@@ -465,7 +466,9 @@ def bench_cmd(
     if seq < 2:
         raise JetrlError(f"--seq must be >= 2 (prompt and completion halves), got {seq}")
     bench.check_device(device)
-    s = bench.Settings(device=device, repeats=repeats, warmup=warmup, model=model, batch=batch,
+    if layers is not None and layers <= 0:
+        raise JetrlError(f"--layers must be > 0, got {layers}")
+    s = bench.Settings(device=device, repeats=repeats, warmup=warmup, model=model, layers=layers, batch=batch,
                        new_tokens=new_tokens, train_batch=train_batch, seq=seq, e2e_steps=steps,
                        task_preset=None if task_preset == "none" else task_preset)
     if flows:

@@ -14,6 +14,7 @@ from jetrl_cli.precision import (
     error_stats,
     fake_quantize,
     named_flow,
+    quantize,
     swap_linears,
 )
 from jetrl_cli.precision.formats import Format
@@ -169,8 +170,11 @@ def test_saved_fp8_activations_give_the_same_gradients_and_save_fp8():
     y = layer(xg)
     saved = [t for t in y.grad_fn.saved_tensors]
     assert all(t.data_ptr() != xg.data_ptr() for t in saved)
-    assert [t.dtype for t in saved] == [torch.float32, torch.float8_e4m3fn, torch.float32]  # weight, x fp8, scales
-    assert saved[1].shape == x.shape and saved[2].shape == (1, 256)  # one scale per 128x1 group
+    assert [t.dtype for t in saved] == [torch.float8_e4m3fn, torch.float32]  # x^T in fp8, its scales
+    # Wgrad's operand in its final layout: x^T (K x tokens), one scale per 128 tokens of each feature
+    ref = quantize(x, CastSpec("fp8_e4m3", "128x1")).t()
+    assert saved[0].shape == (256, 50) and saved[1].shape == (256, 1)
+    assert torch.equal(saved[0].view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(saved[1], ref.scale)
 
 
 def test_weight_cache_follows_in_place_updates():
@@ -203,7 +207,9 @@ def test_swap_shares_parameters_respects_skip_list_and_prints_precision():
     assert rep.quantized == ["q_proj", "mlp.0", "mlp.1"]
     assert rep.skipped == ["lm_head"]
     assert rep.unmatched_patterns == []
-    assert isinstance(m.q_proj, JetLinear) and isinstance(m.lm_head, nn.Linear)
+    assert isinstance(m.q_proj, JetLinear) and isinstance(m.lm_head, JetLinear)
+    assert m.q_proj.precision.is_quantized and not m.lm_head.precision.is_quantized
+    assert m.lm_head.precision == LinearPrecision.unquantized(Format.BF16)  # the flow's skip_format
     for n, p in m.named_parameters():
         assert p is params_before[n]
     text = repr(m)
@@ -230,17 +236,27 @@ def test_scaled_mm_backend_matches_emulated(spec):
 
 
 def test_backend_that_cannot_run_a_spec_is_a_clear_error():
-    cs = CastSpec("fp8_e4m3", "1x128")
-    with pytest.raises(JetrlError, match="scaled_mm needs per-tensor or per-row"):
+    cs = CastSpec("fp8_e4m3", "1x64")
+    with pytest.raises(JetrlError, match="scaled_mm needs per-tensor or per-row scales .* or the blockwise recipes"):
         JetLinear(nn.Parameter(torch.randn(8, 128)), None,
                   LinearPrecision.forward_only(GemmSpec(cs, CastSpec("fp8_e4m3", "128x128"), Format.BF16, "scaled_mm")))
     with pytest.raises(JetrlError, match="backend triton runs FP8 operands with 1x128 or 128x128"):
         JetLinear(nn.Parameter(torch.randn(8, 128)), None,
                   LinearPrecision.forward_only(GemmSpec(CastSpec("fp8_e4m3", "row"), CastSpec("fp8_e4m3", "128x128"),
                                                         Format.BF16, "triton")))
-    with pytest.raises(JetrlError, match="'te' is not available"):
+    with pytest.raises(JetrlError, match="backend te no Transformer Engine integration"):
         JetLinear(nn.Parameter(torch.randn(8, 128)), None,
-                  LinearPrecision.forward_only(GemmSpec(cs, CastSpec("fp8_e4m3", "128x128"), Format.BF16, "te")))
+                  LinearPrecision.forward_only(GemmSpec(CastSpec("fp8_e4m3", "1x128"), CastSpec("fp8_e4m3", "128x128"),
+                                                        Format.BF16, "te")))
+
+
+def test_blockwise_scaled_mm_is_refused_on_cpu_at_first_use():
+    """Blockwise FP8 through torch's scaled_mm runs on Hopper GPUs; named explicitly on a CPU it is a
+    one-line error when the layer first runs (``auto`` would pick the emulated reference instead)."""
+    spec = GemmSpec(CastSpec("fp8_e4m3", "1x128"), CastSpec("fp8_e4m3", "128x128"), Format.BF16, "scaled_mm")
+    layer = JetLinear(nn.Parameter(torch.randn(128, 128)), None, LinearPrecision.forward_only(spec))
+    with pytest.raises(JetrlError, match="backend scaled_mm cannot run .* on cpu: blockwise FP8 runs on CUDA GPUs only"):
+        layer(torch.randn(4, 128))
 
 
 def test_triton_backend_unavailable_without_gpu_or_interpreter(monkeypatch):
@@ -248,9 +264,13 @@ def test_triton_backend_unavailable_without_gpu_or_interpreter(monkeypatch):
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setitem(gemm._BACKENDS, "triton", gemm.UnavailableBackend("triton", "not loaded"))
-    with pytest.raises(JetrlError, match="the Triton kernels need a CUDA GPU"):
-        gemm.get_backend("triton").check(None, "precision.train.fprop", "fprop")
+    spec = named_flow("fp8-unified").train.linear.fprop
+    why = gemm.get_backend("triton").unsupported(spec, "fprop", torch.device("cpu"))
+    assert why is not None and "the Triton kernels need a CUDA GPU" in why
+    gemm.reset_resolutions()
+    with pytest.raises(JetrlError, match="backend triton cannot run .* need a CUDA GPU"):
+        gemm.resolve(GemmSpec(spec.a, spec.b, spec.out, "triton"), "fprop", "cpu")
+    gemm.reset_resolutions()
 
 
 def test_non_finite_input_propagates_as_nan_not_garbage():
@@ -267,7 +287,7 @@ def test_scaled_mm_in_backward_gemms_follows_the_reduction_dim():
     row, col = CastSpec("fp8_e4m3", "row"), CastSpec("fp8_e4m3", "col")
     fwd = GemmSpec(row, row, Format.FP32, "scaled_mm")
     bad_dgrad = GemmSpec(row, row, Format.FP32, "scaled_mm")
-    with pytest.raises(JetrlError, match=r"precision.dgrad: backend scaled_mm"):
+    with pytest.raises(JetrlError, match=r"precision.dgrad: backend scaled_mm needs per-tensor or per-row scales"):
         JetLinear(nn.Parameter(torch.randn(64, 64)), None, LinearPrecision(fwd, bad_dgrad, fwd))
     good = LinearPrecision(fwd, GemmSpec(row, col, Format.FP32, "scaled_mm"), GemmSpec(col, col, Format.FP32, "scaled_mm"))
     emu = LinearPrecision(*(GemmSpec(g.a, g.b, g.out, "emulated") for g in (good.fprop, good.dgrad, good.wgrad)))

@@ -58,7 +58,7 @@ def check_prompts(prompts: list[list[int]], params: SamplingParams, width: int) 
 
 def make_payload(model: torch.nn.Module, flow, version: int = 0) -> WeightPayload:
     """The trainer's side of a sync: every parameter, quantized once for ``weight_sync: quantized``."""
-    from ..precision.linear import JetLinear, cast_operand, matches_skip
+    from ..precision.linear import JetLinear, matches_skip, weight_operand
 
     tensors: dict[str, Union[torch.Tensor, QTensor]] = {}
     quantize_weights = flow.weight_sync.payload == "quantized"
@@ -72,7 +72,7 @@ def make_payload(model: torch.nn.Module, flow, version: int = 0) -> WeightPayloa
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in quantized_names:
-                t = cast_operand(p.detach(), spec)
+                t = weight_operand(p.detach(), flow.rollout.linear)
                 nbytes += t.nbytes()
             else:
                 t = p.detach()

@@ -7,11 +7,12 @@ config_dict(flow)}``, the same path a checkpoint's ``config.json`` takes, so wor
 rebuild the identical flow from plain data.
 
 Every ``LinearBase`` (and the ``ParallelLMHead``) gets a :class:`JetrlLinearMethod` that runs
-the flow's rollout GEMM exactly as :class:`jetrl_cli.precision.linear.JetLinear` does: the input
-cast with ``cast_operand``, the weight cast once per logical shard (vLLM fuses q/k/v and
-gate/up into one layer; jetrl quantizes each projection on its own, so block boundaries and
-scales stay the trainer's), the product in fp32, the bias added, then rounded to the GEMM's
-``out`` format. Layers on the flow's skip list run the high-precision (fp32) product.
+the flow's rollout GEMM through jetrl's one precision forward, ``precision.linear_forward`` (what
+the trainer and the embedded engine run): the weight cast once per logical shard (vLLM fuses
+q/k/v and gate/up into one layer; jetrl quantizes each projection on its own, so block boundaries
+and scales stay the trainer's), the shards stacked into one GEMM operand (``concat_operands``),
+the input cast, the GEMM on the resolved backend, the bias, the ``out`` rounding. Layers on the
+flow's skip list run the flow's ``skip_format`` GEMM, as in jetrl's own model.
 
 The weight sync (:func:`load_payload`) writes new weights into the tensors the method already
 holds (``copy_``), so their addresses do not change (CUDA graphs captured over them stay valid)
@@ -31,10 +32,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.parameter import ModelWeightParameter
 
 from ..models.llama import cast_kv
-from ..precision.flow import HIGH_PRECISION_GEMM as HIGH_PRECISION
 from ..precision.flow import GemmSpec, PrecisionFlow, parse_flow
-from ..precision.gemm import _values, get_backend, row_invariant_mm
-from ..precision.linear import _finish, cast_operand, matches_skip
+from ..precision.linear import concat_operands, linear_forward, matches_skip, weight_operand
 from ..precision.quant import CastSpec, QTensor
 
 NAME = "jetrl"
@@ -86,7 +85,8 @@ class JetrlQuantConfig(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         # A tied lm_head is the embedding itself in vLLM (a VocabParallelEmbedding): vLLM's own method
         if isinstance(layer, (LinearBase, ParallelLMHead)):
-            return JetrlLinearMethod(HIGH_PRECISION if self._skipped(prefix) else self.flow.rollout.linear)
+            spec = self.flow.skipped_linear().fprop if self._skipped(prefix) else self.flow.rollout.linear
+            return JetrlLinearMethod(spec)
         return None
 
 
@@ -108,12 +108,6 @@ class JetrlLinearMethod(LinearMethodBase):
             setattr(weight, k, v)
         layer.jetrl_sizes = list(output_partition_sizes)
 
-    def _fused(self, device: torch.device) -> bool:
-        # As jetrl's own model (models.llama.fused_linears): on CPU with the emulated backend the
-        # shards' dequantized weights are concatenated into one fp32 GEMM, whose every output element
-        # is the same dot product as the separate GEMMs'.
-        return self.spec.backend == "emulated" and device.type == "cpu"
-
     def tie_weights(self, layer, embed_tokens):
         """A tied lm_head reads the embedding's weight, which stays (the embedding needs it)."""
         layer.weight = embed_tokens.weight
@@ -123,25 +117,13 @@ class JetrlLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         w = layer.weight.detach()
         with torch.no_grad():
-            layer.jetrl_ops = [cast_operand(s.float(), self.spec.b, self.spec.backend)
-                               for s in w.split(layer.jetrl_sizes, 0)]
-            layer.jetrl_fused = (torch.cat([_values(op) for op in layer.jetrl_ops]).contiguous()
-                                 if self._fused(w.device) else None)
+            layer.jetrl_ops = [weight_operand(s.float(), self.spec) for s in w.split(layer.jetrl_sizes, 0)]
+            layer.jetrl_weight = concat_operands(layer.jetrl_ops, self.spec, w.device)
         if not getattr(layer, "jetrl_tied", False):
             layer.weight.data = torch.empty(0, dtype=w.dtype, device=w.device)  # jetrl_ops hold the weights now
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        spec = self.spec
-        x2 = x.reshape(-1, x.shape[-1])
-        if layer.jetrl_fused is not None:
-            acc = row_invariant_mm(_values(cast_operand(x2, spec.a)), layer.jetrl_fused)
-        else:
-            xa = cast_operand(x2, spec.a, spec.backend)
-            mm = get_backend(spec.backend).mm
-            acc = torch.cat([mm(xa, op) for op in layer.jetrl_ops], dim=-1)
-        if bias is not None:
-            acc = acc + bias.float()
-        return _finish(acc, spec, x.dtype).reshape(*x.shape[:-1], acc.shape[-1])
+        return linear_forward(x, layer.jetrl_weight, None if bias is None else bias.float(), self.spec)
 
     # ------------------------------------------------------------------ weight sync, in place
 
@@ -170,7 +152,7 @@ class JetrlLinearMethod(LinearMethodBase):
             # vLLM pads vocab-sized layers (lm_head) to a multiple of 64 rows with zeros; zero rows
             # leave every block's amax, so the real rows quantize exactly as the trainer's do
             value = torch.nn.functional.pad(value, (0, 0, 0, rows - value.shape[0]))
-        q = cast_operand(value, self.spec.b, self.spec.backend)
+        q = weight_operand(value, self.spec)
         if tuple(q.shape) != tuple(dst.shape):
             raise ValueError(f"weight shape {tuple(q.shape)}, the layer holds {tuple(dst.shape)}")
         if isinstance(dst, QTensor):
@@ -180,14 +162,20 @@ class JetrlLinearMethod(LinearMethodBase):
             dst.copy_(q)
 
     def refresh(self, layer) -> None:
-        """After shards changed: rewrite the fused fp32 weight, in place."""
-        if layer.jetrl_fused is None:
-            return
-        off = 0
-        for op in layer.jetrl_ops:
-            n = op.shape[0]
-            layer.jetrl_fused[off:off + n].copy_(_values(op))
-            off += n
+        """After shards changed: rewrite the stacked GEMM operand in place (its addresses stay)."""
+        new = concat_operands(layer.jetrl_ops, self.spec, _device(layer.jetrl_ops[0]))
+        old = layer.jetrl_weight
+        if isinstance(old, QTensor):
+            old.data.copy_(new.data)
+            old.scale.copy_(new.scale)
+        elif isinstance(old, list):
+            layer.jetrl_weight = new  # the shards' own tensors, already updated in place
+        elif old is not new:
+            old.copy_(new)
+
+
+def _device(op) -> torch.device:
+    return (op.data if isinstance(op, QTensor) else op).device
 
 
 def load_payload(model: torch.nn.Module, tensors: dict) -> int:

@@ -2,21 +2,29 @@
 
 Module and parameter names follow Hugging Face's (``model.layers.3.self_attn.q_proj`` ...), so a
 HF safetensors state dict loads as is and the precision flow's skip list means the same thing
-here, in vLLM and in transformers. All linear layers are ``Linear`` (an ``nn.Linear``) until the flow's swap turns them
-into ``JetLinear``; norms, embeddings and attention softmax run in fp32.
+here, in vLLM and in transformers. Every linear layer is a ``JetLinear``: fp32 until a flow is
+applied (``apply_flow``), then in the flow's precision. Layers reading one input (q/k/v, gate/up)
+run as one group (``linear_group``: one input cast, one GEMM), in training and in rollout alike.
 
 Two ways to run it, one set of numerics:
 
-- ``forward(input_ids, attention_mask)``: logits for every position (training, scoring);
+- ``forward(input_ids, attention_mask)`` (or ``hidden`` then ``logits``, which lets a caller
+  compute logprobs a chunk of tokens at a time): every position (training, scoring);
 - ``prefill`` / ``decode`` with a ``KVCache``: what the rollout engine runs, one token at a time.
 
-Every op is computed so that a token's result does not depend on how many other rows are in the
+Execution. On CPU the model emulates the GPU's numerics in fp32 (see ``precision/gemm.py``), and
+every op is computed so that a token's result does not depend on how many other rows are in the
 batch or on whether it was computed in a full forward or in a decode step: GEMMs go through
-``row_invariant_mm``, attention runs over a key width that is a multiple of ``KEY_CHUNK`` and reduces
-over keys in fixed chunks of ``PV_CHUNK`` with each sequence stored from index 0 (so keys past a
-sequence's end add exact zeros, whatever the width), and SiLU / RoPE avoid kernels whose
+``row_invariant_mm``, attention runs over a key width that is a multiple of ``KEY_CHUNK`` and
+reduces over keys in fixed chunks of ``PV_CHUNK`` with each sequence stored from index 0 (so keys
+past a sequence's end add exact zeros, whatever the width), and SiLU / RoPE avoid kernels whose
 vectorised and scalar paths round differently. That is what lets the rollout's logprobs equal the
 trainer's bit for bit when both run the same precision (tested in ``tests/test_engine.py``).
+
+On CUDA it runs natively: the residual stream, norms and RoPE in fp32 (as under bf16 autocast),
+GEMMs on bf16 (or FP8) operands writing bf16, attention through
+``scaled_dot_product_attention`` (flash for training and prefill) on bf16 queries, keys and
+values, and a bf16 KV cache. The formats are the flow's on both devices.
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..precision.gemm import _values, row_invariant_mm
-from ..precision.linear import JetLinear, _finish, cast_operand
+from ..precision.flow import LinearPrecision
+from ..precision.formats import Format
+from ..precision.gemm import native
+from ..precision.linear import JetLinear, linear_group, swiglu, swiglu_save_spec
 from ..precision.quant import CastSpec, fake_quantize, round_to
 
 
@@ -52,14 +62,13 @@ class ModelConfig:
     mlp_bias: bool = False
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` whose rows do not depend on the batch size (see ``row_invariant_mm``)."""
+FP32_LINEAR = LinearPrecision.unquantized(Format.FP32)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = row_invariant_mm(x.reshape(-1, x.shape[-1]), self.weight)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+
+def Linear(in_features: int, out_features: int, bias: bool = True) -> JetLinear:
+    """A linear layer in fp32 (``nn.Linear``'s initialisation) until a flow sets its precision."""
+    lin = nn.Linear(in_features, out_features, bias=bias)
+    return JetLinear(lin.weight, lin.bias, FP32_LINEAR)
 
 
 class RMSNorm(nn.Module):
@@ -69,19 +78,41 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # F.rms_norm's own ops (mean = sum, then div_), without its ~10 dtype checks and copies
-            ms = (x * x).sum(-1, keepdim=True).div_(x.shape[-1])
-            return x * torch.rsqrt(ms.add_(self.eps)) * self.weight
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNormFn.apply(x, self.weight, self.eps)
+        return _rms_norm(x, self.weight, self.eps)[0]
 
 
-def silu(x: torch.Tensor) -> torch.Tensor:
-    # torch's fused silu rounds its scalar tail differently from its vector body; exp and the
-    # IEEE division do not, so this form is position-invariant.
-    return x / (1 + torch.exp(-x))
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x * rsqrt(mean(x^2) + eps) * w`` in fp32 (mean as a sum, then a division: F.rms_norm's own
+    ops, without its dtype checks and copies); returns the output and rsqrt."""
+    xf = x if x.dtype is torch.float32 else x.float()
+    ms = (xf * xf).sum(-1, keepdim=True).div_(x.shape[-1])
+    r = torch.rsqrt(ms.add_(eps))
+    wf = w if w.dtype is torch.float32 else w.float()
+    y = xf * r * wf
+    return (y if y.dtype is x.dtype else y.to(x.dtype)), r
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """RMSNorm whose backward keeps only its input and the per-row rsqrt (autograd would keep
+    two more activation-sized tensors); the forward is ``_rms_norm``, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        y, r = _rms_norm(x, w, eps)
+        ctx.save_for_backward(x, w, r)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w, r = ctx.saved_tensors
+        xf, gyf, wf = x.float(), gy.float(), w.float()
+        xhat = xf * r
+        gw = (gyf * xhat).reshape(-1, x.shape[-1]).sum(0).to(w.dtype) if ctx.needs_input_grad[1] else None
+        gxhat = gyf * wf
+        gx = r * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))
+        return gx.to(x.dtype), gw, None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -112,9 +143,12 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def cast_kv(t: torch.Tensor, spec: CastSpec | None) -> torch.Tensor:
-    """Round keys/values to the KV-cache format (per token and head for fp8: rows of head_dim)."""
+    """Round keys/values to the KV-cache format (per token and head for fp8: rows of head_dim).
+    Natively a bf16 cache holds bf16 tensors; on CPU, fp32 tensors with bf16-rounded values."""
     if spec is None or spec.format.value == "fp32":
         return t
+    if native(t) and spec.format is Format.BF16:
+        return t.to(torch.bfloat16)
     with torch.no_grad():
         if spec.is_scaled:
             q = fake_quantize(t.reshape(-1, t.shape[-1]), spec).reshape(t.shape).to(t.dtype)
@@ -167,65 +201,6 @@ def _decode_attention(q, kf, vf, bias, rep: int) -> torch.Tensor:
     att = (att.view(b, hk, tile, w) + bias.view(b, 1, 1, w)).softmax(-1)
     out = _chunked_pv(att.view(b * hk, tile, w), vf)
     return out.view(b, hk, tile, d)[:, :, :rep].reshape(b, 1, h * d)
-
-
-def _fusable(lins) -> bool:
-    if len({m.bias is None for m in lins}) > 1:
-        return False
-    if all(type(m) is Linear for m in lins):
-        return True
-    if not all(isinstance(m, JetLinear) for m in lins):
-        return False
-    p = lins[0].precision
-    return all(m.precision == p for m in lins) and p.fprop.backend == "emulated"
-
-
-def _weights_key(lins) -> tuple:
-    """What a concatenated weight depends on: each layer's weight (storage and in-place version),
-    bias version, precision object (set_precision replaces it) and loaded quantized weight, the
-    last two by identity (the cache entry holds them, so their ids cannot be reused)."""
-    key = []
-    for m in lins:
-        w, b = m.weight, m.bias
-        key += (w.data_ptr(), w._version, -1 if b is None else b._version,
-                id(getattr(m, "precision", None)), id(getattr(m, "_wfixed", None)))
-    return tuple(key)
-
-
-def fused_linears(lins, x: torch.Tensor, cache_owner: nn.Module) -> torch.Tensor:
-    """Linear layers that read the same input, outputs concatenated along the last dim: one GEMM
-    on a cached weight when no gradient is needed.
-
-    Inference only (rollout, scoring): the input is cast once and the layers' (quantized,
-    dequantized) weights are concatenated along N and kept until a weight changes. Each output
-    element is the same dot product in the same order as the separate GEMMs' (this BLAS's results
-    do not depend on N; ``tests/test_engine.py`` checks the model's grad and no-grad forwards agree
-    bit for bit), so this is a pure speed-up. One layer is fine too: its weight is then not
-    dequantized again at every call."""
-    if torch.is_grad_enabled() or x.is_cuda:
-        return lins[0](x) if len(lins) == 1 else torch.cat([m(x) for m in lins], dim=-1)
-    key = _weights_key(lins)
-    cached = cache_owner.__dict__.get("_fused_cache")
-    if cached is None or cached[0] != key:
-        if not _fusable(lins):
-            cache_owner.__dict__["_fused_cache"] = None
-            return lins[0](x) if len(lins) == 1 else torch.cat([m(x) for m in lins], dim=-1)
-        jet = isinstance(lins[0], JetLinear)
-        prec = lins[0].precision.fprop if jet else None
-        ws = [_values(m.quantized_weight()) if jet else m.weight.detach() for m in lins]
-        w = ws[0] if len(ws) == 1 else torch.cat(ws)
-        b = torch.cat([m.bias.detach().float() for m in lins]) if lins[0].bias is not None else None
-        held = [(getattr(m, "precision", None), getattr(m, "_wfixed", None)) for m in lins]
-        cached = (key, prec, w, b, held)
-        cache_owner.__dict__["_fused_cache"] = cached
-    _, prec, w, b, _ = cached
-    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    xa = _values(cast_operand(x2, prec.a)) if prec is not None else x2
-    acc = row_invariant_mm(xa, w)
-    if b is not None:
-        acc = acc + b
-    y = _finish(acc, prec, x.dtype) if prec is not None else acc
-    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class KVCache:
@@ -288,6 +263,35 @@ def _view(storage: torch.Tensor, shape: tuple) -> torch.Tensor:
     return storage[:n].view(shape)
 
 
+class Masking:
+    """Which keys each query sees: key ``j`` is visible to the query at ``q_index`` if ``j <= q_index``
+    and (with ``key_keep``, left padding) ``key_keep[j]`` or ``j == q_index``. Built once per forward;
+    the emulated attention reads it as an additive mask, the native one as a boolean mask (or as
+    plain causal attention when that is what it is)."""
+
+    def __init__(self, q_index: torch.Tensor, key_keep: torch.Tensor | None, width: int, causal_from_zero: bool):
+        self.q_index, self.key_keep, self.width = q_index, key_keep, width
+        self.causal = causal_from_zero and key_keep is None  # queries at 0..t-1 over keys 0..t-1
+        self._bias = self._visible = None
+
+    def visible(self) -> torch.Tensor:
+        """(b, 1, t, width) bool."""
+        if self._visible is None:
+            j = torch.arange(self.width, device=self.q_index.device)
+            see = j <= self.q_index[..., None]
+            if self.key_keep is not None:
+                see = (see & self.key_keep[:, None, :]) | (j == self.q_index[..., None])
+            self._visible = see[:, None]
+        return self._visible
+
+    def additive(self) -> torch.Tensor:
+        """(b, 1, 1, t, width) fp32: 0 where visible, -inf elsewhere."""
+        if self._bias is None:
+            vis = self.visible()
+            self._bias = torch.zeros(vis.shape, device=vis.device).masked_fill_(~vis, float("-inf"))[:, :, None]
+        return self._bias
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -299,41 +303,77 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.num_attention_heads * d, h, bias=False)
         self.kv_spec: CastSpec | None = None
 
-    def forward(self, x, cos, sin, q_index, bias, width, cache: KVCache | None = None, layer: int = 0):
+    def forward(self, x, cos, sin, mask: Masking, cache: KVCache | None = None, layer: int = 0):
         b, t, _ = x.shape
         c = self.cfg
         h, hk = c.num_attention_heads, c.num_key_value_heads
-        qkv = fused_linears((self.q_proj, self.k_proj, self.v_proj), x, self)
-        # RoPE on queries and keys in one pass (elementwise: the same bits as two passes)
+        qkv = linear_group((self.q_proj, self.k_proj, self.v_proj), x, self)
+        # RoPE on queries and keys in one pass (elementwise: the same bits as two passes), in fp32
         qkv = qkv.reshape(b, t, h + 2 * hk, c.head_dim).transpose(1, 2)
-        qk = apply_rope(qkv[:, :h + hk], cos, sin)
+        qk = apply_rope(_as(qkv[:, :h + hk], torch.float32), cos, sin)
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hk:]
         k, v = cast_kv(k, self.kv_spec), cast_kv(v, self.kv_spec)
+        width = mask.width
         if cache is None:
-            keys = F.pad(k, (0, 0, 0, width - t))
-            values = F.pad(v, (0, 0, 0, width - t))
+            keys, values = k, v
         else:
             ck, cv = cache.k[layer], cache.v[layer]
-            idx = cache.write_index(q_index)
+            idx = cache.write_index(mask.q_index)
             ck.view(-1, ck.shape[-1]).index_copy_(0, idx, _as(k.reshape(-1, k.shape[-1]), ck.dtype))
             cv.view(-1, cv.shape[-1]).index_copy_(0, idx, _as(v.reshape(-1, v.shape[-1]), cv.dtype))
-            keys, values = ck[:, :, :width], cv[:, :, :width]
+            keys, values = (k, v) if mask.causal else (ck[:, :, :width], cv[:, :, :width])
+        if native(x):
+            out = _native_attention(q, keys, values, mask, h // hk)
+            return linear_group((self.o_proj,), out, self.o_proj)
+        if keys.shape[2] < width:
+            keys = F.pad(keys, (0, 0, 0, width - keys.shape[2]))
+            values = F.pad(values, (0, 0, 0, width - values.shape[2]))
         # GQA without copying the cache: the `rep` query heads sharing a KV head are stacked as rows
         # of one (rep*t, d) matrix per (sequence, KV head).
         rep = h // hk
         w, d = keys.shape[2], c.head_dim
         kf = _as(keys, torch.float32).reshape(b * hk, w, d)
         vf = _as(values, torch.float32).reshape(b * hk, w, d)
+        bias = mask.additive()
         if t == 1:
             out = _decode_attention(q, kf, vf, bias, rep)
         else:
             rows = rep * t
-            qf = _pad_rows((q.float() * (d ** -0.5)).reshape(b * hk, rows, d))
+            qf = _pad_rows((q * (d ** -0.5)).reshape(b * hk, rows, d))
             att = torch.bmm(qf, kf.transpose(1, 2))[:, :rows].reshape(b, hk, rep, t, w)
             att = (att + bias).softmax(-1)
             out = _chunked_pv(_pad_rows(att.reshape(b * hk, rows, w)), vf)[:, :rows]
             out = out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, -1)
-        return fused_linears((self.o_proj,), _as(out, x.dtype), self.o_proj)
+        return linear_group((self.o_proj,), _as(out, x.dtype), self.o_proj)
+
+
+def _native_attention(q, keys, values, mask: Masking, rep: int) -> torch.Tensor:
+    """``scaled_dot_product_attention`` on bf16 queries, keys and values (flash attention for causal
+    training and prefill; a boolean mask for decode steps and left padding); (b, t, heads * d)."""
+    b, h, t, d = q.shape
+    dt = keys.dtype if keys.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    qn, kn, vn = q.to(dt), keys.to(dt), values.to(dt)
+    if rep > 1 and not _SDPA_GQA:
+        kn, vn = kn.repeat_interleave(rep, 1), vn.repeat_interleave(rep, 1)
+    kw = {"enable_gqa": True} if rep > 1 and _SDPA_GQA else {}
+    if mask.causal and t == kn.shape[2]:
+        out = F.scaled_dot_product_attention(qn, kn, vn, is_causal=True, **kw)
+    else:
+        vis = mask.visible()[..., :kn.shape[2]]
+        out = F.scaled_dot_product_attention(qn, kn, vn, attn_mask=vis, **kw)
+    return out.transpose(1, 2).reshape(b, t, h * d)
+
+
+def _sdpa_has_gqa() -> bool:
+    import inspect
+
+    try:
+        return "enable_gqa" in inspect.signature(F.scaled_dot_product_attention).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: torch >= 2.5 has the argument
+        return tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+_SDPA_GQA = _sdpa_has_gqa()
 
 
 class MLP(nn.Module):
@@ -345,8 +385,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, h, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        g, u = fused_linears((self.gate_proj, self.up_proj), x, self).chunk(2, dim=-1)
-        return fused_linears((self.down_proj,), silu(g) * u, self.down_proj)
+        gu = linear_group((self.gate_proj, self.up_proj), x, self)
+        return linear_group((self.down_proj,), swiglu(gu, swiglu_save_spec(self.gate_proj.precision)), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -357,8 +397,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, q_index, bias, width, cache=None, layer=0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, q_index, bias, width, cache, layer)
+    def forward(self, x, cos, sin, mask: Masking, cache=None, layer=0):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -401,29 +441,26 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self._rope
         return cos[pos][:, None], sin[pos][:, None]
 
-    def _trunk(self, input_ids, pos, q_index, key_keep, width, cache=None) -> torch.Tensor:
+    def _trunk(self, input_ids, pos, q_index, key_keep, width, cache=None, causal_from_zero=False) -> torch.Tensor:
         cos, sin = self._cos_sin(pos, width)  # every position is < width
-        # Which keys each query sees, as an additive mask (0 or -inf), (b, 1, 1, t, width).
-        j = torch.arange(width, device=input_ids.device)
-        if key_keep is None:
-            hidden = j > q_index[..., None]
-        else:
-            hidden = ~((j <= q_index[..., None]) & key_keep[:, None, :]) & (j != q_index[..., None])
-        bias = torch.zeros(hidden.shape, device=input_ids.device).masked_fill_(hidden, float("-inf"))[:, None, None]
+        mask = Masking(q_index, key_keep, width, causal_from_zero)
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, q_index, bias, width, cache, i)
+            x = layer(x, cos, sin, mask, cache, i)
         return self.model.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of hidden states (any leading dims): the lm_head in the flow's precision."""
+        return linear_group((self.lm_head,), h, self.lm_head).float()
 
     # -- full sequences (training, scoring) -----------------------------------------------
 
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, width: int | None = None
-    ) -> torch.Tensor:
-        """Logits (fp32) for every position.
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               width: int | None = None) -> torch.Tensor:
+        """The final (normed) hidden state of every position; ``logits`` turns them into logits.
 
         ``attention_mask``: 1 for real tokens, 0 for padding (left or right). With right padding
-        (or none) every token's logits are bit-identical to what ``prefill`` / ``decode`` compute.
+        (or none) every token's result is bit-identical to what ``prefill`` / ``decode`` compute.
         ``width`` (tests only) forces a larger key width; results do not depend on it.
         """
         b, t = input_ids.shape
@@ -435,8 +472,13 @@ class LlamaForCausalLM(nn.Module):
         else:
             keep = F.pad(attention_mask.bool(), (0, width - t))
             pos = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        h = self._trunk(input_ids, pos, q_index, keep, width)
-        return fused_linears((self.lm_head,), h, self.lm_head).float()
+        return self._trunk(input_ids, pos, q_index, keep, width, causal_from_zero=True)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, width: int | None = None
+    ) -> torch.Tensor:
+        """Logits (fp32) for every position (see ``hidden``)."""
+        return self.logits(self.hidden(input_ids, attention_mask, width))
 
     # -- incremental decoding (the rollout engine) ----------------------------------------
 
@@ -445,16 +487,22 @@ class LlamaForCausalLM(nn.Module):
                        device=self.lm_head.weight.device, storage=storage)
 
     def cache_dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """fp32 on CPU (the emulated bf16 cache holds bf16-rounded fp32 values); natively bf16
+        unless the KV cache is fp32."""
+        w = self.lm_head.weight
+        spec = self.model.layers[0].self_attn.kv_spec if len(self.model.layers) else None
+        if native(w) and not (spec is not None and spec.format is Format.FP32):
+            return torch.bfloat16
+        return w.dtype
 
     def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Fill the cache with right-padded prompts; logits (fp32) at each prompt's last token."""
         b, t = input_ids.shape
         idx = torch.arange(t, device=input_ids.device).expand(b, t)
-        h = self._trunk(input_ids, idx, idx, None, key_width(t), cache)
+        h = self._trunk(input_ids, idx, idx, None, key_width(t), cache, causal_from_zero=True)
         cache.lengths = lengths.clone()
         last = h[torch.arange(b, device=h.device), lengths - 1]
-        return fused_linears((self.lm_head,), last, self.lm_head).float()
+        return self.logits(last)
 
     def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Append one token per sequence at its own length; logits (fp32) for the next token."""
@@ -464,4 +512,4 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"KV cache full ({cache.width} positions)")
         h = self._trunk(tokens[:, None], idx, idx, None, key_width(longest + 1), cache)
         cache.lengths = cache.lengths + 1
-        return fused_linears((self.lm_head,), h[:, 0], self.lm_head).float()
+        return self.logits(h[:, 0])

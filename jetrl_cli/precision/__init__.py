@@ -28,8 +28,8 @@ from .flow import (  # noqa: E402
     named_flow,
     parse_flow,
 )
-from .gemm import get_backend, register_backend  # noqa: E402
-from .linear import JetLinear, SwapReport, apply_flow, swap_linears  # noqa: E402
+from .gemm import backend_report, get_backend, register_backend, resolve  # noqa: E402
+from .linear import JetLinear, SwapReport, apply_flow, linear_forward, linear_group, swap_linears  # noqa: E402
 
 __all__ += [
     "NAMED_FLOWS",
@@ -40,9 +40,13 @@ __all__ += [
     "PrecisionFlow",
     "SwapReport",
     "apply_flow",
+    "backend_report",
     "get_backend",
+    "linear_forward",
+    "linear_group",
     "named_flow",
     "parse_flow",
     "register_backend",
+    "resolve",
     "swap_linears",
 ]

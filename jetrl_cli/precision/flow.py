@@ -34,8 +34,9 @@ from ..errors import PresetError
 from .formats import Block, Format
 from .quant import DEFAULT_AMAX_FLOOR, CastSpec
 
-GEMM_BACKENDS = ("emulated", "scaled_mm", "triton", "te")
+GEMM_BACKENDS = ("auto", "emulated", "scaled_mm", "triton", "te")  # the registry: precision/gemm.py
 DEFAULT_SKIP = ("embed_tokens", "lm_head", "*norm*")
+SKIP_FORMATS = (Format.BF16, Format.FP32)  # what the linear layers on the skip list run in
 
 
 @dataclass(frozen=True)
@@ -45,18 +46,18 @@ class GemmSpec:
     a: CastSpec
     b: CastSpec
     out: Format = Format.BF16
-    backend: str = "emulated"
+    backend: str = "auto"
 
     def short_str(self) -> str:
         s = f"{self.a.short_str()}x{self.b.short_str()}->{self.out.short}"
-        return s if self.backend == "emulated" else f"{s}@{self.backend}"
+        return s if self.backend == "auto" or not self.is_quantized else f"{s}@{self.backend}"
 
     @property
     def is_quantized(self) -> bool:
         return self.a.is_scaled or self.b.is_scaled
 
 
-HIGH_PRECISION_GEMM = GemmSpec(CastSpec(Format.FP32), CastSpec(Format.FP32), Format.FP32, "emulated")
+HIGH_PRECISION_GEMM = GemmSpec(CastSpec(Format.FP32), CastSpec(Format.FP32), Format.FP32)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,18 @@ class LinearPrecision:
     def forward_only(cls, fprop: GemmSpec) -> "LinearPrecision":
         """A rollout-side linear: the backward GEMMs mirror fprop in high precision (never run)."""
         return cls(fprop=fprop, dgrad=HIGH_PRECISION_GEMM, wgrad=HIGH_PRECISION_GEMM)
+
+    @classmethod
+    def unquantized(cls, fmt: Format) -> "LinearPrecision":
+        """A layer on the skip list: all three GEMMs with ``fmt`` operands and fp32 accumulation;
+        the forward writes fp32 (``lm_head``'s logits), the input gradient ``fmt``, the weight
+        gradient fp32."""
+        c = CastSpec(fmt)
+        return cls(GemmSpec(c, c, Format.FP32), GemmSpec(c, c, fmt), GemmSpec(c, c, Format.FP32))
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.fprop.is_quantized or self.dgrad.is_quantized or self.wgrad.is_quantized
 
     def short_str(self) -> str:
         s = f"fprop={self.fprop.short_str()} dgrad={self.dgrad.short_str()} wgrad={self.wgrad.short_str()}"
@@ -119,6 +132,7 @@ class PrecisionFlow:
     weight_sync: WeightSyncSpec = WeightSyncSpec()
     skip: tuple[str, ...] = DEFAULT_SKIP
     unified: bool = False  # a promise, checked: training fprop == rollout linear
+    skip_format: Format = Format.BF16  # the skipped linear layers' operands, on both sides
 
     @property
     def is_on_policy(self) -> bool:
@@ -127,6 +141,10 @@ class PrecisionFlow:
 
     def rollout_linear(self) -> LinearPrecision:
         return LinearPrecision.forward_only(self.rollout.linear)
+
+    def skipped_linear(self) -> LinearPrecision:
+        """What a linear layer on the skip list runs, in rollout and training alike."""
+        return LinearPrecision.unquantized(self.skip_format)
 
     def kv_cast(self, side: str) -> CastSpec:
         """How keys/values are rounded: the rollout's KV-cache format; the trainer's forward
@@ -141,7 +159,8 @@ class PrecisionFlow:
         return (
             f"{self.name} [{kind}] rollout={self.rollout.linear.short_str()} "
             f"kv={self.rollout.kv_cache.short_str()} train: {self.train.linear.short_str()} "
-            f"master={self.train.master_weights.short} sync={self.weight_sync.payload}"
+            f"master={self.train.master_weights.short} sync={self.weight_sync.payload} "
+            f"skipped={self.skip_format.short}"
         )
 
     def to_dict(self) -> dict:
@@ -201,7 +220,7 @@ def named_flow(name: str) -> PrecisionFlow:
 
 # --------------------------------------------------------------------------- parsing
 
-_OPERANDS = {
+OPERANDS = {  # per GEMM: the names of operands a and b
     "fprop": ("input", "weight"),
     "dgrad": ("grad_output", "weight"),
     "wgrad": ("grad_output", "input"),
@@ -294,17 +313,8 @@ REDUCTION_ON_ROWS = {  # per GEMM: (operand a, operand b) reduce along their nat
 }
 
 
-def factorable_scale(spec: CastSpec, reduction_on_rows: bool) -> bool:
-    """True if the operand's scales are constant along the reduction dim and per-row (or one) across
-    it, so they factor out of the dot products: what per-tensor / row-wise scaled GEMMs need."""
-    if not spec.is_scaled:
-        return True
-    along, across = (spec.block.rows, spec.block.cols) if reduction_on_rows else (spec.block.cols, spec.block.rows)
-    return along == 0 and across in (0, 1)
-
-
 def _parse_gemm(ctx: _Ctx, value, key: str, gemm: str) -> GemmSpec:
-    left, right = _OPERANDS[gemm]
+    left, right = OPERANDS[gemm]
     m = ctx.mapping(value, key, (left, right, "out", "backend"))
     for op in (left, right):
         if op not in m:
@@ -312,7 +322,7 @@ def _parse_gemm(ctx: _Ctx, value, key: str, gemm: str) -> GemmSpec:
     a = _parse_cast(ctx, m[left], f"{key}.{left}")
     b = _parse_cast(ctx, m[right], f"{key}.{right}")
     out = _parse_format(ctx, m.get("out", "bf16"), f"{key}.out", (Format.BF16, Format.FP32))
-    backend = m.get("backend", "emulated")
+    backend = m.get("backend", "auto")
     if backend not in GEMM_BACKENDS:
         ctx.fail(f"{key}.backend", f"unknown backend {backend!r} (allowed: {', '.join(GEMM_BACKENDS)})")
     # Combinations no hardware GEMM runs.
@@ -330,17 +340,17 @@ def _parse_gemm(ctx: _Ctx, value, key: str, gemm: str) -> GemmSpec:
     ga, gb = _k_group(a, red_rows_a), _k_group(b, red_rows_b)
     if ga and gb and ga != gb:
         ctx.fail(key, f"scale groups along the reduction dim differ ({left}: {ga}, {right}: {gb}); they must match")
-    if backend == "scaled_mm":
-        for name, op, rows in ((left, a, red_rows_a), (right, b, red_rows_b)):
-            if not factorable_scale(op, rows):
-                want = "tensor or col" if rows else "tensor or row"
-                ctx.fail(f"{key}.{name}", f"backend scaled_mm needs scales constant along this GEMM's reduction "
-                         f"dim ({want} here), not {op.block.name}; use backend: emulated")
-    return GemmSpec(a, b, out, backend)
+    spec = GemmSpec(a, b, out, backend)
+    from .gemm import static_unsupported  # the registry knows what each backend runs
+
+    why = static_unsupported(backend, spec, gemm)
+    if why is not None:
+        ctx.fail(f"{key}.backend", f"backend {backend} {why}")
+    return spec
 
 
 def _parse_flow_dict(ctx: _Ctx, name: str, d: dict, key: str) -> PrecisionFlow:  # noqa: C901
-    top = ctx.mapping(d, key, ("base", "rollout", "train", "weight_sync", "skip", "unified"))
+    top = ctx.mapping(d, key, ("base", "rollout", "train", "weight_sync", "skip", "skip_format", "unified"))
     p = f"{key}." if key else ""
     for section in ("rollout", "train"):
         if section not in top:
@@ -384,8 +394,10 @@ def _parse_flow_dict(ctx: _Ctx, name: str, d: dict, key: str) -> PrecisionFlow: 
     if not isinstance(skip, list) or not all(isinstance(s, str) and s for s in skip):
         ctx.fail(f"{p}skip", f"expected a list of module-name patterns, got {skip!r}")
 
+    skip_format = _parse_format(ctx, top.get("skip_format", "bf16"), f"{p}skip_format", SKIP_FORMATS)
     unified = ctx.boolean(top.get("unified", False), f"{p}unified")
-    flow = PrecisionFlow(name, RolloutPrecision(r_lin, kv_spec), train, WeightSyncSpec(sync), tuple(skip), unified)
+    flow = PrecisionFlow(name, RolloutPrecision(r_lin, kv_spec), train, WeightSyncSpec(sync), tuple(skip), unified,
+                         skip_format)
     if unified and not flow.is_on_policy:
         ctx.fail(f"{p}unified", "is true but train.fprop differs from rollout.linear "
                  f"({train.linear.fprop.short_str()} vs {r_lin.short_str()}); the trainer must run the rollout's quantizers")
@@ -433,25 +445,26 @@ def _cast_to_yaml(c: CastSpec) -> str:
 def _flow_to_dict(flow: PrecisionFlow) -> dict:
     def gemm(g: GemmSpec, names: tuple[str, str]) -> dict:
         d = {names[0]: _cast_to_yaml(g.a), names[1]: _cast_to_yaml(g.b), "out": g.out.value}
-        if g.backend != "emulated":
+        if g.backend != "auto":
             d["backend"] = g.backend
         return d
 
     lin = flow.train.linear
     return {
         "rollout": {
-            "linear": gemm(flow.rollout.linear, _OPERANDS["rollout.linear"]),
+            "linear": gemm(flow.rollout.linear, OPERANDS["rollout.linear"]),
             "kv_cache": _cast_to_yaml(CastSpec(flow.rollout.kv_cache.format, flow.rollout.kv_cache.block)),
         },
         "train": {
-            "fprop": gemm(lin.fprop, _OPERANDS["fprop"]),
-            "dgrad": gemm(lin.dgrad, _OPERANDS["dgrad"]),
-            "wgrad": gemm(lin.wgrad, _OPERANDS["wgrad"]),
+            "fprop": gemm(lin.fprop, OPERANDS["fprop"]),
+            "dgrad": gemm(lin.dgrad, OPERANDS["dgrad"]),
+            "wgrad": gemm(lin.wgrad, OPERANDS["wgrad"]),
             "save_fp8_activations": lin.save_fp8_activations,
             "master_weights": flow.train.master_weights.value,
         },
         "weight_sync": flow.weight_sync.payload,
         "skip": list(flow.skip),
+        "skip_format": flow.skip_format.value,
         "unified": flow.unified,
     }
 

@@ -1,47 +1,94 @@
-"""GEMM backends behind one interface: ``mm(a, b) = a @ b.T`` with both operands K-major.
+"""GEMM backends behind one registry: ``mm(a, b) = a @ b.T`` with both operands K-major.
 
-An operand is either a ``QTensor`` (8-bit data + fp32 scales) or a plain fp32 tensor whose values
-were already rounded to the operand's high-precision format (bf16 emulation on CPU). Backends
-return the fp32 product; the caller adds the bias and rounds to the GEMM's ``out`` format.
+Every GEMM of a flow (``fprop``, ``dgrad``, ``wgrad``, ``rollout.linear``) names a backend. This
+module is the one place that knows what each backend can run (``unsupported``), how its operands
+are laid out (``cast``), and which one ``auto`` picks (``resolve``).
 
-- ``emulated`` (the reference, CPU and GPU): dequantize both operands to fp32, fp32 matmul. Any
-  granularity. On CUDA, an all-bf16 GEMM runs as a real bf16 matmul (fp32 accumulation).
-- ``scaled_mm``: ``torch._scaled_mm`` for FP8 with per-tensor or per-row scales (runs on CPU too),
-  ``torch._int_mm`` (int32 accumulation) for INT8 per-row / per-tensor. Blockwise scales are not
-  supported by it: choose ``emulated`` or the ``triton`` kernels for 1x128 / 128x128.
-- ``triton``: the blockwise FP8 kernels of ``jetrl_cli.kernels``, loaded on first use (on a CUDA
-  GPU, or in Triton's interpreter with ``TRITON_INTERPRET=1``); elsewhere choosing it is a clear error.
-- ``te``: a slot for a Transformer Engine integration; until one registers, choosing it is a clear error.
+Execution: emulated on CPU, native on CUDA
+------------------------------------------
+- **CPU** emulates the GPU's numerics: an operand in ``bf16`` is an fp32 tensor holding bf16-rounded
+  values, products accumulate in fp32 (``row_invariant_mm``), and a GEMM's ``out`` format is applied
+  by rounding the fp32 result. FP8/INT8 operands are dequantized and multiplied the same way.
+- **CUDA** runs natively: ``bf16`` operands are bf16 tensors multiplied by cuBLAS with fp32
+  accumulation (``allow_bf16_reduced_precision_reduction`` is turned off so split-K reductions stay
+  fp32), the output is written in the ``out`` dtype, and FP8 GEMMs run on the tensor cores
+  (``scaled_mm`` or ``triton``). The formats, block shapes and scales are the flow's on both; only
+  the order of the fp32 additions differs.
+
+Backends (for 8-bit GEMMs; an unscaled GEMM always runs ``torch.matmul`` as above)
+----------------------------------------------------------------------------------
+- ``emulated``: dequantize both operands to fp32, fp32 matmul. Any granularity, any device. The
+  reference the others are checked against.
+- ``scaled_mm``: ``torch.nn.functional.scaled_mm`` (torch >= 2.10) or ``torch._scaled_mm``:
+  FP8 with per-tensor or per-row scales (CPU and GPU), INT8 per-row / per-tensor through
+  ``torch._int_mm``, and on Hopper GPUs the blockwise recipes: 1x128 activations x 128x128 weights
+  (Fprop, Dgrad) and 1x128 x 1x128 (Wgrad, groups along tokens). Blockwise needs the reduction dim
+  (and, for 128x128 weights, N) to be a multiple of 128; scales are handed over in the layouts
+  torch requires (``blockwise_scale_layouts``).
+- ``triton``: jetrl's blockwise FP8 kernels (``jetrl_cli.kernels``), on a CUDA GPU or in Triton's
+  interpreter (``TRITON_INTERPRET=1``).
+- ``te``: a slot for Transformer Engine; choosing it is a clear error until one registers.
+- ``auto`` (the default): resolved once per GEMM spec and device, by this rule:
+
+  1. On CPU: ``emulated`` (exact reference; the fused FP8 kernels do not exist there and
+     ``_scaled_mm`` on CPU is slower than the fp32 emulation).
+  2. On CUDA: candidates ``scaled_mm``, ``triton``, ``emulated``, in that order. A candidate is
+     dropped if it cannot run the spec (``unsupported``: formats, granularities, torch version,
+     GPU generation) or if a probe GEMM (256 x 256 x 256, random operands and scales) does not
+     match ``emulated`` within ``KERNEL_TOLERANCE``. The survivors are timed on one
+     2048 x 2048 x 2048 GEMM and the fastest is chosen.
+  3. At call time a shape the chosen backend cannot serve (e.g. a reduction dim that is not a
+     multiple of 128 for blockwise ``scaled_mm``) goes to the next surviving candidate. Every such
+     fallback is counted (``fallbacks()``) and reported with the resolution (``backend_report``):
+     ``jetrl run`` writes it into ``metrics.jsonl`` and ``jetrl bench`` into its rows, so a
+     benchmark never runs the emulated path without saying so.
+
+  A backend named explicitly is used as named; if it cannot run the spec on this device that is a
+  one-line error, and call-time shape fallbacks are counted as for ``auto``.
 
 ``register_backend(name, backend)`` is the extension point.
 """
 
 from __future__ import annotations
 
+import os
+import time
+from dataclasses import dataclass, field
 from typing import Protocol, Union
 
 import torch
 
 from ..errors import JetrlError
-from .flow import REDUCTION_ON_ROWS, GemmSpec, factorable_scale
+from .flow import OPERANDS, REDUCTION_ON_ROWS
 from .formats import Block, Format
-from .quant import QTensor
+from .quant import CastSpec, QTensor, quantize, round_to
 
 Operand = Union[QTensor, torch.Tensor]
 
-
-class GemmBackend(Protocol):
-    name: str
-
-    def check(self, spec: GemmSpec, where: str, gemm: str) -> None:
-        """Raise JetrlError naming ``where`` if this backend cannot run ``spec`` as GEMM ``gemm``
-        (``fprop``, ``dgrad``, ``wgrad`` or ``rollout.linear``)."""
-
-    def mm(self, a: Operand, b: Operand) -> torch.Tensor:
-        """fp32 ``a @ b.T``; a is (M, K), b is (N, K), both already cast per the spec."""
-
-
+KERNEL_TOLERANCE = 1e-3  # relative error of a backend against the emulated GEMM on the same operands
 ROW_TILE = 8
+TILE = 128
+
+
+_FORCE_NATIVE = False  # tests: run the native (CUDA) code path on CPU tensors, at tiny sizes
+
+
+def native(t: torch.Tensor) -> bool:
+    """Whether ``t``'s GEMMs run natively (bf16 tensors, real low-precision matmuls): on CUDA."""
+    return t.is_cuda or _FORCE_NATIVE
+
+
+def set_force_native(on: bool) -> None:
+    """Tests only: exercise the native path on CPU (real bf16 matmuls, slow beyond tiny shapes)."""
+    global _FORCE_NATIVE
+    _FORCE_NATIVE = on
+
+
+def configure_cuda_numerics() -> None:
+    """cuBLAS bf16 GEMMs accumulate in fp32, split-K reductions included (jetrl's ``bf16`` means
+    bf16 operands, fp32 accumulation). Called before a native run."""
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
 
 def row_invariant_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -52,7 +99,7 @@ def row_invariant_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     small M, so the same row would come out with different low bits. Padding M to a multiple of
     ``ROW_TILE`` keeps one kernel for all row counts; ``tests/test_engine.py`` checks the property on
     this machine's BLAS. CUDA is left alone (bitwise batch invariance there needs batch-invariant
-    kernels, which jetrl does not ship yet).
+    kernels).
     """
     m = a.shape[0]
     if a.is_cuda or m % ROW_TILE == 0:
@@ -61,10 +108,84 @@ def row_invariant_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(torch.nn.functional.pad(a, (0, 0, 0, pad)), b.t())[:m]
 
 
-def _values(op: Operand) -> torch.Tensor:
+def operand_values(op: Operand) -> torch.Tensor:
+    """The fp32 values an operand carries (dequantized for a QTensor)."""
     if isinstance(op, QTensor):
         return op.dequantize(torch.float32)
     return op if op.dtype is torch.float32 else op.float()
+
+
+def transpose_operand(op: Operand) -> Operand:
+    """The operand of the transposed matrix (data and scale grid transposed, contiguous)."""
+    if isinstance(op, QTensor):
+        return op.t()
+    return op.t().contiguous()
+
+
+# --------------------------------------------------------------------------- dense GEMMs
+
+
+def dense_cast(x: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """An unscaled operand: bf16/fp32 tensor natively, fp32 holding rounded values on CPU."""
+    if native(x):
+        dt = fmt.torch_dtype()
+        return x if x.dtype is dt else x.to(dt)
+    return round_to(x, fmt)
+
+
+_MM_OUT_DTYPE: dict = {}  # device type -> whether torch.mm(..., out_dtype=) runs there
+
+
+def dense_mm(a: torch.Tensor, b: torch.Tensor, out: Format) -> torch.Tensor:
+    """``a @ b.T`` for unscaled operands, written in ``out`` (native) or fp32 (emulated: the caller
+    rounds). Native bf16 x bf16 -> fp32 uses ``torch.mm(out_dtype=)`` where torch has it."""
+    if not native(a):
+        return row_invariant_mm(operand_values(a), operand_values(b))
+    dt = out.torch_dtype()
+    if a.dtype == dt:
+        return torch.mm(a, b.t())
+    key = a.device.type
+    if _MM_OUT_DTYPE.get(key, True):
+        try:
+            return torch.mm(a, b.t(), out_dtype=dt)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE[key] = False
+    return torch.mm(a.to(dt), b.to(dt).t())
+
+
+def finish(acc: torch.Tensor, out: Format, like: torch.dtype) -> torch.Tensor:
+    """Round a GEMM result to its ``out`` format. Emulated: fp32 values rounded, returned in the
+    activation dtype ``like``. Native: the tensor already has the ``out`` dtype."""
+    if native(acc):
+        dt = out.torch_dtype()
+        return acc if acc.dtype is dt else acc.to(dt)
+    y = round_to(acc, out)
+    return y if y.dtype is like else y.to(like)
+
+
+# --------------------------------------------------------------------------- backends
+
+
+class GemmBackend(Protocol):
+    name: str
+
+    def unsupported(self, spec, gemm: str, device: torch.device | None) -> str | None:
+        """Why this backend cannot run ``spec`` as GEMM ``gemm`` on ``device`` (None: it can).
+        ``device=None`` asks only what holds on every device (checked when a preset is read)."""
+
+    def cast(self, x: torch.Tensor, spec: CastSpec) -> Operand:
+        """``x`` as this backend's K-major operand (8-bit: a QTensor)."""
+
+    def shape_unsupported(self, a: Operand, b: Operand) -> str | None:
+        """Why these operands' shapes cannot run here (None: they can)."""
+
+    def mm(self, a: Operand, b: Operand, out: Format = Format.FP32) -> torch.Tensor:
+        """``a @ b.T`` (a: M x K, b: N x K). Native: in ``out``'s dtype; emulated: fp32."""
+
+
+def _k_major_block(op: CastSpec, reduction_on_rows: bool) -> Block:
+    """The operand's block in the K-major layout the GEMM reads."""
+    return op.block.transposed() if reduction_on_rows else op.block
 
 
 class EmulatedBackend:
@@ -72,85 +193,394 @@ class EmulatedBackend:
 
     name = "emulated"
 
-    def check(self, spec: GemmSpec, where: str, gemm: str) -> None:
+    def unsupported(self, spec, gemm, device):
         return None
 
-    def mm(self, a: Operand, b: Operand) -> torch.Tensor:
-        if (
-            not isinstance(a, QTensor)
-            and not isinstance(b, QTensor)
-            and a.is_cuda
-            and a.dtype == torch.bfloat16
-            and b.dtype == torch.bfloat16
-        ):
-            return torch.matmul(a, b.t()).float()
-        return row_invariant_mm(_values(a), _values(b))
+    def cast(self, x, spec):
+        return quantize(x, spec) if spec.is_scaled else dense_cast(x, spec.format)
+
+    def shape_unsupported(self, a, b):
+        return None
+
+    def mm(self, a, b, out=Format.FP32):
+        if not isinstance(a, QTensor) and not isinstance(b, QTensor):
+            return dense_mm(a, b, out)
+        acc = row_invariant_mm(operand_values(a), operand_values(b))
+        return acc.to(out.torch_dtype()) if native(acc) else acc
+
+
+def _scaled_mm_v2():
+    """``torch.nn.functional.scaled_mm`` and its ScalingType, when this torch has them."""
+    f = getattr(torch.nn.functional, "scaled_mm", None)
+    st = getattr(torch.nn.functional, "ScalingType", None)
+    if f is None or st is None or not hasattr(st, "BlockWise1x128"):
+        return None
+    return f, st
+
+
+def blockwise_kind(a: CastSpec, b: CastSpec) -> str | None:
+    """``"1x128x128x128"`` (Fprop/Dgrad), ``"1x128x1x128"`` (Wgrad) or None, for K-major blocks."""
+    if a.block != Block(1, TILE):
+        return None
+    if b.block == Block(TILE, TILE):
+        return "1x128x128x128"
+    if b.block == Block(1, TILE):
+        return "1x128x1x128"
+    return None
+
+
+def blockwise_scale_layouts(a: QTensor, b: QTensor, v2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale tensors ``scaled_mm`` wants for blockwise FP8 (a: M x K, b: N x K, K-major).
+
+    ``scale_a`` (M, K/128) column-major, strides (1, M). ``scale_b``: for 128x128 blocks, v2 API
+    (F.scaled_mm) (L4, N/128) with strides (1, L4), L4 = round_up(K/128, 4), i.e. the transpose of
+    a contiguous (N/128, L4) buffer; the older ``torch._scaled_mm`` takes (K/128, N/128) with
+    strides (1, K/128). For 1x128 b: (N, K/128) with strides (1, N) (v2) or (K/128, N) contiguous
+    (old). Scales already in these layouts (jetrl's Triton quantizers write them) are not copied."""
+    m, n = a.data.shape[0], b.data.shape[0]
+    sa = a.scale
+    if not (sa.stride(0) == 1 and (sa.stride(1) == m or sa.shape[1] == 1)):
+        sa = sa.t().contiguous().t()
+    sb = b.scale
+    if b.spec.block == Block(1, TILE):
+        if v2:
+            if not (sb.stride(0) == 1 and (sb.stride(1) == n or sb.shape[1] == 1)):
+                sb = sb.t().contiguous().t()
+            return sa, sb
+        return sa, sb.t().contiguous()
+    nb, kb = sb.shape
+    if not v2:
+        return sa, sb.contiguous().t()
+    l4 = -(-kb // 4) * 4
+    if sb.stride() == (l4, 1):  # a view into a padded (nb, l4) buffer: hand the buffer over
+        return sa, torch.as_strided(sb, (l4, nb), (1, l4))
+    buf = torch.ones(nb, l4, dtype=sb.dtype, device=sb.device)
+    buf[:, :kb] = sb
+    return sa, buf.t()
 
 
 class ScaledMMBackend:
-    """torch._scaled_mm (FP8) / torch._int_mm (INT8) with per-tensor or per-row scales."""
+    """torch's scaled GEMMs: FP8 per-tensor / per-row / blockwise (Hopper), INT8 through _int_mm."""
 
     name = "scaled_mm"
 
-    def check(self, spec: GemmSpec, where: str, gemm: str) -> None:
-        for op, rows in zip((spec.a, spec.b), REDUCTION_ON_ROWS[gemm]):
-            if not factorable_scale(op, rows):
-                raise JetrlError(
-                    f"{where}: backend scaled_mm needs per-tensor or per-row scales that are constant along "
-                    f"the reduction dim, not {op.block.name} (use backend: emulated, or triton for blockwise)"
-                )
+    def unsupported(self, spec, gemm, device):
+        a, b = spec.a, spec.b
+        if not (a.is_scaled and b.is_scaled):
+            return "runs 8-bit operands only"
+        rows = REDUCTION_ON_ROWS[gemm]
+        ka, kb = _k_major_block(a, rows[0]), _k_major_block(b, rows[1])
+        factorable = all(blk.cols == 0 and blk.rows in (0, 1) for blk in (ka, kb))
+        kind = blockwise_kind(CastSpec(a.format, ka), CastSpec(b.format, kb))
+        if a.format is Format.INT8 and not factorable:
+            return "runs int8 with per-tensor or per-row scales only"
+        if not factorable and kind is None:
+            na, nb = OPERANDS[gemm]
+            return (f"needs per-tensor or per-row scales that are constant along the reduction dim, or the "
+                    f"blockwise recipes 1x128 x 128x128 / 1x128 x 1x128 along it; here {na} is {a.block.name} and "
+                    f"{nb} is {b.block.name}, i.e. {ka.name} x {kb.name} along the reduction (use backend: emulated)")
+        if device is None:
+            return None
+        if kind is not None:
+            if device.type != "cuda":
+                return "blockwise FP8 runs on CUDA GPUs only (torch's CPU scaled_mm takes per-tensor and row-wise scales)"
+            if torch.cuda.get_device_capability(device) < (9, 0):
+                return "blockwise FP8 needs a Hopper (sm_90) or newer GPU"
+        elif device.type == "cuda" and a.format.is_fp8 and torch.cuda.get_device_capability(device) < (8, 9):
+            return "FP8 needs an Ada (sm_89) or Hopper GPU"
+        return None
 
-    def mm(self, a: Operand, b: Operand) -> torch.Tensor:
+    def cast(self, x, spec):
+        if not spec.is_scaled:
+            return dense_cast(x, spec.format)
+        tri = _triton_kernels(x)
+        if tri is not None and x.is_cuda:
+            q = tri.quantize(x, spec)
+            if q is not None:
+                return q
+        return quantize(x, spec)
+
+    def shape_unsupported(self, a, b):
+        if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
+            return "an operand is not 8-bit"
+        k = a.data.shape[1]
+        if blockwise_kind(a.spec, b.spec) is not None:
+            if k % TILE:
+                return f"blockwise scaled_mm needs the reduction dim to be a multiple of {TILE}, got {k}"
+            if b.spec.block == Block(TILE, TILE) and b.data.shape[0] % TILE:
+                return f"blockwise scaled_mm needs N to be a multiple of {TILE} for 128x128 scales, got {b.data.shape[0]}"
+        elif a.data.is_cuda and (k % 16 or b.data.shape[0] % 16):
+            return f"scaled_mm needs K and N to be multiples of 16, got K={k}, N={b.data.shape[0]}"
+        return None
+
+    def mm(self, a, b, out=Format.FP32):
         if not isinstance(a, QTensor):
-            return EmulatedBackend().mm(a, b)
+            return EmulatedBackend().mm(a, b, out)
+        out_dtype = out.torch_dtype() if native(a.data) else torch.float32
+        m, n = a.data.shape[0], b.data.shape[0]
+        if blockwise_kind(a.spec, b.spec) is not None:
+            v2 = _scaled_mm_v2()
+            sa, sb = blockwise_scale_layouts(a, b, v2 is not None)
+            if v2 is not None:
+                f, st = v2
+                rb = st.BlockWise128x128 if b.spec.block == Block(TILE, TILE) else st.BlockWise1x128
+                return f(a.data, b.data.t(), sa, st.BlockWise1x128, sb, rb, output_dtype=out_dtype)
+            return torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=out_dtype)
         for op in (a, b):  # K-major operands: scales must be one per row (or one in all)
             if op.spec.block not in (Block(0, 0), Block(1, 0)) and op.scale.numel() != 1:
                 raise JetrlError(f"backend scaled_mm got an operand with {op.spec.block.name} scales along K")
-        m, n = a.data.shape[0], b.data.shape[0]
         # reshape through 1-D: a transposed (1, M) grid has a large stride on its size-1 dim,
         # which _scaled_mm rejects even though the tensor counts as contiguous
         sa = a.scale.reshape(()) if a.scale.numel() == 1 and m != 1 else a.scale.reshape(-1).reshape(m, 1)
         sb = b.scale.reshape(()) if b.scale.numel() == 1 and n != 1 else b.scale.reshape(-1).reshape(1, n)
         if a.spec.format is Format.INT8:
             acc = torch._int_mm(a.data, b.data.t())
-            return acc.float() * sa * sb
+            return (acc.float() * sa * sb).to(out_dtype)
         if sa.dim() != sb.dim():  # _scaled_mm wants both tensor-wise or both row-wise
             sa = sa.expand(m, 1).contiguous() if sa.dim() == 0 else sa
             sb = sb.expand(1, n).contiguous() if sb.dim() == 0 else sb
-        return torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=torch.float32)
+        return torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=out_dtype)
+
+
+def _triton_kernels(x: torch.Tensor | None = None):
+    """``jetrl_cli.kernels.fp8`` when Triton can run here (a GPU, or the interpreter), else None."""
+    from ..kernels import unavailable_reason
+
+    if unavailable_reason() is not None:
+        return None
+    from ..kernels import fp8
+
+    return fp8
+
+
+class TritonBackend:
+    """jetrl's blockwise FP8 GEMM and quantizers in Triton (``jetrl_cli.kernels.fp8``)."""
+
+    name = "triton"
+
+    def unsupported(self, spec, gemm, device):
+        rows = REDUCTION_ON_ROWS[gemm]
+        for op, r, which in zip((spec.a, spec.b), rows, ("a", "b")):
+            blk = _k_major_block(op, r)
+            if not op.format.is_fp8 or blk.cols != TILE or blk.rows not in (1, TILE):
+                return (f"runs FP8 operands with 1x128 or 128x128 scales along the reduction dim; operand {which} "
+                        f"is {op.short_str()} (use backend: emulated or scaled_mm)")
+        if device is None:
+            return None
+        from ..kernels import unavailable_reason
+
+        why = unavailable_reason()
+        if why is None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            why = "the Triton kernels run on CUDA tensors (or in Triton's interpreter with TRITON_INTERPRET=1)"
+        return why
+
+    def cast(self, x, spec):
+        if not spec.is_scaled:
+            return dense_cast(x, spec.format)
+        q = _triton_kernels().quantize(x, spec) if x.dim() == 2 else None
+        return q if q is not None else quantize(x, spec)
+
+    def shape_unsupported(self, a, b):
+        if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
+            return "an operand is not 8-bit"
+        return None
+
+    def mm(self, a, b, out=Format.FP32):
+        if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
+            return EmulatedBackend().mm(a, b, out)
+        out_dtype = out.torch_dtype() if native(a.data) else torch.float32
+        return _triton_kernels().blockwise_mm(a, b, out_dtype=out_dtype)
 
 
 class UnavailableBackend:
+    """A named slot with nothing behind it (yet)."""
+
     def __init__(self, name: str, why: str):
         self.name, self.why = name, why
 
-    def check(self, spec: GemmSpec, where: str, gemm: str) -> None:
-        raise JetrlError(f"{where}: GEMM backend {self.name!r} is not available: {self.why}")
+    def unsupported(self, spec, gemm, device):
+        return self.why
 
-    def mm(self, a: Operand, b: Operand) -> torch.Tensor:
+    def cast(self, x, spec):
+        raise JetrlError(f"GEMM backend {self.name!r} is not available: {self.why}")
+
+    def shape_unsupported(self, a, b):
+        return self.why
+
+    def mm(self, a, b, out=Format.FP32):
         raise JetrlError(f"GEMM backend {self.name!r} is not available: {self.why}")
 
 
 _BACKENDS: dict[str, GemmBackend] = {
     "emulated": EmulatedBackend(),
     "scaled_mm": ScaledMMBackend(),
-    "triton": UnavailableBackend("triton", "not loaded"),  # replaced by jetrl_cli.kernels on first use
-    "te": UnavailableBackend("te", "no Transformer Engine integration is in this release; use 'emulated'"),
+    "triton": TritonBackend(),
+    "te": UnavailableBackend("te", "no Transformer Engine integration is in this release; use 'auto' or 'emulated'"),
 }
+AUTO_ORDER = ("scaled_mm", "triton", "emulated")
 
 
 def register_backend(name: str, backend: GemmBackend) -> None:
     _BACKENDS[name] = backend
+    _RESOLVED.clear()
 
 
 def get_backend(name: str) -> GemmBackend:
-    if name == "triton" and isinstance(_BACKENDS["triton"], UnavailableBackend):
-        from ..kernels import register  # imports triton only when a flow asks for it
-
-        why = register()
-        if why is not None:
-            _BACKENDS["triton"] = UnavailableBackend("triton", why)
     try:
         return _BACKENDS[name]
     except KeyError:
-        raise JetrlError(f"unknown GEMM backend {name!r} (allowed: {', '.join(_BACKENDS)})") from None
+        raise JetrlError(f"unknown GEMM backend {name!r} (allowed: auto, {', '.join(_BACKENDS)})") from None
+
+
+def static_unsupported(backend: str, spec, gemm: str) -> str | None:
+    """What a preset can be told before any device is known: can ``backend`` run ``spec`` at all?"""
+    if backend == "auto" or not spec.is_quantized:
+        return None
+    return get_backend(backend).unsupported(spec, gemm, None)
+
+
+# --------------------------------------------------------------------------- resolution
+
+
+@dataclass
+class Resolution:
+    """Which backend runs one GEMM spec on one device, and why."""
+
+    gemm: str
+    spec_str: str
+    device: str
+    asked: str
+    backend: str
+    candidates: list[str]  # usable backends, in fallback order (the chosen one first)
+    rejected: dict[str, str] = field(default_factory=dict)  # backend -> why not
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = {"gemm": self.gemm, "spec": self.spec_str, "device": self.device, "asked": self.asked,
+             "backend": self.backend, "fallback_order": self.candidates[1:]}
+        if self.rejected:
+            d["rejected"] = dict(self.rejected)
+        if self.timings_ms:
+            d["timings_ms"] = {k: round(v, 4) for k, v in self.timings_ms.items()}
+        return d
+
+
+_RESOLVED: dict[tuple, Resolution] = {}
+_FALLBACKS: dict[tuple, int] = {}  # (gemm, spec, from, to, why) -> calls
+
+
+def _probe(backend: GemmBackend, spec, device: torch.device) -> str | None:
+    """Run a 256^3 GEMM with random operands through ``backend`` and the emulated reference."""
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    x = (torch.randn(256, 256, generator=g) * torch.rand(256, 1, generator=g) * 4).to(device)
+    w = (torch.randn(256, 256, generator=g) * 0.05).to(device)
+    try:
+        a, b = backend.cast(x, spec.a), backend.cast(w, spec.b)
+        why = backend.shape_unsupported(a, b)
+        if why is not None:
+            return f"probe: {why}"
+        got = backend.mm(a, b, spec.out).float()
+    except Exception as e:  # a torch build or GPU that cannot run it
+        return f"probe failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    emu = _BACKENDS["emulated"]
+    ref = emu.mm(emu.cast(x, spec.a), emu.cast(w, spec.b), spec.out).float()
+    err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+    if not err <= KERNEL_TOLERANCE:
+        return f"probe: relative error {err:.2e} against emulated exceeds {KERNEL_TOLERANCE:g}"
+    return None
+
+
+def _time_ms(backend: GemmBackend, spec, device: torch.device, size: int = 2048) -> float:
+    g = torch.Generator(device="cpu").manual_seed(99)
+    a = backend.cast(torch.randn(size, size, generator=g).to(device), spec.a)
+    b = backend.cast((torch.randn(size, size, generator=g) * 0.05).to(device), spec.b)
+    backend.mm(a, b, spec.out)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        backend.mm(a, b, spec.out)
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / 3 * 1e3
+
+
+def resolve(spec, gemm: str, device: torch.device | str) -> Resolution:
+    """The backend that runs ``spec`` as GEMM ``gemm`` on ``device`` (see the module docstring)."""
+    device = torch.device(device)
+    key = (spec, gemm, device.type, device.index)
+    hit = _RESOLVED.get(key)
+    if hit is not None:
+        return hit
+    asked = spec.backend
+    dev_str = str(device)
+    if not spec.is_quantized:
+        res = Resolution(gemm, spec.short_str(), dev_str, asked, "torch", ["torch"])
+    elif asked != "auto":
+        why = get_backend(asked).unsupported(spec, gemm, device)
+        if why is not None:
+            raise JetrlError(f"precision.{gemm}: backend {asked} cannot run {spec.short_str()} on {dev_str}: {why}")
+        order = [asked] + ([] if asked == "emulated" else ["emulated"])
+        res = Resolution(gemm, spec.short_str(), dev_str, asked, asked, order)
+    elif device.type != "cuda":
+        res = Resolution(gemm, spec.short_str(), dev_str, asked, "emulated", ["emulated"],
+                         rejected={n: "auto uses the exact emulated reference on CPU" for n in AUTO_ORDER if n != "emulated"})
+    else:
+        rejected, ok = {}, []
+        for name in AUTO_ORDER:
+            be = _BACKENDS[name]
+            why = be.unsupported(spec, gemm, device) or (None if name == "emulated" else _probe(be, spec, device))
+            if why is None:
+                ok.append(name)
+            else:
+                rejected[name] = why
+        timings = {name: _time_ms(_BACKENDS[name], spec, device) for name in ok}
+        order = sorted(ok, key=lambda n: timings[n])
+        res = Resolution(gemm, spec.short_str(), dev_str, asked, order[0], order, rejected, timings)
+    _RESOLVED[key] = res
+    return res
+
+
+def backend_for(spec, gemm: str, device: torch.device) -> GemmBackend:
+    res = resolve(spec, gemm, device)
+    return _BACKENDS["emulated"] if res.backend == "torch" else _BACKENDS[res.backend]
+
+
+def run_gemm(a: Operand, b: Operand, spec, gemm: str, device: torch.device) -> torch.Tensor:
+    """``a @ b.T`` on the resolved backend, falling back (and counting it) when the shapes do not fit."""
+    res = resolve(spec, gemm, device)
+    if res.backend == "torch":
+        return dense_mm(a, b, spec.out)
+    first = _BACKENDS[res.backend]
+    why = first.shape_unsupported(a, b)
+    if why is None:
+        return first.mm(a, b, spec.out)
+    for name in res.candidates[1:]:
+        be = _BACKENDS[name]
+        if be.shape_unsupported(a, b) is None:
+            k = (gemm, res.spec_str, res.backend, name, why)
+            _FALLBACKS[k] = _FALLBACKS.get(k, 0) + 1
+            return be.mm(a, b, spec.out)  # every backend reads jetrl's QTensors, whatever their strides
+    raise JetrlError(f"precision.{gemm}: no backend can run {res.spec_str} on shapes "
+                     f"{tuple(a.shape)} x {tuple(b.shape)} ({res.backend}: {why})")
+
+
+def fallbacks() -> list[dict]:
+    return [{"gemm": g, "spec": s, "from": f, "to": t, "why": w, "calls": n}
+            for (g, s, f, t, w), n in _FALLBACKS.items()]
+
+
+def backend_report() -> dict:
+    """Every resolution made so far in this process and every call-time fallback."""
+    return {"resolved": [r.to_dict() for r in _RESOLVED.values() if r.backend != "torch"],
+            "fallbacks": fallbacks()}
+
+
+def reset_resolutions() -> None:
+    _RESOLVED.clear()
+    _FALLBACKS.clear()
+
+
+def cast_operand(x: torch.Tensor, spec: CastSpec, backend: GemmBackend | str = "emulated") -> Operand:
+    """``x`` as a K-major operand of ``backend`` (8-bit: a QTensor, bit-identical whichever backend
+    quantizes it; unscaled: native dtype or fp32 rounded values)."""
+    be = get_backend(backend) if isinstance(backend, str) else backend
+    return be.cast(x, spec) if spec.is_scaled else dense_cast(x, spec.format)

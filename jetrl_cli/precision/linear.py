@@ -1,110 +1,105 @@
-"""The FP8 linear layer: ``nn.Linear`` with each of its three GEMMs run in the flow's precision.
+"""The one precision forward, and the FP8 linear layer built on it.
 
 ``y = x @ W.T + b``. Forward (Fprop), input gradient (Dgrad) and weight gradient (Wgrad) each cast
 their operands as the flow says (see ``flow.py`` for the operand layouts) and write high precision:
 activations and the gradients passed between operators are rounded to the GEMM's ``out`` format
 (bf16 or fp32), never to 8 bits; master weights are the module's own fp32 parameters.
 
-The forward is one code path: train or eval mode, with or without grad, it runs the same casts,
-so a rollout forward and a training forward with the same precision give the same bits. With
-``save_fp8_activations`` the forward also quantizes ``x`` in the weight-gradient layout (128x1
-groups) and saves only that FP8 copy for the backward, instead of the high-precision ``x``.
+``linear_forward`` is the forward every caller runs -- the trainer (through ``JetLinear`` and
+``linear_group``), the embedded rollout engine, and jetrl's quantization method inside vLLM -- so
+a rollout forward and a training forward with the same precision run the same casts, the same
+backend and the same GEMM, and give the same bits.
 
-On CPU, bf16 is emulated: operands rounded to bf16, products accumulated in fp32.
+Linear layers that read the same input (q/k/v, gate/up) run as one group (``linear_group``): the
+input is cast once, and their weights, each quantized on its own (its own 128x128 blocks and
+scales), are concatenated along N into one GEMM operand, cached until a weight changes -- once
+per optimizer step, or at each weight sync on the rollout side. Dgrad reads the same quantized
+weights transposed (the 128x128 block grid is transpose-symmetric), also cached per step.
+
+What the backward keeps: the Wgrad operand of the input, in its final layout. With
+``save_fp8_activations`` that is the FP8 copy (128x1 groups along tokens), made in the forward,
+and ``swiglu`` keeps FP8 copies of its two inputs; otherwise the input is kept in the Wgrad
+operand's high precision (bf16 natively) and quantized in the backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from .flow import GemmSpec, LinearPrecision, PrecisionFlow
-from .gemm import Operand, get_backend
-from .quant import CastSpec, QTensor, quantize, round_to
+from .formats import Block, Format
+from .gemm import (
+    Operand,
+    backend_for,
+    cast_operand,
+    finish,
+    native,
+    operand_values,
+    resolve,
+    run_gemm,
+    transpose_operand,
+)
+from .quant import CastSpec, QTensor, dequantize, quantize
+
+TILE = 128
+
+# --------------------------------------------------------------------------- the forward
 
 
-def cast_operand(x: torch.Tensor, spec: CastSpec, backend: str = "emulated") -> Operand:
-    """An operand in the form a backend consumes: a QTensor, or fp32 values rounded to the format.
-    A backend with its own quantizers (``cast``: the Triton kernels, bit-exact with the reference)
-    quantizes the operands of its GEMMs."""
-    if spec.is_scaled:
-        if backend != "emulated":
-            own = getattr(get_backend(backend), "cast", None)
-            q = own(x, spec) if own is not None else None
-            if q is not None:
-                return q
-        return quantize(x, spec)
-    if x.is_cuda and spec.format.value == "bf16":
-        return x.to(torch.bfloat16)
-    return round_to(x, spec.format)
+def linear_forward(x: torch.Tensor, weight: Operand | list, bias: torch.Tensor | None, spec: GemmSpec,
+                   gemm: str = "fprop") -> torch.Tensor:
+    """``x @ W.T + b`` in ``spec``'s precision, for any leading dims of ``x``.
 
-
-def _finish(acc: torch.Tensor, spec: GemmSpec, like: torch.dtype) -> torch.Tensor:
-    """Round the fp32 product to the GEMM's output precision, return in the activation dtype."""
-    out = round_to(acc, spec.out)
-    return out if out.dtype is like else out.to(like)
-
-
-def _fprop(x: torch.Tensor, w_op: Operand, bias, prec: LinearPrecision, n_out: int) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
-    fp = prec.fprop
-    acc = get_backend(fp.backend).mm(cast_operand(x2, fp.a, fp.backend), w_op)
+    ``weight`` is the weight already cast for ``spec`` (``weight_operand``, or ``concat_operands``
+    for several layers): a QTensor, a dense tensor (for the emulated backend, the fp32 values of
+    the quantized weight), or a list of them (one GEMM each, outputs concatenated). The input is
+    cast here, the GEMM runs on the resolved backend, the bias is added to the fp32 product
+    (emulated) or to the output (native), and the result is rounded to ``out``."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    dev = x2.device
+    xa = cast_operand(x2, spec.a, backend_for(spec, gemm, dev))
+    if isinstance(weight, list):
+        acc = torch.cat([run_gemm(xa, w, spec, gemm, dev) for w in weight], dim=-1)
+    else:
+        acc = run_gemm(xa, weight, spec, gemm, dev)
     if bias is not None:
-        acc = acc + bias.float()
-    return _finish(acc, fp, x.dtype).reshape(*x.shape[:-1], n_out)
+        acc = acc + (bias if bias.dtype is acc.dtype else bias.to(acc.dtype))
+    y = finish(acc, spec.out, x.dtype)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-class _JetLinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, prec: LinearPrecision, w_op_fprop: Operand):
-        x2 = x.reshape(-1, x.shape[-1])
-        y = _fprop(x, w_op_fprop, bias, prec, weight.shape[0])
+def weight_operand(w: torch.Tensor, spec: GemmSpec, gemm: str = "fprop") -> Operand:
+    """A weight (N x K) cast once for ``spec`` on the backend that will run it."""
+    with torch.no_grad():
+        return cast_operand(w.detach(), spec.b, backend_for(spec, gemm, w.device))
 
-        ctx.prec = prec
-        ctx.x_shape = x.shape
-        ctx.has_bias = bias is not None
-        ctx.reuse_w = prec.dgrad.b == prec.fprop.b
-        ctx.w_op = w_op_fprop if ctx.reuse_w else None
-        ctx.x_spec = None
-        if prec.save_fp8_activations:
-            xq = cast_operand(x2, prec.wgrad.b, prec.wgrad.backend)  # FP8, 128x1 groups: the Wgrad operand
-            if isinstance(xq, QTensor):  # saved through autograd, so saved-tensor hooks see its bytes
-                ctx.x_spec = xq.spec
-                ctx.save_for_backward(weight, xq.data, xq.scale)
-            else:
-                ctx.save_for_backward(weight, xq)
-        else:
-            ctx.save_for_backward(weight, x2)
-        return y
 
-    @staticmethod
-    def backward(ctx, gy):
-        prec: LinearPrecision = ctx.prec
-        weight = ctx.saved_tensors[0]
-        gy2 = gy.reshape(-1, gy.shape[-1])
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            dg = prec.dgrad
-            w_op = ctx.w_op if ctx.reuse_w else cast_operand(weight, dg.b, dg.backend)
-            acc = get_backend(dg.backend).mm(cast_operand(gy2, dg.a, dg.backend), w_op.t())
-            gx = _finish(acc, dg, gy.dtype).reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            wg = prec.wgrad
-            saved = ctx.saved_tensors
-            if ctx.x_spec is not None:
-                x_op = QTensor(saved[1], saved[2], ctx.x_spec)
-            elif prec.save_fp8_activations:
-                x_op = saved[1]
-            else:
-                x_op = cast_operand(saved[1], wg.b, wg.backend)
-            acc = get_backend(wg.backend).mm(cast_operand(gy2, wg.a, wg.backend).t(), x_op.t())
-            gw = _finish(acc, wg, weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = gy2.float().sum(0).to(gy.dtype)
-        return gx, gw, gb, None, None
+def concat_operands(ops: Sequence[Operand], spec: GemmSpec, device: torch.device, gemm: str = "fprop") -> Operand | list:
+    """Weights (each N_i x K, cast on its own) stacked along N as one GEMM operand.
+
+    For the emulated backend (and unscaled specs) their values are concatenated; quantized
+    weights are concatenated as one QTensor when no scale block spans two of them (per-row
+    scales, or every part but the last a whole number of blocks tall); otherwise the list is
+    returned and ``linear_forward`` runs one GEMM per part."""
+    quantized = spec.is_quantized and resolve(spec, gemm, device).backend != "emulated"
+    if not quantized:
+        vals = [operand_values(op) if isinstance(op, QTensor) else op for op in ops]
+        return vals[0] if len(vals) == 1 else torch.cat(vals)
+    if len(ops) == 1:
+        return ops[0]
+    rows = ops[0].spec.block.rows
+    if rows == 1 or (rows > 1 and all(op.data.shape[0] % rows == 0 for op in ops[:-1])):
+        return QTensor(torch.cat([op.data for op in ops]), torch.cat([op.scale for op in ops]), ops[0].spec)
+    return list(ops)
+
+
+# --------------------------------------------------------------------------- layers
 
 
 class JetLinear(nn.Module):
@@ -116,7 +111,7 @@ class JetLinear(nn.Module):
         self.out_features = weight.shape[0]
         self.weight = weight
         self.bias = bias
-        self._wcache: tuple | None = None
+        self._cache: dict = {}
         self._wfixed: Operand | None = None
         self.set_precision(precision)
 
@@ -125,12 +120,16 @@ class JetLinear(nn.Module):
         return cls(lin.weight, lin.bias, precision)
 
     def set_precision(self, precision: LinearPrecision) -> None:
-        where = "precision"
+        from ..errors import JetrlError
+        from .gemm import static_unsupported
+
         for gname in ("fprop", "dgrad", "wgrad"):
             g: GemmSpec = getattr(precision, gname)
-            get_backend(g.backend).check(g, f"{where}.{gname}", gname)
+            why = static_unsupported(g.backend, g, gname)
+            if why is not None:
+                raise JetrlError(f"precision.{gname}: backend {g.backend} {why}")
         self.precision = precision
-        self._wcache = None
+        self._cache = {}
         self._wfixed = None
 
     def load_quantized_weight(self, q: Operand) -> None:
@@ -143,32 +142,260 @@ class JetLinear(nn.Module):
             raise ValueError(f"quantized weight has shape {tuple(q.shape)}, layer expects "
                              f"{(self.out_features, self.in_features)}")
         self._wfixed = q
+        self._cache = {}
+
+    def weight_key(self) -> tuple:
+        """What the cached operands depend on: the weight's storage and in-place version, the
+        precision object (set_precision replaces it) and a loaded quantized weight."""
+        w = self.weight
+        return (w.data_ptr(), w._version, id(self.precision), id(self._wfixed))
+
+    def _cached(self, name: str, make):
+        key = self.weight_key()
+        hit = self._cache.get(name)
+        if hit is None or hit[0] != key:
+            with torch.no_grad():
+                hit = (key, make())
+            self._cache[name] = hit
+        return hit[1]
 
     def quantized_weight(self) -> Operand:
-        """The forward's weight operand, cached until the weight changes (in place or replaced)."""
+        """The forward's weight operand, cast once until the weight changes."""
         if self._wfixed is not None:
             return self._wfixed
-        w = self.weight
-        # set_precision clears the cache; a new dtype or device means new storage (data_ptr)
-        key = (w.data_ptr(), w._version)
-        if self._wcache is None or self._wcache[0] != key:
-            with torch.no_grad():
-                self._wcache = (key, cast_operand(w.detach(), self.precision.fprop.b, self.precision.fprop.backend))
-        return self._wcache[1]
+        return self._cached("fprop", lambda: weight_operand(self.weight, self.precision.fprop))
+
+    def dgrad_weight(self) -> Operand:
+        """Dgrad's operand: W^T (K x N), from the forward's quantized weight when Dgrad uses the
+        same weight spec (the 128x128 grid is transpose-symmetric), else cast for Dgrad."""
+        p = self.precision
+
+        def make():
+            if p.dgrad.b == p.fprop.b and p.dgrad.backend == p.fprop.backend:
+                return transpose_operand(self.quantized_weight())
+            return transpose_operand(weight_operand(self.weight, p.dgrad, "dgrad"))
+
+        return self._cached("dgrad", make)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        needs_grad = x.requires_grad or self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
-        if not torch.is_grad_enabled() or not needs_grad:
-            # No backward will run: the same forward math, without autograd's bookkeeping or the
-            # FP8 copy of x saved for Wgrad.
-            return _fprop(x, self.quantized_weight(), self.bias, self.precision, self.out_features)
-        return _JetLinearFn.apply(x, self.weight, self.bias, self.precision, self.quantized_weight())
+        return _linear_group((self,), x, self)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, {self.precision.short_str()}"
         )
+
+
+def _group_key(mods) -> tuple:
+    key = []
+    for m in mods:
+        key += (*m.weight_key(), -1 if m.bias is None else (m.bias.data_ptr(), m.bias._version))
+    return tuple(key)
+
+
+def group_weight(mods, owner: nn.Module):
+    """The group's fprop weight (concatenated along N) and bias, cached on ``owner``."""
+    key = _group_key(mods)
+    hit = owner.__dict__.get("_jet_group_cache")
+    if hit is None or hit[0] != key:
+        spec = mods[0].precision.fprop
+        dev = mods[0].weight.device
+        with torch.no_grad():
+            w = concat_operands([m.quantized_weight() for m in mods], spec, dev)
+            b = None
+            if mods[0].bias is not None:
+                b = torch.cat([m.bias.detach() for m in mods]).float()
+        hit = (key, w, b)
+        owner.__dict__["_jet_group_cache"] = hit
+    return hit[1], hit[2]
+
+
+def _uniform(mods) -> bool:
+    p, nb = mods[0].precision, mods[0].bias is None
+    return all(m.precision == p and (m.bias is None) == nb for m in mods[1:])
+
+
+_SEPARATE = False
+
+
+@contextlib.contextmanager
+def separate_linears():
+    """Run grouped layers one module call each, so forward hooks on every layer fire (diagnostics:
+    ``mismatch-report``'s per-layer attribution). Not bitwise the grouped forward on every BLAS."""
+    global _SEPARATE
+    before, _SEPARATE = _SEPARATE, True
+    try:
+        yield
+    finally:
+        _SEPARATE = before
+
+
+def linear_group(mods: Sequence["JetLinear"], x: torch.Tensor, owner: nn.Module) -> torch.Tensor:
+    """Linear layers reading the same ``x``, outputs concatenated along the last dim.
+
+    The input is cast once and the forward is one GEMM on the concatenated weight (``group_weight``,
+    cached on ``owner``), with or without autograd, so training and rollout run the same bits."""
+    if _SEPARATE:
+        return torch.cat([m(x) for m in mods], dim=-1) if len(mods) > 1 else mods[0](x)
+    return _linear_group(tuple(mods), x, owner)
+
+
+def _linear_group(mods: tuple, x: torch.Tensor, owner: nn.Module) -> torch.Tensor:
+    if len(mods) > 1 and not _uniform(mods):  # e.g. one layer switched to another precision (attribution)
+        return torch.cat([m(x) for m in mods], dim=-1)
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or any(m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad) for m in mods))
+    w, b = group_weight(mods, owner)
+    if not needs_grad:
+        return linear_forward(x, w, b, mods[0].precision.fprop)
+    params = [m.weight for m in mods] + [m.bias for m in mods if m.bias is not None]
+    return _LinearGroupFn.apply(x, _Group(mods, w, b), *params)
+
+
+@dataclass
+class _Group:
+    mods: tuple
+    weight: object
+    bias: torch.Tensor | None
+
+
+def _wgrad_operand_of_input(x2: torch.Tensor, spec: GemmSpec, device) -> Operand:
+    """x^T as Wgrad's operand b (K x tokens, groups along tokens)."""
+    return _transposed_cast(x2, spec.b, spec, device)
+
+
+def _transposed_cast(t: torch.Tensor, cast: CastSpec, spec: GemmSpec, device) -> Operand:
+    """``t`` (tokens x F) cast with groups along tokens, as the K-major operand of ``t.T``."""
+    be = backend_for(spec, "wgrad", device)
+    if not cast.is_scaled:
+        return transpose_operand(cast_operand(t, cast, be))
+    kernels_t = getattr(be, "cast_transposed", None)
+    if kernels_t is not None:
+        q = kernels_t(t, cast)
+        if q is not None:
+            return q
+    return transpose_operand(cast_operand(t, cast, be))
+
+
+class _LinearGroupFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group: _Group, *params):
+        mods = group.mods
+        prec: LinearPrecision = mods[0].precision
+        x2 = x.reshape(-1, x.shape[-1])
+        y = linear_forward(x2, group.weight, group.bias, prec.fprop)
+        ctx.mods, ctx.x_shape, ctx.x_dtype = mods, x.shape, x.dtype
+        ctx.has_bias = group.bias is not None
+        ctx.q_spec = None
+        if prec.save_fp8_activations:
+            xq = _wgrad_operand_of_input(x2, prec.wgrad, x2.device)  # FP8 x^T, groups along tokens
+            if isinstance(xq, QTensor):  # saved through autograd, so saved-tensor hooks see its bytes
+                ctx.q_spec = xq.spec
+                ctx.save_for_backward(xq.data, xq.scale)
+            else:
+                ctx.save_for_backward(xq)
+        else:
+            wb = prec.wgrad.b
+            keep = x2 if wb.is_scaled or wb.format is Format.FP32 or not native(x2) else x2.to(wb.format.torch_dtype())
+            ctx.save_for_backward(keep)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, gy):
+        mods = ctx.mods
+        prec: LinearPrecision = mods[0].precision
+        gy2 = gy.reshape(-1, gy.shape[-1])
+        dev = gy2.device
+        sizes = [m.out_features for m in mods]
+        parts = gy2.split(sizes, dim=1) if len(mods) > 1 else (gy2,)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            dg = prec.dgrad
+            be = backend_for(dg, "dgrad", dev)
+            for m, g in zip(mods, parts):
+                acc = run_gemm(cast_operand(g.contiguous(), dg.a, be), m.dgrad_weight(), dg, "dgrad", dev)
+                part = finish(acc, dg.out, ctx.x_dtype)
+                gx = part if gx is None else gx + part
+            gx = gx.reshape(ctx.x_shape)
+        grads_w = [None] * len(mods)
+        if any(ctx.needs_input_grad[2:2 + len(mods)]):
+            wg = prec.wgrad
+            saved = ctx.saved_tensors
+            if ctx.q_spec is not None:
+                x_op = QTensor(saved[0], saved[1], ctx.q_spec)
+            elif prec.save_fp8_activations:
+                x_op = saved[0]
+            else:
+                x_op = _wgrad_operand_of_input(saved[0], wg, dev)
+            gy_op = _transposed_cast(gy2, wg.a, wg, dev)  # one cast: groups run along tokens
+            acc = run_gemm(gy_op, x_op, wg, "wgrad", dev)
+            gw = finish(acc, wg.out, mods[0].weight.dtype)
+            grads_w = list(gw.split(sizes, dim=0)) if len(mods) > 1 else [gw]
+        grads_b = []
+        if ctx.has_bias:
+            for i, g in enumerate(parts):
+                need = ctx.needs_input_grad[2 + len(mods) + i]
+                grads_b.append(g.float().sum(0).to(mods[i].bias.dtype) if need else None)
+        return (gx, None, *grads_w, *grads_b)
+
+
+# --------------------------------------------------------------------------- swiglu
+
+
+def swiglu(gu: torch.Tensor, save: CastSpec | None = None) -> torch.Tensor:
+    """``silu(g) * u`` for ``gu = [g, u]`` (concatenated along the last dim), in ``gu``'s dtype.
+
+    ``silu`` is written as ``g / (1 + exp(-g))``: torch's fused silu rounds its scalar tail
+    differently from its vector body on CPU, so this form keeps a row's result independent of
+    the batch; the forward is the same ops with or without autograd. The backward keeps ``gu``
+    alone (not the intermediates autograd would), or with ``save`` (an FP8 cast, from
+    ``save_fp8_activations``) an FP8 copy of it (DeepSeek-V3's recipe): the gradients are then
+    computed from the dequantized copy."""
+    if torch.is_grad_enabled() and gu.requires_grad:
+        return _SwiGLUFn.apply(gu, save)
+    g, u = gu.chunk(2, dim=-1)
+    return g / (1 + torch.exp(-g)) * u
+
+
+class _SwiGLUFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gu, save: CastSpec | None):
+        g, u = gu.chunk(2, dim=-1)
+        y = g / (1 + torch.exp(-g)) * u
+        ctx.spec, ctx.shape, ctx.dtype = save, gu.shape, gu.dtype
+        if save is None:
+            ctx.save_for_backward(gu)
+        else:
+            q = quantize(gu.reshape(-1, gu.shape[-1]), save)
+            ctx.save_for_backward(q.data, q.scale)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        if ctx.spec is None:
+            gu = ctx.saved_tensors[0].float()
+        else:
+            data, scale = ctx.saved_tensors
+            gu = dequantize(QTensor(data, scale, ctx.spec)).reshape(ctx.shape)
+        g, u = gu.chunk(2, dim=-1)
+        gyf = gy.float()
+        sig = 1 / (1 + torch.exp(-g))
+        dg = gyf * u * sig * (1 + g * (1 - sig))
+        du = gyf * g * sig
+        return torch.cat([dg, du], dim=-1).to(ctx.dtype), None
+
+
+def swiglu_save_spec(prec: LinearPrecision) -> CastSpec | None:
+    """The FP8 cast ``swiglu`` saves its inputs in (1x128 groups, the Fprop input's format)."""
+    if not prec.save_fp8_activations:
+        return None
+    a = prec.fprop.a
+    fmt = a.format if a.format.is_fp8 else Format.FP8_E4M3
+    return CastSpec(fmt, Block(1, TILE), a.pow2_scale, a.amax_floor)
+
+
+# --------------------------------------------------------------------------- applying a flow
 
 
 def matches_skip(name: str, patterns: tuple[str, ...]) -> bool:
@@ -184,8 +411,11 @@ class SwapReport:
     unmatched_patterns: list[str] = field(default_factory=list)
 
 
-def swap_linears(model: nn.Module, precision: LinearPrecision, skip: tuple[str, ...]) -> SwapReport:
-    """Replace every ``nn.Linear`` not on the skip list by a ``JetLinear`` with ``precision``.
+def swap_linears(model: nn.Module, precision: LinearPrecision, skip: tuple[str, ...],
+                 skipped: LinearPrecision | None = None) -> SwapReport:
+    """Replace every ``nn.Linear`` by a ``JetLinear``: ``precision`` for most, ``skipped`` (a
+    high-precision ``LinearPrecision``) for those on the skip list; without ``skipped`` those stay
+    as they are.
 
     Modules already swapped get the new precision in place, so one model can be switched between
     its rollout and its training precision. Parameters are shared, never copied.
@@ -200,30 +430,35 @@ def swap_linears(model: nn.Module, precision: LinearPrecision, skip: tuple[str, 
     for name, mod in list(model.named_modules()):
         if not name or not isinstance(mod, (nn.Linear, JetLinear)):
             continue
+        prec = precision
         if matches_skip(name, skip):
             report.skipped.append(name)
-            if isinstance(mod, JetLinear):
-                raise ValueError(f"module {name} is on the skip list but was already swapped")
-            continue
+            if skipped is None:
+                if isinstance(mod, JetLinear):
+                    raise ValueError(f"module {name} is on the skip list but was already swapped")
+                continue
+            prec = skipped
+        else:
+            report.quantized.append(name)
         if isinstance(mod, JetLinear):
-            mod.set_precision(precision)
+            mod.set_precision(prec)
         else:
             parent_name, _, leaf = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, leaf, JetLinear.from_linear(mod, precision))
-        report.quantized.append(name)
+            setattr(parent, leaf, JetLinear.from_linear(mod, prec))
     return report
 
 
 def apply_flow(model: nn.Module, flow: PrecisionFlow, side: str) -> SwapReport:
-    """Put ``model``'s linear layers in the flow's ``"train"`` or ``"rollout"`` precision."""
+    """Put ``model``'s linear layers in the flow's ``"train"`` or ``"rollout"`` precision (those on
+    the skip list in the flow's ``skip_format``, on both sides)."""
     if side == "train":
         prec = flow.train.linear
     elif side == "rollout":
         prec = flow.rollout_linear()
     else:
         raise ValueError(f"side must be 'train' or 'rollout', got {side!r}")
-    report = swap_linears(model, prec, flow.skip)
+    report = swap_linears(model, prec, flow.skip, flow.skipped_linear())
     if hasattr(model, "set_kv_spec"):
         model.set_kv_spec(flow.kv_cast(side))
     return report

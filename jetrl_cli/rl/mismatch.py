@@ -32,7 +32,7 @@ from ..engine.embedded import EmbeddedEngine
 from ..engine.sampling import SamplingParams
 from ..errors import JetrlError
 from ..precision.flow import NAMED_FLOWS, KVCacheSpec, PrecisionFlow, RolloutPrecision, parse_flow
-from ..precision.linear import JetLinear, apply_flow
+from ..precision.linear import JetLinear, apply_flow, separate_linears
 from .algos import CorrectionConfig, mismatch_metrics
 from .trainer import Batch, Trainer, score_logprobs
 
@@ -218,7 +218,7 @@ def verdict(m: dict) -> tuple[str, str]:
 
 
 def quantized_linears(model: torch.nn.Module) -> list[tuple[str, JetLinear]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, JetLinear)]
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, JetLinear) and m.precision.is_quantized]
 
 
 def _valid_positions(ids: torch.Tensor, pad_lengths: torch.Tensor) -> torch.Tensor:
@@ -247,14 +247,14 @@ def layer_attribution(ref_model, rollout_model, train_model, b: Batch, sampling:
     captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     hooks = []
     roll_q = dict(quantized_linears(rollout_model))
-    train_q = dict(quantized_linears(train_model))
+    train_q = {n: m for n, m in train_model.named_modules() if isinstance(m, JetLinear) and n in roll_q}
     ref_mods = dict(ref_model.named_modules())
     for name in roll_q:
         def hook(mod, inp, out, name=name):
             captured[name] = (inp[0][valid].detach(), out[valid].detach())
         hooks.append(ref_mods[name].register_forward_hook(hook))
     try:
-        with torch.enable_grad():  # one forward per linear layer (no fused q/k/v), so every hook fires
+        with separate_linears():  # one forward per linear layer (no fused q/k/v), so every hook fires
             ref_model(ids)
     finally:
         for h in hooks:

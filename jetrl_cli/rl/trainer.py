@@ -2,8 +2,14 @@
 
 Its model holds fp32 master weights; ``apply_flow(model, flow, "train")`` makes every forward
 run the flow's training precision (for the unified flow, the rollout's quantizers). AdamW keeps its
-state in fp32. Sequences are right-padded (each starts at index 0, as in the engine's KV cache), so
-the trainer's scores reproduce the engine's numerics exactly when the precisions agree.
+state in fp32 (fused on CUDA). Sequences are right-padded (each starts at index 0, as in the
+engine's KV cache), so the trainer's scores reproduce the engine's numerics exactly when the
+precisions agree.
+
+Logprobs are computed without a ``[batch, seq, vocab]`` tensor: only completion positions are
+scored, ``LOGPROB_CHUNK_ELEMENTS`` logits at a time, and with autograd each chunk's logits are
+recomputed in the backward instead of kept (``token_logprobs``). Each row goes through the same
+``logits`` -> ``sampling_logprobs`` as in the rollout engine, so the two still agree bit for bit.
 """
 
 from __future__ import annotations
@@ -14,7 +20,11 @@ import torch
 
 from ..engine.sampling import SamplingParams, sampling_logprobs
 from ..errors import JetrlError
+from ..precision.gemm import configure_cuda_numerics
 from ..precision.linear import apply_flow
+
+LOGPROB_CHUNK_ELEMENTS = 1 << 25  # logits held at once: 32M fp32 values (128 MiB), whatever the vocab
+_OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 from .algos import CorrectionConfig, importance, policy_loss
 
 
@@ -70,13 +80,45 @@ def fold_invariant_scale(model: torch.nn.Module, s: float) -> None:
                 lin.weight.div_(s)
 
 
+def _chunk_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    return sampling_logprobs(model.logits(h), sampling).gather(-1, targets[:, None])[:, 0]
+
+
+def target_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """``log p(targets[i] | h[i])`` under the sampling distribution, for rows ``h`` (n, hidden),
+    a chunk of rows at a time; with autograd, chunks are recomputed in the backward."""
+    n = h.shape[0]
+    step = max(1, LOGPROB_CHUNK_ELEMENTS // model.config.vocab_size)
+    if n <= step:
+        return _chunk_logprobs(model, h, targets, sampling)
+    grad = torch.is_grad_enabled() and h.requires_grad
+    parts = []
+    for s in range(0, n, step):
+        hc, tc = h[s:s + step], targets[s:s + step]
+        if grad:
+            from torch.utils.checkpoint import checkpoint
+
+            parts.append(checkpoint(_chunk_logprobs, model, hc, tc, sampling, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(model, hc, tc, sampling))
+    return torch.cat(parts)
+
+
 def token_logprobs(model, b: Batch, sampling: SamplingParams) -> torch.Tensor:
     """``b``'s completion tokens' logprobs under ``model`` and the sampling distribution (0 off the mask)."""
     dev = next(model.parameters()).device
     ids = b.ids.to(dev)
-    logits = model(ids)[:, :-1]
-    lp = sampling_logprobs(logits, sampling).gather(-1, ids[:, 1:, None])[..., 0]
-    return lp * b.mask.to(dev)
+    mask = b.mask.to(dev)
+    h = model.hidden(ids)[:, :-1]
+    where = mask.nonzero(as_tuple=True)
+    lp = target_logprobs(model, h[where], ids[:, 1:][where], sampling)
+    return torch.zeros(mask.shape, dtype=lp.dtype, device=dev).index_put(where, lp)
+
+
+def _oom(e: Exception, what: str, n: int, t: int) -> JetrlError:
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return JetrlError(f"train.micro_batch: {what} {n} sequences x {t} tokens ran out of memory ({first[:120]}); "
+                      "lower train.micro_batch")
 
 
 @torch.no_grad()
@@ -89,7 +131,10 @@ def score_logprobs(model, b: Batch, sampling: SamplingParams, micro_batch: int, 
     for s in range(0, len(b), micro_batch):
         idx = torch.arange(s, min(s + micro_batch, len(b)))
         mb = b.select(idx)
-        out[idx, :mb.mask.shape[1]] = token_logprobs(model, mb, sampling).float().cpu()
+        try:
+            out[idx, :mb.mask.shape[1]] = token_logprobs(model, mb, sampling).float().cpu()
+        except _OOM as e:
+            raise _oom(e, "scoring", len(idx), mb.ids.shape[1]) from None
     return out
 
 
@@ -105,9 +150,13 @@ class Trainer:
             apply_flow(ref_model.eval(), flow, "train")
             for p in ref_model.parameters():
                 p.requires_grad_(False)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        cuda = bool(params) and params[0].is_cuda
+        if cuda:
+            configure_cuda_numerics()
         self.opt = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=tcfg.lr, betas=tuple(tcfg.betas),
-            eps=tcfg.adam_eps, weight_decay=tcfg.weight_decay, foreach=False,
+            params, lr=tcfg.lr, betas=tuple(tcfg.betas), eps=tcfg.adam_eps, weight_decay=tcfg.weight_decay,
+            **({"fused": True} if cuda else {"foreach": False}),
         )
         self.updates = 0
 
@@ -148,14 +197,17 @@ class Trainer:
                     o, r = old[sub, :t1].to(dev), mb.rollout_logp.to(dev)
                     m = mb.mask.to(dev)
                     imp = importance(o, r, m, self.ccfg, cfg.clip_high, with_metrics=False)
-                    lp = token_logprobs(self.model, mb, self.sampling)
-                    rl = ref_logp[sub, :t1].to(dev) if ref_logp is not None else None
-                    loss, st = policy_loss(lp, o, adv[sub].to(dev), m, imp, cfg.clip_low, cfg.clip_high, denom,
-                                           rl, cfg.kl_coef)
-                    if not torch.isfinite(loss):
-                        raise NonFiniteError(
-                            f"step {step}: the loss is {float(loss.detach())}; stopped before the update")
-                    loss.backward()
+                    try:
+                        lp = token_logprobs(self.model, mb, self.sampling)
+                        rl = ref_logp[sub, :t1].to(dev) if ref_logp is not None else None
+                        loss, st = policy_loss(lp, o, adv[sub].to(dev), m, imp, cfg.clip_low, cfg.clip_high, denom,
+                                               rl, cfg.kl_coef)
+                        if not torch.isfinite(loss):
+                            raise NonFiniteError(
+                                f"step {step}: the loss is {float(loss.detach())}; stopped before the update")
+                        loss.backward()
+                    except _OOM as e:
+                        raise _oom(e, "a micro-batch of", len(sub), mb.ids.shape[1]) from None
                     losses += float(loss.detach())
                     for k, v in st.items():  # loss terms add up over micro-batches, fractions average
                         agg[k] = agg.get(k, 0.0) + (v * len(sub) / len(idx) if k == "clip_frac" else v)
