@@ -1,0 +1,545 @@
+"""Batch-invariant Triton kernels: a token's result does not depend on the rest of the batch.
+
+**What "batch-invariant" means.** jetrl's rollout engine and trainer compute the same token's
+logprob in very different batches: a decode step is a GEMM with M = a few rows (one query per
+sequence), a prefill has M = prompt tokens, the trainer's forward has M = every token of every
+sequence. A kernel is batch-invariant when the bits of output row i depend only on input row i (and
+the weights), never on M, on the other rows, on where row i sits in the batch, or (attention) on
+whether the query came alone in a decode step or with its whole sequence. Fast GPU kernels are not:
+cuBLAS picks its tile shape and split-K factor from M (a small-M GEMM splits K across thread blocks
+and adds the partial sums in another order), and flash-decoding splits the keys of a decode query
+across thread blocks (split-KV) that the full-sequence kernel does not split. Floating-point addition
+is not associative, so the low bits differ, and so do the logprobs.
+
+**What makes each kernel here invariant.**
+
+- ``invariant_mm`` / ``invariant_blockwise_mm``: ONE tile configuration for every M (``MM_CONFIG``,
+  ``FP8_MM_CONFIG``: block sizes, warps, pipeline stages), no split-K, K walked in one fixed order
+  from 0 upward, one program per output tile. An output element is the same chain of tile dots
+  whatever M is; which rows share its tile does not matter because rows of a dot never mix. M is
+  not specialised on (``do_not_specialize``), so M = 1 compiles the same code as M = 4096.
+  ``invariant_blockwise_mm`` follows ``kernels.fp8.blockwise_mm``'s math: per 128-wide K block an fp32
+  dot of the fp8 values, times the two scales, added to an fp32 accumulator in K order.
+- ``invariant_attention``: one program owns a block of query rows of one (sequence, head) and walks
+  ALL their keys in fixed blocks of ``ATT_BLOCK_N`` from key 0 upward (online softmax; no split-KV,
+  whatever t or the key width). A query at key index p sees keys 0..p; blocks past p are fully
+  masked for that row, and a fully masked block is an exact no-op on its running max, sum and
+  output (rescale factor exp2(0) = 1, added terms exactly 0). So a decode query (t = 1, its program
+  stops after p's block) and the same query inside the trainer's full sequence (its program walks
+  on to the block of its last row) give the same bits.
+- ``invariant_rms_norm`` / ``invariant_log_softmax``: one program per row, the row read in chunks of
+  ``ROW_BLOCK`` lanes; each lane accumulates its chunks in order, then one fixed-shape tree reduces
+  the lanes. The number of rows only sets the number of programs.
+
+**What it costs, and why (NOT measured: no GPU was available when this was written).** A fixed
+tile cannot suit every M: a decode GEMM with M = 8 still runs 64-row tiles (most of each tensor-core
+instruction multiplies padding), and with no split-K a small-M GEMM has only N / 128 programs to
+spread over the SMs (132 on an H100), so decode GEMMs may leave much of the GPU idle where cuBLAS
+would split K. Decode attention without split-KV runs one program per (sequence, head) over the
+whole key range, which leaves SMs idle at small batch and long contexts (that is what
+flash-decoding exists to fix). For prefill and training the tile is a reasonable one, but one that
+no autotuner chose, and cuBLAS / FlashAttention-3 use Hopper's wgmma + TMA pipelines that Triton
+reaches only partly. fp32 operands run IEEE fp32 dots on the CUDA cores (no tensor cores, no TF32),
+many times slower than bf16: use them for checks, not speed. Expect the largest cost at decode; any
+number here would be a guess.
+
+**Unmeasured (everything on a GPU).** These kernels have run only in Triton's interpreter on CPU,
+where the tests check the numerics and the invariance. Not yet checked on a GPU: their speed; that
+they compile there; that the GPU bits are invariant too. The design argument for the last is that
+each call runs one compiled kernel whose arithmetic does not depend on M / t; but Triton still
+specialises the *other* integer arguments (key width, strides) on divisibility by 16, so a decode
+step and the trainer's forward may run two compilations of the same source. Their arithmetic is the
+same IR (specialisation only changes load vectorisation), but only ``tests/test_kernels_invariant.py``
+run on a GPU (it runs there unchanged, on CUDA tensors) can confirm the bits.
+
+**Numerics.** fp32 accumulation throughout; bf16 operands go to bf16 tensor-core dots (products of
+bf16 are exact in fp32), fp32 operands to IEEE fp32 dots (``input_precision="ieee"``, never TF32).
+In attention with bf16 inputs the softmax weights are rounded to bf16 for the p @ v dot, as in
+FlashAttention. Each function has a pure-torch ``*_reference`` beside it that defines the math (it is
+not itself invariant). The backward of attention is not invariant: ``invariant_attention``'s autograd
+recomputes the reference in plain torch (the trainer needs invariant *forward* logprobs only).
+
+**Triton's interpreter (CPU tests).** Two interpreter defects are worked around in-kernel under an
+``INTERPRET`` constexpr (``TRITON_INTERPRET=1``): ``tl.dot`` on bf16 operands returns garbage, so
+operands are upcast to fp32 (exact) first; and fp32 -> bf16 casts truncate instead of rounding to
+nearest even (and flush subnormals), so the rounding is done on the bits. Neither changes GPU code.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from jetrl_cli.precision.quant import QTensor
+
+# The one tile configuration of each kernel. Changing a value changes results (it is part of the math).
+MM_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
+FP8_MM_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)  # BLOCK_K = scale block
+ATT_BLOCK_M, ATT_BLOCK_N, ATT_WARPS, ATT_STAGES = 64, 64, 4, 2
+ROW_BLOCK, ROW_WARPS = 1024, 4
+LOG2E = 1.4426950408889634
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_device(where: str, *ts: torch.Tensor) -> None:
+    dev = ts[0].device
+    if any(t.device != dev for t in ts):
+        raise ValueError(f"{where}: tensors on different devices ({', '.join(str(t.device) for t in ts)})")
+    if dev.type != "cuda" and not _interpreting():
+        raise ValueError(f"{where}: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 to run them "
+                         f"in Triton's interpreter), got {dev}")
+
+
+@triton.jit
+def _to_bf16(x, INTERPRET: tl.constexpr):
+    """fp32 -> bf16, round to nearest even (done on the bits in the interpreter, whose cast truncates
+    and flushes subnormals to zero)."""
+    if INTERPRET:  # bf16 is the top half of fp32: round the bits, keep the top 16 (NaN: the quiet NaN)
+        bits = x.to(tl.int32, bitcast=True)
+        top = tl.where(x != x, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+        return top.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+# --- dense GEMM -------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["M"])
+def _mm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
+               stride_cm, stride_cn, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, F32_DOT: tl.constexpr,
+               INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # one fixed order over K, no split
+        k = k0 + rk
+        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :] * stride_ak,
+                    mask=(rm < M)[:, None] & (k < K)[None, :], other=0.0)
+        b = tl.load(b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn,
+                    mask=(k < K)[:, None] & (rn < N)[None, :], other=0.0)
+        if F32_DOT:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    out = _to_bf16(acc, INTERPRET) if OUT_BF16 else acc
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, out,
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def _check_out_dtype(where: str, out_dtype: torch.dtype) -> None:
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{where}: out_dtype must be torch.float32 or torch.bfloat16, not {out_dtype}")
+
+
+def _check_bias(where: str, bias: torch.Tensor | None, n: int) -> None:
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or not bias.is_floating_point()):
+        raise ValueError(f"{where}: bias must be a 1-D float tensor of {n} elements, got "
+                         f"{tuple(bias.shape)} {bias.dtype}")
+
+
+def invariant_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` (a: M x K, b: N x K, bf16 or fp32), fp32 accumulation, one tile config for
+    every M: row i of the result does not depend on M or on the other rows of ``a``."""
+    where = "invariant_mm"
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"{where}: shapes {tuple(a.shape)} and {tuple(b.shape)} do not match as a @ b.T")
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"{where}: operand {name} must be bfloat16 or float32, not {t.dtype}")
+    _check_out_dtype(where, out_dtype)
+    _check_bias(where, bias, b.shape[0])
+    _check_device(where, a, b, *(() if bias is None else (bias,)))
+    m, k = a.shape
+    n = b.shape[0]
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return c
+    if k == 0:
+        return c.copy_((bias.float() if bias is not None else torch.zeros(n, device=a.device)).expand(m, n))
+    interp = _interpreting()
+    cfg = MM_CONFIG
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    _mm_kernel[grid](a, b, bias if bias is not None else c, c, m, n, k, a.stride(0), a.stride(1), b.stride(0),
+                     b.stride(1), c.stride(0), c.stride(1), HAS_BIAS=bias is not None,
+                     OUT_BF16=out_dtype == torch.bfloat16,
+                     F32_DOT=interp or a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16,
+                     INTERPRET=interp, **cfg)
+    return c
+
+
+def mm_reference(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The math of ``invariant_mm`` in plain torch: fp32 (fp64 for fp64 inputs) ``a @ b.T + bias``."""
+    ct = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    c = a.to(ct) @ b.to(ct).t()
+    if bias is not None:
+        c = c + bias.to(ct)
+    return c if out_dtype is None else c.to(out_dtype)
+
+
+# --- blockwise FP8 GEMM -----------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["M"])
+def _blockwise_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, c_ptr, M, N, K,
+                         stride_am, stride_ak, stride_bn, stride_bk, stride_sam, stride_sak,
+                         stride_sbn, stride_sbk, stride_cm, stride_cn,
+                         SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k = kb * BLOCK_K + rk
+        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :] * stride_ak,
+                    mask=(rm < M)[:, None] & (k < K)[None, :], other=0.0)
+        b = tl.load(b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn,
+                    mask=(k < K)[:, None] & (rn < N)[None, :], other=0.0)
+        part = tl.dot(a, b, out_dtype=tl.float32)  # fp8 x fp8 -> fp32, one K block
+        sa = tl.load(sa_ptr + (rm // SA_ROWS) * stride_sam + kb * stride_sak, mask=rm < M, other=0.0)
+        sb = tl.load(sb_ptr + (rn // SB_ROWS) * stride_sbn + kb * stride_sbk, mask=rn < N, other=0.0)
+        acc += part * sa[:, None] * sb[None, :]  # promoted with its scales, added in K order
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    out = _to_bf16(acc, INTERPRET) if OUT_BF16 else acc
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, out,
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def _k_scale_rows(where: str, name: str, op: QTensor) -> int:
+    """Rows sharing one scale along K-blocks of 128 (1 or 128); checks the operand."""
+    if not isinstance(op, QTensor) or op.data.dim() != 2 or op.data.dtype not in _FP8:
+        raise ValueError(f"{where}: operand {name} must be a 2-D fp8 QTensor")
+    blk = op.spec.block
+    if blk.cols != 128 or blk.rows not in (1, 128):
+        raise ValueError(f"{where}: operand {name} needs 1x128 or 128x128 scales along K, not {blk.name}")
+    m, k = op.data.shape
+    want = (-(-m // blk.rows), -(-k // 128))
+    if tuple(op.scale.shape) != want or op.scale.dtype != torch.float32:
+        raise ValueError(f"{where}: operand {name}'s scale must be float32 {want}, got "
+                         f"{tuple(op.scale.shape)} {op.scale.dtype}")
+    return blk.rows
+
+
+def invariant_blockwise_mm(a: QTensor, b: QTensor, bias: torch.Tensor | None = None,
+                           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` for FP8 operands (a: M x K, b: N x K) with 1x128 or 128x128 scales along K,
+    ``kernels.fp8.blockwise_mm``'s math with one fixed tile config: rows independent of M."""
+    where = "invariant_blockwise_mm"
+    sa_rows, sb_rows = _k_scale_rows(where, "a", a), _k_scale_rows(where, "b", b)
+    if a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(f"{where}: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)} do not match as a @ b.T")
+    _check_out_dtype(where, out_dtype)
+    m, k = a.data.shape
+    n = b.data.shape[0]
+    _check_bias(where, bias, n)
+    _check_device(where, a.data, b.data, a.scale, b.scale, *(() if bias is None else (bias,)))
+    c = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
+    if m == 0 or n == 0:
+        return c
+    if k == 0:
+        return c.copy_((bias.float() if bias is not None else torch.zeros(n, device=c.device)).expand(m, n))
+    cfg = FP8_MM_CONFIG
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    _blockwise_mm_kernel[grid](
+        a.data, b.data, a.scale, b.scale, bias if bias is not None else c, c, m, n, k,
+        a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1),
+        a.scale.stride(0), a.scale.stride(1), b.scale.stride(0), b.scale.stride(1), c.stride(0), c.stride(1),
+        SA_ROWS=sa_rows, SB_ROWS=sb_rows, HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16,
+        INTERPRET=_interpreting(), **cfg)
+    return c
+
+
+def blockwise_mm_reference(a: QTensor, b: QTensor, bias: torch.Tensor | None = None,
+                           out_dtype: torch.dtype | None = None,
+                           compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The math of ``invariant_blockwise_mm``: per 128-wide K block ``(qa @ qb.T) * sa * sb``, summed
+    over blocks in K order, in ``compute_dtype`` (fp64 gives the exact value of the quantized GEMM)."""
+    m, k = a.data.shape
+    n = b.data.shape[0]
+    sa = a.scale.to(compute_dtype).repeat_interleave(a.spec.block.rows, 0)[:m]
+    sb = b.scale.to(compute_dtype).repeat_interleave(b.spec.block.rows, 0)[:n]
+    qa, qb = a.data.to(compute_dtype), b.data.to(compute_dtype)
+    c = torch.zeros((m, n), dtype=compute_dtype, device=a.data.device)
+    for kb, k0 in enumerate(range(0, k, 128)):
+        c += (qa[:, k0:k0 + 128] @ qb[:, k0:k0 + 128].t()) * sa[:, kb, None] * sb[None, :, kb]
+    if bias is not None:
+        c = c + bias.to(compute_dtype)
+    return c if out_dtype is None else c.to(out_dtype)
+
+
+# --- causal GQA attention (forward) -----------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["T"])
+def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, lse_ptr, H, REP, T, W, D, qk_scale,
+                      sqb, sqh, sqt, sqd, skb, skh, skw, skd, svb, svh, svw, svd, spb, spt,
+                      sob, soh, sot, sod, slb, slh, slt,
+                      F32_DOT: tl.constexpr, P_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
+                      INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+    seq = tl.program_id(1) // H
+    head = tl.program_id(1) % H
+    kvh = head // REP
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    rd = tl.arange(0, BLOCK_D)
+    row_ok = rm < T
+    d_ok = rd < D
+    pos = tl.load(pos_ptr + seq * spb + rm * spt, mask=row_ok, other=-1).to(tl.int32)
+    q = tl.load(q_ptr + seq * sqb + head * sqh + rm[:, None] * sqt + rd[None, :] * sqd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if F32_DOT:
+        q = q.to(tl.float32)
+    hi = tl.max(pos, axis=0) + 1  # keys 0..(last position among this program's rows)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max, base-2 units
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for start in range(0, hi, BLOCK_N):  # every key block from 0 upward, in one program
+        kn = start + rn
+        kv_ok = (kn < hi) & (kn < W)  # keys past the last position are never read
+        k = tl.load(k_ptr + seq * skb + kvh * skh + kn[None, :] * skw + rd[:, None] * skd,
+                    mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+        if F32_DOT:
+            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = tl.where((kn[None, :] <= pos[:, None]) & (kn < W)[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0 (no NaN)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + seq * svb + kvh * svh + kn[:, None] * svw + rd[None, :] * svd,
+                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        if P_BF16:
+            p = _to_bf16(p, INTERPRET)  # the p @ v operand, as FlashAttention rounds it
+        if F32_DOT:
+            acc = tl.dot(p.to(tl.float32), v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p, v, acc * alpha[:, None])
+        m_i = m_new
+    l_i = tl.where(row_ok, l_i, 1.0)  # rows past t (not stored): no 0 / 0
+    out = tl.math.div_rn(acc, l_i[:, None])
+    out = _to_bf16(out, INTERPRET) if OUT_BF16 else out
+    tl.store(o_ptr + seq * sob + head * soh + rm[:, None] * sot + rd[None, :] * sod, out,
+             mask=row_ok[:, None] & d_ok[None, :])
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # natural-log log-sum-exp of the scaled scores
+    tl.store(lse_ptr + seq * slb + head * slh + rm * slt, lse, mask=row_ok)
+
+
+def _attention_args(q, k, v, q_pos, scale, check_positions):
+    where = "invariant_attention"
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"{where}: q must be (b, heads, t, d) and k, v (b, kv_heads, w, d) alike, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    b, h, t, d = q.shape
+    hk, w = k.shape[1], k.shape[2]
+    if k.shape[0] != b or k.shape[3] != d or hk == 0 or h % hk:
+        raise ValueError(f"{where}: k/v {tuple(k.shape)} do not fit q {tuple(q.shape)} (same b and d, "
+                         f"heads a multiple of kv_heads)")
+    if q.dtype not in (torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"{where}: q, k, v must all be bfloat16 or all float32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q_pos is None:
+        if t > w:
+            raise ValueError(f"{where}: without q_pos query i sits at key i, but t={t} > key width {w}")
+        q_pos = torch.arange(t, device=q.device).expand(b, t)
+    elif q_pos.shape != (b, t) or q_pos.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{where}: q_pos must be an int32/int64 (b, t) = {(b, t)} tensor, got "
+                         f"{tuple(q_pos.shape)} {q_pos.dtype}")
+    elif check_positions and q_pos.numel() and (int(q_pos.min()) < 0 or int(q_pos.max()) >= w):
+        raise ValueError(f"{where}: q_pos must lie in [0, {w}) (key indices), got "
+                         f"[{int(q_pos.min())}, {int(q_pos.max())}]")
+    _check_device(where, q, k, v, q_pos)
+    return q_pos, (d ** -0.5 if scale is None else float(scale))
+
+
+def _attention_forward(q, k, v, q_pos, scale):
+    b, h, t, d = q.shape
+    hk, w = k.shape[1], k.shape[2]
+    out = torch.empty((b, h, t, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, t), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse.fill_(float("-inf"))
+    interp = _interpreting()
+    bf16 = q.dtype == torch.bfloat16
+    grid = (triton.cdiv(t, ATT_BLOCK_M), b * h)
+    _attention_kernel[grid](
+        q, k, v, q_pos, out, lse, h, h // hk, t, w, d, scale * LOG2E,
+        *q.stride(), *k.stride(), *v.stride(), *q_pos.stride(), *out.stride(), *lse.stride(),
+        F32_DOT=interp or not bf16, P_BF16=bf16, OUT_BF16=bf16, INTERPRET=interp,
+        BLOCK_M=ATT_BLOCK_M, BLOCK_N=ATT_BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        num_warps=ATT_WARPS, num_stages=ATT_STAGES)
+    return out, lse
+
+
+class _InvariantAttention(torch.autograd.Function):
+    """Forward: the invariant kernel. Backward: the gradient of ``attention_reference`` (plain torch,
+    fp32, materialises the (b, heads, t, w) scores; not batch-invariant, and need not be)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, scale):
+        out, lse = _attention_forward(q, k, v, q_pos, scale)
+        ctx.save_for_backward(q, k, v, q_pos)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, q_pos = ctx.saved_tensors
+        ins = [x.detach().requires_grad_(need) for x, need in zip((q, k, v), ctx.needs_input_grad[:3])]
+        with torch.enable_grad():
+            out = attention_reference(*ins, q_pos, ctx.scale)[0]
+        wrt = [x for x in ins if x.requires_grad]
+        grads = iter(torch.autograd.grad(out, wrt, d_out.to(out.dtype)))
+        return (*(next(grads) if x.requires_grad else None for x in ins), None, None)
+
+
+def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor | None = None,
+                        scale: float | None = None, check_positions: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal GQA attention whose result for a (sequence, query position) does not depend on the batch,
+    on t, on the key width, or on which other queries came in the same call.
+
+    q: (b, heads, t, d); k, v: (b, kv_heads, w, d), heads a multiple of kv_heads (query head i reads
+    KV head i // (heads / kv_heads)); all bf16 or all fp32, any strides. Each sequence's keys are
+    stored from index 0 (right padding), as the model's KV cache holds them.
+    q_pos: (b, t) int, the key index each query sits at; query (s, i) attends to keys
+    0..q_pos[s, i] of sequence s (itself included) and never reads a key past the last position of
+    its block of queries. None means ``arange(t)`` for every sequence (training, prefill). A decode step
+    passes ``lengths[:, None]`` (the new token's key already written at index ``lengths``).
+    ``check_positions`` checks 0 <= q_pos < w (one host sync; pass False in a hot loop).
+    scale: the softmax scale, ``d ** -0.5`` when None.
+
+    Returns ``(out, lse)``: out (b, heads, t, d) in q's dtype; lse (b, heads, t) fp32, the natural-log
+    log-sum-exp of the scaled scores over the visible keys. Differentiable in q, k, v (backward by
+    recomputation in plain torch, see ``_InvariantAttention``); lse carries no gradient.
+    """
+    q_pos, scale = _attention_args(q, k, v, q_pos, scale, check_positions)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _InvariantAttention.apply(q, k, v, q_pos, scale)
+    return _attention_forward(q, k, v, q_pos, scale)
+
+
+def attention_reference(q, k, v, q_pos=None, scale=None, compute_dtype=torch.float32):
+    """The math of ``invariant_attention`` in plain torch, in ``compute_dtype``: softmax of
+    ``scale * q.k`` over keys 0..q_pos, times v. Returns (out in compute_dtype, lse). Keys past a
+    sequence's last query position are zeroed first, so unwritten cache slots cannot leak NaN."""
+    b, h, t, d = q.shape
+    hk, w = k.shape[1], k.shape[2]
+    if q_pos is None:
+        q_pos = torch.arange(t, device=q.device).expand(b, t)
+    scale = d ** -0.5 if scale is None else scale
+    j = torch.arange(w, device=q.device)
+    used = (j[None, :] <= q_pos.max(dim=1, keepdim=True).values)[:, None, :, None]  # (b, 1, w, 1)
+    kf = torch.where(used, k.to(compute_dtype), 0).repeat_interleave(h // hk, 1)
+    vf = torch.where(used, v.to(compute_dtype), 0).repeat_interleave(h // hk, 1)
+    s = (q.to(compute_dtype) @ kf.transpose(-1, -2)) * scale
+    s = s.masked_fill((j[None, None, :] > q_pos[:, :, None])[:, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse[..., None]) @ vf, lse
+
+
+# --- row kernels: RMSNorm and log-softmax -----------------------------------------------------------
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, stride_x, stride_y, OUT_BF16: tl.constexpr,
+                     INTERPRET: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ss = tl.zeros((BLOCK,), dtype=tl.float32)  # one running sum of squares per lane
+    for c0 in range(0, N, BLOCK):
+        x = tl.load(x_ptr + row * stride_x + c0 + cols, mask=c0 + cols < N, other=0.0).to(tl.float32)
+        ss += x * x
+    ms = tl.math.div_rn(tl.sum(ss, axis=0), N.to(tl.float32))
+    r = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))  # correctly rounded, like torch's 1 / sqrt
+    for c0 in range(0, N, BLOCK):
+        ok = c0 + cols < N
+        x = tl.load(x_ptr + row * stride_x + c0 + cols, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + c0 + cols, mask=ok, other=0.0).to(tl.float32)
+        y = x * r * w
+        y = _to_bf16(y, INTERPRET) if OUT_BF16 else y
+        tl.store(y_ptr + row * stride_y + c0 + cols, y, mask=ok)
+
+
+def _rows(where: str, x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"{where}: x must have a non-empty last dim, got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"{where}: x must be bfloat16 or float32, not {x.dtype}")
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(1) == 1 else x2.contiguous()
+
+
+def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x**2) + eps) * weight`` over the last dim, fp32 math, output in x's dtype
+    (bf16 or fp32); one program per row, so a row's result does not depend on the other rows."""
+    where = "invariant_rms_norm"
+    x2 = _rows(where, x)
+    n = x2.shape[1]
+    if weight.shape != (n,) or not weight.is_floating_point():
+        raise ValueError(f"{where}: weight must be a float ({n},) tensor, got {tuple(weight.shape)} {weight.dtype}")
+    _check_device(where, x2, weight)
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, n, float(eps), x2.stride(0), y.stride(0),
+                                         OUT_BF16=x.dtype == torch.bfloat16, INTERPRET=_interpreting(),
+                                         BLOCK=ROW_BLOCK, num_warps=ROW_WARPS)
+    return y.reshape(x.shape)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The math of ``invariant_rms_norm`` (fp32, fp64 for fp64 input): ``x * (1 / sqrt(sum(x*x) / n + eps)) * w``."""
+    ct = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(ct)
+    ms = (xf * xf).sum(-1, keepdim=True) / x.shape[-1]
+    return (xf * (1 / torch.sqrt(ms + eps)) * weight.to(ct)).to(x.dtype)
+
+
+@triton.jit
+def _log_softmax_kernel(x_ptr, y_ptr, N, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)  # per lane: running max and sum of exp(x - max)
+    s = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c0 in range(0, N, BLOCK):
+        x = tl.load(x_ptr + row * stride_x + c0 + cols, mask=c0 + cols < N, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane with only -inf so far keeps s = 0
+        s = s * tl.exp(m - m_use) + tl.exp(x - m_use)
+        m = m_new
+    mx = tl.max(m, axis=0)
+    mx_use = tl.where(mx == float("-inf"), 0.0, mx)
+    lse = mx + tl.log(tl.sum(s * tl.exp(m - mx_use), axis=0))
+    for c0 in range(0, N, BLOCK):
+        ok = c0 + cols < N
+        x = tl.load(x_ptr + row * stride_x + c0 + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_y + c0 + cols, x - lse, mask=ok)
+
+
+def invariant_log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(x, dim=-1)`` in fp32 (x bf16 or fp32; -inf entries, e.g. top-k/top-p masks, give
+    -inf), one program per row: a row's logprobs do not depend on the other rows. Returns fp32."""
+    where = "invariant_log_softmax"
+    x2 = _rows(where, x)
+    _check_device(where, x2)
+    y = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
+    if x2.shape[0]:
+        _log_softmax_kernel[(x2.shape[0],)](x2, y, x2.shape[1], x2.stride(0), y.stride(0),
+                                            BLOCK=ROW_BLOCK, num_warps=ROW_WARPS)
+    return y.reshape(x.shape)
+
+
+def log_softmax_reference(x: torch.Tensor) -> torch.Tensor:
+    """The math of ``invariant_log_softmax``: ``x - logsumexp(x)`` over the last dim, fp32 (fp64 for fp64)."""
+    return torch.log_softmax(x.to(torch.promote_types(x.dtype, torch.float32)), dim=-1)

@@ -1,0 +1,376 @@
+"""The batch-invariant kernels (kernels/invariant.py) against their references, in Triton's interpreter.
+
+Two kinds of test per kernel:
+
+- numerics: the kernel against its reference evaluated in float64 on the same inputs, element by
+  element, within a bound derived from fp32 rounding (unit roundoff u = 2^-24; a chain of n fp32
+  additions of terms t_i errs by at most gamma_n * sum |t_i|, gamma_n = n u / (1 - n u)); bf16 outputs
+  add one bf16 rounding (2^-8 relative). Exact where the math is exact (integer-valued data);
+- batch invariance: a row (a token) computed alone, among a few rows, and in a large batch (for
+  attention: a decode step, a prefill and the full-sequence forward) gives the same bits.
+
+The bounds assume IEEE fp32 accumulation, which is what the interpreter does (numpy). On a GPU the
+tensor cores accumulate with truncation (bf16) or ~14 bits (fp8 on Hopper), so the GEMM bounds are
+widened there; those GPU variants have not been run (no GPU when they were written).
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from jetrl_cli.precision.formats import Block, Format  # noqa: E402
+from jetrl_cli.precision.quant import CastSpec, quantize  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs a GPU or TRITON_INTERPRET=1")
+U32, U16 = 2.0**-24, 2.0**-8
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+@pytest.fixture(scope="module")
+def inv():
+    from jetrl_cli.kernels import invariant
+
+    return invariant
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, g, scale=1.0, dtype=F32):
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEV)
+
+
+def gamma(n):
+    return n * U32 / (1 - n * U32)
+
+
+def same_bits(x, y):
+    """Bitwise equality (torch.equal would call -0.0 and 0.0 equal)."""
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[x.dtype]
+    return torch.equal(x.contiguous().view(ints), y.contiguous().view(ints))
+
+
+def within(got, exact, bound):
+    err = (got.double() - exact).abs()
+    return bool((err <= bound).all()), float((err / bound.clamp_min(1e-300)).max())
+
+
+# --- dense GEMM --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m,n,k", [(70, 72, 200), (3, 130, 64), (1, 8, 300)])
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("out_dtype", [F32, BF16])
+def test_mm_within_fp32_accumulation_bound(inv, m, n, k, dtype, out_dtype):
+    g = gen(m * 1000 + k)
+    a, b, bias = randn(m, k, g=g, dtype=dtype), randn(n, k, g=g, scale=0.1, dtype=dtype), randn(n, g=g)
+    c = inv.invariant_mm(a, b, bias, out_dtype)
+    assert c.shape == (m, n) and c.dtype == out_dtype
+    exact = inv.mm_reference(a.double(), b.double(), bias.double())
+    nb = math.ceil(k / inv.MM_CONFIG["BLOCK_K"])
+    bound = gamma((2 if GPU else 1) * (k + nb + 1)) * (a.double().abs() @ b.double().abs().t() + bias.double().abs())
+    if out_dtype == BF16:
+        bound = bound * (1 + U16) + U16 * exact.abs()
+    ok, worst = within(c, exact, bound)
+    assert ok, f"error {worst:.2f}x the bound"
+
+
+@pytest.mark.parametrize("out_dtype", [F32, BF16])
+def test_mm_is_exact_on_integer_data(inv, out_dtype):
+    g = gen(1)
+    a = torch.randint(-4, 5, (37, 200), generator=g).to(BF16).to(DEV)
+    b = torch.randint(-4, 5, (50, 200), generator=g).to(BF16).to(DEV)
+    bias = torch.randint(-100, 100, (50,), generator=g).float().to(DEV)
+    want = (a.double() @ b.double().t() + bias.double()).to(out_dtype)  # every partial sum is exact in fp32
+    assert same_bits(inv.invariant_mm(a, b, bias, out_dtype), want)
+
+
+def test_bf16_output_rounds_to_nearest_even(inv):
+    """``a @ I`` is exact, so the bf16 output is the rounding of ``a`` itself: ties, carries into the
+    exponent, subnormals and overflow to inf must match torch's round-to-nearest-even cast (a -0.0 in a
+    would come out +0.0: the sum starts at +0)."""
+    edge = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1.99999, 3.0e38, -3.4e38, 0.0, 2**-127, 2**-130, -3 * 2**-135])
+    a = torch.cat([edge, torch.randn(64 * 5 - len(edge), generator=gen(2)) * 100]).reshape(5, 64).to(DEV)
+    c = inv.invariant_mm(a, torch.eye(64, device=DEV), out_dtype=BF16)
+    assert same_bits(c, a.to(BF16))
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(BF16, BF16), (F32, F32), (BF16, F32)])
+def test_mm_rows_do_not_depend_on_the_batch(inv, dtype, out_dtype):
+    g = gen(3)
+    a, b, bias = randn(300, 200, g=g, dtype=dtype), randn(136, 200, g=g, scale=0.1, dtype=dtype), randn(136, g=g)
+    full = inv.invariant_mm(a, b, bias, out_dtype)
+    for rows in ([0], [64], [299], list(range(17)), [250, 3, 77]):
+        assert same_bits(inv.invariant_mm(a[rows], b, bias, out_dtype), full[rows]), rows
+
+
+def test_mm_rejects_bad_input(inv):
+    a = torch.randn(4, 8)
+    for args, msg in [((a, torch.randn(3, 9)), "do not match"), ((a.half(), a), "operand a must be"),
+                      ((a, a, torch.randn(5)), "bias must be"), ((a, a, None, torch.float16), "out_dtype")]:
+        with pytest.raises(ValueError, match=msg):
+            inv.invariant_mm(*args)
+
+
+# --- blockwise FP8 GEMM ------------------------------------------------------------------------------
+
+E4 = Format.FP8_E4M3
+
+
+@pytest.mark.parametrize("m,n,k,b_block,out_dtype", [(70, 130, 300, Block(128, 128), F32),
+                                                     (70, 130, 300, Block(1, 128), BF16),
+                                                     (1, 64, 128, Block(128, 128), BF16),
+                                                     (129, 72, 256, Block(1, 128), F32)])
+def test_blockwise_mm_within_bound(inv, m, n, k, b_block, out_dtype):
+    g = gen(m + n + k)
+    x, w, bias = randn(m, k, g=g), randn(n, k, g=g, scale=0.05), randn(n, g=g)
+    a, b = quantize(x, CastSpec(E4, Block(1, 128))), quantize(w, CastSpec(E4, b_block))
+    c = inv.invariant_blockwise_mm(a, b, bias, out_dtype)
+    exact = inv.blockwise_mm_reference(a, b, bias, compute_dtype=torch.float64)
+    nb = math.ceil(k / 128)
+    u_dot = U32 if not GPU else 2.0**-13  # Hopper fp8 MMA keeps ~14 bits (DeepSeek-V3 3.3.2); unverified
+    absprod = a.dequantize(torch.float64).abs() @ b.dequantize(torch.float64).abs().t()
+    bound = (min(k, 128) * u_dot + gamma(nb + 4)) * (absprod + bias.double().abs())
+    if out_dtype == BF16:
+        bound = bound * (1 + U16) + U16 * exact.abs()
+    ok, worst = within(c, exact, bound)
+    assert ok, f"error {worst:.2f}x the bound"
+
+
+@pytest.mark.skipif(GPU, reason="bitwise equal to kernels.fp8 in the interpreter; on a GPU they compile apart")
+def test_blockwise_mm_is_kernels_fp8_math(inv):
+    from jetrl_cli.kernels import fp8
+
+    g = gen(5)
+    a = quantize(randn(100, 300, g=g), CastSpec(E4, Block(1, 128)))
+    b = quantize(randn(200, 300, g=g, scale=0.05), CastSpec(E4, Block(128, 128)))
+    assert same_bits(inv.invariant_blockwise_mm(a, b), fp8.blockwise_mm(a, b))
+
+
+@pytest.mark.parametrize("b_block", [Block(128, 128), Block(1, 128)])
+def test_blockwise_mm_rows_do_not_depend_on_the_batch(inv, b_block):
+    g = gen(6)
+    x, w = randn(130, 300, g=g), randn(136, 300, g=g, scale=0.05)
+    spec = CastSpec(E4, Block(1, 128))
+    b = quantize(w, CastSpec(E4, b_block))
+    full = inv.invariant_blockwise_mm(quantize(x, spec), b, out_dtype=BF16)
+    for rows in ([0], [129], [5, 6, 7], [100, 3, 77]):
+        alone = inv.invariant_blockwise_mm(quantize(x[rows], spec), b, out_dtype=BF16)  # each token quantized alone
+        assert same_bits(alone, full[rows]), rows
+
+
+def test_blockwise_mm_rejects_bad_operands(inv):
+    x = torch.randn(8, 256)
+    row = quantize(x, CastSpec(E4, Block(1, 128)))
+    with pytest.raises(ValueError, match="1x128 or 128x128 scales along K"):
+        inv.invariant_blockwise_mm(row, quantize(x, CastSpec(E4, "row")))
+    with pytest.raises(ValueError, match="2-D fp8 QTensor"):
+        inv.invariant_blockwise_mm(row, x)
+    with pytest.raises(ValueError, match="do not match"):
+        inv.invariant_blockwise_mm(row, quantize(torch.randn(8, 128), CastSpec(E4, Block(1, 128))))
+
+
+# --- attention ---------------------------------------------------------------------------------------
+
+def attention_bound(inv, q, k, v, q_pos, out_bf16):
+    """Per-element bounds on |out - exact| and |lse - exact| (float64), first order in u:
+    scores err by E <= gamma_{d+2} scale sum|q||k| (softmax weights then by a factor exp(+-2E));
+    each exp2 by u(|arg| + 3) with |arg| <= R (the row's score range plus the largest score, base 2);
+    p rounded to bf16 for p @ v (2^-8) when the inputs are bf16; the weighted sum and the running sum
+    by gamma over (keys + 3 per key block) (the rescales cancel in the ratio up to one rounding each)."""
+    b, h, t, d = q.shape
+    rep = h // k.shape[1]
+    scale = d**-0.5
+    qd, kd, vd = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    vis = (torch.arange(k.shape[2], device=q.device)[None, None, :] <= q_pos[:, :, None])[:, None]
+    s = torch.where(vis, qd @ kd.transpose(-1, -2) * scale, -math.inf)
+    err_s = torch.where(vis, gamma(d + 2) * scale * (qd.abs() @ kd.abs().transpose(-1, -2)), 0).amax(-1)
+    lse = torch.logsumexp(s, -1)
+    wts = torch.exp(s - lse[..., None])
+    s2 = torch.where(vis, s * math.log2(math.e), 0)
+    top = s2.amax(-1, keepdim=True)
+    rng = torch.where(vis, s2.abs() + (s2 - top).abs(), 0).amax(-1)
+    n = (q_pos + 1).double()[:, None]
+    chain = n + 3 * torch.ceil(n / inv.ATT_BLOCK_N) + 10
+    rel = torch.expm1(2 * err_s) + (U16 if q.dtype == BF16 else 0) + U32 * (2 * rng + chain)
+    out = wts @ vd
+    b_out = rel[..., None] * (wts @ vd.abs())
+    b_out = b_out * (1 + U16) + U16 * out.abs() if out_bf16 else b_out + U32 * out.abs()
+    b_lse = err_s + U32 * (rng + chain) + 3 * U32 * lse.abs()
+    return out, lse, b_out, b_lse
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("b,h,hk,t,w,d", [(2, 4, 2, 70, 80, 24), (1, 2, 2, 5, 16, 64)])
+def test_attention_within_bound(inv, dtype, b, h, hk, t, w, d):
+    g = gen(t + w + d)
+    q, k, v = randn(b, h, t, d, g=g, dtype=dtype), randn(b, hk, w, d, g=g, dtype=dtype), randn(b, hk, w, d, g=g, dtype=dtype)
+    pos = torch.arange(t, device=DEV).expand(b, t) + torch.arange(b, device=DEV)[:, None] * (w - t)  # sequence 1 ends at w - 1
+    out, lse = inv.invariant_attention(q, k, v, pos)
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (b, h, t) and lse.dtype == F32
+    exact, exact_lse, b_out, b_lse = attention_bound(inv, q, k, v, pos, dtype == BF16)
+    ref, ref_lse = inv.attention_reference(q.double(), k.double(), v.double(), pos, compute_dtype=torch.float64)
+    assert torch.allclose(ref, exact) and torch.allclose(ref_lse, exact_lse)  # the reference is this math
+    for got, want, bound in ((out, exact, b_out), (lse, exact_lse, b_lse)):
+        ok, worst = within(got, want, bound)
+        assert ok, f"error {worst:.2f}x the bound"
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_attention_decode_prefill_and_training_give_the_same_bits(inv, dtype):
+    """Two sequences of 70 tokens, GQA 4 heads / 2 KV heads. The trainer's forward sees all 70
+    queries (q_pos None); decode steps see one query per sequence at its own position against a
+    96-wide cache whose unwritten slots hold NaN; a prefill sees the first 33; a chunk sees queries
+    40..69 (other rows of other programs than in the full forward); a sequence alone, itself."""
+    g = gen(7)
+    b, h, hk, t, d = 2, 4, 2, 70, 32
+    q, k, v = randn(b, h, t, d, g=g, dtype=dtype), randn(b, hk, t, d, g=g, dtype=dtype), randn(b, hk, t, d, g=g, dtype=dtype)
+    full, full_lse = inv.invariant_attention(q, k, v)
+    for steps in ([0, 69], [63, 64], [40, 1]):
+        kc = torch.full((b, hk, 96, d), float("nan"), dtype=dtype, device=DEV)
+        vc = kc.clone()
+        qd = torch.empty(b, h, 1, d, dtype=dtype, device=DEV)
+        for s, p in enumerate(steps):
+            kc[s, :, :p + 1], vc[s, :, :p + 1], qd[s, :, 0] = k[s, :, :p + 1], v[s, :, :p + 1], q[s, :, p]
+        out, lse = inv.invariant_attention(qd, kc, vc, torch.tensor(steps, device=DEV)[:, None])
+        for s, p in enumerate(steps):
+            assert same_bits(out[s, :, 0], full[s, :, p]) and torch.equal(lse[s, :, 0], full_lse[s, :, p]), (s, p)
+    nan_tail = torch.full((b, hk, 15, d), float("nan"), dtype=dtype, device=DEV)
+    pre, pre_lse = inv.invariant_attention(q[:, :, :33], torch.cat([k[:, :, :33], nan_tail], 2),
+                                           torch.cat([v[:, :, :33], nan_tail], 2))
+    assert same_bits(pre, full[:, :, :33]) and torch.equal(pre_lse, full_lse[:, :, :33])
+    chunk, _ = inv.invariant_attention(q[:, :, 40:], k, v, torch.arange(40, 70, device=DEV).expand(b, 30))
+    assert same_bits(chunk, full[:, :, 40:])
+    alone, _ = inv.invariant_attention(q[1:], k[1:], v[1:])
+    assert same_bits(alone, full[1:])
+
+
+def test_attention_gradient_matches_float64(inv):
+    g = gen(8)
+    q = randn(2, 4, 20, 16, g=g).requires_grad_()
+    k, v = randn(2, 2, 20, 16, g=g).requires_grad_(), randn(2, 2, 20, 16, g=g).requires_grad_()
+    dy = randn(2, 4, 20, 16, g=g)
+    out, lse = inv.invariant_attention(q, k, v)
+    assert not lse.requires_grad
+    assert same_bits(out.detach(), inv.invariant_attention(q.detach(), k.detach(), v.detach())[0])  # same kernel
+    grads = torch.autograd.grad((out * dy).sum(), (q, k, v))
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = inv.attention_reference(q64, k64, v64, compute_dtype=torch.float64)[0]
+    want = torch.autograd.grad((ref * dy.double()).sum(), (q64, k64, v64))
+    for got, w in zip(grads, want):
+        assert float((got.double() - w).norm() / w.norm()) < 1e-5
+
+
+def test_attention_rejects_bad_input(inv):
+    q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 3, 8, 16)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        inv.invariant_attention(q, k, k)
+    k = torch.randn(2, 2, 8, 16)
+    with pytest.raises(ValueError, match="must all be bfloat16 or all float32"):
+        inv.invariant_attention(q.bfloat16(), k, k)
+    with pytest.raises(ValueError, match=r"q_pos must be an int32/int64 \(b, t\)"):
+        inv.invariant_attention(q, k, k, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"q_pos must lie in \[0, 8\)"):
+        inv.invariant_attention(q, k, k, torch.full((2, 5), 8))
+    with pytest.raises(ValueError, match="t=9 > key width 8"):
+        inv.invariant_attention(torch.randn(2, 4, 9, 16), k, k)
+
+
+# --- RMSNorm and log-softmax -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("rows,n", [(5, 3000), (3, 64)])
+def test_rms_norm_within_bound(inv, dtype, rows, n):
+    g = gen(n)
+    x, w = randn(rows, n, g=g, scale=3.0, dtype=dtype), randn(n, g=g)
+    y = inv.invariant_rms_norm(x, w, 1e-6)
+    assert y.dtype == dtype and y.shape == x.shape
+    exact = inv.rms_norm_reference(x.double(), w.double(), 1e-6)
+    # sum of squares: a chain of (chunks + 33) roundings (lanes, then a tree <= 32 deep); then
+    # / n, + eps, sqrt (halves the relative error), 1 / ., and two products
+    rel = ((math.ceil(n / inv.ROW_BLOCK) + 35) / 2 + 4) * U32
+    bound = rel * exact.abs()
+    if dtype == BF16:
+        bound = bound * (1 + U16) + U16 * exact.abs()
+    ok, worst = within(y, exact, bound)
+    assert ok, f"error {worst:.2f}x the bound"
+
+
+def test_rms_norm_is_exact_when_the_sum_is(inv):
+    g = gen(9)
+    x = torch.randint(-8, 9, (6, 2500), generator=g).float().to(DEV)  # sums of squares exact in fp32
+    w = torch.randn(2500, generator=g).to(DEV)
+    assert same_bits(inv.invariant_rms_norm(x, w, 1e-5), inv.rms_norm_reference(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_rms_norm_rows_do_not_depend_on_the_batch(inv, dtype):
+    g = gen(10)
+    x, w = randn(2, 20, 1500, g=g, dtype=dtype), randn(1500, g=g)
+    full = inv.invariant_rms_norm(x, w, 1e-6)
+    assert full.shape == x.shape
+    flat = full.reshape(40, 1500)
+    for rows in ([0], [39], [5, 6, 7], [30, 3, 17]):
+        assert same_bits(inv.invariant_rms_norm(x.reshape(40, 1500)[rows], w, 1e-6), flat[rows])
+
+
+def log_softmax_bound(x64, n):
+    """Per-lane sums over the chunks, rescaled by exp factors (each exp errs by u(|arg| + 3), |arg| <= the
+    row's range R), a tree of <= 32 levels over the lanes, then log and x - lse."""
+    fin = torch.isfinite(x64)
+    top = torch.where(fin, x64, -math.inf).amax(-1, keepdim=True)
+    rng = (top - torch.where(fin, x64, math.inf).amin(-1, keepdim=True)).clamp_min(0)
+    lse = torch.logsumexp(x64, -1, keepdim=True)
+    nc = math.ceil(n / 1024)
+    err_lse = ((nc + 2) * (rng + 4) + nc + 34) * U32 + 2 * U32 * lse.abs()
+    return err_lse + U32 * (x64 - lse).abs()
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("rows,n", [(4, 3000), (2, 50)])
+def test_log_softmax_within_bound(inv, dtype, rows, n):
+    g = gen(n + 1)
+    x = randn(rows, n, g=g, scale=4.0, dtype=dtype)
+    x[0, ::7] = -math.inf  # masked by top-k / top-p
+    y = inv.invariant_log_softmax(x)
+    assert y.dtype == F32 and y.shape == x.shape
+    exact = inv.log_softmax_reference(x.double())
+    fin = torch.isfinite(exact)
+    assert torch.equal(torch.isfinite(y), fin) and (y[~fin] == -math.inf).all()
+    ok, worst = within(y[fin], exact[fin], log_softmax_bound(x.double(), n).expand_as(exact)[fin])
+    assert ok, f"error {worst:.2f}x the bound"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, on -inf - -inf in the interpreter
+def test_log_softmax_all_masked_row_is_nan_like_torch(inv):
+    x = torch.randn(3, 40).to(DEV)
+    x[1] = -math.inf
+    y = inv.invariant_log_softmax(x)
+    assert torch.equal(y.isnan(), torch.log_softmax(x, -1).isnan()) and y[1].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_log_softmax_rows_do_not_depend_on_the_batch(inv, dtype):
+    g = gen(11)
+    x = randn(40, 2100, g=g, scale=3.0, dtype=dtype)
+    full = inv.invariant_log_softmax(x)
+    for rows in ([0], [39], [5, 6, 7], [30, 3, 17]):
+        assert same_bits(inv.invariant_log_softmax(x[rows]), full[rows])
+
+
+def test_row_kernels_reject_bad_input(inv):
+    with pytest.raises(ValueError, match="weight must be a float"):
+        inv.invariant_rms_norm(torch.randn(3, 8), torch.randn(7), 1e-6)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        inv.invariant_log_softmax(torch.randn(3, 8).half())
+    with pytest.raises(ValueError, match="non-empty last dim"):
+        inv.invariant_log_softmax(torch.randn(3, 0))
