@@ -39,7 +39,7 @@ from torch import nn
 from ..precision.flow import LinearPrecision
 from ..precision.formats import Format
 from ..precision.gemm import native
-from ..precision.linear import JetLinear, linear_group, swiglu, swiglu_save_spec
+from ..precision.linear import JetLinear, linear_group, swiglu_down
 from ..precision.quant import CastSpec, fake_quantize, round_to
 
 
@@ -324,7 +324,8 @@ class Attention(nn.Module):
             keys, values = (k, v) if mask.causal else (ck[:, :, :width], cv[:, :, :width])
         if native(x):
             out = _native_attention(q, keys, values, mask, h // hk)
-            return linear_group((self.o_proj,), out, self.o_proj)
+            # SDPA keeps its output for its backward; o_proj's backward reads the same tensor
+            return linear_group((self.o_proj,), out, self.o_proj, input_kept=True)
         if keys.shape[2] < width:
             keys = F.pad(keys, (0, 0, 0, width - keys.shape[2]))
             values = F.pad(values, (0, 0, 0, width - values.shape[2]))
@@ -385,8 +386,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, h, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        gu = linear_group((self.gate_proj, self.up_proj), x, self)
-        return linear_group((self.down_proj,), swiglu(gu, swiglu_save_spec(self.gate_proj.precision)), self.down_proj)
+        return swiglu_down(linear_group((self.gate_proj, self.up_proj), x, self), self.down_proj)
 
 
 class DecoderLayer(nn.Module):

@@ -231,17 +231,20 @@ def separate_linears():
         _SEPARATE = before
 
 
-def linear_group(mods: Sequence["JetLinear"], x: torch.Tensor, owner: nn.Module) -> torch.Tensor:
+def linear_group(mods: Sequence["JetLinear"], x: torch.Tensor, owner: nn.Module, input_kept: bool = False) -> torch.Tensor:
     """Linear layers reading the same ``x``, outputs concatenated along the last dim.
 
     The input is cast once and the forward is one GEMM on the concatenated weight (``group_weight``,
-    cached on ``owner``), with or without autograd, so training and rollout run the same bits."""
+    cached on ``owner``), with or without autograd, so training and rollout run the same bits.
+    ``input_kept``: the autograd graph already keeps ``x`` itself (an attention output that the
+    attention backward needs), so the backward reads it rather than a separate FP8 copy; the
+    Wgrad operand is quantized from it in the backward, to the same bits."""
     if _SEPARATE:
         return torch.cat([m(x) for m in mods], dim=-1) if len(mods) > 1 else mods[0](x)
-    return _linear_group(tuple(mods), x, owner)
+    return _linear_group(tuple(mods), x, owner, input_kept)
 
 
-def _linear_group(mods: tuple, x: torch.Tensor, owner: nn.Module) -> torch.Tensor:
+def _linear_group(mods: tuple, x: torch.Tensor, owner: nn.Module, input_kept: bool = False) -> torch.Tensor:
     if len(mods) > 1 and not _uniform(mods):  # e.g. one layer switched to another precision (attribution)
         return torch.cat([m(x) for m in mods], dim=-1)
     needs_grad = torch.is_grad_enabled() and (
@@ -250,7 +253,7 @@ def _linear_group(mods: tuple, x: torch.Tensor, owner: nn.Module) -> torch.Tenso
     if not needs_grad:
         return linear_forward(x, w, b, mods[0].precision.fprop)
     params = [m.weight for m in mods] + [m.bias for m in mods if m.bias is not None]
-    return _LinearGroupFn.apply(x, _Group(mods, w, b), *params)
+    return _LinearGroupFn.apply(x, _Group(mods, w, b, input_kept), *params)
 
 
 @dataclass
@@ -258,6 +261,7 @@ class _Group:
     mods: tuple
     weight: object
     bias: torch.Tensor | None
+    input_kept: bool = False
 
 
 def _wgrad_operand_of_input(x2: torch.Tensor, spec: GemmSpec, device) -> Operand:
@@ -278,6 +282,48 @@ def _transposed_cast(t: torch.Tensor, cast: CastSpec, spec: GemmSpec, device) ->
     return transpose_operand(cast_operand(t, cast, be))
 
 
+def _linear_backward(ctx, mods: tuple, gy2: torch.Tensor, x_dtype, need_x: bool, need_w: list, need_b: list,
+                     x_operand) -> tuple:
+    """Dgrad, Wgrad and bias gradients of a group of linears for ``gy2`` (tokens x sum(N_i)).
+    ``x_operand()``: Wgrad's operand b (x^T, K x tokens), fetched only if a weight needs a grad."""
+    prec: LinearPrecision = mods[0].precision
+    dev = gy2.device
+    sizes = [m.out_features for m in mods]
+    parts = gy2.split(sizes, dim=1) if len(mods) > 1 else (gy2,)
+    gx = None
+    if need_x:
+        dg = prec.dgrad
+        be = backend_for(dg, "dgrad", dev)
+        for m, g in zip(mods, parts):
+            acc = run_gemm(cast_operand(g.contiguous(), dg.a, be), m.dgrad_weight(), dg, "dgrad", dev)
+            part = finish(acc, dg.out, x_dtype)
+            gx = part if gx is None else gx + part
+    grads_w = [None] * len(mods)
+    if any(need_w):
+        wg = prec.wgrad
+        gy_op = _transposed_cast(gy2, wg.a, wg, dev)  # one cast: groups run along tokens
+        gw = finish(run_gemm(gy_op, x_operand(), wg, "wgrad", dev), wg.out, mods[0].weight.dtype)
+        grads_w = list(gw.split(sizes, dim=0)) if len(mods) > 1 else [gw]
+    grads_b = [g.float().sum(0).to(m.bias.dtype) if need else None
+               for m, g, need in zip(mods, parts, need_b)] if mods[0].bias is not None else []
+    return gx, grads_w, grads_b
+
+
+def _save_operand(ctx, op: Operand) -> None:
+    """Save a Wgrad operand through autograd (so saved-tensor hooks see its bytes)."""
+    if isinstance(op, QTensor):
+        ctx.q_spec = op.spec
+        ctx.save_for_backward(op.data, op.scale)
+    else:
+        ctx.q_spec = None
+        ctx.save_for_backward(op)
+
+
+def _saved_operand(ctx) -> Operand:
+    saved = ctx.saved_tensors
+    return QTensor(saved[0], saved[1], ctx.q_spec) if ctx.q_spec is not None else saved[0]
+
+
 class _LinearGroupFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group: _Group, *params):
@@ -286,108 +332,117 @@ class _LinearGroupFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         y = linear_forward(x2, group.weight, group.bias, prec.fprop)
         ctx.mods, ctx.x_shape, ctx.x_dtype = mods, x.shape, x.dtype
-        ctx.has_bias = group.bias is not None
-        ctx.q_spec = None
-        if prec.save_fp8_activations:
-            xq = _wgrad_operand_of_input(x2, prec.wgrad, x2.device)  # FP8 x^T, groups along tokens
-            if isinstance(xq, QTensor):  # saved through autograd, so saved-tensor hooks see its bytes
-                ctx.q_spec = xq.spec
-                ctx.save_for_backward(xq.data, xq.scale)
-            else:
-                ctx.save_for_backward(xq)
+        ctx.fp8_saved = prec.save_fp8_activations and not group.input_kept
+        if ctx.fp8_saved:
+            _save_operand(ctx, _wgrad_operand_of_input(x2, prec.wgrad, x2.device))  # FP8 x^T, groups along tokens
         else:
             wb = prec.wgrad.b
             keep = x2 if wb.is_scaled or wb.format is Format.FP32 or not native(x2) else x2.to(wb.format.torch_dtype())
-            ctx.save_for_backward(keep)
+            _save_operand(ctx, keep)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, gy):
         mods = ctx.mods
-        prec: LinearPrecision = mods[0].precision
-        gy2 = gy.reshape(-1, gy.shape[-1])
-        dev = gy2.device
-        sizes = [m.out_features for m in mods]
-        parts = gy2.split(sizes, dim=1) if len(mods) > 1 else (gy2,)
-        gx = None
-        if ctx.needs_input_grad[0]:
-            dg = prec.dgrad
-            be = backend_for(dg, "dgrad", dev)
-            for m, g in zip(mods, parts):
-                acc = run_gemm(cast_operand(g.contiguous(), dg.a, be), m.dgrad_weight(), dg, "dgrad", dev)
-                part = finish(acc, dg.out, ctx.x_dtype)
-                gx = part if gx is None else gx + part
-            gx = gx.reshape(ctx.x_shape)
-        grads_w = [None] * len(mods)
-        if any(ctx.needs_input_grad[2:2 + len(mods)]):
-            wg = prec.wgrad
-            saved = ctx.saved_tensors
-            if ctx.q_spec is not None:
-                x_op = QTensor(saved[0], saved[1], ctx.q_spec)
-            elif prec.save_fp8_activations:
-                x_op = saved[0]
-            else:
-                x_op = _wgrad_operand_of_input(saved[0], wg, dev)
-            gy_op = _transposed_cast(gy2, wg.a, wg, dev)  # one cast: groups run along tokens
-            acc = run_gemm(gy_op, x_op, wg, "wgrad", dev)
-            gw = finish(acc, wg.out, mods[0].weight.dtype)
-            grads_w = list(gw.split(sizes, dim=0)) if len(mods) > 1 else [gw]
-        grads_b = []
-        if ctx.has_bias:
-            for i, g in enumerate(parts):
-                need = ctx.needs_input_grad[2 + len(mods) + i]
-                grads_b.append(g.float().sum(0).to(mods[i].bias.dtype) if need else None)
-        return (gx, None, *grads_w, *grads_b)
+        n = len(mods)
+        need = ctx.needs_input_grad
+
+        def x_operand():
+            op = _saved_operand(ctx)
+            return op if ctx.fp8_saved else _wgrad_operand_of_input(op, mods[0].precision.wgrad, gy.device)
+
+        gx, grads_w, grads_b = _linear_backward(ctx, mods, gy.reshape(-1, gy.shape[-1]), ctx.x_dtype, need[0],
+                                                list(need[2:2 + n]), list(need[2 + n:]), x_operand)
+        return (None if gx is None else gx.reshape(ctx.x_shape), None, *grads_w, *grads_b)
 
 
 # --------------------------------------------------------------------------- swiglu
 
 
-def swiglu(gu: torch.Tensor, save: CastSpec | None = None) -> torch.Tensor:
-    """``silu(g) * u`` for ``gu = [g, u]`` (concatenated along the last dim), in ``gu``'s dtype.
+def _swiglu_math(gu: torch.Tensor) -> torch.Tensor:
+    """``g / (1 + exp(-g)) * u`` in fp32, returned in ``gu``'s dtype. torch's fused silu rounds its
+    scalar tail differently from its vector body on CPU; this form keeps a row's result
+    independent of the batch."""
+    gf = gu if gu.dtype is torch.float32 else gu.float()
+    g, u = gf.chunk(2, dim=-1)
+    y = g / (1 + torch.exp(-g)) * u
+    return y if y.dtype is gu.dtype else y.to(gu.dtype)
 
-    ``silu`` is written as ``g / (1 + exp(-g))``: torch's fused silu rounds its scalar tail
-    differently from its vector body on CPU, so this form keeps a row's result independent of
-    the batch; the forward is the same ops with or without autograd. The backward keeps ``gu``
-    alone (not the intermediates autograd would), or with ``save`` (an FP8 cast, from
-    ``save_fp8_activations``) an FP8 copy of it (DeepSeek-V3's recipe): the gradients are then
-    computed from the dequantized copy."""
+
+def _swiglu_grad(gu: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:
+    """d(silu(g) * u) for ``gu = [g, u]`` (fp32 math)."""
+    g, u = gu.float().chunk(2, dim=-1)
+    gyf = gy.float()
+    sig = 1 / (1 + torch.exp(-g))
+    return torch.cat([gyf * u * sig * (1 + g * (1 - sig)), gyf * g * sig], dim=-1)
+
+
+def swiglu(gu: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u`` for ``gu = [g, u]`` (concatenated along the last dim), in ``gu``'s dtype; the
+    forward is the same ops with or without autograd, and the backward keeps ``gu`` alone (not the
+    intermediates autograd would)."""
     if torch.is_grad_enabled() and gu.requires_grad:
-        return _SwiGLUFn.apply(gu, save)
-    g, u = gu.chunk(2, dim=-1)
-    return g / (1 + torch.exp(-g)) * u
+        return _SwiGLUFn.apply(gu)
+    return _swiglu_math(gu)
 
 
 class _SwiGLUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gu, save: CastSpec | None):
-        g, u = gu.chunk(2, dim=-1)
-        y = g / (1 + torch.exp(-g)) * u
-        ctx.spec, ctx.shape, ctx.dtype = save, gu.shape, gu.dtype
-        if save is None:
-            ctx.save_for_backward(gu)
-        else:
-            q = quantize(gu.reshape(-1, gu.shape[-1]), save)
-            ctx.save_for_backward(q.data, q.scale)
-        return y
+    def forward(ctx, gu):
+        ctx.save_for_backward(gu)
+        return _swiglu_math(gu)
 
     @staticmethod
     def backward(ctx, gy):
-        if ctx.spec is None:
-            gu = ctx.saved_tensors[0].float()
-        else:
-            data, scale = ctx.saved_tensors
-            gu = dequantize(QTensor(data, scale, ctx.spec)).reshape(ctx.shape)
-        g, u = gu.chunk(2, dim=-1)
-        gyf = gy.float()
-        sig = 1 / (1 + torch.exp(-g))
-        dg = gyf * u * sig * (1 + g * (1 - sig))
-        du = gyf * g * sig
-        return torch.cat([dg, du], dim=-1).to(ctx.dtype), None
+        (gu,) = ctx.saved_tensors
+        return _swiglu_grad(gu, gy).to(gu.dtype)
+
+
+def swiglu_down(gu: torch.Tensor, down: "JetLinear") -> torch.Tensor:
+    """``down(silu(g) * u)``, the end of a gated MLP.
+
+    With ``save_fp8_activations`` (DeepSeek-V3's recipe) the backward keeps only an FP8 copy of the
+    SwiGLU input ``gu`` (1x128 groups, the Fprop input's format) and recomputes from it both the
+    SwiGLU gradient and ``down``'s Wgrad operand (its input, quantized in 128x1 groups); otherwise
+    ``gu`` and ``down``'s input are kept as usual. The forward is the same either way."""
+    save = swiglu_save_spec(down.precision)
+    if save is None or _SEPARATE or not (torch.is_grad_enabled() and gu.requires_grad):
+        return linear_group((down,), swiglu(gu), down)
+    w, b = group_weight((down,), down)
+    params = [down.weight] + ([down.bias] if down.bias is not None else [])
+    return _SwiGLUDownFn.apply(gu, _Group((down,), w, b), save, *params)
+
+
+class _SwiGLUDownFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gu, group: _Group, save: CastSpec, *params):
+        prec: LinearPrecision = group.mods[0].precision
+        h = _swiglu_math(gu)
+        h2 = h.reshape(-1, h.shape[-1])
+        y = linear_forward(h2, group.weight, group.bias, prec.fprop)
+        gu2 = gu.reshape(-1, gu.shape[-1])
+        _save_operand(ctx, cast_operand(gu2, save, backend_for(prec.fprop, "fprop", gu2.device)))
+        ctx.mods, ctx.gu_shape, ctx.gu_dtype = group.mods, gu.shape, gu.dtype
+        return y.reshape(*gu.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, gy):
+        mods = ctx.mods
+        gu = dequantize(_saved_operand(ctx))  # fp32 values of the FP8 copy
+        h = _swiglu_math(gu.to(ctx.gu_dtype))  # down's input, recomputed as the forward computes it
+        need = ctx.needs_input_grad
+        wg = mods[0].precision.wgrad
+        gh, grads_w, grads_b = _linear_backward(
+            ctx, mods, gy.reshape(-1, gy.shape[-1]), h.dtype, need[0], [need[3]], list(need[4:]),
+            lambda: _wgrad_operand_of_input(h, wg, gy.device))
+        dgu = None
+        if need[0]:
+            dgu = _swiglu_grad(gu, gh).to(ctx.gu_dtype).reshape(ctx.gu_shape)
+        return (dgu, None, None, *grads_w, *grads_b)
 
 
 def swiglu_save_spec(prec: LinearPrecision) -> CastSpec | None:
-    """The FP8 cast ``swiglu`` saves its inputs in (1x128 groups, the Fprop input's format)."""
+    """The FP8 cast ``swiglu_down`` keeps its input in (1x128 groups, the Fprop input's format)."""
     if not prec.save_fp8_activations:
         return None
     a = prec.fprop.a

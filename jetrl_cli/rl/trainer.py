@@ -86,12 +86,13 @@ def _chunk_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: Sam
 
 def target_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     """``log p(targets[i] | h[i])`` under the sampling distribution, for rows ``h`` (n, hidden),
-    a chunk of rows at a time; with autograd, chunks are recomputed in the backward."""
+    a chunk of rows at a time; with autograd, every chunk's logits are recomputed in the backward
+    rather than kept (one extra lm_head forward per update, instead of vocab-sized activations)."""
     n = h.shape[0]
     step = max(1, LOGPROB_CHUNK_ELEMENTS // model.config.vocab_size)
-    if n <= step:
-        return _chunk_logprobs(model, h, targets, sampling)
     grad = torch.is_grad_enabled() and h.requires_grad
+    if n <= step and not grad:
+        return _chunk_logprobs(model, h, targets, sampling)
     parts = []
     for s in range(0, n, step):
         hc, tc = h[s:s + step], targets[s:s + step]
