@@ -2,8 +2,11 @@
 backend of the precision core (``backend: triton`` in a preset's GEMM spec).
 
 ``kernels/fp8.py`` holds the kernels (fused 1x128 / 128x1 activation quantizer, 128x128 weight
-quantizer, blockwise-scaled FP8 GEMM); this module wraps them as a backend. They run on a CUDA GPU,
-or anywhere in Triton's interpreter (``TRITON_INTERPRET=1``, slow: that is how CPU tests run them).
+quantizer with its transpose, blockwise-scaled FP8 GEMM); this module wraps them as a backend. They
+run on a CUDA GPU, or anywhere in Triton's interpreter (``TRITON_INTERPRET=1``, slow: that is how CPU
+tests run them). ``kernels/layouts.py`` (pure torch, importable without Triton) describes the operand
+layouts Hopper's blockwise GEMM (``scaled_mm``) consumes, which the quantizers write directly, and
+converts reference-quantized operands into them.
 """
 
 from __future__ import annotations

@@ -1,21 +1,61 @@
 """Triton kernels of the unified FP8 flow, each the twin of a pure-torch reference in
-``jetrl_cli.precision.quant`` / ``gemm``:
+``jetrl_cli.precision.quant`` / ``gemm``, writing its outputs in the layouts Hopper's blockwise FP8
+GEMM consumes (``kernels/layouts.py`` describes them and why each exists):
 
-- ``quantize_act``: FP8 quantization of a 2-D activation or gradient with 1x128 groups along K and,
-  from the same read of each 128x128 tile, the 128x1 groups the weight-gradient GEMM needs
-  (``quantize(x, 1x128)`` and ``quantize(x, 128x1)``, bit for bit);
-- ``quantize_weight``: 128x128 blocks (``quantize(w, 128x128)``, bit for bit). The block grid is
-  symmetric, so the transposed weight Dgrad needs is the same data and scales transposed;
+- ``quantize_act(x)``: from ONE read of a 2-D activation or gradient x (T tokens x K), the 1x128
+  quantization (groups along K; Fprop's and Dgrad's operand a) *and* the 128x1 quantization (groups
+  along T; Wgrad's operands), the latter written already transposed as the K-major operand x^T
+  (K, T_pad) with zero padding of T. Scales go straight into the GEMM's column-major grids.
+- ``quantize_weight(w)``: 128x128 blocks of W (N x K) and, from the same read, W^T (K x N) for
+  Dgrad; scales in the padded (ceil(N/128), round_up(ceil(K/128), 4)) buffers the GEMM reads.
 - ``blockwise_mm``: ``a @ b.T`` for FP8 operands with 1x128 or 128x128 scales along K, fp32
   accumulation per 128-wide K block, scales applied to each block's partial sum before it is added
-  (DeepSeek-V3's promotion rule), fp32 or bf16 output. Fprop (x 1x128, W 128x128), Dgrad
-  (dy 1x128, W^T 128x128) and Wgrad (dy^T and x^T, both 1x128 along the token dim) are all this
-  one kernel on ``QTensor`` operands.
+  (DeepSeek-V3's promotion rule), fp32 or bf16 output; it reads any scale strides.
 
-Scales follow the reference rule: ``amax`` over the finite values of a block (floored at
-``amax_floor``), ``scale = amax / fmt_max`` (optionally rounded up to a power of two), NaN when the
-block holds a non-finite value; data ``= clamp(x / scale, -fmt_max, fmt_max)`` rounded to nearest
-even. On CPU these run in Triton's interpreter (``TRITON_INTERPRET=1``), which is how they are tested.
+Numerics (bit for bit the reference's): ``amax`` over the finite values of a group, floored at
+``amax_floor``; ``scale = amax / fmt_max`` (optionally rounded up to a power of two), NaN when the
+group holds a NaN or an infinity; data ``= cast(clamp(x / scale, -fmt_max, fmt_max))`` rounded to
+nearest even. Two GPU facts shape the code. Triton's ``/`` on fp32 compiles to ``div.full.f32``, an
+approximate division (up to 2 ulp off), which can move a value across an FP8 rounding boundary; the
+kernels divide with ``tl.div_rn`` (IEEE, what torch computes). With power-of-two scales ``1 / scale``
+is exact, so ``x * (1 / scale)`` equals ``x / scale`` and costs one multiply. The amax is an
+integer max over the bits of ``|x|`` (sign bit cleared): for non-negative floats integer order is
+float order and every NaN lies above +inf, so this one reduction yields both the amax and the
+non-finite flag (the amax is NaN or inf exactly when the group holds a non-finite value), with no
+per-element select. The clamp keeps NaN and is one instruction on sm_90 (``fmin.NaN.xorsign.abs``);
+for finite groups ``|x / scale|`` exceeds fmt_max by at most 2 ulp, which rounds to fmt_max anyway,
+so it only spares the result any dependence on how a converter treats overflow (the interpreter's
+does not saturate; the GPU's ``cvt.rn.satfinite`` does).
+
+Memory-speed design for Hopper (H100: 3.35 TB/s HBM3 by spec; a device copy measures ~2.75 TB/s,
+``shared/notes/gpu-h100.md``). The fused act quantizer moves 2 bytes in (bf16) and 1 + 1 out per
+element; at copy speed that is ~0.7 G elements/ms, which leaves the SMs (132 x 128 lanes x ~1.75 GHz)
+about 40 thread-instructions per element. So it must read once, never re-read, and keep the
+per-element work small:
+
+- One program owns one 128x128 tile (both group shapes fit in it exactly): it loads the tile once
+  (32 KB of bf16, 16-byte vector loads along K when rows are 16-byte aligned: Triton specializes
+  such strides), reduces it along K (1x128 amax per row: registers and warp shuffles) and along T
+  (128x1 amax per column: across warps through shared memory), and writes every output from those
+  registers. Per element: a convert, an AND, one integer max per direction, and per output one IEEE
+  divide (a multiply with pow2 scales), one clamp and half a packed cvt: about 25 instructions in
+  all without pow2 scales, about 10 with them (an estimate from the PTX each op lowers to, not a
+  measurement). Nothing is read twice and nothing is written twice.
+- 8 warps hold the fp32 tile in ~64 registers per thread, so a few programs share an SM and keep
+  their 32 KB loads in flight while others compute; the grid is (token tiles, K tiles), for
+  8192 x 8192 4096 programs of 64 KB of traffic each: many waves over 132 SMs, a short tail.
+- Every store is whole, contiguous lines: the 1x128 data is 128 bytes of a row per group; the
+  transposed 128x1 data is 128 bytes of a row of x^T per tile row (Triton turns the tile around
+  through shared memory so that the store is coalesced along T); a tile's 128 row scales are 512
+  contiguous bytes of the column-major scale grid (that layout is also the cheapest to write), and
+  so are its 128 column scales in the (T/128, K) grid behind x^T's scales.
+- A group's scale is a reduced, replicated value: Triton's store drops the replicas, so each scale
+  is written by one thread; the 128x128 weight scale is a scalar store. Scale pads (1.0) are written
+  by the last K tile of each row, so no buffer is filled in a separate pass.
+
+No speed is claimed here: on a CPU these run in Triton's interpreter (``TRITON_INTERPRET=1``), which
+is how they are tested (bit for bit against the reference); timings belong to ``jetrl bench
+quantize`` on a GPU.
 """
 
 from __future__ import annotations
@@ -25,75 +65,114 @@ import triton
 import triton.language as tl
 
 from jetrl_cli.precision.formats import Block, Format
-from jetrl_cli.precision.quant import CastSpec, QTensor
+from jetrl_cli.precision.quant import DEFAULT_AMAX_FLOOR, CastSpec, QTensor
+
+from .layouts import cdiv, padded_groups, round_up
 
 TILE = 128
+NUM_WARPS = 8  # a 128x128 fp32 tile is 64 registers per thread at 8 warps
 
 
 @triton.jit
 def _pow2_ceil(s):
+    """Smallest power of two >= s (s positive, normal, finite or +inf), by its exponent bits."""
     bits = s.to(tl.int32, bitcast=True)
     up = ((bits >> 23) + 1) << 23
     return tl.where((bits & 0x7FFFFF) == 0, bits, up).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _finish_scale(amax, bad, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr):
-    s = tl.maximum(amax, FLOOR) / FMAX
+def _abs_bits(x):
+    """|x| as int32 bits: for non-negative floats integer order is float order, and every NaN lies
+    above +inf, so an integer max of these is a NaN-propagating amax (one reduction, no select)."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _amax(abits, axis: tl.constexpr):
+    return tl.max(abits, axis).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group_scale(amax, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr):
+    """The reference scale from a NaN-propagating amax (NaN or inf: the group is not finite)."""
+    s = tl.div_rn(tl.maximum(amax, FLOOR), FMAX)
     if POW2:
         s = _pow2_ceil(s)
-    return tl.where(bad, float("nan"), s)
+    return tl.where(amax < float("inf"), s, float("nan"))
 
 
 @triton.jit
-def _cast(y, FMAX: tl.constexpr, OUT: tl.constexpr):
-    c = tl.minimum(tl.maximum(y, -FMAX), FMAX)
-    c = tl.where(y != y, y, c)  # NaN stays NaN (torch.clamp's rule)
-    return c.to(OUT)
+def _divisor(s, POW2: tl.constexpr):
+    """What the data is scaled by: 1 / s, exact for a power of two, or s itself (divided by)."""
+    if POW2:
+        return tl.div_rn(1.0, s)
+    return s
 
 
 @triton.jit
-def _load_tile(x_ptr, pm, pk, M, K, stride_xm, stride_xk, T: tl.constexpr):
-    """Tile (pm, pk) of x in fp32 with its |x| (non-finite as 0) and a non-finite flag per element."""
+def _scaled(x, d, FMAX: tl.constexpr, POW2: tl.constexpr):
+    """clamp(x / s) in fp32, NaN kept (the cast to FP8 follows)."""
+    if POW2:
+        y = x * d
+    else:
+        y = tl.div_rn(x, d)
+    return tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, K, M_PAD, stride_xm, stride_xk,
+                      FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
+                      ROWS: tl.constexpr, COLS: tl.constexpr, ZERO_PAD: tl.constexpr, T: tl.constexpr):
+    pm = tl.program_id(0)
+    pk = tl.program_id(1)
     rm = pm * T + tl.arange(0, T)
     rk = pk * T + tl.arange(0, T)
-    inb = (rm < M)[:, None] & (rk < K)[None, :]
-    offs = rm[:, None] * stride_xm + rk[None, :] * stride_xk
-    x = tl.load(x_ptr + offs, mask=inb, other=0.0).to(tl.float32)
-    ax = tl.abs(x)
-    finite = ax < float("inf")  # False for inf and NaN
-    return rm, rk, inb, offs, x, tl.where(finite, ax, 0.0), (~finite).to(tl.int32)
+    row_ok = rm < M
+    col_ok = rk < K
+    inb = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :] * stride_xk, mask=inb, other=0.0,
+                eviction_policy="evict_first").to(tl.float32)
+    ax = _abs_bits(x)
+    if ROWS:  # 1x128: one scale per row of the tile; data (M, K) row-major, scale (M, gK) column-major
+        s = _group_scale(_amax(ax, 1), FMAX, FLOOR, POW2)
+        tl.store(sr_ptr + pk.to(tl.int64) * M + rm, s, mask=row_ok)
+        q = _scaled(x, _divisor(s, POW2)[:, None], FMAX, POW2)
+        tl.store(qr_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :], q.to(OUT), mask=inb)
+    if COLS:  # 128x1: one scale per column; written as x^T (K, M_PAD) and its (K, gM) grid, strides (1, K)
+        s = _group_scale(_amax(ax, 0), FMAX, FLOOR, POW2)
+        tl.store(st_ptr + pm.to(tl.int64) * K + rk, s, mask=col_ok)
+        q = _scaled(x, _divisor(s, POW2)[None, :], FMAX, POW2)
+        if ZERO_PAD:  # padding tokens are zeros even in a NaN group
+            q = tl.where(row_ok[:, None], q, 0.0)
+        tl.store(qt_ptr + rk.to(tl.int64)[:, None] * M_PAD + rm[None, :], tl.trans(q.to(OUT)),
+                 mask=col_ok[:, None] & (rm < M_PAD)[None, :])
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, stride_xm, stride_xk,
-                      stride_srm, stride_srk, stride_scm, stride_sck,
-                      FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
-                      ROWS: tl.constexpr, COLS: tl.constexpr, T: tl.constexpr):
-    pm = tl.program_id(0)
-    pk = tl.program_id(1)
-    rm, rk, inb, offs, x, ax, nonfinite = _load_tile(x_ptr, pm, pk, M, K, stride_xm, stride_xk, T)
-    if ROWS:  # 1x128: one scale per row of the tile
-        s = _finish_scale(tl.max(ax, axis=1), tl.max(nonfinite, axis=1) > 0, FMAX, FLOOR, POW2)
-        tl.store(sr_ptr + rm * stride_srm + pk * stride_srk, s, mask=rm < M)
-        tl.store(qr_ptr + offs, _cast(x / s[:, None], FMAX, OUT), mask=inb)
-    if COLS:  # 128x1: one scale per column of the tile
-        s = _finish_scale(tl.max(ax, axis=0), tl.max(nonfinite, axis=0) > 0, FMAX, FLOOR, POW2)
-        tl.store(sc_ptr + pm * stride_scm + rk * stride_sck, s, mask=rk < K)
-        tl.store(qc_ptr + offs, _cast(x / s[None, :], FMAX, OUT), mask=inb)
-
-
-@triton.jit
-def _weight_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_sm, stride_sk,
+def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_wn, stride_wk, GN, GK, L4, L4T,
                          FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
-                         T: tl.constexpr):
-    pm = tl.program_id(0)
+                         TRANS: tl.constexpr, T: tl.constexpr):
+    pn = tl.program_id(0)
     pk = tl.program_id(1)
-    rm, rk, inb, offs, x, ax, nonfinite = _load_tile(x_ptr, pm, pk, M, K, stride_xm, stride_xk, T)
-    s = _finish_scale(tl.max(tl.max(ax, axis=1), axis=0), tl.max(tl.max(nonfinite, axis=1), axis=0) > 0,
-                      FMAX, FLOOR, POW2)
-    tl.store(s_ptr + pm * stride_sm + pk * stride_sk, s)
-    tl.store(q_ptr + offs, _cast(x / s, FMAX, OUT), mask=inb)
+    rn = pn * T + tl.arange(0, T)
+    rk = pk * T + tl.arange(0, T)
+    inb = (rn < N)[:, None] & (rk < K)[None, :]
+    x = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :] * stride_wk, mask=inb, other=0.0,
+                eviction_policy="evict_first").to(tl.float32)
+    amax = tl.max(tl.max(_abs_bits(x), 1), 0).to(tl.float32, bitcast=True)
+    s = _group_scale(amax, FMAX, FLOOR, POW2)
+    q = _scaled(x, _divisor(s, POW2), FMAX, POW2).to(OUT)
+    pad = tl.arange(0, 4)
+    ones = tl.full((4,), 1.0, tl.float32)
+    tl.store(s_ptr + pn * L4 + pk, s)  # (GN, L4) buffer, pad entries 1.0 (written by the last K tile)
+    tl.store(s_ptr + pn * L4 + GK + pad, ones, mask=pad < tl.where(pk == GK - 1, L4 - GK, 0))
+    tl.store(q_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :], q, mask=inb)
+    if TRANS:  # W^T (K, N) and its (GK, L4T) buffer: the same block scale on the transposed grid
+        tl.store(st_ptr + pk * L4T + pn, s)
+        tl.store(st_ptr + pk * L4T + GN + pad, ones, mask=pad < tl.where(pn == GN - 1, L4T - GN, 0))
+        tl.store(qt_ptr + rk.to(tl.int64)[:, None] * N + rn[None, :], tl.trans(q),
+                 mask=(rk < K)[:, None] & (rn < N)[None, :])
 
 
 @triton.jit
@@ -124,62 +203,101 @@ def _blockwise_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
 
 
 _TL_FP8 = {Format.FP8_E4M3: tl.float8e4nv, Format.FP8_E5M2: tl.float8e5}
+_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _check_fp8(fmt: Format) -> None:
+def _unsupported(x: torch.Tensor, fmt: Format, amax_floor: float) -> str | None:
+    """Why these kernels cannot quantize ``x`` as asked, or None."""
     if fmt not in _TL_FP8:
-        raise ValueError(f"the Triton quantizers take fp8_e4m3 or fp8_e5m2, not {fmt.value}")
+        return f"the Triton quantizers take fp8_e4m3 or fp8_e5m2, not {fmt.value}"
+    if x.dim() != 2:
+        return f"the Triton quantizers take a 2-D tensor, got shape {tuple(x.shape)}"
+    if x.dtype not in _INPUTS:
+        return f"the Triton quantizers take bfloat16, float16 or float32 input, not {x.dtype}"
+    if not amax_floor >= fmt.max * 2.0**-126:  # keeps every scale a normal fp32 number
+        return f"the Triton quantizers need amax_floor >= {fmt.max * 2.0**-126:.3g} for {fmt.value}, got {amax_floor}"
+    return None
+
+
+def _check(x: torch.Tensor, fmt: Format, amax_floor: float, where: str) -> None:
+    why = _unsupported(x, fmt, amax_floor)
+    if why is not None:
+        raise ValueError(f"{where}: {why}")
 
 
 def quantize_act(x: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale: bool = False,
-                 amax_floor: float = 1e-12, rows: bool = True, cols: bool = True) -> tuple[QTensor | None, QTensor | None]:
-    """``(quantize(x, 1x128), quantize(x, 128x1))`` from one pass over ``x`` (2-D); either may be skipped."""
-    _check_fp8(fmt)
-    if x.dim() != 2:
-        raise ValueError(f"quantize_act takes a 2-D tensor, got shape {tuple(x.shape)}")
+                 amax_floor: float = DEFAULT_AMAX_FLOOR, rows: bool = True, cols: bool = True,
+                 pad_tokens_to: int = 1) -> tuple[QTensor | None, QTensor | None]:
+    """``(rows, cols)`` from one read of ``x`` (T x K); either may be skipped (None).
+
+    - rows: ``quantize(x, 1x128)``: data (T, K) row-major, scale (T, ceil(K/128)) with strides (1, T).
+    - cols: ``quantize(x, 128x1).t()``, the K-major Wgrad operand x^T: data (K, T_pad) row-major with
+      T_pad = round_up(T, pad_tokens_to) and zeros in columns T.., scale (K, ceil(T_pad/128)) with
+      strides (1, K); spec 1x128. Groups made only of padding get the scale of an all-zero group.
+    """
+    _check(x, fmt, amax_floor, "quantize_act")
+    if pad_tokens_to < 1:
+        raise ValueError(f"quantize_act: pad_tokens_to must be >= 1, got {pad_tokens_to}")
     m, k = x.shape
-    gm, gk = triton.cdiv(m, TILE), triton.cdiv(k, TILE)
-    dt = fmt.torch_dtype()
-    qr = torch.empty((m, k), dtype=dt, device=x.device) if rows else None
-    sr = torch.empty((m, gk), dtype=torch.float32, device=x.device) if rows else None
-    qc = torch.empty((m, k), dtype=dt, device=x.device) if cols else None
-    sc = torch.empty((gm, k), dtype=torch.float32, device=x.device) if cols else None
-    dummy = torch.empty(1, dtype=torch.float32, device=x.device)
-    _act_quant_kernel[(gm, gk)](
-        x, qr if rows else dummy, sr if rows else dummy, qc if cols else dummy, sc if cols else dummy, m, k,
-        x.stride(0), x.stride(1), sr.stride(0) if rows else 0, sr.stride(1) if rows else 0,
-        sc.stride(0) if cols else 0, sc.stride(1) if cols else 0,
-        FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], ROWS=rows, COLS=cols, T=TILE)
-    out_r = QTensor(qr, sr, CastSpec(fmt, Block(1, TILE), pow2_scale, amax_floor)) if rows else None
-    out_c = QTensor(qc, sc, CastSpec(fmt, Block(TILE, 1), pow2_scale, amax_floor)) if cols else None
-    return out_r, out_c
+    m_pad = round_up(m, pad_tokens_to)
+    gk, gm = cdiv(k, TILE), cdiv(m_pad if cols else m, TILE)
+    dt, dev = fmt.torch_dtype(), x.device
+    qr = torch.empty((m, k), dtype=dt, device=dev) if rows else None
+    sr = torch.empty((gk, m), dtype=torch.float32, device=dev).t() if rows else None
+    qt = torch.empty((k, m_pad), dtype=dt, device=dev) if cols else None
+    st = torch.empty((gm, k), dtype=torch.float32, device=dev).t() if cols else None
+    if (rows or cols) and gm * gk > 0:
+        dummy = torch.empty(1, dtype=torch.float32, device=dev)
+        _act_quant_kernel[(gm, gk)](
+            x, qr if rows else dummy, sr if rows else dummy, qt if cols else dummy, st if cols else dummy,
+            m, k, m_pad, x.stride(0), x.stride(1), FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale,
+            OUT=_TL_FP8[fmt], ROWS=rows, COLS=cols, ZERO_PAD=cols and m_pad > m, T=TILE, num_warps=NUM_WARPS)
+    spec = CastSpec(fmt, Block(1, TILE), pow2_scale, amax_floor)
+    return (QTensor(qr, sr, spec) if rows else None), (QTensor(qt, st, spec) if cols else None)
 
 
 def quantize_weight(w: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale: bool = False,
-                    amax_floor: float = 1e-12) -> QTensor:
-    """``quantize(w, 128x128)``."""
-    _check_fp8(fmt)
-    if w.dim() != 2:
-        raise ValueError(f"quantize_weight takes a 2-D tensor, got shape {tuple(w.shape)}")
-    m, k = w.shape
-    gm, gk = triton.cdiv(m, TILE), triton.cdiv(k, TILE)
-    q = torch.empty((m, k), dtype=fmt.torch_dtype(), device=w.device)
-    s = torch.empty((gm, gk), dtype=torch.float32, device=w.device)
-    _weight_quant_kernel[(gm, gk)](w, q, s, m, k, w.stride(0), w.stride(1), s.stride(0), s.stride(1),
-                                   FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], T=TILE)
-    return QTensor(q, s, CastSpec(fmt, Block(TILE, TILE), pow2_scale, amax_floor))
+                    amax_floor: float = DEFAULT_AMAX_FLOOR, transposed: bool = False) -> QTensor | tuple[QTensor, QTensor]:
+    """``quantize(w, 128x128)`` for w (N x K); with ``transposed``, ``(that, its transpose)`` from one read.
+
+    The QTensor of w: data (N, K) row-major, scale (ceil(N/128), ceil(K/128)) a view into a contiguous
+    (ceil(N/128), round_up(ceil(K/128), 4)) buffer whose pad entries are 1.0 (``layouts.scale_buffer``).
+    The transpose (Dgrad's operand): data (K, N) row-major, scale (ceil(K/128), ceil(N/128)) a view
+    into a (ceil(K/128), round_up(ceil(N/128), 4)) buffer; equal to ``quantize(w, 128x128).t()``.
+    """
+    _check(w, fmt, amax_floor, "quantize_weight")
+    n, k = w.shape
+    gn, gk = cdiv(n, TILE), cdiv(k, TILE)
+    l4, l4t = padded_groups(k), padded_groups(n)
+    dt, dev = fmt.torch_dtype(), w.device
+    q = torch.empty((n, k), dtype=dt, device=dev)
+    s = torch.empty((gn, l4), dtype=torch.float32, device=dev)
+    qt = torch.empty((k, n), dtype=dt, device=dev) if transposed else None
+    st = torch.empty((gk, l4t), dtype=torch.float32, device=dev) if transposed else None
+    if gn * gk > 0:
+        _weight_quant_kernel[(gn, gk)](
+            w, q, s, qt if transposed else s, st if transposed else s, n, k, w.stride(0), w.stride(1),
+            gn, gk, l4, l4t, FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt],
+            TRANS=transposed, T=TILE, num_warps=NUM_WARPS)
+    spec = CastSpec(fmt, Block(TILE, TILE), pow2_scale, amax_floor)
+    out = QTensor(q, s[:, :gk], spec)
+    return (out, QTensor(qt, st[:, :gn], spec)) if transposed else out
 
 
 def quantize(x: torch.Tensor, spec: CastSpec) -> QTensor | None:
-    """The Triton quantizer for ``spec``, or None when there is none (the caller uses the reference)."""
-    if spec.format not in _TL_FP8 or x.dim() != 2:
+    """The Triton quantizer for ``spec`` (same values as ``precision.quant.quantize``), or None when
+    there is none (the caller uses the reference). A 128x1 result is the natural-layout view (T, K)
+    of the x^T that ``quantize_act`` writes: ``.t()`` of it is x^T again, without a copy."""
+    if _unsupported(x, spec.format, spec.amax_floor) is not None:
         return None
+    args = (x, spec.format, spec.pow2_scale, spec.amax_floor)
     if spec.block == Block(1, TILE):
-        return quantize_act(x, spec.format, spec.pow2_scale, spec.amax_floor, rows=True, cols=False)[0]
+        return quantize_act(*args, rows=True, cols=False)[0]
     if spec.block == Block(TILE, 1):
-        return quantize_act(x, spec.format, spec.pow2_scale, spec.amax_floor, rows=False, cols=True)[1]
+        xt = quantize_act(*args, rows=False, cols=True)[1]
+        return QTensor(xt.data.t(), xt.scale.t(), spec)
     if spec.block == Block(TILE, TILE):
-        return quantize_weight(x, spec.format, spec.pow2_scale, spec.amax_floor)
+        return quantize_weight(*args)
     return None
 
 

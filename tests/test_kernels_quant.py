@@ -1,0 +1,349 @@
+"""The Triton quantizers (kernels/fp8.py) and the GEMM layouts (kernels/layouts.py).
+
+Quantizers: bit for bit the pure-torch reference (data bytes and scale values), in Triton's
+interpreter on CPU under the fp8 conversion fix (tests/triton_interp_fix.py), and the strides
+scaled_mm needs asserted explicitly. Layouts: ``to_gemm_layout`` of reference operands equals the
+Triton outputs, and torch's own shape/stride checks of ``scaled_mm`` (run on meta tensors, no GPU
+needed) accept the operands of all three GEMMs of a linear layer.
+"""
+
+import os
+
+import pytest
+import torch
+
+from jetrl_cli.kernels import layouts
+from jetrl_cli.precision.formats import Block, Format
+from jetrl_cli.precision.quant import CastSpec, QTensor, dequantize, quantize
+
+E4, E5 = Format.FP8_E4M3, Format.FP8_E5M2
+B1x128, B128x1, B128 = Block(1, 128), Block(128, 1), Block(128, 128)
+
+
+def _triton_runs() -> bool:
+    try:
+        import ml_dtypes  # noqa: F401  (the interpreter fix)
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+needs_triton = pytest.mark.skipif(not _triton_runs(), reason="needs Triton (and a GPU or TRITON_INTERPRET=1)")
+
+
+def dev():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def fp8():
+    """kernels/fp8.py, with the interpreter's fp32 -> fp8 conversion fixed when interpreting."""
+    from jetrl_cli.kernels import fp8 as module
+
+    if torch.cuda.is_available():
+        yield module
+    else:
+        from .triton_interp_fix import fixed_fp8_conversion
+
+        with fixed_fp8_conversion():
+            yield module
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def spread(m, k, seed, dtype=torch.float32):
+    """Values over many binades, groups of different amax, one all-zero 1x128 group."""
+    g = gen(seed)
+    x = torch.randn(m, k, generator=g) * torch.exp(torch.randn(m, 1, generator=g) * 2) * torch.exp(
+        torch.randn(1, k, generator=g))
+    x[0, : min(k, 128)] = 0.0
+    return x.to(dtype).to(dev())
+
+
+def bytes_of(t):
+    return t.view(torch.uint8)
+
+
+def same_scales(a, b):
+    """Equal values, NaN where the other has NaN."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(-1.0), b.nan_to_num(-1.0))
+
+
+def same_data(a, b):
+    """Equal bytes where finite; NaN at the same places (a NaN's sign is not specified)."""
+    na, nb = a.float().isnan(), b.float().isnan()
+    return torch.equal(na, nb) and torch.equal(bytes_of(a)[~na], bytes_of(b)[~nb])
+
+
+def expected_cols(x, spec, pad_to):
+    """``quantize(x, 128x1).t()`` padded with zero columns to a multiple of ``pad_to``."""
+    ref = quantize(x, CastSpec(spec.format, B128x1, spec.pow2_scale, spec.amax_floor)).t()
+    return layouts.to_gemm_layout(ref, pad_k_to=pad_to)
+
+
+def check_rows(got, x, spec):
+    m, k = x.shape
+    ref = quantize(x, spec)
+    assert got.spec == ref.spec
+    assert got.data.shape == (m, k) and got.data.is_contiguous()
+    assert got.scale.shape == (m, layouts.cdiv(k, 128)) and got.scale.stride() == (1, m)
+    assert same_data(got.data, ref.data) and same_scales(got.scale, ref.scale)
+
+
+def check_cols(got, x, spec, pad_to):
+    m, k = x.shape
+    m_pad = layouts.round_up(m, pad_to)
+    want = expected_cols(x, spec, pad_to)
+    assert got.spec == CastSpec(spec.format, B1x128, spec.pow2_scale, spec.amax_floor)
+    assert got.data.shape == (k, m_pad) and got.data.is_contiguous()
+    assert got.scale.shape == (k, layouts.cdiv(m_pad, 128)) and got.scale.stride() == (1, k)
+    assert torch.all(bytes_of(got.data[:, m:]) == 0)  # zero padding, even in NaN groups
+    assert same_data(got.data, want.data) and same_scales(got.scale, want.scale)
+
+
+# (shape, pad_tokens_to, fmt, pow2, input dtype): every shape with both formats, pow2 or not, both dtypes
+ACT_CASES = [
+    ((1, 128), 1, E4, False, torch.bfloat16), ((1, 128), 256, E5, True, torch.float32),  # a group of padding only
+    ((3, 300), 128, E4, True, torch.bfloat16), ((3, 300), 16, E5, False, torch.float32),
+    ((129, 257), 256, E5, True, torch.bfloat16), ((129, 257), 128, E4, False, torch.float32),
+    ((256, 384), 1, E5, False, torch.bfloat16), ((256, 384), 128, E4, True, torch.float32),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("shape,pad_to,fmt,pow2,dtype", ACT_CASES)
+def test_act_quantizer_rows_and_transposed_cols_are_the_reference(fp8, shape, pad_to, fmt, pow2, dtype):
+    x = spread(*shape, seed=shape[0] * 1000 + shape[1] + pad_to, dtype=dtype)
+    spec = CastSpec(fmt, B1x128, pow2)
+    rows, cols = fp8.quantize_act(x, fmt, pow2_scale=pow2, pad_tokens_to=pad_to)
+    check_rows(rows, x, spec)
+    check_cols(cols, x, spec, pad_to)
+    assert layouts.is_gemm_layout(rows) and layouts.is_gemm_layout(cols)
+    r_only, none = fp8.quantize_act(x, fmt, pow2_scale=pow2, cols=False)
+    none2, c_only = fp8.quantize_act(x, fmt, pow2_scale=pow2, rows=False, pad_tokens_to=pad_to)
+    assert none is None and none2 is None
+    assert torch.equal(bytes_of(r_only.data), bytes_of(rows.data)) and torch.equal(r_only.scale, rows.scale)
+    assert torch.equal(bytes_of(c_only.data), bytes_of(cols.data)) and torch.equal(c_only.scale, cols.scale)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_non_finite_groups_get_nan_scales_and_padding_stays_zero(fp8, dtype):
+    x = spread(130, 300, seed=7)
+    x[3, 5] = float("inf")  # row 3 group 0; column 5 token group 0
+    x[129, 200] = float("nan")  # row 129 group 1; column 200 token group 1 (the partial one)
+    x[60, 290] = -float("inf")  # row 60 group 2 (partial); column 290 token group 0
+    x = x.to(dtype)
+    rows, cols = fp8.quantize_act(x, E4, pad_tokens_to=256)
+    spec = CastSpec(E4, B1x128)
+    check_rows(rows, x, spec)
+    check_cols(cols, x, spec, 256)
+    assert int(rows.scale.isnan().sum()) == 3 and int(cols.scale.isnan().sum()) == 3
+    w, wt = fp8.quantize_weight(x, E5, transposed=True)
+    ref = quantize(x, CastSpec(E5, B128))
+    assert int(ref.scale.isnan().sum()) == 3  # blocks (0, 0), (1, 1), (0, 2)
+    assert same_scales(w.scale, ref.scale) and same_data(w.data, ref.data)
+    assert same_scales(wt.scale, ref.scale.t()) and same_data(wt.data, ref.data.t())
+
+
+def _above_max(m, fmt, seed):
+    """amax values for which amax / (amax / fmt_max) exceeds fmt_max in fp32 (by an ulp or two)."""
+    g = gen(seed)
+    amax = torch.exp(torch.empty(50 * m).uniform_(-20, 80, generator=g)).float()
+    over = amax / (amax / fmt.max) > fmt.max
+    return amax[over][:m]
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", [E4, E5])
+def test_huge_values_saturate_and_all_zero_tensors_get_the_floor_scale(fp8, fmt):
+    m = 8
+    peaks = _above_max(m, fmt, seed=11)
+    assert len(peaks) == m  # the case is present, so the test can fail
+    x = (torch.rand(m, 256, generator=gen(12)) * 2 - 1) * peaks[:, None] / 4  # below each row's peak
+    x[:, 7] = peaks
+    x[:, 9] = -peaks
+    x[0, 100] = 3.0e38  # near fp32 max: its group's scale is huge but finite
+    x = x.to(dev())
+    for pow2 in (False, True):
+        rows, cols = fp8.quantize_act(x, fmt, pow2_scale=pow2)
+        spec = CastSpec(fmt, B1x128, pow2)
+        check_rows(rows, x, spec)
+        check_cols(cols, x, spec, 1)
+        if not pow2:  # the peaks' quotients, just above the format's max, land on it
+            assert torch.all(rows.data[1:, 7].float() == fmt.max) and torch.all(rows.data[1:, 9].float() == -fmt.max)
+    zeros = torch.zeros(3, 200, device=dev())
+    rows, cols = fp8.quantize_act(zeros, fmt, amax_floor=1e-6)
+    spec = CastSpec(fmt, B1x128, False, 1e-6)
+    check_rows(rows, zeros, spec)
+    check_cols(cols, zeros, spec, 1)
+    assert torch.all(rows.scale == layouts.zero_group_scale(spec)) and torch.all(bytes_of(rows.data) == 0)
+
+
+WEIGHT_CASES = [((1, 128), E4, False, torch.float32), ((3, 300), E5, True, torch.bfloat16),
+                ((129, 257), E4, True, torch.float32), ((256, 384), E5, False, torch.bfloat16),
+                ((384, 640), E4, False, torch.bfloat16)]
+
+
+@needs_triton
+@pytest.mark.parametrize("shape,fmt,pow2,dtype", WEIGHT_CASES)
+def test_weight_quantizer_and_its_transpose_are_the_reference(fp8, shape, fmt, pow2, dtype):
+    n, k = shape
+    w = (spread(n, k, seed=n * 1000 + k) * 0.02).to(dtype)
+    ref = quantize(w, CastSpec(fmt, B128, pow2))
+    q, qt = fp8.quantize_weight(w, fmt, pow2_scale=pow2, transposed=True)
+    for got, want in ((q, ref), (qt, ref.t())):
+        r, c = want.data.shape
+        gr, gc, l4 = layouts.cdiv(r, 128), layouts.cdiv(c, 128), layouts.padded_groups(c)
+        assert got.spec == want.spec and got.data.shape == (r, c) and got.data.is_contiguous()
+        assert got.scale.shape == (gr, gc) and (got.scale.stride() == (l4, 1) or gr == 1)
+        assert same_data(got.data, want.data) and same_scales(got.scale, want.scale)
+        buf = layouts.scale_buffer(got)
+        assert buf.shape == (gr, l4) and buf.is_contiguous() and torch.all(buf[:, gc:] == 1.0)
+    alone = fp8.quantize_weight(w, fmt, pow2_scale=pow2)
+    assert isinstance(alone, QTensor) and torch.equal(bytes_of(alone.data), bytes_of(q.data))
+    assert torch.equal(layouts.scale_buffer(alone), layouts.scale_buffer(q))
+
+
+@needs_triton
+def test_quantize_dispatch_keeps_the_natural_layouts(fp8):
+    """``fp8.quantize(x, spec)`` (the triton backend's cast) returns the reference's shapes; its
+    128x1 result is a view of the x^T the kernel wrote, so ``.t()`` (Wgrad) copies no data."""
+    x = spread(200, 256, seed=3)
+    for block in (B1x128, B128x1, B128):
+        spec = CastSpec(E4, block)
+        got, ref = fp8.quantize(x, spec), quantize(x, spec)
+        assert got.spec == spec and got.data.shape == ref.data.shape and got.scale.shape == ref.scale.shape
+        assert same_data(got.data, ref.data) and same_scales(got.scale, ref.scale)
+        assert torch.equal(dequantize(got), dequantize(ref))
+    xt = x.t()  # a strided input: read through its strides, no copy
+    got, ref = fp8.quantize(xt, CastSpec(E5, B1x128)), quantize(xt.contiguous(), CastSpec(E5, B1x128))
+    assert same_data(got.data, ref.data) and same_scales(got.scale, ref.scale)
+    col = fp8.quantize(x, CastSpec(E4, B128x1))
+    assert col.t().data.data_ptr() == col.data.data_ptr()
+    assert fp8.quantize(x, CastSpec(Format.INT8, B1x128)) is None
+    assert fp8.quantize(x, CastSpec(E4, "row")) is None
+    assert fp8.quantize(x, CastSpec(E4, B1x128, amax_floor=1e-40)) is None  # a subnormal scale: reference
+
+
+@needs_triton
+def test_bad_input_is_a_clear_error(fp8):
+    x = torch.randn(4, 128)
+    with pytest.raises(ValueError, match="quantize_act: the Triton quantizers take fp8_e4m3 or fp8_e5m2, not int8"):
+        fp8.quantize_act(x, Format.INT8)
+    with pytest.raises(ValueError, match="quantize_weight: the Triton quantizers take a 2-D tensor"):
+        fp8.quantize_weight(x[None])
+    with pytest.raises(ValueError, match="take bfloat16, float16 or float32 input, not torch.int32"):
+        fp8.quantize_act(x.int())
+    with pytest.raises(ValueError, match="pad_tokens_to must be >= 1"):
+        fp8.quantize_act(x, pad_tokens_to=0)
+    with pytest.raises(ValueError, match="amax_floor >= "):
+        fp8.quantize_act(x, amax_floor=1e-40)
+
+
+@needs_triton
+@pytest.mark.parametrize("pad_to", [1, 128])
+def test_reference_operands_in_gemm_layout_equal_the_triton_ones(fp8, pad_to):
+    """``to_gemm_layout`` of reference QTensors: same bytes, same scale values, same strides."""
+    x = spread(200, 300, seed=5)
+    rows, cols = fp8.quantize_act(x, E4, pad_tokens_to=pad_to)
+    q, qt = fp8.quantize_weight(x, E4, transposed=True)
+    pairs = ((rows, layouts.to_gemm_layout(quantize(x, CastSpec(E4, B1x128)))),
+             (cols, layouts.to_gemm_layout(quantize(x, CastSpec(E4, B128x1)).t(), pad_k_to=pad_to)),
+             (q, layouts.to_gemm_layout(quantize(x, CastSpec(E4, B128)))),
+             (qt, layouts.to_gemm_layout(quantize(x, CastSpec(E4, B128)).t())))
+    for got, want in pairs:
+        assert got.spec == want.spec and layouts.is_gemm_layout(want)
+        assert got.data.shape == want.data.shape and got.data.stride() == want.data.stride()
+        assert got.scale.shape == want.scale.shape and got.scale.stride() == want.scale.stride()
+        assert torch.equal(bytes_of(got.data), bytes_of(want.data)) and torch.equal(got.scale, want.scale)
+    assert torch.equal(layouts.scale_buffer(q), layouts.scale_buffer(pairs[2][1]))
+
+
+@needs_triton
+def test_wgrad_on_padded_transposed_operands_equals_the_unpadded_product(fp8):
+    """dW = dy^T @ x from quantize_act's cols (tokens padded to 128): the blockwise GEMM gives the
+    emulated product of the reference 128x1 operands; the zero padding adds nothing."""
+    from jetrl_cli.precision.gemm import EmulatedBackend
+    from jetrl_cli.precision.quant import error_stats
+
+    t, n, k = 200, 128, 256
+    x, dy = spread(t, k, seed=21), spread(t, n, seed=22) * 1e-3
+    a, b = fp8.quantize_act(dy, E4, pad_tokens_to=128)[1], fp8.quantize_act(x, E4, pad_tokens_to=128)[1]
+    assert a.data.shape == (n, 256) and b.data.shape == (k, 256)
+    ref = EmulatedBackend().mm(quantize(dy, CastSpec(E4, B128x1)).t(), quantize(x, CastSpec(E4, B128x1)).t())
+    assert error_stats(ref, EmulatedBackend().mm(a, b))["rel_err"] < 1e-6  # same terms, zeros added
+    assert error_stats(ref, fp8.blockwise_mm(a, b))["rel_err"] < 1e-3  # fp32 sums in another order (GPU: ~1e-4)
+
+
+# ---------------------------------------------------------------- layouts alone (no Triton needed)
+
+
+def test_to_gemm_layout_strides_padding_and_errors():
+    x = torch.randn(3, 300, generator=gen(1))
+    spec = CastSpec(E5, B1x128, True)
+    g = layouts.to_gemm_layout(quantize(x, spec), pad_k_to=512)
+    assert g.data.shape == (3, 512) and g.scale.shape == (3, 4) and g.scale.stride() == (1, 3)
+    assert torch.all(bytes_of(g.data[:, 300:]) == 0) and torch.all(g.scale[:, 3] == layouts.zero_group_scale(spec))
+    assert layouts.zero_group_scale(spec) == 2.0**-55  # 1e-12 / 57344 = 1.74e-17, rounded up to 2^-55
+    w = quantize(torch.randn(300, 300, generator=gen(2)), CastSpec(E4, B128))
+    gw = layouts.to_gemm_layout(w)
+    assert gw.scale.stride() == (4, 1) and torch.equal(gw.scale, w.scale)
+    assert torch.equal(layouts.scale_buffer(gw)[:, 3], torch.ones(3))
+    assert layouts.to_gemm_layout(gw).scale.stride() == (4, 1)  # idempotent
+    assert not layouts.is_gemm_layout(quantize(x, CastSpec(E4, B1x128)))  # row-major scales
+    assert not layouts.is_gemm_layout(w)  # 3 K-groups, not padded to 4
+    with pytest.raises(ValueError, match=r"a 128x1 operand is q.t\(\)"):
+        layouts.to_gemm_layout(quantize(x, CastSpec(E4, B128x1)))
+    with pytest.raises(ValueError, match="not in the GEMM layout"):
+        layouts.scaled_mm_scale(w, "b")
+
+
+def _meta(t):
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "scaled_mm"), reason="torch.nn.functional.scaled_mm: torch >= 2.10")
+def test_scaled_mm_accepts_the_three_gemms_operands():
+    """torch's own checks of scaled_mm (meta_scaled_mm_v2, run on meta tensors) accept Fprop, Dgrad
+    and Wgrad operands in the GEMM layout, and reject the reference's row-major 1x128 scales."""
+    F = torch.nn.functional
+    rec = {B1x128: F.ScalingType.BlockWise1x128, B128: F.ScalingType.BlockWise128x128}
+    t, k, n = 256, 384, 640  # 3 K-groups (padded to 4 in the 128x128 grid), 5 N-groups (to 8)
+    x, w, dy = torch.randn(t, k, generator=gen(1)), torch.randn(n, k, generator=gen(2)), torch.randn(t, n, generator=gen(3))
+    q = layouts.to_gemm_layout
+    fwd = (q(quantize(x, CastSpec(E4, B1x128))), q(quantize(w, CastSpec(E4, B128))))
+    dgrad = (q(quantize(dy, CastSpec(E4, B1x128))), q(quantize(w, CastSpec(E4, B128)).t()))
+    wgrad = (q(quantize(dy, CastSpec(E4, B128x1)).t(), 128), q(quantize(x, CastSpec(E4, B128x1)).t(), 128))
+    for (a, b), shape in ((fwd, (t, n)), (dgrad, (t, k)), (wgrad, (n, k))):
+        sa, sb = layouts.scaled_mm_scale(a, "a"), layouts.scaled_mm_scale(b, "b")
+        out = F.scaled_mm(_meta(a.data), _meta(b.data).t(), _meta(sa), rec[a.spec.block], _meta(sb), rec[b.spec.block])
+        assert tuple(out.shape) == shape
+        la, lb = layouts.scaled_mm_scale(a, "a", "legacy"), layouts.scaled_mm_scale(b, "b", "legacy")
+        out = torch._scaled_mm(_meta(a.data), _meta(b.data).t(), _meta(la), _meta(lb), out_dtype=torch.bfloat16)
+        assert tuple(out.shape) == shape
+    ref_a = quantize(x, CastSpec(E4, B1x128))  # row-major scales: not what scaled_mm takes
+    with pytest.raises(RuntimeError, match="scale a must have shape"):
+        F.scaled_mm(_meta(ref_a.data), _meta(fwd[1].data).t(), _meta(ref_a.scale), rec[B1x128],
+                    _meta(layouts.scaled_mm_scale(fwd[1], "b")), rec[B128])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantizers_are_bit_exact_on_the_gpu(pow2):
+    """On a GPU the kernels are compiled (not interpreted): division and casts are the hardware's."""
+    from jetrl_cli.kernels import fp8
+
+    for fmt in (E4, E5):
+        x = spread(4096, 4096 + 128, seed=99, dtype=torch.bfloat16)
+        rows, cols = fp8.quantize_act(x, fmt, pow2_scale=pow2, pad_tokens_to=128)
+        check_rows(rows, x, CastSpec(fmt, B1x128, pow2))
+        check_cols(cols, x, CastSpec(fmt, B1x128, pow2), 128)
+        q, qt = fp8.quantize_weight(x, fmt, pow2_scale=pow2, transposed=True)
+        ref = quantize(x, CastSpec(fmt, B128, pow2))
+        assert same_data(q.data, ref.data) and same_scales(q.scale, ref.scale)
+        assert same_data(qt.data, ref.data.t()) and same_scales(qt.scale, ref.scale.t())
