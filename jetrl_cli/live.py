@@ -29,6 +29,24 @@ def step_line(m: dict) -> str:
     return "  ".join(parts)
 
 
+def backend_lines(report: dict | None) -> list[str]:
+    """One line per FP8 GEMM spec: the backend it runs on and why, then any call-time fallbacks."""
+    if not report:
+        return []
+    out = []
+    for r in report.get("resolved", []):
+        why = ""
+        if r["asked"] == "auto":
+            by_reason: dict[str, list[str]] = {}
+            for name, reason in r.get("rejected", {}).items():
+                by_reason.setdefault(reason, []).append(name)
+            why = " (auto" + "".join(f"; not {', '.join(n)}: {reason}" for reason, n in by_reason.items()) + ")"
+        out.append(f"gemm {r['gemm']} {r['spec']} on {r['device']}: {r['backend']}{why}")
+    for f in report.get("fallbacks", []):
+        out.append(f"gemm fallback {f['gemm']} {f['spec']}: {f['from']} -> {f['to']} ({f['why']}; {f['calls']} calls)")
+    return out
+
+
 class RunDisplay:
     def __init__(self, cfg, console: Console):
         self.cfg, self.console = cfg, console
@@ -48,6 +66,8 @@ class RunDisplay:
         self.progress.__exit__(*exc)
 
     def step(self, m: dict) -> None:
+        for text in backend_lines(m.get("gemm_backends")):
+            self.console.print(text, highlight=False, soft_wrap=True, markup=False)
         line = step_line(m)
         if self.live:
             self.progress.update(self.task, completed=m["step"], info=escape(line.split("  ", 1)[-1]))

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from jetrl_cli.cli import app
 from jetrl_cli.config import load_job_config
 from jetrl_cli.errors import JetrlError
-from jetrl_cli.rl.loop import TIMING_KEYS, run
+from jetrl_cli.rl.loop import ENVIRONMENT_KEYS, run
 
 runner = CliRunner()
 SMALL = ["rollout.prompts_per_step=4", "rollout.n=4", "eval.prompts=8", "eval.every=2", "run.checkpoint_every=2"]
@@ -25,7 +25,7 @@ def sets(items):
 
 
 def _strip_timing(lines):
-    return [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in lines]
+    return [{k: v for k, v in m.items() if k not in ENVIRONMENT_KEYS} for m in lines]
 
 
 def test_rollout_then_train_commands(tmp_path):
@@ -181,3 +181,14 @@ def test_vllm_backend_settings_and_missing_extra(tmp_path):
     res = invoke("run", "fp8-unified", "-o", tmp_path / "r", "--set", "rollout.backend=vllm")
     assert res.exit_code == 2
     assert "pip install 'jetrl[vllm]'" in res.output and "Traceback" not in res.output
+
+
+def test_a_run_records_which_backend_ran_each_fp8_gemm(tmp_path):
+    lines = run(load_job_config("fp8-unified", SMALL + ["train.steps=2"]), tmp_path / "r")
+    first = next(m for m in lines if m["step"] == 1)
+    got = {(r["gemm"], r["backend"], r["asked"]) for r in first["gemm_backends"]["resolved"]}
+    assert got == {("fprop", "emulated", "auto"), ("dgrad", "emulated", "auto"), ("wgrad", "emulated", "auto")}
+    assert first["gemm_backends"]["fallbacks"] == []
+    assert all("gemm_backends" not in m for m in lines if m["step"] == 2)  # written again only on a change
+    bf = run(load_job_config("bf16", SMALL + ["train.steps=1"]), tmp_path / "b")
+    assert all("gemm_backends" not in m for m in bf)  # no 8-bit GEMM, nothing to record

@@ -86,10 +86,11 @@ class RMSNorm(nn.Module):
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``x * rsqrt(mean(x^2) + eps) * w`` in fp32 (mean as a sum, then a division: F.rms_norm's own
     ops, without its dtype checks and copies); returns the output and rsqrt."""
-    xf = x if x.dtype is torch.float32 else x.float()
+    wide = (torch.float32, torch.float64)  # fp64 only in gradient checks
+    xf = x if x.dtype in wide else x.float()
     ms = (xf * xf).sum(-1, keepdim=True).div_(x.shape[-1])
     r = torch.rsqrt(ms.add_(eps))
-    wf = w if w.dtype is torch.float32 else w.float()
+    wf = w if w.dtype in wide else w.float()
     y = xf * r * wf
     return (y if y.dtype is x.dtype else y.to(x.dtype)), r
 
@@ -107,7 +108,7 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x, w, r = ctx.saved_tensors
-        xf, gyf, wf = x.float(), gy.float(), w.float()
+        xf, gyf, wf = (t.to(r.dtype) for t in (x, gy, w))
         xhat = xf * r
         gw = (gyf * xhat).reshape(-1, x.shape[-1]).sum(0).to(w.dtype) if ctx.needs_input_grad[1] else None
         gxhat = gyf * wf
@@ -323,7 +324,7 @@ class Attention(nn.Module):
             cv.view(-1, cv.shape[-1]).index_copy_(0, idx, _as(v.reshape(-1, v.shape[-1]), cv.dtype))
             keys, values = (k, v) if mask.causal else (ck[:, :, :width], cv[:, :, :width])
         if native(x):
-            out = _native_attention(q, keys, values, mask, h // hk)
+            out = _native_attention(q, keys, values, mask, h // hk, self.attention_format())
             # SDPA keeps its output for its backward; o_proj's backward reads the same tensor
             return linear_group((self.o_proj,), out, self.o_proj, input_kept=True)
         if keys.shape[2] < width:
@@ -336,6 +337,8 @@ class Attention(nn.Module):
         kf = _as(keys, torch.float32).reshape(b * hk, w, d)
         vf = _as(values, torch.float32).reshape(b * hk, w, d)
         bias = mask.additive()
+        fmt = self.attention_format()
+        q = round_to(q, fmt)  # as flash attention reads it
         if t == 1:
             out = _decode_attention(q, kf, vf, bias, rep)
         else:
@@ -345,14 +348,22 @@ class Attention(nn.Module):
             att = (att + bias).softmax(-1)
             out = _chunked_pv(_pad_rows(att.reshape(b * hk, rows, w)), vf)[:, :rows]
             out = out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, -1)
+        out = round_to(out, fmt)  # as flash attention writes it
         return linear_group((self.o_proj,), _as(out, x.dtype), self.o_proj)
 
+    def attention_format(self) -> Format:
+        """What attention reads queries and writes outputs in: fp32 with an fp32 KV cache (or no flow),
+        else bf16, as flash attention does on a GPU."""
+        spec = self.kv_spec
+        return Format.FP32 if spec is None or spec.format is Format.FP32 else Format.BF16
 
-def _native_attention(q, keys, values, mask: Masking, rep: int) -> torch.Tensor:
-    """``scaled_dot_product_attention`` on bf16 queries, keys and values (flash attention for causal
-    training and prefill; a boolean mask for decode steps and left padding); (b, t, heads * d)."""
+
+def _native_attention(q, keys, values, mask: Masking, rep: int, fmt: Format) -> torch.Tensor:
+    """``scaled_dot_product_attention`` on queries, keys and values in ``fmt`` (bf16: flash attention
+    for causal training and prefill; a boolean mask for decode steps and left padding);
+    returns (b, t, heads * d) in ``fmt``."""
     b, h, t, d = q.shape
-    dt = keys.dtype if keys.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    dt = fmt.torch_dtype()
     qn, kn, vn = q.to(dt), keys.to(dt), values.to(dt)
     if rep > 1 and not _SDPA_GQA:
         kn, vn = kn.repeat_interleave(rep, 1), vn.repeat_interleave(rep, 1)

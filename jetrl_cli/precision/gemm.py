@@ -24,7 +24,7 @@ Backends (for 8-bit GEMMs; an unscaled GEMM always runs ``torch.matmul`` as abov
   ``torch._int_mm``, and on Hopper GPUs the blockwise recipes: 1x128 activations x 128x128 weights
   (Fprop, Dgrad) and 1x128 x 1x128 (Wgrad, groups along tokens). Blockwise needs the reduction dim
   (and, for 128x128 weights, N) to be a multiple of 128; scales are handed over in the layouts
-  torch requires (``blockwise_scale_layouts``).
+  torch requires (``jetrl_cli.kernels.layouts``), which jetrl's Triton quantizers write directly.
 - ``triton``: jetrl's blockwise FP8 kernels (``jetrl_cli.kernels``), on a CUDA GPU or in Triton's
   interpreter (``TRITON_INTERPRET=1``).
 - ``te``: a slot for Transformer Engine; choosing it is a clear error until one registers.
@@ -229,36 +229,6 @@ def blockwise_kind(a: CastSpec, b: CastSpec) -> str | None:
     return None
 
 
-def blockwise_scale_layouts(a: QTensor, b: QTensor, v2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scale tensors ``scaled_mm`` wants for blockwise FP8 (a: M x K, b: N x K, K-major).
-
-    ``scale_a`` (M, K/128) column-major, strides (1, M). ``scale_b``: for 128x128 blocks, v2 API
-    (F.scaled_mm) (L4, N/128) with strides (1, L4), L4 = round_up(K/128, 4), i.e. the transpose of
-    a contiguous (N/128, L4) buffer; the older ``torch._scaled_mm`` takes (K/128, N/128) with
-    strides (1, K/128). For 1x128 b: (N, K/128) with strides (1, N) (v2) or (K/128, N) contiguous
-    (old). Scales already in these layouts (jetrl's Triton quantizers write them) are not copied."""
-    m, n = a.data.shape[0], b.data.shape[0]
-    sa = a.scale
-    if not (sa.stride(0) == 1 and (sa.stride(1) == m or sa.shape[1] == 1)):
-        sa = sa.t().contiguous().t()
-    sb = b.scale
-    if b.spec.block == Block(1, TILE):
-        if v2:
-            if not (sb.stride(0) == 1 and (sb.stride(1) == n or sb.shape[1] == 1)):
-                sb = sb.t().contiguous().t()
-            return sa, sb
-        return sa, sb.t().contiguous()
-    nb, kb = sb.shape
-    if not v2:
-        return sa, sb.contiguous().t()
-    l4 = -(-kb // 4) * 4
-    if sb.stride() == (l4, 1):  # a view into a padded (nb, l4) buffer: hand the buffer over
-        return sa, torch.as_strided(sb, (l4, nb), (1, l4))
-    buf = torch.ones(nb, l4, dtype=sb.dtype, device=sb.device)
-    buf[:, :kb] = sb
-    return sa, buf.t()
-
-
 class ScaledMMBackend:
     """torch's scaled GEMMs: FP8 per-tensor / per-row / blockwise (Hopper), INT8 through _int_mm."""
 
@@ -319,8 +289,12 @@ class ScaledMMBackend:
         out_dtype = out.torch_dtype() if native(a.data) else torch.float32
         m, n = a.data.shape[0], b.data.shape[0]
         if blockwise_kind(a.spec, b.spec) is not None:
+            from ..kernels.layouts import is_gemm_layout, scaled_mm_scale, to_gemm_layout
+
+            a, b = (q if is_gemm_layout(q) else to_gemm_layout(q) for q in (a, b))
             v2 = _scaled_mm_v2()
-            sa, sb = blockwise_scale_layouts(a, b, v2 is not None)
+            api = "v2" if v2 is not None else "legacy"
+            sa, sb = scaled_mm_scale(a, "a", api), scaled_mm_scale(b, "b", api)
             if v2 is not None:
                 f, st = v2
                 rb = st.BlockWise128x128 if b.spec.block == Block(TILE, TILE) else st.BlockWise1x128
@@ -340,6 +314,30 @@ class ScaledMMBackend:
             sa = sa.expand(m, 1).contiguous() if sa.dim() == 0 else sa
             sb = sb.expand(1, n).contiguous() if sb.dim() == 0 else sb
         return torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=out_dtype)
+
+
+def cast_pair(x: torch.Tensor, rows: CastSpec | None, cols: CastSpec | None, backends) -> tuple:
+    """``x`` (tokens x F) as its Fprop/Dgrad operand (``rows``: groups along F) and as its Wgrad
+    operand x^T (``cols``: groups along tokens), either may be None. When one of ``backends`` is a
+    kernel backend and jetrl's Triton quantizer can run on ``x`` for this pair of FP8 casts, both
+    come from one read of ``x``, already in the GEMM layouts, x^T's token dim zero-padded to a
+    multiple of 128 (what blockwise ``scaled_mm`` needs; the product is unchanged). Otherwise each
+    is cast on its own by its backend. Bit-identical either way."""
+    be_rows, be_cols = backends
+    tri = None
+    if any(getattr(b, "name", "") in ("scaled_mm", "triton") for b in backends) and (
+            x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and x.dim() == 2:
+        tri = _triton_kernels()
+    specs = [c for c in (rows, cols) if c is not None]
+    if tri is not None and specs and all(c.format.is_fp8 for c in specs) and len(
+            {(c.format, c.pow2_scale, c.amax_floor) for c in specs}) == 1 and (
+            rows is None or rows.block == Block(1, TILE)) and (cols is None or cols.block == Block(TILE, 1)):
+        c = specs[0]
+        return tri.quantize_act(x, c.format, c.pow2_scale, c.amax_floor, rows=rows is not None,
+                                cols=cols is not None, pad_tokens_to=TILE)
+    r = cast_operand(x, rows, be_rows) if rows is not None else None
+    t = transpose_operand(cast_operand(x, cols, be_cols)) if cols is not None else None
+    return r, t
 
 
 def _triton_kernels(x: torch.Tensor | None = None):

@@ -38,6 +38,7 @@ from .gemm import (
     Operand,
     backend_for,
     cast_operand,
+    cast_pair,
     finish,
     native,
     operand_values,
@@ -53,17 +54,18 @@ TILE = 128
 
 
 def linear_forward(x: torch.Tensor, weight: Operand | list, bias: torch.Tensor | None, spec: GemmSpec,
-                   gemm: str = "fprop") -> torch.Tensor:
+                   gemm: str = "fprop", x_op: Operand | None = None) -> torch.Tensor:
     """``x @ W.T + b`` in ``spec``'s precision, for any leading dims of ``x``.
 
     ``weight`` is the weight already cast for ``spec`` (``weight_operand``, or ``concat_operands``
     for several layers): a QTensor, a dense tensor (for the emulated backend, the fp32 values of
     the quantized weight), or a list of them (one GEMM each, outputs concatenated). The input is
     cast here, the GEMM runs on the resolved backend, the bias is added to the fp32 product
-    (emulated) or to the output (native), and the result is rounded to ``out``."""
+    (emulated) or to the output (native), and the result is rounded to ``out``. ``x_op``: the input
+    already cast (when one read of x gave this operand and another)."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     dev = x2.device
-    xa = cast_operand(x2, spec.a, backend_for(spec, gemm, dev))
+    xa = x_op if x_op is not None else cast_operand(x2, spec.a, backend_for(spec, gemm, dev))
     if isinstance(weight, list):
         acc = torch.cat([run_gemm(xa, w, spec, gemm, dev) for w in weight], dim=-1)
     else:
@@ -272,14 +274,7 @@ def _wgrad_operand_of_input(x2: torch.Tensor, spec: GemmSpec, device) -> Operand
 def _transposed_cast(t: torch.Tensor, cast: CastSpec, spec: GemmSpec, device) -> Operand:
     """``t`` (tokens x F) cast with groups along tokens, as the K-major operand of ``t.T``."""
     be = backend_for(spec, "wgrad", device)
-    if not cast.is_scaled:
-        return transpose_operand(cast_operand(t, cast, be))
-    kernels_t = getattr(be, "cast_transposed", None)
-    if kernels_t is not None:
-        q = kernels_t(t, cast)
-        if q is not None:
-            return q
-    return transpose_operand(cast_operand(t, cast, be))
+    return cast_pair(t, None, cast, (be, be))[1]
 
 
 def _linear_backward(ctx, mods: tuple, gy2: torch.Tensor, x_dtype, need_x: bool, need_w: list, need_b: list,
@@ -290,18 +285,20 @@ def _linear_backward(ctx, mods: tuple, gy2: torch.Tensor, x_dtype, need_x: bool,
     dev = gy2.device
     sizes = [m.out_features for m in mods]
     parts = gy2.split(sizes, dim=1) if len(mods) > 1 else (gy2,)
+    dg, wg = prec.dgrad, prec.wgrad
+    be_d, be_w = backend_for(dg, "dgrad", dev), backend_for(wg, "wgrad", dev)
+    gy_rows = gy_t = None
+    if len(mods) == 1:  # dy's Dgrad and Wgrad operands from one read of dy
+        gy_rows, gy_t = cast_pair(gy2, dg.a if need_x else None, wg.a if any(need_w) else None, (be_d, be_w))
     gx = None
     if need_x:
-        dg = prec.dgrad
-        be = backend_for(dg, "dgrad", dev)
         for m, g in zip(mods, parts):
-            acc = run_gemm(cast_operand(g.contiguous(), dg.a, be), m.dgrad_weight(), dg, "dgrad", dev)
-            part = finish(acc, dg.out, x_dtype)
+            a = gy_rows if gy_rows is not None else cast_operand(g.contiguous(), dg.a, be_d)
+            part = finish(run_gemm(a, m.dgrad_weight(), dg, "dgrad", dev), dg.out, x_dtype)
             gx = part if gx is None else gx + part
     grads_w = [None] * len(mods)
     if any(need_w):
-        wg = prec.wgrad
-        gy_op = _transposed_cast(gy2, wg.a, wg, dev)  # one cast: groups run along tokens
+        gy_op = gy_t if gy_t is not None else _transposed_cast(gy2, wg.a, wg, dev)  # groups along tokens
         gw = finish(run_gemm(gy_op, x_operand(), wg, "wgrad", dev), wg.out, mods[0].weight.dtype)
         grads_w = list(gw.split(sizes, dim=0)) if len(mods) > 1 else [gw]
     grads_b = [g.float().sum(0).to(m.bias.dtype) if need else None
@@ -330,12 +327,16 @@ class _LinearGroupFn(torch.autograd.Function):
         mods = group.mods
         prec: LinearPrecision = mods[0].precision
         x2 = x.reshape(-1, x.shape[-1])
-        y = linear_forward(x2, group.weight, group.bias, prec.fprop)
         ctx.mods, ctx.x_shape, ctx.x_dtype = mods, x.shape, x.dtype
         ctx.fp8_saved = prec.save_fp8_activations and not group.input_kept
-        if ctx.fp8_saved:
-            _save_operand(ctx, _wgrad_operand_of_input(x2, prec.wgrad, x2.device))  # FP8 x^T, groups along tokens
+        if ctx.fp8_saved:  # Fprop's operand and the saved FP8 x^T (groups along tokens), from one read of x
+            dev = x2.device
+            xa, xt = cast_pair(x2, prec.fprop.a, prec.wgrad.b,
+                               (backend_for(prec.fprop, "fprop", dev), backend_for(prec.wgrad, "wgrad", dev)))
+            y = linear_forward(x2, group.weight, group.bias, prec.fprop, x_op=xa)
+            _save_operand(ctx, xt)
         else:
+            y = linear_forward(x2, group.weight, group.bias, prec.fprop)
             wb = prec.wgrad.b
             keep = x2 if wb.is_scaled or wb.format is Format.FP32 or not native(x2) else x2.to(wb.format.torch_dtype())
             _save_operand(ctx, keep)
@@ -359,43 +360,45 @@ class _LinearGroupFn(torch.autograd.Function):
 # --------------------------------------------------------------------------- swiglu
 
 
-def _swiglu_math(gu: torch.Tensor) -> torch.Tensor:
-    """``g / (1 + exp(-g)) * u`` in fp32, returned in ``gu``'s dtype. torch's fused silu rounds its
-    scalar tail differently from its vector body on CPU; this form keeps a row's result
-    independent of the batch."""
-    gf = gu if gu.dtype is torch.float32 else gu.float()
+def _swiglu_math(gu: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``g / (1 + exp(-g)) * u`` in fp32, returned in ``out_dtype`` (default ``gu``'s). torch's fused
+    silu rounds its scalar tail differently from its vector body on CPU; this form keeps a row's
+    result independent of the batch."""
+    gf = gu if gu.dtype in (torch.float32, torch.float64) else gu.float()  # fp64: gradient checks
     g, u = gf.chunk(2, dim=-1)
     y = g / (1 + torch.exp(-g)) * u
-    return y if y.dtype is gu.dtype else y.to(gu.dtype)
+    dt = out_dtype or gu.dtype
+    return y if y.dtype is dt else y.to(dt)
 
 
 def _swiglu_grad(gu: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:
     """d(silu(g) * u) for ``gu = [g, u]`` (fp32 math)."""
-    g, u = gu.float().chunk(2, dim=-1)
-    gyf = gy.float()
+    dt = torch.float64 if gu.dtype is torch.float64 else torch.float32
+    g, u = gu.to(dt).chunk(2, dim=-1)
+    gyf = gy.to(dt)
     sig = 1 / (1 + torch.exp(-g))
     return torch.cat([gyf * u * sig * (1 + g * (1 - sig)), gyf * g * sig], dim=-1)
 
 
-def swiglu(gu: torch.Tensor) -> torch.Tensor:
-    """``silu(g) * u`` for ``gu = [g, u]`` (concatenated along the last dim), in ``gu``'s dtype; the
-    forward is the same ops with or without autograd, and the backward keeps ``gu`` alone (not the
-    intermediates autograd would)."""
+def swiglu(gu: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``silu(g) * u`` for ``gu = [g, u]`` (concatenated along the last dim), in ``out_dtype``
+    (default ``gu``'s); the forward is the same ops with or without autograd, and the backward keeps
+    ``gu`` alone (not the intermediates autograd would)."""
     if torch.is_grad_enabled() and gu.requires_grad:
-        return _SwiGLUFn.apply(gu)
-    return _swiglu_math(gu)
+        return _SwiGLUFn.apply(gu, out_dtype)
+    return _swiglu_math(gu, out_dtype)
 
 
 class _SwiGLUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gu):
+    def forward(ctx, gu, out_dtype):
         ctx.save_for_backward(gu)
-        return _swiglu_math(gu)
+        return _swiglu_math(gu, out_dtype)
 
     @staticmethod
     def backward(ctx, gy):
         (gu,) = ctx.saved_tensors
-        return _swiglu_grad(gu, gy).to(gu.dtype)
+        return _swiglu_grad(gu, gy).to(gu.dtype), None
 
 
 def swiglu_down(gu: torch.Tensor, down: "JetLinear") -> torch.Tensor:
@@ -404,10 +407,13 @@ def swiglu_down(gu: torch.Tensor, down: "JetLinear") -> torch.Tensor:
     With ``save_fp8_activations`` (DeepSeek-V3's recipe) the backward keeps only an FP8 copy of the
     SwiGLU input ``gu`` (1x128 groups, the Fprop input's format) and recomputes from it both the
     SwiGLU gradient and ``down``'s Wgrad operand (its input, quantized in 128x1 groups); otherwise
-    ``gu`` and ``down``'s input are kept as usual. The forward is the same either way."""
+    ``gu`` and ``down``'s input are kept as usual. The forward is the same either way: when
+    ``down`` quantizes its input to 8 bits, it quantizes the fp32 SwiGLU output (as a fused
+    SwiGLU + quantize kernel would), never a bf16-rounded copy, whose amax (hence scales) differ."""
     save = swiglu_save_spec(down.precision)
+    h_dtype = torch.float32 if down.precision.fprop.a.is_scaled else None
     if save is None or _SEPARATE or not (torch.is_grad_enabled() and gu.requires_grad):
-        return linear_group((down,), swiglu(gu), down)
+        return linear_group((down,), swiglu(gu, h_dtype), down)
     w, b = group_weight((down,), down)
     params = [down.weight] + ([down.bias] if down.bias is not None else [])
     return _SwiGLUDownFn.apply(gu, _Group((down,), w, b), save, *params)
@@ -417,7 +423,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gu, group: _Group, save: CastSpec, *params):
         prec: LinearPrecision = group.mods[0].precision
-        h = _swiglu_math(gu)
+        h = _swiglu_math(gu, torch.float32)
         h2 = h.reshape(-1, h.shape[-1])
         y = linear_forward(h2, group.weight, group.bias, prec.fprop)
         gu2 = gu.reshape(-1, gu.shape[-1])
@@ -429,7 +435,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
     def backward(ctx, gy):
         mods = ctx.mods
         gu = dequantize(_saved_operand(ctx))  # fp32 values of the FP8 copy
-        h = _swiglu_math(gu.to(ctx.gu_dtype))  # down's input, recomputed as the forward computes it
+        h = _swiglu_math(gu.to(ctx.gu_dtype), torch.float32)  # down's input, recomputed as the forward does
         need = ctx.needs_input_grad
         wg = mods[0].precision.wgrad
         gh, grads_w, grads_b = _linear_backward(

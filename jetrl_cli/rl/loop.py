@@ -25,12 +25,16 @@ from ..engine.sampling import SamplingParams
 from ..errors import JetrlError
 from ..models.hf import load_model
 from ..models.tokenizer import Tokenizer
+from ..precision.gemm import backend_report, reset_resolutions
 from ..tasks import PromptSource, build_task
 from .algos import CorrectionConfig, group_advantages, importance
 from .checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from .trainer import Batch, NonFiniteError, Trainer, fold_invariant_scale
 
 TIMING_KEYS = ("rollout_s", "score_s", "train_s", "sync_s", "eval_s", "step_s", "rollout_tokens_per_s")
+# What the machine ran, not what the run computed: a resumed process (perhaps on another machine)
+# records its own, so these are compared like timings, never as results.
+ENVIRONMENT_KEYS = TIMING_KEYS + ("gemm_backends",)
 
 
 def tiny_policy_dir() -> Path:
@@ -196,6 +200,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
     if not resume and (metrics_file.exists() or (out / "latest").exists()):
         raise JetrlError(f"{out}: already holds a run (--resume continues it, --force starts over, "
                          "-o picks another directory)")
+    reset_resolutions()  # the backends recorded in metrics.jsonl are this run's
     job = setup(cfg, with_trainer=True, init_dir=ckpt)
     tr = job.trainer
     lines: list[dict] = []
@@ -228,6 +233,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
         if on_eval:
             on_eval(samples)
     last_good = ckpt
+    last_report = None
     steps = cfg.train.steps
     for step in range(start, steps + 1):
         t_step = time.perf_counter()
@@ -286,6 +292,10 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
             if on_eval:
                 on_eval(ev)
         m["step_s"] = time.perf_counter() - t_step
+        report = backend_report()
+        if report != last_report and (report["resolved"] or report["fallbacks"]):
+            m["gemm_backends"] = report  # which backend runs each 8-bit GEMM (this process), and any fallbacks
+            last_report = report
         emit(m)  # before the checkpoint: a resume truncates metrics back to its checkpoint's step
         if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == steps:
             last_good = save_checkpoint(out, step, tr.model, tr.opt, job.model_dir,
