@@ -333,7 +333,7 @@ def bench_quantize(s: Settings) -> list[dict]:
         copy_bw = copy_bytes / t["s"]
         rows.append({"shape": f"{m}x{k}", "quantizer": "copy (ceiling)", "dtype": str(dtype).replace("torch.", ""),
                      **t, "bytes": copy_bytes, "gb_per_s": copy_bw / 1e9, "vs_copy": 1.0})
-        kernels = _triton_quantizers()
+        kernels = _triton_quantizers(s.device)
         for name, spec in quantizers():
             if spec.block.rows > m or spec.block.cols > k:
                 continue
@@ -363,11 +363,12 @@ def bench_quantize(s: Settings) -> list[dict]:
     return rows
 
 
-def _triton_quantizers():
-    """``jetrl_cli.kernels.fp8`` when the Triton backend can run here, else None."""
-    from .precision.gemm import get_backend
+def _triton_quantizers(device: str):
+    """``jetrl_cli.kernels.fp8`` when its kernels can run on ``device``'s tensors (a GPU, or CPU
+    tensors in Triton's interpreter), else None."""
+    from .kernels import unavailable_reason
 
-    if getattr(get_backend("triton"), "why", None):
+    if unavailable_reason() is not None or (device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         return None
     from .kernels import fp8
 

@@ -26,7 +26,7 @@ app = typer.Typer(
 console = Console()
 err_console = Console(stderr=True)
 
-QUANT_FORMATS = ("fp8-block", "fp8-tensor", "fp8-channel", "int8-channel")
+from .choices import CHECKPOINT_FORMATS as QUANT_FORMATS
 
 
 def user_errors(fn):

@@ -13,6 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import choices
 from .errors import PresetError
 from .precision.flow import PrecisionFlow, parse_flow
 
@@ -129,12 +130,12 @@ SECTIONS = {
 
 CHOICES = {
     ("model", "device"): ("cpu", "cuda"),
-    ("task", "name"): ("arith", "sort", "count", "mix", "jsonl"),
-    ("rollout", "backend"): ("embedded", "vllm"),
-    ("rollout", "vllm_quantization"): ("jetrl", "fp8", "fp8-block", "none"),
+    ("task", "name"): choices.TASKS,
+    ("rollout", "backend"): choices.ROLLOUT_BACKENDS,
+    ("rollout", "vllm_quantization"): choices.VLLM_QUANTIZATIONS,
     ("rollout", "vllm_dtype"): ("float32", "bfloat16", "float16"),
     ("train", "adv_norm"): ("std", "none"),
-    ("correction", "type"): ("none", "tis", "mis", "acr"),
+    ("correction", "type"): choices.CORRECTIONS,
     ("correction", "mis_level"): ("token", "sequence"),
 }
 POSITIVE = {

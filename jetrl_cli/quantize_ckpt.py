@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from .choices import CHECKPOINT_FORMATS
 from .errors import JetrlError
 from .models.hf import FLOAT_DTYPES, INDEX_FILE, check_model_dir, read_config, read_tensors, safetensors_files
 from .precision import CastSpec, error_stats, quantize
@@ -43,6 +44,7 @@ FORMATS: dict[str, CastSpec] = {
     "fp8-channel": CastSpec("fp8_e4m3", "row"),
     "int8-channel": CastSpec("int8", "row"),
 }
+assert tuple(FORMATS) == CHECKPOINT_FORMATS, "jetrl_cli/choices.py and quantize_ckpt.FORMATS disagree"
 
 
 def format_for_flow(flow: PrecisionFlow) -> str:

@@ -27,6 +27,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable
 
+from .choices import TASKS
 from .errors import JetrlError
 
 SPLITS = ("train", "eval")
@@ -310,7 +311,7 @@ def build_task(cfg, seed: int) -> Task:
         task = JsonlTask(cfg.file, cfg.eval_file, cfg.eval_fraction, cfg.prompt_key, cfg.answer_key,
                          cfg.prompt_template, seed)
     else:
-        raise JetrlError(f"task.name: unknown task {cfg.name!r} (allowed: arith, sort, count, mix, jsonl)")
+        raise JetrlError(f"task.name: unknown task {cfg.name!r} (allowed: {', '.join(TASKS)})")
     if cfg.reward:
         task = UserReward(task, load_reward_fn(cfg.reward))
     return task

@@ -83,7 +83,11 @@ def test_blockwise_gemm_against_reference(m, n, k, b_block):
     a, b = quantize(x, CastSpec(E4, Block(1, 128))), quantize(w, CastSpec(E4, b_block))
     out = fp8.blockwise_mm(a, b)
     emu = EmulatedBackend().mm(a, b)
-    assert error_stats(emu, out)["rel_err"] < 1e-5  # same products, fp32 sums in another order
+    # same products, fp32 sums in another order; on a GPU the FP8 tensor-core MMA keeps ~14
+    # significant bits in its accumulator within each 128-wide K block (DeepSeek-V3's measurement;
+    # 1.2e-4 was seen on an H100), so the bound there is 2^-11
+    tol = 2.0 ** -11 if torch.cuda.is_available() else 1e-5
+    assert error_stats(emu, out)["rel_err"] < tol
     ref64 = x.double() @ w.double().t()
     assert error_stats(ref64, out)["sqnr_db"] > 25  # FP8 quantization error only
     o16 = fp8.blockwise_mm(a, b, out_dtype=torch.bfloat16)

@@ -34,7 +34,7 @@ from ..precision.quant import CastSpec
 from .base import Completion, WeightPayload, check_prompts
 from .sampling import SamplingParams
 
-QUANTIZATIONS = ("jetrl", "fp8", "fp8-block", "none")
+from ..choices import VLLM_QUANTIZATIONS as QUANTIZATIONS  # noqa: E402
 
 
 def require_vllm() -> None:

@@ -34,7 +34,7 @@ from ..errors import PresetError
 from .formats import Block, Format
 from .quant import DEFAULT_AMAX_FLOOR, CastSpec
 
-GEMM_BACKENDS = ("auto", "emulated", "scaled_mm", "triton", "te")  # the registry: precision/gemm.py
+from ..choices import GEMM_BACKENDS  # noqa: E402  (the registry: precision/gemm.py)
 DEFAULT_SKIP = ("embed_tokens", "lm_head", "*norm*")
 SKIP_FORMATS = (Format.BF16, Format.FP32)  # what the linear layers on the skip list run in
 

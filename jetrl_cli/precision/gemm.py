@@ -59,6 +59,7 @@ from typing import Protocol, Union
 import torch
 
 from ..errors import JetrlError
+from ..choices import GEMM_BACKENDS
 from .flow import OPERANDS, REDUCTION_ON_ROWS
 from .formats import Block, Format
 from .quant import CastSpec, QTensor, quantize, round_to
@@ -229,6 +230,24 @@ def blockwise_kind(a: CastSpec, b: CastSpec) -> str | None:
     return None
 
 
+_CPU_SCALED_MM: dict = {}
+
+
+def _cpu_scaled_mm_runs(fmt: Format, ka: Block, kb: Block) -> bool:
+    """Whether this torch's CPU build runs the scaled GEMM (torch 2.11's CPU _scaled_mm takes
+    per-tensor scales only; 2.13's takes row-wise too). Probed once per format and scaling."""
+    key = (fmt, ka.rows, kb.rows)
+    if key not in _CPU_SCALED_MM:
+        spec_a, spec_b = CastSpec(fmt, ka), CastSpec(fmt, kb)
+        try:
+            be = ScaledMMBackend()
+            be.mm(quantize(torch.ones(2, 16), spec_a), quantize(torch.ones(16, 16), spec_b))
+            _CPU_SCALED_MM[key] = True
+        except (RuntimeError, ValueError, NotImplementedError, TypeError):
+            _CPU_SCALED_MM[key] = False
+    return _CPU_SCALED_MM[key]
+
+
 class ScaledMMBackend:
     """torch's scaled GEMMs: FP8 per-tensor / per-row / blockwise (Hopper), INT8 through _int_mm."""
 
@@ -251,6 +270,9 @@ class ScaledMMBackend:
                     f"{nb} is {b.block.name}, i.e. {ka.name} x {kb.name} along the reduction (use backend: emulated)")
         if device is None:
             return None
+        if device.type == "cpu" and kind is None and not _cpu_scaled_mm_runs(a.format, ka, kb):
+            return (f"this torch ({torch.__version__}) cannot run {a.format.value} with "
+                    f"{ka.name} x {kb.name} scales on CPU (its CPU scaled_mm / _int_mm lacks it)")
         if kind is not None:
             if device.type != "cuda":
                 return "blockwise FP8 runs on CUDA GPUs only (torch's CPU scaled_mm takes per-tensor and row-wise scales)"
@@ -416,6 +438,7 @@ _BACKENDS: dict[str, GemmBackend] = {
     "te": UnavailableBackend("te", "no Transformer Engine integration is in this release; use 'auto' or 'emulated'"),
 }
 AUTO_ORDER = ("scaled_mm", "triton", "emulated")
+assert ("auto", *_BACKENDS) == GEMM_BACKENDS, "jetrl_cli/choices.py and the backend registry disagree"
 
 
 def register_backend(name: str, backend: GemmBackend) -> None:

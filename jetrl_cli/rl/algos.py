@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-CORRECTIONS = ("none", "tis", "mis", "acr")
+from ..choices import CORRECTIONS  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,13 @@
+"""Every list of choices a user picks from, declared once.
+
+The preset schema (``config.py``), the CLI's help and checks, and the code that implements each
+choice all read these tuples; the implementations check at import that they cover exactly these
+names. Plain data, no torch: the CLI reads it at start-up.
+"""
+
+GEMM_BACKENDS = ("auto", "emulated", "scaled_mm", "triton", "te")  # precision/gemm.py is the registry
+CORRECTIONS = ("none", "tis", "mis", "acr")  # rl/algos.py
+ROLLOUT_BACKENDS = ("embedded", "vllm")  # rl/loop.py build_engine
+VLLM_QUANTIZATIONS = ("jetrl", "fp8", "fp8-block", "none")  # engine/vllm_engine.py
+CHECKPOINT_FORMATS = ("fp8-block", "fp8-tensor", "fp8-channel", "int8-channel")  # quantize_ckpt.py
+TASKS = ("arith", "sort", "count", "mix", "jsonl")  # tasks.py build_task
