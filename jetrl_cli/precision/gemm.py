@@ -362,6 +362,22 @@ def cast_pair(x: torch.Tensor, rows: CastSpec | None, cols: CastSpec | None, bac
     return r, t
 
 
+def cast_weight_pair(w: torch.Tensor, spec: CastSpec, backends) -> tuple | None:
+    """``(W, W^T)`` quantized with 128x128 blocks from one read of ``w`` (the Triton kernel), when one
+    of ``backends`` is a kernel backend and the kernel can run here; None otherwise (the caller then
+    transposes W's operand: the block grid is transpose-symmetric, so the values are the same)."""
+    if not (spec.format.is_fp8 and spec.block == Block(TILE, TILE) and w.dim() == 2):
+        return None
+    if not any(getattr(b, "name", "") in ("scaled_mm", "triton") for b in backends):
+        return None
+    if not (w.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return None
+    tri = _triton_kernels()
+    if tri is None:
+        return None
+    return tri.quantize_weight(w, spec.format, spec.pow2_scale, spec.amax_floor, transposed=True)
+
+
 def _triton_kernels(x: torch.Tensor | None = None):
     """``jetrl_cli.kernels.fp8`` when Triton can run here (a GPU, or the interpreter), else None."""
     from ..kernels import unavailable_reason

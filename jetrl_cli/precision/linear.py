@@ -39,6 +39,7 @@ from .gemm import (
     backend_for,
     cast_operand,
     cast_pair,
+    cast_weight_pair,
     finish,
     native,
     operand_values,
@@ -165,7 +166,18 @@ class JetLinear(nn.Module):
         """The forward's weight operand, cast once until the weight changes."""
         if self._wfixed is not None:
             return self._wfixed
-        return self._cached("fprop", lambda: weight_operand(self.weight, self.precision.fprop))
+        return self._cached("fprop", self._make_fprop_weight)
+
+    def _make_fprop_weight(self) -> Operand:
+        p = self.precision
+        if self.weight.requires_grad and p.dgrad.b == p.fprop.b:  # a trainer's layer: W and W^T in one read
+            dev = self.weight.device
+            pair = cast_weight_pair(self.weight.detach(), p.fprop.b,
+                                    (backend_for(p.fprop, "fprop", dev), backend_for(p.dgrad, "dgrad", dev)))
+            if pair is not None:
+                self._cache["dgrad"] = (self.weight_key(), pair[1])
+                return pair[0]
+        return weight_operand(self.weight, p.fprop)
 
     def dgrad_weight(self) -> Operand:
         """Dgrad's operand: W^T (K x N), from the forward's quantized weight when Dgrad uses the
@@ -173,10 +185,11 @@ class JetLinear(nn.Module):
         p = self.precision
 
         def make():
-            if p.dgrad.b == p.fprop.b and p.dgrad.backend == p.fprop.backend:
+            if p.dgrad.b == p.fprop.b:
                 return transpose_operand(self.quantized_weight())
             return transpose_operand(weight_operand(self.weight, p.dgrad, "dgrad"))
 
+        self.quantized_weight()  # may have written W^T already, from the same read
         return self._cached("dgrad", make)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
