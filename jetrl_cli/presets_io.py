@@ -66,7 +66,8 @@ def yaml_error_line(text: str, e) -> int | None:
     ``:``, is the line after: ``path tiny`` followed by ``device: cpu`` reads as one plain scalar
     ``path tiny device`` until the next ``:`` ("mapping values are not allowed here", marked on the
     ``device`` line). There the line is where that scalar starts; for "could not find expected
-    ':'" it is where the key being scanned starts (the error's context mark)."""
+    ':'" it is where the key being scanned starts, and for an unclosed ``[`` or ``{`` where it
+    opens (the error's context mark)."""
     import yaml
 
     mark = getattr(e, "problem_mark", None)
@@ -74,7 +75,9 @@ def yaml_error_line(text: str, e) -> int | None:
         return None
     problem = getattr(e, "problem", "") or ""
     context = getattr(e, "context_mark", None)
-    if "could not find expected ':'" in problem and context is not None:
+    where = getattr(e, "context", "") or ""
+    if context is not None and ("could not find expected ':'" in problem or "flow sequence" in where
+                                or "flow mapping" in where):
         return context.line + 1
     if "mapping values are not allowed" in problem:
         last = None

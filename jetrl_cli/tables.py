@@ -8,8 +8,9 @@ through ``print_table``:
 
 - each column's narrowest width is its longest word (a number is one word; a ``no_wrap`` column
   keeps whole cells), its widest its longest line;
-- if all columns fit at their narrowest, the spare width goes to the columns that can use it, and
-  every column gets an explicit width, so rich neither collapses nor cuts anything;
+- if all columns fit at their narrowest, the spare width goes first to the columns that need least
+  to be whole (only the widest text wraps), and every column gets an explicit width, so rich
+  neither collapses nor cuts anything;
 - otherwise the columns are printed as several tables, each repeating the first ``keep`` (label)
   columns -- fewer columns per table instead of cut ones;
 - a table that cannot fit even one data column next to its labels folds its cells onto more lines
@@ -93,10 +94,13 @@ def _set_widths(console: Console, table: Table, width: int) -> None:
         return
     if sum(r[1] for r in ranges) <= room:
         return  # fits at its natural width: rich changes nothing
+    # Spare width goes to the columns that need the least to be whole, so only the widest wrap.
     slack = room - lo
-    want = [hi - low for low, hi in ranges]
-    total = sum(want)
-    widths = [low + (slack * w) // total for (low, _), w in zip(ranges, want)]
+    widths = [low for low, _ in ranges]
+    for i in sorted(range(len(ranges)), key=lambda i: ranges[i][1] - ranges[i][0]):
+        give = min(slack, ranges[i][1] - ranges[i][0])
+        widths[i] += give
+        slack -= give
     for c, w in zip(table.columns, widths):
         c.width = w
 

@@ -1,11 +1,13 @@
 """`jetrl mismatch-report`: its statistics by hand, its agreement with the trainer's logs, and the
 report on the tiny policy (unified and bf16 flows on-policy, fp8-rollout not, every layer listed)."""
 
+import io
 import json
 import math
 
 import pytest
 import torch
+from rich.console import Console
 from typer.testing import CliRunner
 
 from jetrl_cli.cli import app
@@ -69,6 +71,25 @@ def test_every_mismatch_statistic_against_plain_python():
     want = _by_hand(lt, lr, mask, cfg)
     for k, v in want.items():
         assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+
+
+def test_chi2_is_never_negative_and_agrees_with_ess():
+    """The plain mean(r^2) - 1 goes negative when the batch's weights are all below 1 (as reported
+    for fp8-rollout, -3.45e-05); the self-normalised estimate cannot."""
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    lr = torch.zeros(2, 4)
+    lt = torch.full((2, 4), -0.01)  # every r = exp(-0.01) < 1: mean(r^2) - 1 = -0.0198
+    lt[0, 0] = -0.02
+    m = mismatch_metrics(lt, lr, mask)
+    r = torch.tensor([math.exp(-0.02)] + [math.exp(-0.01)] * 7, dtype=torch.float64)
+    assert float((r * r).mean() - 1) < 0  # what the old estimator reported
+    assert m["chi2"] == pytest.approx(float(r.var(unbiased=False) / r.mean() ** 2), rel=1e-9) and m["chi2"] > 0
+    assert 1 / (1 + m["chi2"]) == pytest.approx(m["ess"], rel=1e-12)
+    assert mismatch_metrics(lt.fill_(-0.01), lr, mask)["chi2"] == 0.0  # equal weights: exactly 0
+    g = torch.Generator().manual_seed(7)
+    for _ in range(20):
+        lt = -torch.rand(3, 16, generator=g) * 0.05  # pi_train below pi_rollout everywhere
+        assert mismatch_metrics(lt, torch.zeros(3, 16), torch.ones(3, 16, dtype=torch.bool))["chi2"] >= 0
 
 
 def test_positions_buckets_and_divergence_by_hand():
@@ -173,7 +194,34 @@ def test_report_on_the_tiny_policy(tmp_path, monkeypatch):
     assert len(off["hidden"]) == 4
     for p in ("report.md", "report.json", "drift_vs_position.png", "layer_error.png"):
         assert (tmp_path / "rep" / p).stat().st_size > 0
-    assert "fp8-rollout" in (tmp_path / "rep" / "report.md").read_text()
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert f"**fp8-rollout** ({off['description']}): {off['verdict']}" in md
+    assert f"| {worst} | {mm._fmt(dec[worst])} |" in md  # the decoder-layer table
+    # the tables as `jetrl mismatch-report ... | cat` prints them: 80 columns, no number cut
+    con = Console(width=80, file=io.StringIO())
+    mm.render(rep, con)
+    text = con.file.getvalue()
+    assert "…" not in text and all(len(line) <= 80 for line in text.splitlines()), text
+    for f in flows.values():
+        for r in f["by_position"]:  # the "KL by position" row that read "0.00… │ 8.10… │ 4.77…"
+            assert mm._fmt(r["mismatch_kl"]) in text
+        assert mm._fmt(f["summary"]["chi2"]) in text and f["summary"]["chi2"] >= 0
+    assert mm._fmt(alone[off["top_layer"]]) in text and mm.short_name(off["top_layer"]) in text
+
+
+def test_kl_plots_have_no_negative_ticks():
+    """KL is non-negative: the symlog axes start at 0 instead of mirroring below it."""
+    pytest.importorskip("matplotlib")
+    from jetrl_cli.rl.plots import curves_figure
+
+    flows = [{"flow": name, "by_position": [{"lo": 4 * i, "hi": 4 * i + 4, "mismatch_kl": kl * i, "abs_dlogp_mean": kl}
+                                            for i in range(8)]} for name, kl in (("a", 0.0), ("b", 3e-4))]
+    runs = [(name, [{"step": s, "reward_mean": 0.5, "mismatch_kl": kl * s} for s in range(1, 6)])
+            for name, kl in (("a", 0.0), ("b", 2e-3))]
+    for ax in (mm.drift_figure(flows).axes[0], curves_figure(runs).axes[2]):
+        lo, hi = ax.get_ylim()
+        assert lo == 0 and hi > 0
+        assert all(t >= 0 for t in ax.get_yticks() if lo <= t <= hi)
 
 
 def test_fail_above_is_a_ci_gate(tmp_path):

@@ -46,7 +46,7 @@ def save_checkpoint(out: Path, step: int, model, optimizer, source_dir: Path, ex
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for f in TOKENIZER_FILES:
         if (source_dir / f).exists():
-            shutil.copy2(source_dir / f, tmp / f)
+            shutil.copyfile(source_dir / f, tmp / f)  # a new file: the umask's mode, like the rest
     torch.save({"step": step, "optimizer": optimizer.state_dict(), **extra}, tmp / "trainer_state.pt")
     if final.exists():
         shutil.rmtree(final)
