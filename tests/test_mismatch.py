@@ -148,13 +148,14 @@ def test_report_numbers_equal_the_trainers_logs(tmp_path):
 
 
 def test_report_on_the_tiny_policy(tmp_path, monkeypatch):
-    passes: dict[str, list] = {}
+    passes: list[list] = []  # per attributed flow, in order: (done, total) of every scoring pass
     attribute = mm.layer_attribution
 
-    def counting(*args):  # every scoring pass of the attribution, as the progress bar sees them
+    def counting(*args):  # the attribution's progress callback, as the progress bar sees it
         *rest, on_pass = args
-        return attribute(*rest, lambda what, done, total: (passes.setdefault(what.split(":")[0], []).append(
-            (done, total)), on_pass and on_pass(what, done, total)))
+        passes.append([])
+        return attribute(*rest, lambda what, done, total: (passes[-1].append((done, total)),
+                                                            on_pass and on_pass(what, done, total)))
 
     monkeypatch.setattr(mm, "layer_attribution", counting)
     res = invoke("mismatch-report", "fp8-rollout", "--flows", "preset,bf16,fp8-unified", "--lengths", "6,12",
@@ -173,7 +174,7 @@ def test_report_on_the_tiny_policy(tmp_path, monkeypatch):
         assert f["greedy"]["vs_train"]["diverged_frac"] == 0.0
         assert all(r["rel_diff"] == 0.0 and r["kl_alone"] is None for r in f["layers"])
         assert [d["kl_alone"] for d in f["decoder_layers"]] == [0.0] * 4 and f["refined_layers"] == []
-        assert passes[name][-1] == (4, 4)  # one pass per decoder layer; nothing drifts, nothing refined
+        assert passes[list(flows).index(name)][-1] == (4, 4)  # one pass per decoder layer, none refined
     off = flows["fp8-rollout"]
     assert off["status"] == "drift" and off["summary"]["mismatch_kl"] > 0
     assert [r["length"] for r in off["by_length"]] == [6, 12] and off["by_length"][1]["tokens"] == 3 * 2 * 12
@@ -182,7 +183,7 @@ def test_report_on_the_tiny_policy(tmp_path, monkeypatch):
     dec = {d["layer"]: d["kl_alone"] for d in off["decoder_layers"]}
     assert sorted(dec) == [0, 1, 2, 3] and max(dec.values()) > 0
     worst = max(dec, key=dec.get)
-    assert off["refined_layers"] == [worst] and passes["fp8-rollout"][-1] == (4 + 7, 4 + 7)
+    assert off["refined_layers"] == [worst] and passes[0][-1] == (4 + 7, 4 + 7)
     alone = {r["name"]: r["kl_alone"] for r in off["layers"] if r["kl_alone"] is not None}
     assert sorted(alone) == sorted(r["name"] for r in off["layers"] if r["name"].startswith(f"model.layers.{worst}."))
     assert len(alone) == 7 and any(v > 0 for v in alone.values())

@@ -327,6 +327,8 @@ def layer_attribution(ref_model, rollout_model, train_model, b: Batch, sampling:
     ranked = sorted((d for d in decoder if d["kl_alone"] > 0), key=lambda d: -d["kl_alone"])
     refined = [d["layer"] for d in ranked[:refine_layers]]
     total = len(groups) + sum(len(groups[k]) for k in refined) + (kv_train != kv_roll)
+    if on_pass:  # the passes left are known now
+        on_pass(f"decoder layers {', '.join(map(str, refined)) or '(none drift)'} linear by linear", done, total)
     by_name = {row["name"]: row for row in layers}
     for key in refined:
         for name in groups[key]:
