@@ -184,12 +184,15 @@ def test_every_readme_command_runs(in_scratch_dir, monkeypatch):
                 argv += ["--prompts", "2", "--attribution-sequences", "2"]
                 if "--lengths" in argv:
                     argv += ["--lengths", "8,16"]
+            refused_here = (needs_gpu(argv) and not torch.cuda.is_available()) or (needs_vllm(argv) and not HAS_VLLM)
             if argv[0] == "run" and "--resume" not in argv:
                 from jetrl_cli.config import load_job_config
 
                 out = load_job_config(argv[1]).out_dir
-                if (in_scratch_dir / out).exists():  # the README runs a preset in two places
-                    argv.append("--force")
+                if (in_scratch_dir / out / "metrics.jsonl").exists():  # the README runs a preset in two places
+                    # start over; a command this machine must refuse gets a directory of its own instead,
+                    # so it is refused for its own reason
+                    argv += ["-o", str(in_scratch_dir / "elsewhere")] if refused_here else ["--force"]
         res = runner.invoke(app, argv)
         if needs_gpu(argv) and not torch.cuda.is_available():
             assert res.exit_code == 2 and "no CUDA device" in res.output, (argv, res.output)

@@ -11,7 +11,9 @@ On top of the summary it measures
 - drift against position (buckets along the completion) and against rollout length;
 - where the drift comes from: each quantized linear layer's output error under the rollout and the
   training precision on the same (fp32-reference) input, the hidden-state difference after every
-  decoder layer, and the logprob drift when only one layer runs the rollout precision;
+  decoder layer, and the logprob drift when only one part runs the rollout precision (each decoder
+  layer, then each linear of the worst decoder layers: coarse to fine, so a 30-layer model costs
+  30 + 2 x 7 scoring passes, not 210);
 - the first position where greedy decoding under the rollout and the training precision diverge;
 - the tokens with the largest mismatch, with their context.
 
