@@ -394,7 +394,8 @@ def bench_rollout(s: Settings) -> list[dict]:
     from .engine.base import make_payload
     from .engine.embedded import EmbeddedEngine
     from .engine.sampling import SamplingParams
-    from .models.shapes import load_bench_model, transformers_twin
+    from .models.shapes import load_bench_model
+    from .models.transformers_ref import transformers_twin
 
     make, _, label = load_bench_model(s.model, s.layers)
     path = _model_path(s.model)
@@ -528,7 +529,8 @@ def _rollout_task_rows(s: Settings, model, path, model_label: str, transformers,
     from .rl.loop import sampling_params
     from .tasks import PromptSource, build_task
 
-    from .models.shapes import tokenizer_dir, transformers_twin
+    from .models.shapes import tokenizer_dir
+    from .models.transformers_ref import transformers_twin
 
     cfg = load_job_config(s.task_preset, [f"model.path={path}"] if path is not None else [])
     tok = Tokenizer.from_dir(path if path is not None else tokenizer_dir())
@@ -706,7 +708,7 @@ def _transformers_train_row(s: Settings, make, batch, adv, dev, common: dict) ->
         import transformers  # noqa: F401
     except ImportError:
         return None
-    from .models.shapes import transformers_twin
+    from .models.transformers_ref import transformers_twin
 
     s.say("train: transformers")
     _free(s.device)
@@ -763,8 +765,8 @@ def bench_e2e(s: Settings) -> list[dict]:
             lines = [m for m in run(cfg, Path(d) / "run") if m["step"] > 0]
         steady = lines[1:] or lines  # the first step warms up
         row = {"flow": name, "preset": preset, "steps": len(lines), "emulated": s.device == "cpu"}
-        for k in keys:  # the last step always evaluates: its eval time is taken out of step_s
-            row[k] = statistics.median(m[k] - (m.get("eval_s", 0.0) if k == "step_s" else 0.0) for m in steady)
+        for k in keys:  # step_s excludes the eval (the last step always evaluates; eval_s times it)
+            row[k] = statistics.median(m[k] for m in steady)
         row["eval_s_excluded"] = True
         row["rollout_frac"] = row["rollout_s"] / row["step_s"]
         row["rollout_tokens_per_s"] = statistics.median(m["rollout_tokens_per_s"] for m in steady)
@@ -857,10 +859,14 @@ def _f(v, fmt="{:.3g}") -> str:
 def render(res: dict, console) -> None:
     from rich.table import Table
 
+    from rich.markup import escape
+
+    from .tables import print_table
+
     env = res["env"]
     where = env.get("device_name") or env.get("cpu") or env["machine"]
-    console.print(f"[bold]jetrl bench[/] {env['date']} · {env['device']} ({where}) · {env['threads']} threads · "
-                  f"torch {env['torch']}", highlight=False)
+    console.print("[bold]jetrl bench[/] " + escape(f"{env['date']} · {env['device']} ({where}) · {env['threads']} "
+                  f"threads · torch {env['torch']}"), highlight=False)
     r = res["results"]
     if "gemm" in r:
         t = Table(title="gemm: a @ b.T (time per GEMM; accuracy vs float64 of the unquantized operands)",
@@ -877,7 +883,10 @@ def render(res: dict, console) -> None:
             variant = x["variant"] if x["backend"] == "torch" else f"{x['variant']} @ {x['backend']}"
             t.add_row(shape, variant, f"{1e3 * x['s']:.2f}", f"{x['tflops']:.3f}", f"{x['vs_bf16']:.2f}x",
                       f"{x['rel_err']:.1e}", f"{x['sqnr_db']:.1f}", f"{x['kernel_rel_err']:.0e}", _f(x["accuracy_ok"]))
-        console.print(t)
+        print_table(console, t, keep=2)
+        skipped = {(x["variant"], x["backend"]): x["skipped"] for x in r["gemm"] if "skipped" in x}
+        for (variant, backend), why in skipped.items():
+            console.print(escape(f"not run: {variant} @ {backend}: {why}"), highlight=False)
     if "quantize" in r:
         t = Table(title="quantize: bandwidth vs a copy of the same tensor", title_justify="left")
         for c in ("shape", "quantizer", "dtype", "ms", "GB/s", "vs copy", "SQNR dB"):
@@ -885,34 +894,45 @@ def render(res: dict, console) -> None:
         for x in r["quantize"]:
             t.add_row(x["shape"], x["quantizer"] + (" @ triton" if x.get("backend") == "triton" else ""), x["dtype"], f"{1e3 * x['s']:.3f}", f"{x['gb_per_s']:.1f}",
                       f"{x['vs_copy']:.2f}", _f(x.get("sqnr_db"), "{:.1f}"))
-        console.print(t)
+        print_table(console, t, keep=2)
     if "rollout" in r:
         for wl in dict.fromkeys(x["workload"] for x in r["rollout"]):
             xs = [x for x in r["rollout"] if x["workload"] == wl]
             x0 = xs[0]
             title = (f"rollout: {x0['model']}, batch {x0['batch']}, prompt {x0['prompt']}, {x0['new_tokens']} new tokens"
                      if wl == "fixed" else f"rollout: {x0['model']}, {wl}")
-            t = Table(title=title, title_justify="left")
+            t = Table(title=escape(title), title_justify="left")
             for c in ("engine", "flow", "s", "spread", "tokens/s", "vs generate()", "vs bf16", "sync s"):
                 t.add_column(c, justify="left" if c in ("engine", "flow") else "right", no_wrap=c in ("engine", "flow"))
             for x in xs:
                 flow = x["flow"] + (" (emul.)" if x["emulated"] else "")
                 t.add_row(x["engine"], flow, f"{x['s']:.3f}", f"{x['spread_s']:.3f}", f"{x['tokens_per_s']:.0f}",
                           _f(x["vs_generate"], "{:.2f}x"), _f(x["vs_bf16"], "{:.2f}x"), _f(x.get("sync_s"), "{:.4f}"))
-            console.print(t)
+            print_table(console, t, keep=2)
     if "train" in r:
         x0 = r["train"][0]
-        t = Table(title=f"train: one GRPO update, {x0['model']}, {x0['batch']} x {x0['seq']} tokens",
+        t = Table(title=escape(f"train: one GRPO update, {x0['model']}, {x0['batch']} x {x0['seq']} tokens"),
                   title_justify="left")
-        for c in ("flow", "fprop", "step s", "spread", "tokens/s", "step vs bf16", "saved act MiB", "act vs bf16",
-                  "peak MiB"):
+        for c in ("flow", "fprop", "step s", "spread", "tokens/s", "step vs bf16", "step vs HF", "saved act MiB",
+                  "act vs bf16", "peak MiB", "peak vs HF"):
             t.add_column(c, justify="left" if c in ("flow", "fprop") else "right")
         for x in r["train"]:
             t.add_row(x["flow"] + (" (emul.)" if x["emulated"] else ""), x["train"], f"{x['s']:.3f}",
                       f"{x['spread_s']:.3f}", f"{x['tokens_per_s']:.0f}", _f(x["step_vs_bf16"], "{:.2f}x"),
+                      _f(x.get("step_vs_transformers"), "{:.2f}x"),
                       f"{x['saved_activation_bytes'] / 2**20:.2f}", _f(x["activations_vs_bf16"], "{:.2f}x"),
-                      _f(x.get("peak_memory_bytes") and x["peak_memory_bytes"] / 2**20, "{:.0f}"))
-        console.print(t)
+                      _f(x.get("peak_memory_bytes") and x["peak_memory_bytes"] / 2**20, "{:.0f}"),
+                      _f(x.get("peak_vs_transformers"), "{:.2f}x"))
+        print_table(console, t, keep=1)
+        if r["train"][0].get("gemm_backends") is not None:
+            from .live import backend_lines
+
+            seen = set()
+            for x in r["train"]:
+                for line in backend_lines(x.get("gemm_backends")):
+                    if line not in seen:
+                        seen.add(line)
+                        console.print(escape(line), highlight=False)
     if "e2e" in r:
         t = Table(title="e2e: jetrl run, median seconds per step (eval excluded)", title_justify="left")
         for c in ("flow", "steps", "rollout", "score", "train", "sync", "step", "rollout share", "rollout tok/s"):
@@ -921,11 +941,11 @@ def render(res: dict, console) -> None:
             t.add_row(x["flow"] + (" (emul.)" if x["emulated"] else ""), str(x["steps"]), f"{x['rollout_s']:.2f}",
                       f"{x['score_s']:.2f}", f"{x['train_s']:.2f}", f"{x['sync_s']:.3f}", f"{x['step_s']:.2f}",
                       f"{100 * x['rollout_frac']:.0f}%", f"{x['rollout_tokens_per_s']:.0f}")
-        console.print(t)
+        print_table(console, t, keep=1)
     for tg in res["targets"]:
         style = "green" if tg["met"] else "yellow"
-        console.print(f"[{style}]target {'met' if tg['met'] else 'missed'}[/]: {tg['target']}: measured "
-                      f"{tg['value']:.2f}", highlight=False)
+        console.print(f"[{style}]target {'met' if tg['met'] else 'missed'}[/]: " + escape(f"{tg['target']}: measured "
+                      f"{tg['value']:.2f}"), highlight=False)
     if res["env"]["device"] == "cpu":
         console.print("[dim]CPU: FP8/INT8 and BF16 are emulated (fp32 matmuls on rounded values); ratios here are "
                       "not FP8 hardware speed-ups.[/]")

@@ -11,3 +11,4 @@ ROLLOUT_BACKENDS = ("embedded", "vllm")  # rl/loop.py build_engine
 VLLM_QUANTIZATIONS = ("jetrl", "fp8", "fp8-block", "none")  # engine/vllm_engine.py
 CHECKPOINT_FORMATS = ("fp8-block", "fp8-tensor", "fp8-channel", "int8-channel")  # quantize_ckpt.py
 TASKS = ("arith", "sort", "count", "mix", "jsonl")  # tasks.py build_task
+ANSWER_FORMATS = ("auto", "boxed_or_gsm8k", "boxed", "gsm8k", "last_number")  # tasks.py ANSWER_FORMATS

@@ -17,6 +17,8 @@ from . import choices
 from .errors import PresetError
 from .precision.flow import PrecisionFlow, parse_flow
 
+LOGGERS = ("jsonl", "tensorboard")  # run.loggers; jetrl_cli.rl.loggers writes them
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -36,6 +38,9 @@ class TaskConfig:
     answer_key: str = "answer"
     prompt_template: str = "{prompt}"  # str.format over the row's fields
     reward: str | None = None  # "package.module:function" (prompt, completion, answer) -> float
+    # how a completion's final answer is read: auto (\boxed{}, ####, else the last number) | boxed_or_gsm8k
+    # | boxed | gsm8k | last_number; default: auto for jsonl, boxed_or_gsm8k for the built-in tasks
+    answer_format: str | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,7 @@ class RunConfig:
     keep_checkpoints: int = 2
     log_samples: int = 2  # completions printed per eval
     save_rollouts: bool = True  # append each step's samples to rollouts.jsonl (for mismatch-report)
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])  # jsonl | tensorboard (pip install 'jetrl[tensorboard]')
 
 
 @dataclass(frozen=True)
@@ -131,6 +137,7 @@ SECTIONS = {
 CHOICES = {
     ("model", "device"): ("cpu", "cuda"),
     ("task", "name"): choices.TASKS,
+    ("task", "answer_format"): choices.ANSWER_FORMATS,
     ("rollout", "backend"): choices.ROLLOUT_BACKENDS,
     ("rollout", "vllm_quantization"): choices.VLLM_QUANTIZATIONS,
     ("rollout", "vllm_dtype"): ("float32", "bfloat16", "float16"),
@@ -203,7 +210,7 @@ def _section(src: str, name: str, cls, data) -> object:
             raise PresetError(src, f"{name}.{k}", f"unknown key (allowed: {', '.join(sorted(fields))})")
         key = f"{name}.{k}"
         v = _check_type(src, key, v, hints[k])
-        if (name, k) in CHOICES and v not in CHOICES[(name, k)]:
+        if (name, k) in CHOICES and v is not None and v not in CHOICES[(name, k)]:
             raise PresetError(src, key, f"{v!r} is not allowed (allowed: {', '.join(CHOICES[(name, k)])})")
         if (name, k) in POSITIVE and v is not None and not v > 0:
             raise PresetError(src, key, f"must be > 0, got {v!r}")
@@ -233,6 +240,13 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
         raise PresetError(source, "rollout.vllm_gpu_memory_utilization", f"must be in (0, 1], got {r.vllm_gpu_memory_utilization}")
     if c.mis_low >= c.mis_high:
         raise PresetError(source, "correction.mis_low", f"must be below mis_high ({c.mis_low} >= {c.mis_high})")
+    run = secs["run"]
+    for lg in run.loggers:
+        if lg not in LOGGERS:
+            raise PresetError(source, "run.loggers", f"{lg!r} is not a logger (allowed: {', '.join(LOGGERS)})")
+    if "jsonl" not in run.loggers:
+        raise PresetError(source, "run.loggers", "must include jsonl: metrics.jsonl is what --resume, the display "
+                          "and the plots read (add tensorboard next to it)")
     if t.minibatches > r.prompts_per_step:
         raise PresetError(source, "train.minibatches", f"more mini-batches ({t.minibatches}) than prompts per step")
     return JobConfig(name, source, flow, raw=data, **secs)

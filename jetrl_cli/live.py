@@ -8,6 +8,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
+
+from .tables import print_table
 
 
 def _f(v, spec=".3f") -> str:
@@ -56,6 +59,7 @@ class RunDisplay:
             TextColumn("{task.fields[info]}"), console=console, disable=not self.live,
         )
         self.task = None
+        self.checked_answers = False
 
     def __enter__(self):
         self.progress.__enter__()
@@ -65,14 +69,29 @@ class RunDisplay:
     def __exit__(self, *exc):
         self.progress.__exit__(*exc)
 
+    def note(self, msg: str, style: str = "yellow") -> None:
+        self.console.print(Text(msg, style=style), soft_wrap=True)
+
+    def resumed(self, step: int, checkpoint: Path) -> None:
+        self.note(f"resuming from step {step} (checkpoint {checkpoint})", style="bold")
+
     def step(self, m: dict) -> None:
         for text in backend_lines(m.get("gemm_backends")):
-            self.console.print(text, highlight=False, soft_wrap=True, markup=False)
+            self.console.print(text, highlight=False, markup=False)
+        if m["step"] >= 1 and not self.checked_answers:
+            self.checked_answers = True
+            if m.get("answer_found") == 0:
+                from .tasks import ANSWER_FORMATS, answer_format_of
+
+                self.note(f"warning: no completion of step {m['step']} had an answer that task.answer_format "
+                          f"{answer_format_of(self.cfg.task)!r} can read, so none can be scored correct; make the "
+                          "prompt ask for that form, or set task.answer_format "
+                          f"({', '.join(ANSWER_FORMATS)})")
         line = step_line(m)
         if self.live:
             self.progress.update(self.task, completed=m["step"], info=escape(line.split("  ", 1)[-1]))
         else:
-            self.console.print(line, highlight=False, soft_wrap=True)
+            self.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def eval_samples(self, samples: list[dict]) -> None:
         k = self.cfg.run.log_samples
@@ -85,7 +104,7 @@ class RunDisplay:
 
         steps = [m for m in lines if m["step"] > 0 and m.get("reward_mean") is not None]
         evals = [m for m in lines if "eval_accuracy" in m]
-        t = Table(title=f"{self.cfg.name}: {self.cfg.flow.short_str()}", title_justify="left")
+        t = Table(title=escape(f"{self.cfg.name}: {self.cfg.flow.short_str()}"), title_justify="left")
         for c in ("", "first", "last"):
             t.add_column(c, justify="right" if c else "left")
         if steps:
@@ -95,11 +114,12 @@ class RunDisplay:
                 t.add_row("mismatch KL", _f(kls[0], ".2e"), _f(kls[-1], ".2e"))
         if evals:
             t.add_row("eval accuracy", _f(evals[0]["eval_accuracy"]), _f(evals[-1]["eval_accuracy"]))
-        if steps:
-            tot = sum(m.get("step_s", 0) for m in steps)
-            split = {k: sum(m.get(k, 0) for m in steps) / max(tot, 1e-9) for k in ("rollout_s", "score_s", "train_s", "sync_s", "eval_s")}
+        if steps:  # step_s excludes the evals, which eval_s times (step 0's too)
+            tot = sum(m.get("step_s", 0) for m in steps) + sum(m.get("eval_s", 0) for m in lines)
+            split = {k: sum(m.get(k, 0) for m in (lines if k == "eval_s" else steps)) / max(tot, 1e-9)
+                     for k in ("rollout_s", "score_s", "train_s", "sync_s", "eval_s")}
             t.add_row("time", "", f"{tot:.0f}s (" + ", ".join(f"{k[:-2]} {v:.0%}" for k, v in split.items()) + ")")
-        self.console.print(t)
+        print_table(self.console, t)
         png = out / "curves.png"
         self.console.print(f"metrics: {out / 'metrics.jsonl'}" + (f"\ncurves:  {png}" if png.exists() else
-                           "\ncurves:  (pip install 'jetrl[plot]' for curves.png)"))
+                           "\ncurves:  (pip install 'jetrl[plot]' for curves.png)"), markup=False, highlight=False)

@@ -47,15 +47,48 @@ def load_yaml(path: str | Path) -> dict:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark else ""
+        line = yaml_error_line(text, e)
+        where = f"line {line}" if line else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise PresetError(str(path), where, f"invalid YAML: {problem}") from None
+        src = text.splitlines()[line - 1].strip() if line and line <= len(text.splitlines()) else ""
+        raise PresetError(str(path), where, f"invalid YAML: {problem}" + (f": {src!r}" if src else "")) from None
     if data is None:
         raise PresetError(str(path), "", "empty file")
     if not isinstance(data, dict):
         raise PresetError(str(path), "", f"expected a mapping at the top level, got {type(data).__name__}")
     return data
+
+
+def yaml_error_line(text: str, e) -> int | None:
+    """The 1-based line a YAML syntax error is on, as a person would point at it.
+
+    PyYAML marks where it noticed the problem, which for the commonest mistake, a key without its
+    ``:``, is the line after: ``path tiny`` followed by ``device: cpu`` reads as one plain scalar
+    ``path tiny device`` until the next ``:`` ("mapping values are not allowed here", marked on the
+    ``device`` line). There the line is where that scalar starts; for "could not find expected
+    ':'" it is where the key being scanned starts, and for an unclosed ``[`` or ``{`` where it
+    opens (the error's context mark)."""
+    import yaml
+
+    mark = getattr(e, "problem_mark", None)
+    if mark is None:
+        return None
+    problem = getattr(e, "problem", "") or ""
+    context = getattr(e, "context_mark", None)
+    where = getattr(e, "context", "") or ""
+    if context is not None and ("could not find expected ':'" in problem or "flow sequence" in where
+                                or "flow mapping" in where):
+        return context.line + 1
+    if "mapping values are not allowed" in problem:
+        last = None
+        try:
+            for tok in yaml.scan(text):
+                last = tok
+        except yaml.YAMLError:
+            pass
+        if isinstance(last, yaml.ScalarToken) and last.start_mark.line <= mark.line:
+            return last.start_mark.line + 1
+    return mark.line + 1
 
 
 def apply_overrides(data: dict, overrides: list[str], source: str) -> dict:

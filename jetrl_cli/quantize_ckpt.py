@@ -33,6 +33,7 @@ import torch
 
 from .choices import CHECKPOINT_FORMATS
 from .errors import JetrlError
+from .fileio import apply_umask
 from .models.hf import FLOAT_DTYPES, INDEX_FILE, check_model_dir, read_config, read_tensors, safetensors_files
 from .precision import CastSpec, error_stats, quantize
 from .precision.flow import DEFAULT_SKIP, PrecisionFlow
@@ -78,8 +79,10 @@ class QuantizeResult:
     format: str
     layers: list[LayerRow] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
-    bytes_before: int = 0
+    bytes_before: int = 0  # the quantized linear weights only, before and after
     bytes_after: int = 0
+    file_bytes_before: int = 0  # every safetensors file (embeddings, norms, skipped layers too)
+    file_bytes_after: int = 0
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -203,6 +206,8 @@ def quantize_checkpoint(
         if not result.layers:
             raise JetrlError(f"{src}: no linear weights to quantize (every 2-D weight is on the skip list?)")
         result.ignored = sorted(ignored)
+        result.file_bytes_before = sum(f.stat().st_size for f in files)
+        result.file_bytes_after = sum((tmp / f.name).stat().st_size for f in files)
 
         cfg = dict(raw_cfg)
         cfg["quantization_config"] = _quantization_config(fmt, result.ignored)
@@ -218,6 +223,7 @@ def quantize_checkpoint(
                 shutil.copytree(item, tmp / item.name)
             else:
                 shutil.copy2(item, tmp / item.name)
+        apply_umask(tmp, recursive=True)  # mkdtemp made it 0700; the output follows the umask
         _commit_dir(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -236,9 +242,9 @@ def _count_tensors(file: Path) -> int:
 
 
 def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
+    from .fileio import save_safetensors
 
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    save_safetensors(tensors, path, metadata={"format": "pt"})
 
 
 def _commit_dir(tmp: Path, dst: Path) -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from rich import box
-from rich.console import Group
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from .precision.flow import PrecisionFlow
 from .quantize_ckpt import QuantizeResult
+from .tables import print_table
 
 
 def _mib(n: int) -> str:
@@ -20,7 +21,7 @@ def _mib(n: int) -> str:
 
 def flow_table(flow: PrecisionFlow) -> Table:
     kind = "[green]on-policy[/]" if flow.is_on_policy else "[yellow]off-policy[/]"
-    t = Table(title=f"precision flow {flow.name}  {kind}", title_justify="left")
+    t = Table(title=f"precision flow {escape(flow.name)}  {kind}", title_justify="left")
     for col in ("side", "GEMM", "operand a", "operand b", "out", "backend"):
         t.add_column(col)
     r = flow.rollout.linear
@@ -31,7 +32,7 @@ def flow_table(flow: PrecisionFlow) -> Table:
         s = getattr(lin, g)
         a, b = names[g]
         t.add_row("train", g, f"{a} {s.a.short_str()}", f"{b} {s.b.short_str()}", s.out.short, s.backend)
-    t.caption = (
+    t.caption = escape(
         f"KV cache {flow.rollout.kv_cache.short_str()} · master weights {flow.train.master_weights.short} · "
         f"saved activations {'fp8' if lin.save_fp8_activations else 'high precision'} · "
         f"weight sync {flow.weight_sync.payload} · kept in high precision: {', '.join(flow.skip)}"
@@ -39,9 +40,10 @@ def flow_table(flow: PrecisionFlow) -> Table:
     return t
 
 
-def quantize_table(result: QuantizeResult) -> Group:
+def quantize_table(result: QuantizeResult) -> tuple[Table, Text]:
+    """The per-layer table and the summary lines under it."""
     fmt = result.layers[0].format if result.layers else ""
-    t = Table(title=f"{result.source} -> {result.output}\nformat {result.format}: weights {fmt}",
+    t = Table(title=escape(f"{result.source} -> {result.output}\nformat {result.format}: weights {fmt}"),
               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col, just in (("layer", "left"), ("shape", "left"), ("rel err", "right"), ("SQNR dB", "right"),
                       ("before", "right"), ("after", "right")):
@@ -53,13 +55,14 @@ def quantize_table(result: QuantizeResult) -> Group:
     n = len(result.layers)
     worst = max(result.layers, key=lambda r: r.rel_err)
     kept = ", ".join(result.ignored) if result.ignored else "none"
-    summary = Text.from_markup(
+    summary = Text(
         f"total: {n} layers quantized · worst rel err {worst.rel_err:.2e} ({worst.name}) · "
-        f"min SQNR {min(r.sqnr_db for r in result.layers):.1f} dB · checkpoint "
-        f"{_mib(result.bytes_before)} -> {_mib(result.bytes_after)}\n"
+        f"min SQNR {min(r.sqnr_db for r in result.layers):.1f} dB\n"
+        f"size: quantized linear layers {_mib(result.bytes_before)} -> {_mib(result.bytes_after)} · "
+        f"checkpoint files {_mib(result.file_bytes_before)} -> {_mib(result.file_bytes_after)}\n"
         f"kept in high precision: {kept} (linear layers on the skip list), embeddings, norms"
     )
-    return Group(t, summary)
+    return t, summary
 
 
 def _fmt(v) -> str:
@@ -71,9 +74,23 @@ def _fmt(v) -> str:
 
 
 def summary_table(title: str, values: dict) -> Table:
-    t = Table(title=title, title_justify="left", box=box.SIMPLE, show_header=False)
+    t = Table(title=escape(title), title_justify="left", box=box.SIMPLE, show_header=False)
     t.add_column("metric", style="bold")
     t.add_column("value", justify="right")
     for k, v in values.items():
         t.add_row(k, _fmt(v))
     return t
+
+
+def print_flow(console, flow: PrecisionFlow) -> None:
+    print_table(console, flow_table(flow), keep=2)
+
+
+def print_quantize(console, result: QuantizeResult) -> None:
+    t, summary = quantize_table(result)
+    print_table(console, t)
+    console.print(summary)
+
+
+def print_summary(console, title: str, values: dict) -> None:
+    print_table(console, summary_table(title, values))

@@ -27,6 +27,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable
 
+from . import choices
 from .choices import TASKS
 from .errors import JetrlError
 
@@ -50,22 +51,65 @@ def _is_eval(prompt: str) -> bool:
 _NUM = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?$")
 
 
-def extract_answer(text: str) -> str | None:
-    """The final answer of a completion: the last ``\\boxed{...}``, else the text after the last
-    ``####`` (to the end of that line), else None."""
+def extract_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (braces balanced), or None."""
     i = text.rfind("\\boxed{")
-    if i >= 0:
-        depth, j = 1, i + len("\\boxed{")
-        start = j
-        while j < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[j], 0)
-            j += 1
-        if depth == 0:
-            return text[start:j - 1].strip()
+    if i < 0:
+        return None
+    depth, j = 1, i + len("\\boxed{")
+    start = j
+    while j < len(text) and depth:
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        j += 1
+    return text[start:j - 1].strip() if depth == 0 else None
+
+
+def extract_gsm8k(text: str) -> str | None:
+    """The text after the last ``####``, to the end of that line (GSM8K's answer marker), or None."""
     i = text.rfind("####")
-    if i >= 0:
-        return text[i + 4:].strip().split("\n")[0].strip()
-    return None
+    return text[i + 4:].strip().split("\n")[0].strip() if i >= 0 else None
+
+
+# A number as people write it: 42, -3, 1,000, 2.5, .5, 3/4 (not the minus of "12-3").
+_LAST_NUMBER = re.compile(r"(?<![\w.])-?(?:\d[\d,]*(?:\.\d+)?(?:/\d+)?|\.\d+)")
+
+
+def extract_last_number(text: str) -> str | None:
+    """The last number in the completion (``The answer is 1,234.`` -> ``1,234``), or None."""
+    found = _LAST_NUMBER.findall(text)
+    return found[-1].rstrip(",") if found else None
+
+
+def _boxed_or_gsm8k(text: str) -> str | None:
+    return extract_boxed(text) or extract_gsm8k(text)
+
+
+def _auto(text: str) -> str | None:
+    return _boxed_or_gsm8k(text) or extract_last_number(text)
+
+
+# task.answer_format -> how the final answer is read from a completion.
+ANSWER_FORMATS = {
+    "auto": _auto,  # \boxed{}, else ####, else the last number
+    "boxed_or_gsm8k": _boxed_or_gsm8k,  # \boxed{}, else ####; nothing else counts
+    "boxed": extract_boxed,
+    "gsm8k": extract_gsm8k,
+    "last_number": extract_last_number,
+}
+assert tuple(ANSWER_FORMATS) == choices.ANSWER_FORMATS, "jetrl_cli/choices.py and tasks.ANSWER_FORMATS disagree"
+
+
+def answer_format_of(task_cfg) -> str:
+    """``task.answer_format``, or its default: ``auto`` for ``jsonl`` data (a plain-number answer
+    counts), ``boxed_or_gsm8k`` for the built-in tasks (their completions end with ``#### answer``)."""
+    fmt = getattr(task_cfg, "answer_format", None)
+    return fmt or ("auto" if task_cfg.name == "jsonl" else "boxed_or_gsm8k")
+
+
+def extract_answer(text: str, answer_format: str = "boxed_or_gsm8k") -> str | None:
+    """The final answer of a completion as ``answer_format`` reads it (see ``ANSWER_FORMATS``), or
+    None (an empty ``\\boxed{}`` or a bare ``####`` is no answer)."""
+    return ANSWER_FORMATS[answer_format](text) or None
 
 
 def normalize(ans: str) -> str | Fraction:
@@ -107,16 +151,21 @@ def read_jsonl(path: Path, what: str):
 
 class Task(abc.ABC):
     name = "task"
+    answer_format = "boxed_or_gsm8k"
 
     @abc.abstractmethod
     def problems(self, rng: random.Random, n: int, split: str) -> list[Problem]:
         """``n`` problems of ``split`` drawn with ``rng``."""
 
+    def extract(self, completion: str) -> str | None:
+        """The completion's final answer as ``task.answer_format`` reads it; None if it has none."""
+        return extract_answer(completion, self.answer_format)
+
     def reward(self, problem: Problem, completion: str) -> float:
-        return 1.0 if answers_match(extract_answer(completion), problem.answer) else 0.0
+        return 1.0 if self.correct(problem, completion) else 0.0
 
     def correct(self, problem: Problem, completion: str) -> bool:
-        return answers_match(extract_answer(completion), problem.answer)
+        return answers_match(self.extract(completion), problem.answer)
 
 
 class _Synthetic(Task):
@@ -191,9 +240,11 @@ class Mix(_Synthetic):
 
 class JsonlTask(Task):
     """Prompt/answer pairs from JSONL. GSM8K-style answers (``... #### 72``) are reduced to the part
-    after ``####``; completions are checked by ``\\boxed{}`` or ``####`` with numeric normalisation."""
+    after ``####``; completions are read by ``task.answer_format`` (default ``auto``: ``\\boxed{}``,
+    ``####``, else the last number) and compared with numeric normalisation."""
 
     name = "jsonl"
+    answer_format = "auto"
 
     def __init__(self, file: str, eval_file: str | None, eval_fraction: float, prompt_key: str,
                  answer_key: str, template: str, seed: int):
@@ -251,6 +302,7 @@ class UserReward(Task):
 
     def __init__(self, inner: Task, fn: Callable):
         self.inner, self.fn, self.name = inner, fn, inner.name
+        self.answer_format = inner.answer_format
 
     def problems(self, rng, n, split):
         return self.inner.problems(rng, n, split)
@@ -312,6 +364,7 @@ def build_task(cfg, seed: int) -> Task:
                          cfg.prompt_template, seed)
     else:
         raise JetrlError(f"task.name: unknown task {cfg.name!r} (allowed: {', '.join(TASKS)})")
+    task.answer_format = answer_format_of(cfg)
     if cfg.reward:
         task = UserReward(task, load_reward_fn(cfg.reward))
     return task

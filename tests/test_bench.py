@@ -87,7 +87,8 @@ def test_quantize_catches_a_wrong_triton_quantizer():
 
 
 def test_rollout_train_and_e2e_modes():
-    rows = bench("rollout", "--batch", 2, "--new-tokens", 4, "--flows", "bf16", *FAST)["results"]["rollout"]
+    out_r = bench("rollout", "--batch", 2, "--new-tokens", 4, "--flows", "bf16", *FAST)
+    rows = out_r["results"]["rollout"]
     fixed = [r for r in rows if r["workload"] == "fixed"]
     assert [(r["engine"], r["flow"]) for r in fixed] == [
         ("transformers generate()", "fp32"), ("jetrl embedded", "fp32"), ("jetrl embedded", "bf16")]
@@ -111,10 +112,17 @@ def test_rollout_train_and_e2e_modes():
     # the unified flow saves its linear inputs in FP8, the bf16 flow in the activation dtype
     assert 0 < u["saved_activation_bytes"] < bf["saved_activation_bytes"]
     assert any(t["target"].startswith("fp8-unified saved activations") for t in out["targets"])
-    rows = bench("e2e", "--steps", 1, "--flows", "fp8-unified", *FAST)["results"]["e2e"]
+    out_e = bench("e2e", "--steps", 1, "--flows", "fp8-unified", *FAST)
+    rows = out_e["results"]["e2e"]
     r = rows[0]
     assert r["flow"] == "fp8-unified" and r["steps"] == 1
     assert all(r[k] >= 0 for k in ("rollout_s", "score_s", "train_s", "sync_s")) and r["step_s"] > r["rollout_s"]
+    # all three modes' tables at 80 columns (what `jetrl bench ... | cat` prints)
+    res = {"env": out["env"], "results": {"rollout": out_r["results"]["rollout"], "train": out["results"]["train"],
+                                          "e2e": rows}, "targets": out_r["targets"] + out["targets"]}
+    assert_readable_at_80_columns(res, [f"{x['tokens_per_s']:.0f}" for x in out_r["results"]["rollout"]]
+                                  + [f"{x['s']:.3f}" for x in out["results"]["train"]]
+                                  + [f"{x['step_s']:.2f}" for x in rows])
 
 
 def test_train_bench_keeps_the_first_layers():
@@ -125,7 +133,8 @@ def test_train_bench_keeps_the_first_layers():
 
 
 def test_model_shapes_are_real_configs_and_their_transformers_twin_matches():
-    from jetrl_cli.models.shapes import SHAPES, hf_config_dict, random_model, transformers_twin, with_layers
+    from jetrl_cli.models.shapes import SHAPES, random_model, with_layers
+    from jetrl_cli.models.transformers_ref import hf_config_dict, transformers_twin
 
     q = SHAPES["qwen2.5-1.5b"]  # published config.json values
     assert (q.hidden_size, q.intermediate_size, q.num_attention_heads, q.num_key_value_heads, q.vocab_size) == (
@@ -140,7 +149,7 @@ def test_model_shapes_are_real_configs_and_their_transformers_twin_matches():
         m = random_model(tiny_config(kind, hidden=128, layers=2, vocab=256), seed=3)
         ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
-            ours, theirs = m(ids), transformers_twin(m)(ids).logits
+            ours, theirs = m(ids), transformers_twin(m, torch.float32)(ids).logits
         assert (ours - theirs).abs().max() < 1e-4
 
 
@@ -151,8 +160,41 @@ def test_history_and_out_file(tmp_path):
         assert res.exit_code == 0, res.output
     lines = (tmp_path / "h.jsonl").read_text().splitlines()
     assert len(lines) == 2 and json.loads(lines[1])["results"]["gemm"]
-    assert json.loads((tmp_path / "r.json").read_text())["results"]["gemm"]
-    assert "gemm" in res.stdout and "emulated" in res.stdout
+    rows = json.loads((tmp_path / "r.json").read_text())["results"]["gemm"]
+    # the tables as piped output shows them (80 columns): every number whole, none cut to "0…"
+    assert "…" not in res.stdout and all(len(line) <= 80 for line in res.stdout.splitlines())
+    for r in rows:
+        if "skipped" in r:  # listed below the table with its reason
+            assert f"not run: {r['variant']} @ {r['backend']}" in res.stdout
+            continue
+        for number in (f"{r['tflops']:.3f}", f"{r['rel_err']:.1e}", f"{r['sqnr_db']:.1f}", f"{r['vs_bf16']:.2f}x"):
+            assert number in res.stdout, number
+
+
+def assert_readable_at_80_columns(res: dict, numbers: list[str]) -> None:
+    """``bench.render`` on an 80-column console (piped output): no cell cut, the numbers all there."""
+    import io
+
+    from rich.console import Console
+
+    from jetrl_cli import bench as bench_mod
+
+    con = Console(width=80, file=io.StringIO())
+    bench_mod.render(res, con)
+    text = con.file.getvalue()
+    assert "…" not in text and all(len(line) <= 80 for line in text.splitlines()), text
+    for n in numbers:
+        assert n in text, (n, text)
+
+
+@pytest.mark.parametrize("given, model, want", [
+    (None, "tiny", "fp8-unified"), (None, "/models/SmolLM2-135M", None), ("none", "tiny", None),
+    ("qurl", "/models/SmolLM2-135M", "qurl"),
+])
+def test_task_shaped_rollout_batch_is_opt_in_for_a_users_model(given, model, want):
+    from jetrl_cli.cli import _bench_task_preset
+
+    assert _bench_task_preset(given, model) == want
 
 
 @pytest.mark.parametrize("args, msg", [
@@ -174,3 +216,21 @@ def test_bad_input_is_one_line(args, msg):
 def test_cuda_without_gpu_is_a_clear_error():
     res = runner.invoke(app, ["bench", "gemm", "--device", "cuda", "--no-history"])
     assert res.exit_code == 2 and "--device cuda: torch sees no CUDA device" in res.stderr
+
+
+def test_generate_reference_loads_quietly(capfd):
+    """`bench` builds transformers' model without its dtype deprecation warning or loading bar."""
+    pytest.importorskip("transformers")
+    from transformers.utils import logging as hf_logging
+
+    from jetrl_cli.models.hf import load_model
+    from jetrl_cli.models.transformers_ref import _dtype_kwarg, transformers_twin
+    from jetrl_cli.rl.loop import tiny_policy_dir
+
+    before = (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled())
+    model = transformers_twin(load_model(tiny_policy_dir()), torch.float32).eval()
+    out, err = capfd.readouterr()
+    assert next(model.parameters()).dtype == torch.float32 and not model.training
+    assert "deprecated" not in out + err and "Loading" not in out + err and "%|" not in out + err, out + err
+    assert (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()) == before
+    assert _dtype_kwarg("4.45.2") == "torch_dtype" and _dtype_kwarg("4.56.0") == "dtype" and _dtype_kwarg("5.0.0rc1") == "dtype"

@@ -20,6 +20,7 @@ from jetrl_cli.rl.algos import CorrectionConfig
 from jetrl_cli.config import TrainConfig
 
 WIDTH = 64
+SEED = 20261123  # generators drawn in the tests below; a failure reproduces with the same draws
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +260,7 @@ def test_group_prompts_share_one_prefill_with_the_same_bits(model, flow_name):
     and logits equal a prefill of every row, and sampling is unchanged."""
     m = copy.deepcopy(model).eval()
     apply_flow(m, named_flow(flow_name), "rollout")
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    g = torch.Generator().manual_seed(SEED)
     distinct = [torch.randint(3, 60, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (3,), generator=g)]
     which = [0, 0, 1, 2, 2, 2, 1]
     prompts = [distinct[i] for i in which]
@@ -338,7 +339,7 @@ def test_rows_dropped_mid_rollout_keep_logprobs_bitwise_on_policy(model, flow_na
         return orig(tokens, cache)
 
     eng.model.decode = decode
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    g = torch.Generator().manual_seed(SEED + 1)
     prompts = [torch.randint(1, 512, (int(k),), generator=g).tolist() for k in torch.randint(2, 14, (5,), generator=g)]
     out = eng.generate(prompts, sp, seed=11)
     assert len(set(sizes)) >= 3 and all(s % 8 == 0 for s in sizes)  # compacted, to whole row tiles

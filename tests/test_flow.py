@@ -1,5 +1,6 @@
 """Precision flows as data: named flows, YAML presets, one-line errors naming file and key."""
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,12 @@ def test_repo_has_presets_and_they_are_the_shipped_ones():
 
 @pytest.mark.parametrize("path", REPO_PRESETS, ids=lambda p: p.name)
 def test_every_preset_loads_validates_and_documents_itself(path):
-    first = path.read_text().splitlines()[0]
-    assert first.startswith("# "), f"{path.name} must start with a comment saying what it shows"
-    assert "jetrl " in path.read_text().split("\n\n")[0] + path.read_text(), "preset names its command"
+    lines = path.read_text().splitlines()
+    assert lines[0].startswith("# "), f"{path.name} must start with a comment saying what it shows"
+    header = list(itertools.takewhile(lambda line: line.startswith("#"), lines))
+    commands = [line.lstrip("#").strip() for line in header if line.lstrip("#").strip().startswith("jetrl ")]
+    assert commands, f"{path.name}: its leading comment must give the command that runs it"
+    assert commands[0].split()[:3] == ["jetrl", "run", f"presets/{path.name}"], commands[0]
     preset = load_preset(str(path))
     assert preset.flow.short_str()
     # the printed dict form parses back to the same flow
@@ -86,7 +90,7 @@ BAD = [
      "precision.rollout.linear", "both operands must be 8-bit or neither"),
     ("precision: {base: bf16, weight_sync: quantized}\n", "precision.weight_sync", "needs an 8-bit rollout weight"),
     ("precision: {base: bf16, rollout: {kv_cache: int8 row}}\n", "precision.rollout.kv_cache", "int8 KV cache"),
-    ("precision: {base: bf16, rollout: {kv_cache: fp8_e4m3}}\n", "precision.rollout.kv_cache", "takes 'row' scales"),
+    ("precision: {base: bf16, rollout: {kv_cache: fp8_e4m3 tensor}}\n", "precision.rollout.kv_cache", "takes 'row' scales"),
     ("precision: {base: bf16, train: {master_weights: fp8_e4m3}}\n", "precision.train.master_weights", "not allowed"),
     ("precision: {base: bf16, train: {fprop: {input: bf16, weight: bf16, backend: cutlass}}}\n",
      "precision.train.fprop.backend", "unknown backend"),
@@ -126,6 +130,10 @@ def test_missing_preset_file(tmp_path):
 def test_shipped_preset_by_name_and_overrides():
     p = load_preset("fp8-unified", overrides=["precision.rollout.kv_cache=fp8_e4m3 row"])
     assert p.flow.rollout.kv_cache.format is Format.FP8_E4M3
+    # an fp8 KV cache has one granularity, per token and head: a bare format means it (the README's example)
+    bare = load_preset("fp8-rollout", overrides=["precision.rollout.kv_cache=fp8_e4m3"])
+    assert bare.flow.rollout.kv_cache == p.flow.rollout.kv_cache and bare.flow.rollout.kv_cache.block == Block.parse("row")
+    assert load_preset("bf16", overrides=["precision.rollout.kv_cache=fp32"]).flow.rollout.kv_cache.block == Block.parse("tensor")
     p = load_preset("bf16", overrides=["precision.train.wgrad.out=bf16"])
     assert p.flow.train.linear.wgrad.out is Format.BF16 and p.flow.name == "bf16"
     with pytest.raises(PresetError, match="precision.train.wgrad.out"):

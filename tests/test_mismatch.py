@@ -1,11 +1,13 @@
 """`jetrl mismatch-report`: its statistics by hand, its agreement with the trainer's logs, and the
 report on the tiny policy (unified and bf16 flows on-policy, fp8-rollout not, every layer listed)."""
 
+import io
 import json
 import math
 
 import pytest
 import torch
+from rich.console import Console
 from typer.testing import CliRunner
 
 from jetrl_cli.cli import app
@@ -46,7 +48,7 @@ def _by_hand(lt, lr, mask, cfg):
         "abs_dp_mean": sum(abs(math.exp(a) - math.exp(b)) for a, b in toks) / n,
         "abs_dp_max": max(abs(math.exp(a) - math.exp(b)) for a, b in toks),
         "prob_err": sum(math.exp(abs(x)) for x in d) / n,
-        "chi2": sum(x * x for x in r) / n - 1,
+        "chi2": sum((x - sum(r) / n) ** 2 for x in r) / n / (sum(r) / n) ** 2,
         "ess": sum(r) ** 2 / (n * sum(x * x for x in r)),
         "frac_above_tis_cap": sum(x > cfg.tis_cap for x in r) / n,
         "frac_outside_mis": sum(x < cfg.mis_low or x > cfg.mis_high for x in r) / n,
@@ -57,7 +59,7 @@ def _by_hand(lt, lr, mask, cfg):
 
 
 def test_every_mismatch_statistic_against_plain_python():
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(20261123)
     lr = -torch.rand(6, 9, generator=g) * 3
     lt = lr + torch.randn(6, 9, generator=g) * 0.8
     lt[0, :4] = lr[0, :4]  # some bitwise-equal tokens
@@ -69,6 +71,25 @@ def test_every_mismatch_statistic_against_plain_python():
     want = _by_hand(lt, lr, mask, cfg)
     for k, v in want.items():
         assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+
+
+def test_chi2_is_never_negative_and_agrees_with_ess():
+    """The plain mean(r^2) - 1 goes negative when the batch's weights are all below 1 (as reported
+    for fp8-rollout, -3.45e-05); the self-normalised estimate cannot."""
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    lr = torch.zeros(2, 4)
+    lt = torch.full((2, 4), -0.01)  # every r = exp(-0.01) < 1: mean(r^2) - 1 = -0.0198
+    lt[0, 0] = -0.02
+    m = mismatch_metrics(lt, lr, mask)
+    r = torch.tensor([math.exp(-0.02)] + [math.exp(-0.01)] * 7, dtype=torch.float64)
+    assert float((r * r).mean() - 1) < 0  # what the old estimator reported
+    assert m["chi2"] == pytest.approx(float(r.var(unbiased=False) / r.mean() ** 2), rel=1e-9) and m["chi2"] > 0
+    assert 1 / (1 + m["chi2"]) == pytest.approx(m["ess"], rel=1e-12)
+    assert mismatch_metrics(lt.fill_(-0.01), lr, mask)["chi2"] == 0.0  # equal weights: exactly 0
+    g = torch.Generator().manual_seed(7)
+    for _ in range(20):
+        lt = -torch.rand(3, 16, generator=g) * 0.05  # pi_train below pi_rollout everywhere
+        assert mismatch_metrics(lt, torch.zeros(3, 16), torch.ones(3, 16, dtype=torch.bool))["chi2"] >= 0
 
 
 def test_positions_buckets_and_divergence_by_hand():
@@ -126,10 +147,22 @@ def test_report_numbers_equal_the_trainers_logs(tmp_path):
         assert logged[k] == v, k  # the same function on the same tensors: exactly equal
 
 
-def test_report_on_the_tiny_policy(tmp_path):
+def test_report_on_the_tiny_policy(tmp_path, monkeypatch):
+    passes: list[list] = []  # per attributed flow, in order: (done, total) of every scoring pass
+    attribute = mm.layer_attribution
+
+    def counting(*args):  # the attribution's progress callback, as the progress bar sees it
+        *rest, on_pass = args
+        passes.append([])
+        return attribute(*rest, lambda what, done, total: (passes[-1].append((done, total)),
+                                                            on_pass and on_pass(what, done, total)))
+
+    monkeypatch.setattr(mm, "layer_attribution", counting)
     res = invoke("mismatch-report", "fp8-rollout", "--flows", "preset,bf16,fp8-unified", "--lengths", "6,12",
-                 "--prompts", 3, "--attribution-sequences", 4, "--json", "--out", tmp_path / "rep", *sets(SMALL))
+                 "--prompts", 3, "--attribution-sequences", 4, "--attribution-layers", 1, "--json",
+                 "--out", tmp_path / "rep", *sets(SMALL))
     assert res.exit_code == 0, res.output
+    assert res.stderr.strip(), "progress goes to stderr with --json too"
     rep = json.loads(res.stdout)
     flows = {f["flow"]: f for f in rep["flows"]}
     assert list(flows) == ["fp8-rollout", "bf16", "fp8-unified"]
@@ -139,20 +172,57 @@ def test_report_on_the_tiny_policy(tmp_path):
         assert f["summary"]["frac_bitwise_equal"] == 1.0 and f["top_tokens"] == []
         assert all(r["mismatch_kl"] == 0.0 for r in f["by_length"] + f["by_position"])
         assert f["greedy"]["vs_train"]["diverged_frac"] == 0.0
-        assert all(r["rel_diff"] == 0.0 and r["kl_alone"] == 0.0 for r in f["layers"])
+        assert all(r["rel_diff"] == 0.0 and r["kl_alone"] is None for r in f["layers"])
+        assert [d["kl_alone"] for d in f["decoder_layers"]] == [0.0] * 4 and f["refined_layers"] == []
+        assert passes[list(flows).index(name)][-1] == (4, 4)  # one pass per decoder layer, none refined
     off = flows["fp8-rollout"]
     assert off["status"] == "drift" and off["summary"]["mismatch_kl"] > 0
     assert [r["length"] for r in off["by_length"]] == [6, 12] and off["by_length"][1]["tokens"] == 3 * 2 * 12
     assert off["rollout_vs_fp32"]["mismatch_kl"] > 0 and off["top_tokens"]
-    assert off["top_layer"] is not None and any(r["kl_alone"] > 0 for r in off["layers"])
-    # every quantized layer is attributed: 7 linears in each of the tiny policy's 4 layers
+    # coarse to fine: each of the 4 decoder layers alone, then the 7 linears of the worst one alone
+    dec = {d["layer"]: d["kl_alone"] for d in off["decoder_layers"]}
+    assert sorted(dec) == [0, 1, 2, 3] and max(dec.values()) > 0
+    worst = max(dec, key=dec.get)
+    assert off["refined_layers"] == [worst] and passes[0][-1] == (4 + 7, 4 + 7)
+    alone = {r["name"]: r["kl_alone"] for r in off["layers"] if r["kl_alone"] is not None}
+    assert sorted(alone) == sorted(r["name"] for r in off["layers"] if r["name"].startswith(f"model.layers.{worst}."))
+    assert len(alone) == 7 and any(v > 0 for v in alone.values())
+    assert off["top_layer"] == max(alone, key=alone.get)
+    # every quantized layer gets its output error: 7 linears in each of the tiny policy's 4 layers
     names = [r["name"] for r in off["layers"]]
     assert len(names) == 28 and "model.layers.3.mlp.down_proj" in names and "lm_head" not in names
     assert all(r["rel_err_rollout"] > r["rel_err_train"] > 0 for r in off["layers"])  # fp8 vs bf16, both vs fp32
     assert len(off["hidden"]) == 4
     for p in ("report.md", "report.json", "drift_vs_position.png", "layer_error.png"):
         assert (tmp_path / "rep" / p).stat().st_size > 0
-    assert "fp8-rollout" in (tmp_path / "rep" / "report.md").read_text()
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert f"**fp8-rollout** ({off['description']}): {off['verdict']}" in md
+    assert f"| {worst} | {mm._fmt(dec[worst])} |" in md  # the decoder-layer table
+    # the tables as `jetrl mismatch-report ... | cat` prints them: 80 columns, no number cut
+    con = Console(width=80, file=io.StringIO())
+    mm.render(rep, con)
+    text = con.file.getvalue()
+    assert "…" not in text and all(len(line) <= 80 for line in text.splitlines()), text
+    for f in flows.values():
+        for r in f["by_position"]:  # the "KL by position" row that read "0.00… │ 8.10… │ 4.77…"
+            assert mm._fmt(r["mismatch_kl"]) in text
+        assert mm._fmt(f["summary"]["chi2"]) in text and f["summary"]["chi2"] >= 0
+    assert mm._fmt(alone[off["top_layer"]]) in text and mm.short_name(off["top_layer"]) in text
+
+
+def test_kl_plots_have_no_negative_ticks():
+    """KL is non-negative: the symlog axes start at 0 instead of mirroring below it."""
+    pytest.importorskip("matplotlib")
+    from jetrl_cli.rl.plots import curves_figure
+
+    flows = [{"flow": name, "by_position": [{"lo": 4 * i, "hi": 4 * i + 4, "mismatch_kl": kl * i, "abs_dlogp_mean": kl}
+                                            for i in range(8)]} for name, kl in (("a", 0.0), ("b", 3e-4))]
+    runs = [(name, [{"step": s, "reward_mean": 0.5, "mismatch_kl": kl * s} for s in range(1, 6)])
+            for name, kl in (("a", 0.0), ("b", 2e-3))]
+    for ax in (mm.drift_figure(flows).axes[0], curves_figure(runs).axes[2]):
+        lo, hi = ax.get_ylim()
+        assert lo == 0 and hi > 0
+        assert all(t >= 0 for t in ax.get_yticks() if lo <= t <= hi)
 
 
 def test_fail_above_is_a_ci_gate(tmp_path):

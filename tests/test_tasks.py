@@ -19,6 +19,36 @@ def test_extract_answer(text, ans):
     assert extract_answer(text) == ans
 
 
+@pytest.mark.parametrize("fmt,text,ans", [
+    ("auto", "7", "7"), ("auto", " The answer is 1,234.", "1,234"), ("auto", "3+4=7, so 7.", "7"),
+    ("auto", "12-3 gives -9? no: 9", "9"), ("auto", "half: .5", ".5"), ("auto", "x = 3/4", "3/4"),
+    ("auto", "is it -5", "-5"), ("auto", "12-3", "3"), ("auto", "no digits", None),
+    ("auto", "\\boxed{12} or 13", "12"), ("auto", "#### 8 then 9", "8 then 9"),
+    ("last_number", "#### 8 then 9", "9"), ("boxed", "#### 8", None), ("boxed", "so \\boxed{8}", "8"),
+    ("gsm8k", "\\boxed{8}", None), ("gsm8k", "#### 8", "8"), ("boxed_or_gsm8k", "the answer is 8", None),
+    ("auto", "\\boxed{} 5", "5"), ("boxed_or_gsm8k", "####", None),
+])
+def test_answer_formats(fmt, text, ans):
+    assert extract_answer(text, fmt) == ans
+
+
+def test_answer_format_defaults_and_what_a_plain_number_answer_scores(tmp_path):
+    """SmolLM2-style: 'What is A plus B? Answer with just the number.' -> ' 7'."""
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"What is {i} plus 4? Answer with just the number.",
+                                     "answer": str(i + 4)}) + "\n" for i in range(20)))
+    jsonl = build_task(TaskConfig(name="jsonl", file=str(f)), 0)
+    p = jsonl.problems(random.Random(0), 1, "train")[0]
+    assert jsonl.answer_format == "auto" and jsonl.reward(p, f" {p.answer}") == 1.0
+    assert jsonl.extract(" I think 9") == "9" and jsonl.reward(p, " no idea") == 0.0
+    strict = build_task(TaskConfig(name="jsonl", file=str(f), answer_format="boxed_or_gsm8k"), 0)
+    assert strict.reward(p, f" {p.answer}") == 0.0 and strict.extract(f" {p.answer}") is None
+    arith = build_task(TaskConfig(name="arith", digits=2), 0)
+    q = arith.problems(random.Random(0), 1, "train")[0]
+    assert arith.answer_format == "boxed_or_gsm8k" and arith.reward(q, q.answer) == 0.0  # needs '#### '
+    assert build_task(TaskConfig(name="arith", answer_format="last_number"), 0).reward(q, q.answer) == 1.0
+
+
 @pytest.mark.parametrize("pred,ref,ok", [
     ("1,000", "1000", True), ("$1000.00", "1000", True), ("0.5", "\\frac{1}{2}", True), ("1/2", "0.5", True),
     ("72", "72.0", True), ("1e3", "1000", True), ("71", "72", False), ("1 2 3", "1  2 3", True), ("abc", "abd", False),
@@ -85,9 +115,10 @@ def test_jsonl_task_bad_input(tmp_path, rows, msg):
 def test_user_reward_by_import_path(tmp_path, monkeypatch):
     (tmp_path / "myreward.py").write_text("def score(prompt, completion, answer):\n    return len(completion) / 10\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    task = build_task(TaskConfig(name="arith", digits=2, reward="myreward:score"), 0)
+    task = build_task(TaskConfig(name="arith", digits=2, reward="myreward:score", answer_format="gsm8k"), 0)
     p = task.problems(random.Random(0), 1, "train")[0]
     assert task.reward(p, "x" * 5) == 0.5
+    assert task.answer_format == "gsm8k" and task.extract("\\boxed{3} #### 4") == "4"
     assert task.correct(p, " " + p.solution)
     with pytest.raises(JetrlError, match="cannot import"):
         build_task(TaskConfig(reward="no_such_module_xyz:f"), 0)

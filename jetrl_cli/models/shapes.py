@@ -1,5 +1,5 @@
-"""Models to benchmark without weights: real models' shapes with random weights, and their
-``transformers`` twins.
+"""Models to benchmark without weights: real models' shapes with random weights (their
+``transformers`` twins: ``transformers_ref.transformers_twin``).
 
 ``jetrl bench --model qwen2.5-1.5b`` builds a model with Qwen2.5-1.5B's configuration (hidden
 size, heads, vocabulary, biases, RoPE) and random weights, so speed and memory can be measured on
@@ -69,46 +69,6 @@ def truncate_layers(model: LlamaForCausalLM, layers: int | None) -> LlamaForCaus
         model.model.layers = model.model.layers[:layers]
         model.config = cfg
     return model
-
-
-def hf_config_dict(cfg: ModelConfig) -> dict:
-    """A ``config.json`` for ``transformers`` describing ``cfg``."""
-    arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}[cfg.model_type]
-    d = {
-        "architectures": [arch], "model_type": cfg.model_type, "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
-        "torch_dtype": "float32",
-    }
-    if cfg.rope_scaling:
-        d["rope_scaling"] = dict(cfg.rope_scaling)
-    if cfg.model_type == "llama":
-        d["attention_bias"] = cfg.attention_bias
-        d["mlp_bias"] = cfg.mlp_bias
-    return d
-
-
-def transformers_twin(model: LlamaForCausalLM, dtype: torch.dtype = torch.float32):
-    """The same model and weights as a ``transformers`` model (SDPA attention), on the same device.
-    Needs the optional ``transformers`` package (in ``jetrl[dev]``)."""
-    import transformers
-
-    hf_cfg = transformers.AutoConfig.for_model(**hf_config_dict(model.config))
-    dev = model.lm_head.weight.device
-    with torch.device(dev):
-        try:
-            hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=dtype)
-        except TypeError:  # transformers < 4.56 names it torch_dtype
-            hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", torch_dtype=dtype)
-    state = {k: v for k, v in model.state_dict().items()}
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise RuntimeError(f"transformers twin: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    return hf.to(dtype)
 
 
 def load_bench_model(name: str, layers: int | None = None):

@@ -94,7 +94,7 @@ class LinearPrecision:
 @dataclass(frozen=True)
 class KVCacheSpec:
     format: Format = Format.BF16
-    block: Block = Block(0, 0)  # fp8 KV: per-tensor by default, or "row" (per token and head)
+    block: Block = Block(0, 0)  # fp8 KV: "row" (one scale per token and head), the only granularity allowed
 
     def short_str(self) -> str:
         return CastSpec(self.format, self.block).short_str()
@@ -249,7 +249,7 @@ class _Ctx:
         return value
 
 
-def _parse_cast(ctx: _Ctx, value, key: str) -> CastSpec:
+def _parse_cast(ctx: _Ctx, value, key: str, default_block: str = "tensor") -> CastSpec:
     if isinstance(value, str):
         parts = value.split()
         if not parts:
@@ -274,7 +274,7 @@ def _parse_cast(ctx: _Ctx, value, key: str) -> CastSpec:
     except ValueError as e:
         ctx.fail(f"{key}.format" if isinstance(value, dict) else key, str(e))
     try:
-        block = Block.parse(fields.get("block", "tensor"))
+        block = Block.parse(fields.get("block", default_block if fmt.is_scaled else "tensor"))
     except ValueError as e:
         ctx.fail(f"{key}.block" if isinstance(value, dict) else key, str(e))
     if not fmt.is_scaled and "block" in fields:
@@ -361,7 +361,7 @@ def _parse_flow_dict(ctx: _Ctx, name: str, d: dict, key: str) -> PrecisionFlow: 
         ctx.fail(f"{p}rollout.linear", "missing")
     r_lin = _parse_gemm(ctx, r["linear"], f"{p}rollout.linear", "rollout.linear")
     kv = r.get("kv_cache", "bf16")
-    kv_cast = _parse_cast(ctx, kv, f"{p}rollout.kv_cache")
+    kv_cast = _parse_cast(ctx, kv, f"{p}rollout.kv_cache", default_block="row")  # fp8: its only granularity
     if kv_cast.format is Format.INT8:
         ctx.fail(f"{p}rollout.kv_cache", "int8 KV cache is not supported (allowed: fp32, bf16, fp8_e4m3, fp8_e5m2)")
     if kv_cast.is_scaled and kv_cast.block.name != "row":

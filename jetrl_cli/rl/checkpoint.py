@@ -27,7 +27,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def save_checkpoint(out: Path, step: int, model, optimizer, source_dir: Path, extra: dict, keep: int) -> Path:
-    from safetensors.torch import save_file
+    from ..fileio import save_safetensors
 
     ckdir = out / "checkpoints"
     ckdir.mkdir(parents=True, exist_ok=True)
@@ -39,14 +39,14 @@ def save_checkpoint(out: Path, step: int, model, optimizer, source_dir: Path, ex
     state = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(state, tmp / "model.safetensors", metadata={"format": "pt"})  # umask mode, not 0600
     cfg = json.loads((source_dir / "config.json").read_text())
     cfg["torch_dtype"] = "float32"
     cfg.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for f in TOKENIZER_FILES:
         if (source_dir / f).exists():
-            shutil.copy2(source_dir / f, tmp / f)
+            shutil.copyfile(source_dir / f, tmp / f)  # a new file: the umask's mode, like the rest
     torch.save({"step": step, "optimizer": optimizer.state_dict(), **extra}, tmp / "trainer_state.pt")
     if final.exists():
         shutil.rmtree(final)

@@ -29,6 +29,7 @@ from ..precision.gemm import backend_report, reset_resolutions
 from ..tasks import PromptSource, build_task
 from .algos import CorrectionConfig, group_advantages, importance
 from .checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from .loggers import open_loggers
 from .trainer import Batch, NonFiniteError, Trainer, fold_invariant_scale
 
 TIMING_KEYS = ("rollout_s", "score_s", "train_s", "sync_s", "eval_s", "step_s", "rollout_tokens_per_s")
@@ -136,7 +137,7 @@ def rollout_samples(job: Job, problems, seed: int, sampling: SamplingParams | No
             text = tok.decode(c.tokens)
             out.append({
                 "step": step, "group": group_offset + gi, "prompt": prob.prompt, "answer": prob.answer,
-                "completion": text, "prompt_ids": pids, "tokens": c.tokens, "logprobs": c.logprobs,
+                "completion": text, "extracted": job.source.task.extract(text), "prompt_ids": pids, "tokens": c.tokens, "logprobs": c.logprobs,
                 "reward": job.source.task.reward(prob, text), "correct": job.source.task.correct(prob, text),
                 "finish_reason": c.finish_reason,
             })
@@ -188,15 +189,21 @@ def _drop_flat_groups(samples: list[dict]) -> list[list[dict]]:
 
 
 def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict], None] | None = None,
-        on_eval: Callable[[list[dict]], None] | None = None, stop_after: int | None = None) -> list[dict]:
+        on_eval: Callable[[list[dict]], None] | None = None, stop_after: int | None = None,
+        on_resume: Callable[[int, Path], None] | None = None) -> list[dict]:
     """The training loop. Returns the metrics lines written; ``stop_after`` (tests) stops early
-    as a kill would, after that step's checkpoint (if any) is written."""
-    out.mkdir(parents=True, exist_ok=True)
+    as a kill would, after that step's checkpoint (if any) is written. ``on_resume(step, checkpoint)``
+    is told the first step a resumed run will run. ``out`` is created only once the model, task
+    and engine are set up, so a run that fails to start leaves no directory behind."""
     metrics_file = out / "metrics.jsonl"
     rollouts_file = out / "rollouts.jsonl"
     ckpt = latest_checkpoint(out) if resume else None
     if resume and ckpt is None and metrics_file.exists():
         raise JetrlError(f"{out}: --resume, but there is no complete checkpoint to resume from")
+    if resume and ckpt is None:
+        raise JetrlError(f"{out}: --resume, but there is no run here to resume (no checkpoint); "
+                         "drop --resume to start a new run")
+    loggers = open_loggers(cfg.run.loggers)  # a missing optional package fails before any work
     if not resume and (metrics_file.exists() or (out / "latest").exists()):
         raise JetrlError(f"{out}: already holds a run (--resume continues it, --force starts over, "
                          "-o picks another directory)")
@@ -209,6 +216,8 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
         state = load_trainer_state(ckpt)
         tr.opt.load_state_dict(state["optimizer"])
         start = state["step"] + 1
+        if on_resume:
+            on_resume(start, ckpt)
         lines = [json.loads(x) for x in metrics_file.read_text().splitlines() if x.strip()]
         lines = [m for m in lines if m["step"] < start]
         metrics_file.write_text("".join(json.dumps(m) + "\n" for m in lines))
@@ -217,12 +226,15 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
             rollouts_file.write_text("".join(x + "\n" for x in kept))
     import yaml
 
+    out.mkdir(parents=True, exist_ok=True)
     (out / "preset.yaml").write_text(yaml.safe_dump(cfg.raw, sort_keys=False))
+    loggers.start(out, start)
 
     def emit(m: dict):
         lines.append(m)
         with metrics_file.open("a") as f:
             f.write(json.dumps(m) + "\n")
+        loggers.log(m)
         if on_step:
             on_step(m)
 
@@ -265,6 +277,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
             "step": step,
             "reward_mean": sum(s["reward"] for s in samples) / len(samples),
             "accuracy": sum(s["correct"] for s in samples) / len(samples),
+            "answer_found": sum(s["extracted"] is not None for s in samples) / len(samples),
             "response_len": gen_tokens / len(all_samples),
             "groups_trained": len(train_samples) // r.n,
         }
@@ -284,6 +297,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
         m["lr"] = tr.lr_at(step)
         m["rollout_s"] = rollout_s
         m["rollout_tokens_per_s"] = gen_tokens / max(rollout_s, 1e-9)
+        m["step_s"] = time.perf_counter() - t_step  # the eval below is timed on its own (eval_s)
         if (cfg.eval.every and step % cfg.eval.every == 0) or step == steps:
             t0 = time.perf_counter()
             acc, ev = evaluate(job, cfg.eval.prompts)
@@ -291,7 +305,6 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
             m["eval_s"] = time.perf_counter() - t0
             if on_eval:
                 on_eval(ev)
-        m["step_s"] = time.perf_counter() - t_step
         report = backend_report()
         if report != last_report and (report["resolved"] or report["fallbacks"]):
             m["gemm_backends"] = report  # which backend runs each 8-bit GEMM (this process), and any fallbacks
@@ -303,6 +316,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
                                         cfg.run.keep_checkpoints)
         if stop_after is not None and step >= stop_after:
             break
+    loggers.close()
     if lines:
         try:
             from .plots import plot_curves

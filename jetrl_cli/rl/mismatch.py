@@ -11,7 +11,9 @@ On top of the summary it measures
 - drift against position (buckets along the completion) and against rollout length;
 - where the drift comes from: each quantized linear layer's output error under the rollout and the
   training precision on the same (fp32-reference) input, the hidden-state difference after every
-  decoder layer, and the logprob drift when only one layer runs the rollout precision;
+  decoder layer, and the logprob drift when only one part runs the rollout precision (each decoder
+  layer, then each linear of the worst decoder layers: coarse to fine, so a 30-layer model costs
+  30 + 2 x 7 scoring passes, not 210);
 - the first position where greedy decoding under the rollout and the training precision diverge;
 - the tokens with the largest mismatch, with their context.
 
@@ -32,7 +34,7 @@ from ..engine.embedded import EmbeddedEngine
 from ..engine.sampling import SamplingParams
 from ..errors import JetrlError
 from ..precision.flow import NAMED_FLOWS, KVCacheSpec, PrecisionFlow, RolloutPrecision, parse_flow
-from ..precision.linear import JetLinear, apply_flow, separate_linears
+from ..precision.linear import JetLinear, apply_flow, matches_skip, separate_linears
 from .algos import CorrectionConfig, mismatch_metrics
 from .trainer import Batch, Trainer, score_logprobs
 
@@ -217,8 +219,18 @@ def verdict(m: dict) -> tuple[str, str]:
 # --------------------------------------------------------------------------- attribution
 
 
-def quantized_linears(model: torch.nn.Module) -> list[tuple[str, JetLinear]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, JetLinear) and m.precision.is_quantized]
+def flow_linears(model: torch.nn.Module, flow: PrecisionFlow) -> list[tuple[str, JetLinear]]:
+    """The linear layers a flow puts in its rollout / training precision (not those on its skip list,
+    which run the flow's ``skip_format`` on both sides)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, JetLinear) and not matches_skip(n, flow.skip)]
+
+
+def decoder_layer_of(name: str):
+    """``model.layers.3.mlp.down_proj`` -> 3; a linear outside the decoder layers is its own group."""
+    parts = name.split(".")
+    if len(parts) >= 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return name
 
 
 def _valid_positions(ids: torch.Tensor, pad_lengths: torch.Tensor) -> torch.Tensor:
@@ -234,19 +246,25 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @torch.no_grad()
 def layer_attribution(ref_model, rollout_model, train_model, b: Batch, sampling: SamplingParams,
                       micro_batch: int, width: int, logp_train: torch.Tensor, cfg: CorrectionConfig,
-                      rollout_flow: PrecisionFlow) -> dict:
+                      rollout_flow: PrecisionFlow, refine_layers: int = 2, on_pass=None) -> dict:
     """Per quantized linear: relative output error under the rollout and the training precision on
-    the fp32 model's own input (``rel_err_rollout``, ``rel_err_train``), rollout vs training output
-    (``rel_diff``), and the mismatch KL when only that layer runs the rollout precision
-    (``kl_alone``, against the full training-precision logprobs). Plus the hidden-state difference
-    (rollout vs training forward) after every decoder layer."""
+    the fp32 model's own input (``rel_err_rollout``, ``rel_err_train``) and rollout vs training
+    output (``rel_diff``); the hidden-state difference (rollout vs training forward) after every
+    decoder layer.
+
+    Then the mismatch KL (against the full training-precision logprobs) when only part of the model
+    runs the rollout precision. Each such number costs one scoring pass of the batch, so it goes
+    coarse to fine: every decoder layer alone (``decoder_layers``: L passes), then every linear
+    alone inside the ``refine_layers`` decoder layers with the largest KL (``kl_alone``; None for
+    the linears of the other layers) -- 30 + 2 x 7 passes on a 30-layer model instead of 210.
+    ``on_pass(what, done, total)`` is called after each pass (the CLI's progress bar)."""
     lengths = b.mask.shape[1] + 1 - (b.mask.flip(-1).long().cumsum(-1) == 0).sum(-1)  # prompt + completion
     valid = _valid_positions(b.ids, lengths)
     ids = b.ids
     # 1. Inputs and outputs of every linear layer of the fp32 reference.
     captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     hooks = []
-    roll_q = dict(quantized_linears(rollout_model))
+    roll_q = dict(flow_linears(rollout_model, rollout_flow))
     train_q = {n: m for n, m in train_model.named_modules() if isinstance(m, JetLinear) and n in roll_q}
     ref_mods = dict(ref_model.named_modules())
     for name in roll_q:
@@ -278,22 +296,47 @@ def layer_attribution(ref_model, rollout_model, train_model, b: Batch, sampling:
         return outs
     hidden = [{"layer": i, "rel_diff": _rel(r, t)}
               for i, (r, t) in enumerate(zip(capture(rollout_model), capture(train_model)))]
-    # 3. One layer at a time in the rollout precision, the rest as the trainer runs them.
+    # 3. Parts of the model alone in the rollout precision, the rest as the trainer runs them: first
+    #    each decoder layer (all its quantized linears), then each linear of the worst decoder layers.
     rprec = rollout_flow.rollout_linear()
     mask = b.mask
+    groups: dict[object, list[str]] = {}
     for row in layers:
-        mod = train_q.get(row["name"])
-        if mod is None:
-            row["kl_alone"] = None
-            continue
-        saved = mod.precision
-        mod.set_precision(rprec)
+        row["kl_alone"] = None
+        if row["name"] in train_q:
+            groups.setdefault(decoder_layer_of(row["name"]), []).append(row["name"])
+    kv_train, kv_roll = rollout_flow.kv_cast("train"), rollout_flow.kv_cast("rollout")
+    widest = max((len(v) for v in groups.values()), default=0)
+    total = len(groups) + min(refine_layers, len(groups)) * widest + (kv_train != kv_roll)  # until refined is known
+    done = 0
+
+    def kl_with_rollout_precision(names: list[str], what: str) -> float:
+        nonlocal done
+        saved = [(train_q[n], train_q[n].precision) for n in names]
+        for mod, _ in saved:
+            mod.set_precision(rprec)
         try:
             lp = score_logprobs(train_model, b, sampling, micro_batch, width)
         finally:
-            mod.set_precision(saved)
-        row["kl_alone"] = mismatch_metrics(lp, logp_train, mask, cfg)["mismatch_kl"]
-    kv_train, kv_roll = rollout_flow.kv_cast("train"), rollout_flow.kv_cast("rollout")
+            for mod, prec in saved:
+                mod.set_precision(prec)
+        done += 1
+        if on_pass:
+            on_pass(what, done, total)
+        return mismatch_metrics(lp, logp_train, mask, cfg)["mismatch_kl"]
+
+    decoder = [{"layer": key, "kl_alone": kl_with_rollout_precision(
+                   names, f"decoder layer {key}" if isinstance(key, int) else short_name(key))}
+               for key, names in groups.items()]
+    ranked = sorted((d for d in decoder if d["kl_alone"] > 0), key=lambda d: -d["kl_alone"])
+    refined = [d["layer"] for d in ranked[:refine_layers]]
+    total = len(groups) + sum(len(groups[k]) for k in refined) + (kv_train != kv_roll)
+    if on_pass:  # the passes left are known now
+        on_pass(f"decoder layers {', '.join(map(str, refined)) or '(none drift)'} linear by linear", done, total)
+    by_name = {row["name"]: row for row in layers}
+    for key in refined:
+        for name in groups[key]:
+            by_name[name]["kl_alone"] = kl_with_rollout_precision([name], short_name(name))
     kv_alone = None
     if kv_train != kv_roll:
         train_model.set_kv_spec(kv_roll)
@@ -302,7 +345,11 @@ def layer_attribution(ref_model, rollout_model, train_model, b: Batch, sampling:
         finally:
             train_model.set_kv_spec(kv_train)
         kv_alone = mismatch_metrics(lp, logp_train, mask, cfg)["mismatch_kl"]
-    return {"layers": layers, "hidden": hidden, "kv_cache_kl_alone": kv_alone}
+        done += 1
+        if on_pass:
+            on_pass("KV cache", done, total)
+    return {"layers": layers, "hidden": hidden, "decoder_layers": decoder, "refined_layers": refined,
+            "kv_cache_kl_alone": kv_alone}
 
 
 # --------------------------------------------------------------------------- the report
@@ -325,6 +372,8 @@ class ReportInputs:
     # Greedy divergence and per-layer attribution always run on jetrl's own model.
     engine_factory: object = None
     engine_name: str = "embedded"
+    attribution_layers: int = 2  # decoder layers whose linears are attributed one by one
+    on_pass: object = None  # (what, done, total) after each scoring pass of the attribution
 
 
 def _batch(prompts: list[list[int]], groups, pad_id: int = 0) -> tuple[Batch, list[list[int]]]:
@@ -383,8 +432,9 @@ def flow_report(label: str, flow: PrecisionFlow, inp: ReportInputs, lengths: lis
         progress(f"{label}: greedy decoding under rollout, training and fp32 precision")
         res["greedy"] = greedy_divergence(inp, flow, max(lengths), width)
     if attribution:
-        progress(f"{label}: per-layer attribution")
-        res.update(_attribution(inp, flow, embedded.model, train_model, ref, b, lt, width, attribution_sequences))
+        progress(f"{label}: per-layer attribution (each decoder layer, then the linears of the worst "
+                 f"{inp.attribution_layers})")
+        res.update(_attribution(inp, flow, embedded.model, train_model, ref, b, lt, width, attribution_sequences, label))
     if engine is not embedded and hasattr(engine, "close"):
         engine.close()
     return res
@@ -399,11 +449,13 @@ def _fill_token_stats(res: dict, b: Batch, lt, lr, inp: ReportInputs) -> None:
     res["status"], res["verdict"] = verdict(res["summary"])
 
 
-def _attribution(inp, flow, rollout_model, train_model, ref, b: Batch, lt, width: int, nseq: int) -> dict:
+def _attribution(inp, flow, rollout_model, train_model, ref, b: Batch, lt, width: int, nseq: int,
+                 label: str = "") -> dict:
     idx = torch.arange(min(nseq, len(b)))
     sub = b.select(idx)
+    on_pass = (lambda what, done, total: inp.on_pass(f"{label}: {what}", done, total)) if inp.on_pass else None
     att = layer_attribution(ref, rollout_model, train_model, sub, inp.sampling, inp.tcfg.micro_batch, width,
-                            lt[idx, :sub.mask.shape[1]], inp.ccfg, flow)
+                            lt[idx, :sub.mask.shape[1]], inp.ccfg, flow, inp.attribution_layers, on_pass)
     att["attribution_sequences"] = len(sub)
     ranked = [r for r in att["layers"] if r["kl_alone"] is not None]
     att["top_layer"] = max(ranked, key=lambda r: r["kl_alone"])["name"] if ranked and max(
@@ -445,7 +497,7 @@ def offline_report(label: str, flow: PrecisionFlow, inp: ReportInputs, rows: lis
     if attribution:
         rollout_model = copy.deepcopy(inp.model).eval()
         apply_flow(rollout_model, flow, "rollout")
-        res.update(_attribution(inp, flow, rollout_model, train_model, ref, b, lt, width, attribution_sequences))
+        res.update(_attribution(inp, flow, rollout_model, train_model, ref, b, lt, width, attribution_sequences, label))
     return res
 
 
@@ -496,9 +548,13 @@ SUMMARY_COLUMNS = (("mismatch_kl", "KL k3"), ("mismatch_k1", "KL k1"), ("abs_dlo
 def render(report: dict, console) -> None:
     from rich.table import Table
 
+    from rich.markup import escape
+
+    from ..tables import print_table
+
     flows = report["flows"]
     engine = flows[0].get("engine", "embedded")
-    t = Table(title=f"rollout ({engine} engine) vs training precision, per token ({report['source']})",
+    t = Table(title=escape(f"rollout ({engine} engine) vs training precision, per token ({report['source']})"),
               title_justify="left")
     t.add_column("metric")
     for f in flows:
@@ -510,15 +566,15 @@ def render(report: dict, console) -> None:
     t.add_row("train vs fp32 KL", *[_fmt(f["train_vs_fp32"].get("mismatch_kl")) for f in flows])
     if any("engine_vs_embedded_kl" in r for f in flows for r in f["by_length"]):
         t.add_row(f"{engine} vs embedded KL", *[_fmt(f["by_length"][-1].get("engine_vs_embedded_kl")) for f in flows])
-    console.print(t)
+    print_table(console, t)
     def kl_table(title: str, key: str, head) -> None:
-        t = Table(title=title, title_justify="left")
+        t = Table(title=escape(title), title_justify="left")
         t.add_column("flow", no_wrap=True)
         for r in flows[0][key]:
             t.add_column(head(r), justify="right")
         for f in flows:
             t.add_row(f["flow"], *[_fmt(r["mismatch_kl"]) for r in f[key]])
-        console.print(t)
+        print_table(console, t)
 
     if any(f["by_length"] for f in flows) and len(flows[0]["by_length"]) > 1:
         kl_table("mismatch KL by rollout length", "by_length", lambda r: f"{r['length']} tok")
@@ -526,29 +582,41 @@ def render(report: dict, console) -> None:
     for f in flows:
         if "layers" not in f:
             continue
-        t = Table(title=f"{f['flow']}: per-layer attribution (top 8 by KL when quantized alone; "
-                        f"{f['attribution_sequences']} sequences)", title_justify="left")
-        t.add_column("layer", no_wrap=True)
+        n = f["attribution_sequences"]
+        if f.get("decoder_layers"):
+            hidden = {h["layer"]: h["rel_diff"] for h in f.get("hidden", [])}
+            t = Table(title=escape(f"{f['flow']}: KL with only one decoder layer in rollout precision "
+                                   f"(largest 8; {n} sequences)"), title_justify="left")
+            for col in ("decoder layer", "KL alone", "hidden state rollout vs train"):
+                t.add_column(col, justify="left" if col == "decoder layer" else "right")
+            for d in sorted(f["decoder_layers"], key=lambda d: -d["kl_alone"])[:8]:
+                t.add_row(str(d["layer"]), _fmt(d["kl_alone"]), _fmt(hidden.get(d["layer"])))
+            if f.get("kv_cache_kl_alone") is not None:
+                t.add_row("KV cache", _fmt(f["kv_cache_kl_alone"]), "")
+            print_table(console, t)
+        refined = f.get("refined_layers", [])
+        where = f"decoder layers {', '.join(map(str, refined))}" if refined else "no decoder layer drifts: none"
+        t = Table(title=escape(f"{f['flow']}: linears alone in rollout precision ({where} attributed linear by "
+                               f"linear; largest 8)"), title_justify="left")
+        t.add_column("linear", no_wrap=True)
         for col in ("rel err rollout", "rel err train", "rollout vs train", "KL alone"):
             t.add_column(col, justify="right")
-        rows = sorted(f["layers"], key=lambda r: -(r["kl_alone"] or 0))[:8]
+        rows = sorted(f["layers"], key=lambda r: (-(r["kl_alone"] or 0), -r["rel_diff"]))[:8]
         for r in rows:
             t.add_row(short_name(r["name"]), _fmt(r["rel_err_rollout"]), _fmt(r["rel_err_train"]), _fmt(r["rel_diff"]),
                       _fmt(r["kl_alone"]))
-        if f.get("kv_cache_kl_alone") is not None:
-            t.add_row("kv_cache", "", "", "", _fmt(f["kv_cache_kl_alone"]))
-        console.print(t)
+        print_table(console, t)
     for f in flows:
         tops = f["top_tokens"][:5]
         if not tops:
             continue
-        t = Table(title=f"{f['flow']}: largest mismatches", title_justify="left")
+        t = Table(title=escape(f"{f['flow']}: largest mismatches"), title_justify="left")
         for col in ("pos", "context", "token", "logp rollout", "logp train", "|dlogp|"):
             t.add_column(col, justify="right" if col not in ("context", "token") else "left", overflow="fold")
         for r in tops:
             t.add_row(str(r["position"]), repr(r["context"])[-40:], repr(r["token"]), f"{r['logp_rollout']:.4f}",
                       f"{r['logp_train']:.4f}", _fmt(r["abs_dlogp"]))
-        console.print(t)
+        print_table(console, t)
     for f in flows:
         g = f.get("greedy")
         gl = ""
@@ -559,7 +627,7 @@ def render(report: dict, console) -> None:
                   f"{100 * vt['diverged_frac']:.0f}% of prompts{first}, from fp32's in {100 * vf['diverged_frac']:.0f}%")
         top = f"; largest single-layer contributor: {f['top_layer']}" if f.get("top_layer") else ""
         style = {"on-policy": "green", "near": "green", "drift": "yellow"}.get(f["status"], "white")
-        console.print(f"[bold {style}]{f['flow']}[/]: {f['verdict']}{top}{gl}", highlight=False)
+        console.print(f"[bold {style}]{escape(f['flow'])}[/]: " + escape(f"{f['verdict']}{top}{gl}"), highlight=False)
 
 
 def write_outputs(report: dict, out: Path) -> list[Path]:
@@ -587,6 +655,32 @@ def write_outputs(report: dict, out: Path) -> list[Path]:
     return written
 
 
+def drift_figure(flows: list[dict]):
+    """Mismatch KL and mean |dlogp| against position. KL is non-negative: its symlog axis starts at
+    0 (left to itself, matplotlib mirrors a symlog axis below 0 and shows negative ticks)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for f in flows:
+        mid = [(r["lo"] + r["hi"] - 1) / 2 for r in f["by_position"]]
+        axes[0].plot(mid, [r["mismatch_kl"] for r in f["by_position"]], marker="o", label=f["flow"])
+        axes[1].plot(mid, [r.get("abs_dlogp_mean", 0.0) for r in f["by_position"]], marker="o", label=f["flow"])
+    axes[0].set_yscale("symlog", linthresh=1e-7)
+    axes[0].set_ylim(bottom=0)
+    axes[1].set_ylim(bottom=0)
+    axes[0].set_title("mismatch KL (k3) vs position")
+    axes[1].set_title("mean |logp_train - logp_rollout| vs position")
+    for ax in axes:
+        ax.set_xlabel("token position in the completion")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    return fig
+
+
 def _plots(report: dict, out: Path) -> list[Path]:
     import matplotlib
 
@@ -595,19 +689,7 @@ def _plots(report: dict, out: Path) -> list[Path]:
 
     flows = report["flows"]
     paths = []
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for f in flows:
-        mid = [(r["lo"] + r["hi"] - 1) / 2 for r in f["by_position"]]
-        axes[0].plot(mid, [r["mismatch_kl"] for r in f["by_position"]], marker="o", label=f["flow"])
-        axes[1].plot(mid, [r.get("abs_dlogp_mean", 0.0) for r in f["by_position"]], marker="o", label=f["flow"])
-    axes[0].set_yscale("symlog", linthresh=1e-7)
-    axes[0].set_title("mismatch KL (k3) vs position")
-    axes[1].set_title("mean |logp_train - logp_rollout| vs position")
-    for ax in axes:
-        ax.set_xlabel("token position in the completion")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
+    fig = drift_figure(flows)
     p = out / "drift_vs_position.png"
     fig.savefig(p, dpi=110)
     plt.close(fig)
@@ -626,6 +708,7 @@ def _plots(report: dict, out: Path) -> list[Path]:
         axes[0].invert_yaxis()
         axes[0].set_title("relative output error vs fp32 (rollout precision)")
         axes[1].set_xscale("symlog", linthresh=1e-8)
+        axes[1].set_xlim(left=0)  # KL alone is non-negative
         axes[1].set_title("mismatch KL with only this layer in rollout precision")
         for ax in axes:
             ax.grid(alpha=0.3, axis="x")
@@ -684,8 +767,14 @@ def markdown(report: dict, images: list[str]) -> str:
         lines += ["", f"## Where it comes from: {f['flow']}", "",
                   f"On {f['attribution_sequences']} sequences. `rel err`: relative output error vs fp32 on the fp32 "
                   "model's own input; `rollout vs train`: between the two precisions; `KL alone`: mismatch KL when "
-                  "only this layer runs the rollout precision.", "",
-                  "| layer | rel err rollout | rel err train | rollout vs train | KL alone |", "|---|---|---|---|---|"]
+                  "only this part runs the rollout precision -- each decoder layer, then each linear of the "
+                  f"decoder layers with the largest KL ({', '.join(map(str, f.get('refined_layers', []))) or 'none'}; "
+                  "`-`: not attributed alone).", ""]
+        if f.get("decoder_layers"):
+            lines += ["| decoder layer | KL alone |", "|---|---|"]
+            lines += [f"| {d['layer']} | {_fmt(d['kl_alone'])} |" for d in f["decoder_layers"]]
+            lines.append("")
+        lines += ["| layer | rel err rollout | rel err train | rollout vs train | KL alone |", "|---|---|---|---|---|"]
         for r in f["layers"]:
             lines.append(f"| `{r['name']}` | {_fmt(r['rel_err_rollout'])} | {_fmt(r['rel_err_train'])} | "
                          f"{_fmt(r['rel_diff'])} | {_fmt(r['kl_alone'])} |")
