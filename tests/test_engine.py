@@ -23,14 +23,18 @@ WIDTH = 64
 SEED = 20261123  # generators drawn in the tests below; a failure reproduces with the same draws
 
 
-@pytest.fixture(scope="module")
-def model():
+def _tiny_model():
     torch.manual_seed(1234)
     m = LlamaForCausalLM(tiny_config("qwen2", hidden=256, layers=2, vocab=512))
     with torch.no_grad():
         for p in m.parameters():
             p.normal_(0, 0.05)
     return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _tiny_model()
 
 
 @pytest.mark.parametrize("k,n", [(64, 96), (256, 384), (384, 512)])

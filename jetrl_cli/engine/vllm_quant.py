@@ -33,6 +33,7 @@ from vllm.model_executor.parameter import ModelWeightParameter
 
 from ..models.llama import cast_kv
 from ..precision.flow import GemmSpec, PrecisionFlow, parse_flow
+from ..precision.gemm import ExactOperand
 from ..precision.linear import concat_operands, linear_forward, matches_skip, weight_operand
 from ..precision.quant import CastSpec, QTensor
 
@@ -168,6 +169,9 @@ class JetrlLinearMethod(LinearMethodBase):
         if isinstance(old, QTensor):
             old.data.copy_(new.data)
             old.scale.copy_(new.scale)
+        elif isinstance(old, ExactOperand):
+            old.values.copy_(new.values)
+            old.scales.copy_(new.scales)
         elif isinstance(old, list):
             layer.jetrl_weight = new  # the shards' own tensors, already updated in place
         elif old is not new:

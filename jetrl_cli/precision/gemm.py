@@ -111,6 +111,9 @@ def row_invariant_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def operand_values(op: Operand) -> torch.Tensor:
     """The fp32 values an operand carries (dequantized for a QTensor)."""
+    if isinstance(op, ExactOperand):
+        k = op.values.shape[1]
+        return (op.values * op.scales.repeat_interleave(op.group, 1)[:, :k]).float()
     if isinstance(op, QTensor):
         return op.dequantize(torch.float32)
     return op if op.dtype is torch.float32 else op.float()
@@ -189,8 +192,85 @@ def _k_major_block(op: CastSpec, reduction_on_rows: bool) -> Block:
     return op.block.transposed() if reduction_on_rows else op.block
 
 
+@dataclass
+class ExactOperand:
+    """An 8-bit GEMM operand prepared for ``exact_mm``: its data as float64 (exact) and, per row, the
+    float64 scale of each ``group``-wide K group (one column when the scale spans K)."""
+
+    values: torch.Tensor  # (R, K) float64: the fp8 / int8 values themselves
+    scales: torch.Tensor  # (R, G) float64
+    group: int  # K elements per scale group (K itself for per-tensor / per-row scales)
+    format: Format
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+
+def _row_group_scales(q: QTensor) -> tuple[torch.Tensor, int]:
+    """(R, G) scales of a K-major QTensor, one per row and K group, and the group width."""
+    r, k = q.data.shape
+    rows, cols = q.spec.block.resolve(r, k)
+    s = q.scale.double()
+    if rows > 1:
+        s = s.repeat_interleave(rows, 0)[:r]
+    return s, cols
+
+
+def exact_operand(q) -> ExactOperand:
+    if isinstance(q, ExactOperand):
+        return q
+    scales, group = _row_group_scales(q)
+    return ExactOperand(q.data.to(torch.float64), scales, group, q.spec.format)
+
+
+# Per 8-bit format: (log2 of the spacing of its smallest values, log2 of a bound on its magnitude).
+_GRID = {Format.FP8_E4M3: (-9, 9), Format.FP8_E5M2: (-16, 16), Format.INT8: (0, 7)}
+
+
+def exact_bits(fa: Format, fb: Format, group: int) -> int:
+    """Bits a ``group``-long dot product of ``fa`` x ``fb`` values can span: every product is a
+    multiple of 2^(ga + gb) below 2^(ma + mb), so every partial sum, in any order, is a multiple of
+    2^(ga + gb) below 2^(ma + mb) * group."""
+    (ga, ma), (gb, mb) = _GRID[fa], _GRID[fb]
+    return ma + mb + (group - 1).bit_length() - (ga + gb)
+
+
+def exact_mm(a, b) -> torch.Tensor:
+    """``a @ b.T`` for 8-bit operands, each K group's dot product exact, whatever the summation order.
+
+    E4M3 values are multiples of 2^-9 below 2^9, INT8 values integers below 2^7: a dot product of 128
+    E4M3 x E4M3 products spans at most 2^-18 .. 2^25 (43 bits; ``exact_bits``), within float64's 53
+    bits, so any BLAS computes it exactly, in any order, with or without FMA, on any number of
+    threads. Each group's product is then scaled ((p * sa) * sb, in float64) and the groups are
+    added in K order, and the sum is rounded to fp32 once. A row's result therefore does not depend
+    on the batch it is computed in, on any CPU: the bitwise rollout = trainer property of the
+    unified flow holds by construction for its FP8 GEMMs. ``EmulatedBackend`` uses this when
+    ``exact_bits`` <= 53 (E4M3 x E4M3 groups up to 2^17 wide, INT8 x INT8), else the fp32 path."""
+    a, b = exact_operand(a), exact_operand(b)
+    k = a.values.shape[1]
+    g = min(a.group, b.group)
+    if a.group % g or b.group % g:
+        raise ValueError(f"exact_mm: K groups of {a.group} and {b.group} do not nest")
+    acc = None
+    for k0 in range(0, k, g):
+        part = torch.mm(a.values[:, k0:k0 + g], b.values[:, k0:k0 + g].t())
+        part.mul_(a.scales[:, k0 // a.group:k0 // a.group + 1]).mul_(b.scales[:, k0 // b.group])
+        acc = part if acc is None else acc.add_(part)
+    return acc.float()
+
+
+def _exact(a, b) -> bool:
+    fa = a.spec.format if isinstance(a, QTensor) else a.format
+    fb = b.spec.format if isinstance(b, QTensor) else b.format
+    ka = a.data.shape[1] if isinstance(a, QTensor) else a.values.shape[1]
+    ga = _row_group_scales(a)[1] if isinstance(a, QTensor) else a.group
+    gb = _row_group_scales(b)[1] if isinstance(b, QTensor) else b.group
+    return exact_bits(fa, fb, min(ga, gb, ka)) <= 53
+
+
 class EmulatedBackend:
-    """Dequantize, then an fp32 matmul: exact products of the quantized values, fp32 sums."""
+    """The reference: quantized operands multiplied exactly (``exact_mm``), or dense operands in fp32."""
 
     name = "emulated"
 
@@ -204,9 +284,13 @@ class EmulatedBackend:
         return None
 
     def mm(self, a, b, out=Format.FP32):
-        if not isinstance(a, QTensor) and not isinstance(b, QTensor):
+        quantized = isinstance(a, (QTensor, ExactOperand)), isinstance(b, (QTensor, ExactOperand))
+        if not any(quantized):
             return dense_mm(a, b, out)
-        acc = row_invariant_mm(operand_values(a), operand_values(b))
+        if all(quantized) and _exact(a, b):
+            acc = exact_mm(a, b)
+        else:
+            acc = row_invariant_mm(operand_values(a), operand_values(b))
         return acc.to(out.torch_dtype()) if native(acc) else acc
 
 

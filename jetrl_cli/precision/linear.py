@@ -35,11 +35,13 @@ from torch import nn
 from .flow import GemmSpec, LinearPrecision, PrecisionFlow
 from .formats import Block, Format
 from .gemm import (
+    ExactOperand,
     Operand,
     backend_for,
     cast_operand,
     cast_pair,
     cast_weight_pair,
+    exact_operand,
     finish,
     native,
     operand_values,
@@ -90,10 +92,17 @@ def concat_operands(ops: Sequence[Operand], spec: GemmSpec, device: torch.device
     weights are concatenated as one QTensor when no scale block spans two of them (per-row
     scales, or every part but the last a whole number of blocks tall); otherwise the list is
     returned and ``linear_forward`` runs one GEMM per part."""
-    quantized = spec.is_quantized and resolve(spec, gemm, device).backend != "emulated"
-    if not quantized:
-        vals = [operand_values(op) if isinstance(op, QTensor) else op for op in ops]
-        return vals[0] if len(vals) == 1 else torch.cat(vals)
+    emulated = resolve(spec, gemm, device).backend == "emulated"
+    if not spec.is_quantized:
+        return ops[0] if len(ops) == 1 else torch.cat(list(ops))
+    if emulated:  # float64 values and per-row group scales, for exact_mm (or fp32 values, for the rest)
+        exact = [exact_operand(op) for op in ops]
+        if len({e.group for e in exact}) == 1:
+            if len(exact) == 1:
+                return exact[0]
+            return ExactOperand(torch.cat([e.values for e in exact]), torch.cat([e.scales for e in exact]),
+                                exact[0].group, exact[0].format)
+        return torch.cat([operand_values(op) for op in ops])
     if len(ops) == 1:
         return ops[0]
     rows = ops[0].spec.block.rows
