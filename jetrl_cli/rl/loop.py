@@ -5,6 +5,10 @@ dynamic sampling -> old-policy logprobs (trainer, training precision) -> mismatc
 GRPO update -> weight sync -> periodic eval -> ``metrics.jsonl`` line -> periodic checkpoint.
 Every random draw is a function of ``(run.seed, step)``, so ``--resume`` from a checkpoint
 continues exactly as the uninterrupted run would have.
+
+Under ``torchrun`` (``world``: see ``jetrl_cli.dist``) the same loop runs on every rank: the engine
+samples the rank's share of the prompts and gathers everyone's, the trainer is sharded with FSDP2,
+the sync gathers full weights, checkpoints go through DCP, and rank 0 alone writes files.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Callable
 import torch
 
 from ..config import JobConfig
+from ..dist.world import SINGLE, World
 from ..engine.base import RolloutEngine, make_payload
 from ..engine.embedded import EmbeddedEngine
 from ..engine.sampling import SamplingParams
@@ -27,7 +32,7 @@ from ..models.hf import load_model
 from ..models.tokenizer import Tokenizer
 from ..tasks import PromptSource, build_task
 from .algos import CorrectionConfig, group_advantages, importance
-from .checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from .checkpoint import latest_checkpoint, save_checkpoint
 from .trainer import Batch, NonFiniteError, Trainer, fold_invariant_scale
 
 TIMING_KEYS = ("rollout_s", "score_s", "train_s", "sync_s", "eval_s", "step_s", "rollout_tokens_per_s")
@@ -93,7 +98,7 @@ class Job:
     trainer: Trainer | None = None
 
 
-def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None) -> Job:
+def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None, world: World = SINGLE) -> Job:
     """Load the policy (from ``init_dir`` when resuming), build task, engine and trainer, first sync."""
     model_dir = resolve_model_dir(cfg.model.path)
     tok = Tokenizer.from_dir(model_dir)
@@ -112,11 +117,21 @@ def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None) -> J
     if s != 1.0 and init_dir is None:
         fold_invariant_scale(model, s)
     sampling = sampling_params(cfg, tok)
+    engine = build_engine(cfg, model, model_dir)  # before the trainer, which may shard the model
+    engine.load_weights(make_payload(model, cfg.flow))
     trainer = None
     if with_trainer:
-        trainer = Trainer(model, cfg.flow, cfg.train, correction_config(cfg), sampling, cfg.rollout.max_len, ref)
-    engine = build_engine(cfg, model, model_dir)
-    engine.load_weights(make_payload(model, cfg.flow))
+        args = (model, cfg.flow, cfg.train, correction_config(cfg), sampling, cfg.rollout.max_len, ref)
+        if world.distributed:
+            from ..dist.trainer import ShardedTrainer
+
+            trainer = ShardedTrainer(*args, world=world)
+        else:
+            trainer = Trainer(*args)
+    if world.distributed:
+        from ..dist.rollout import ShardedEngine
+
+        engine = ShardedEngine(engine, world)
     return Job(cfg, model_dir, tok, source, engine, sampling, trainer)
 
 
@@ -184,10 +199,14 @@ def _drop_flat_groups(samples: list[dict]) -> list[list[dict]]:
 
 
 def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict], None] | None = None,
-        on_eval: Callable[[list[dict]], None] | None = None, stop_after: int | None = None) -> list[dict]:
+        on_eval: Callable[[list[dict]], None] | None = None, stop_after: int | None = None,
+        world: World = SINGLE) -> list[dict]:
     """The training loop. Returns the metrics lines written; ``stop_after`` (tests) stops early
-    as a kill would, after that step's checkpoint (if any) is written."""
-    out.mkdir(parents=True, exist_ok=True)
+    as a kill would, after that step's checkpoint (if any) is written. Under torchrun every rank
+    calls it (``world``); the metrics are global, and rank 0 writes them and calls the callbacks."""
+    writer = world.is_writer
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
     metrics_file = out / "metrics.jsonl"
     rollouts_file = out / "rollouts.jsonl"
     ckpt = latest_checkpoint(out) if resume else None
@@ -196,26 +215,33 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
     if not resume and (metrics_file.exists() or (out / "latest").exists()):
         raise JetrlError(f"{out}: already holds a run (--resume continues it, --force starts over, "
                          "-o picks another directory)")
-    job = setup(cfg, with_trainer=True, init_dir=ckpt)
+    world.barrier()  # every rank has checked the directory before rank 0 writes to it
+    job = setup(cfg, with_trainer=True, init_dir=ckpt, world=world)
     tr = job.trainer
+    transport = world.transport()
     lines: list[dict] = []
     start = 1
     if ckpt is not None:
-        state = load_trainer_state(ckpt)
-        tr.opt.load_state_dict(state["optimizer"])
-        start = state["step"] + 1
+        from ..dist.checkpoint import restore_trainer
+
+        start = restore_trainer(tr, ckpt, world) + 1
         lines = [json.loads(x) for x in metrics_file.read_text().splitlines() if x.strip()]
         lines = [m for m in lines if m["step"] < start]
-        metrics_file.write_text("".join(json.dumps(m) + "\n" for m in lines))
-        if rollouts_file.exists():
+        world.barrier()  # every rank has read the metrics before rank 0 rewrites them
+        if writer:
+            metrics_file.write_text("".join(json.dumps(m) + "\n" for m in lines))
+        if writer and rollouts_file.exists():
             kept = [x for x in rollouts_file.read_text().splitlines() if x.strip() and json.loads(x)["step"] < start]
             rollouts_file.write_text("".join(x + "\n" for x in kept))
     import yaml
 
-    (out / "preset.yaml").write_text(yaml.safe_dump(cfg.raw, sort_keys=False))
+    if writer:
+        (out / "preset.yaml").write_text(yaml.safe_dump(cfg.raw, sort_keys=False))
 
     def emit(m: dict):
         lines.append(m)
+        if not writer:
+            return
         with metrics_file.open("a") as f:
             f.write(json.dumps(m) + "\n")
         if on_step:
@@ -225,7 +251,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
         t0 = time.perf_counter()
         acc, samples = evaluate(job, cfg.eval.prompts)
         emit({"step": 0, "eval_accuracy": acc, "eval_s": time.perf_counter() - t0})
-        if on_eval:
+        if on_eval and writer:
             on_eval(samples)
     last_good = ckpt
     steps = cfg.train.steps
@@ -249,7 +275,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
         else:
             train_samples = samples
         rollout_s = time.perf_counter() - t0
-        if cfg.run.save_rollouts:
+        if cfg.run.save_rollouts and writer:
             with rollouts_file.open("a") as f:
                 for s in all_samples:
                     f.write(json.dumps({**s, "model": str(job.model_dir), "flow": cfg.flow.name,
@@ -271,7 +297,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
         else:
             m.update({"mismatch_kl": None, "skipped": True, "score_s": 0.0, "train_s": 0.0})
         t0 = time.perf_counter()
-        payload = make_payload(tr.model, cfg.flow, version=step)
+        payload = transport.payload(tr.model, cfg.flow, version=step)
         job.engine.load_weights(payload)
         m["sync_s"] = time.perf_counter() - t0
         m["sync_bytes"] = payload.nbytes
@@ -283,17 +309,23 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
             acc, ev = evaluate(job, cfg.eval.prompts)
             m["eval_accuracy"] = acc
             m["eval_s"] = time.perf_counter() - t0
-            if on_eval:
+            if on_eval and writer:
                 on_eval(ev)
         m["step_s"] = time.perf_counter() - t_step
         emit(m)  # before the checkpoint: a resume truncates metrics back to its checkpoint's step
         if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == steps:
-            last_good = save_checkpoint(out, step, tr.model, tr.opt, job.model_dir,
-                                        {"preset": cfg.name, "invariant_scale": cfg.train.invariant_scale},
-                                        cfg.run.keep_checkpoints)
+            extra = {"preset": cfg.name, "invariant_scale": cfg.train.invariant_scale}
+            if world.distributed:
+                from ..dist.checkpoint import save_sharded_checkpoint
+
+                last_good = save_sharded_checkpoint(out, step, tr, world, job.model_dir, extra,
+                                                    cfg.run.keep_checkpoints)
+            else:
+                last_good = save_checkpoint(out, step, tr.model, tr.opt, job.model_dir, extra,
+                                            cfg.run.keep_checkpoints)
         if stop_after is not None and step >= stop_after:
             break
-    if lines:
+    if lines and writer:
         try:
             from .plots import plot_curves
 
