@@ -413,7 +413,7 @@ def run_cmd(
 ):
     """The RL loop: rollout -> reward -> score -> update -> sync -> eval; metrics.jsonl, checkpoints, curves.png."""
     from .config import load_job_config
-    from .dist.world import SINGLE, World, launched_by_torchrun
+    from .distributed.world import SINGLE, World, launched_by_torchrun
     from .live import RunDisplay
     from .rl.loop import run
 
@@ -426,7 +426,7 @@ def run_cmd(
             raise JetrlError(f"--nproc must be > 0, got {nproc}")
         if launched_by_torchrun():
             raise JetrlError("--nproc starts torchrun; this process already runs under torchrun (drop --nproc)")
-        from .dist.launch import launch
+        from .distributed.launch import launch
 
         args = [preset, "-o", str(out), *(["--resume"] if resume else []), *(["--force"] if force else []),
                 *[x for o in _overrides(override) for x in ("--set", o)]]

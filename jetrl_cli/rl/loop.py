@@ -6,9 +6,9 @@ GRPO update -> weight sync -> periodic eval -> ``metrics.jsonl`` line -> periodi
 Every random draw is a function of ``(run.seed, step)``, so ``--resume`` from a checkpoint
 continues exactly as the uninterrupted run would have.
 
-Under ``torchrun`` (``world``: see ``jetrl_cli.dist``) the same loop runs on every rank: the engine
-samples the rank's share of the prompts and gathers everyone's, the trainer is sharded with FSDP2,
-the sync gathers full weights, checkpoints go through DCP, and rank 0 alone writes files.
+Under ``torchrun`` (``world``: see ``jetrl_cli.distributed``) the same loop runs on every rank:
+the engine samples the rank's share of the prompts and gathers everyone's, the trainer is sharded
+with FSDP2, the sync gathers full weights, checkpoints go through DCP, rank 0 alone writes files.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from ..config import JobConfig
-from ..dist.world import SINGLE, World
+from ..distributed.world import SINGLE, World
 from ..engine.base import RolloutEngine, make_payload
 from ..engine.embedded import EmbeddedEngine
 from ..engine.sampling import SamplingParams
@@ -123,13 +123,13 @@ def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None, worl
     if with_trainer:
         args = (model, cfg.flow, cfg.train, correction_config(cfg), sampling, cfg.rollout.max_len, ref)
         if world.distributed:
-            from ..dist.trainer import ShardedTrainer
+            from ..distributed.trainer import ShardedTrainer
 
             trainer = ShardedTrainer(*args, world=world)
         else:
             trainer = Trainer(*args)
     if world.distributed:
-        from ..dist.rollout import ShardedEngine
+        from ..distributed.rollout import ShardedEngine
 
         engine = ShardedEngine(engine, world)
     return Job(cfg, model_dir, tok, source, engine, sampling, trainer)
@@ -222,7 +222,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
     lines: list[dict] = []
     start = 1
     if ckpt is not None:
-        from ..dist.checkpoint import restore_trainer
+        from ..distributed.checkpoint import restore_trainer
 
         start = restore_trainer(tr, ckpt, world) + 1
         lines = [json.loads(x) for x in metrics_file.read_text().splitlines() if x.strip()]
@@ -316,7 +316,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
         if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == steps:
             extra = {"preset": cfg.name, "invariant_scale": cfg.train.invariant_scale}
             if world.distributed:
-                from ..dist.checkpoint import save_sharded_checkpoint
+                from ..distributed.checkpoint import save_sharded_checkpoint
 
                 last_good = save_sharded_checkpoint(out, step, tr, world, job.model_dir, extra,
                                                     cfg.run.keep_checkpoints)
