@@ -22,6 +22,7 @@ the model is loaded over it (the same fp32 values).
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -78,7 +79,9 @@ def restore_trainer(trainer, ckpt: Path, world: World) -> int:
 
         model_sd, optim_sd = get_state_dict(trainer.model, trainer.opt)
         sd = {"model": model_sd, "optimizer": optim_sd}
-        dcp.load(sd, checkpoint_id=ckpt / state["sharded_state"])
+        with warnings.catch_warnings():  # the plain run loads without a process group, on purpose
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(sd, checkpoint_id=ckpt / state["sharded_state"])
         set_state_dict(trainer.model, trainer.opt, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
     elif world.distributed:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

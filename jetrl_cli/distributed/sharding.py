@@ -28,9 +28,18 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.distributed.tensor import DTensor
+
+from ..errors import JetrlError
+
+try:  # FSDP2 with pluggable collectives (torch 2.13; ReduceScatter lives in a private module)
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    from torch.distributed.tensor import DTensor
+except ImportError as e:  # pragma: no cover - older torch
+    _MISSING = str(e)
+    ReduceScatter = object
+else:
+    _MISSING = None
 
 
 class OrderedReduceScatter(ReduceScatter):
@@ -70,6 +79,9 @@ def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 def shard_model(model: torch.nn.Module, exact: bool) -> torch.nn.Module:
     """Shard ``model`` in place over the default process group (its ``JetLinear`` swap must already
     be done: FSDP records each parameter's owning module)."""
+    if _MISSING is not None or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+        raise JetrlError(f"torchrun runs need FSDP2 with custom collectives (torch 2.13 has them); this torch "
+                         f"{torch.__version__} lacks them ({_MISSING or 'FSDPModule.set_custom_reduce_scatter'})")
     for unit in fsdp_units(model):
         fully_shard(unit, reshard_after_forward=True)
     for unit in fsdp_units(model):

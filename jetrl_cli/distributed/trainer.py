@@ -34,6 +34,10 @@ from .sharding import quiet_fsdp_view_warning, set_gradient_sync, shard_model
 from .world import World
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
     return [rows[s:s + size] for s in range(0, len(rows), size)]
 
@@ -71,8 +75,8 @@ class ShardedTrainer(Trainer):
             sub = b.select(torch.tensor(list(mine)))
             out = score_logprobs(model, sub, self.sampling, mb, self.width)
             local[:, :out.shape[1]] = out
-        forwards = max(-(-len(s) // mb) for s in shares)
-        for _ in range(forwards - -(-len(mine) // mb)):
+        forwards = max(_ceil_div(len(s), mb) for s in shares)
+        for _ in range(forwards - _ceil_div(len(mine), mb)):
             model(b.ids[:1, :2].to(self._device))  # FSDP's all-gathers: as many forwards as the busiest rank
         return torch.cat(self.world.all_gather_object(local))
 

@@ -39,17 +39,16 @@ class World:
     size: int = 1
     distributed: bool = False  # a torch.distributed process group is up (launched by torchrun)
     device: str = "cpu"
+    # Sum gradients in a fixed order and take the gradient norm on whole gradients, so a sharded
+    # step equals a single-process step bit for bit (``sharding.py``). Default on CPU (gloo); on
+    # GPU FSDP's own reduce-scatter and sharded norm (no full gradient copies). JETRL_EXACT_REDUCTION=0/1
+    # overrides the default.
+    exact: bool = True
 
     @property
     def is_writer(self) -> bool:
         """Rank 0 alone writes files and the live display."""
         return self.rank == 0
-
-    @property
-    def exact(self) -> bool:
-        """Reduce gradients in a fixed order (gloo, CPU): results equal a single process's bit for
-        bit; NCCL runs FSDP's own reduce-scatter instead (fast, order not fixed)."""
-        return self.device == "cpu"
 
     def shard(self, n: int) -> range:
         return shard_range(n, self.rank, self.size)
@@ -75,10 +74,6 @@ class World:
         dist.all_gather_object(out, obj)
         return out
 
-    def any(self, flag: bool) -> bool:
-        """True on every rank if ``flag`` is true on some rank."""
-        return any(self.all_gather_object(bool(flag))) if self.distributed else bool(flag)
-
     # ------------------------------------------------------------------ set-up
 
     @classmethod
@@ -98,9 +93,12 @@ class World:
             backend = "cpu:gloo,cuda:nccl"
         else:
             backend = "gloo"
+        exact = os.environ.get("JETRL_EXACT_REDUCTION", "1" if device == "cpu" else "0")
+        if exact not in ("0", "1"):
+            raise JetrlError(f"JETRL_EXACT_REDUCTION={exact!r}: allowed 0 or 1")
         if not dist.is_initialized():
             dist.init_process_group(backend)
-        return cls(rank, size, True, device)
+        return cls(rank, size, True, device, exact == "1")
 
     def close(self) -> None:
         if self.distributed:
