@@ -101,9 +101,15 @@ class World:
         return cls(rank, size, True, device, exact == "1")
 
     def close(self) -> None:
+        """Free the run's objects, then the process group, while the interpreter is fully alive:
+        FSDP modules sit in reference cycles, and a gloo work object they hold, destroyed during
+        interpreter shutdown instead, can abort the process (seen as a rare SIGABRT at exit)."""
         if self.distributed:
+            import gc
+
             import torch.distributed as dist
 
+            gc.collect()
             if dist.is_initialized():
                 dist.destroy_process_group()
 
