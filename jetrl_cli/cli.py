@@ -455,10 +455,12 @@ def run_cmd(
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Output directory (default run.out_dir or runs/<preset>).")] = None,
     resume: Annotated[bool, typer.Option("--resume", metavar="", help="Continue the run in the output directory from its last checkpoint.")] = False,
     force: Annotated[bool, typer.Option("--force", metavar="", help="Delete a previous run in the output directory and start over.")] = False,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", metavar="N", help="Start N processes through torchrun (one per GPU; gloo on CPU): FSDP2 trainer, data-parallel rollout.")] = None,
     override: SetOpt = None,
 ):
     """The RL loop: rollout -> reward -> score -> update -> sync -> eval; metrics.jsonl, checkpoints, curves.png."""
     from .config import load_job_config
+    from .distributed.world import SINGLE, World, launched_by_torchrun
     from .live import RunDisplay
     from .rl.loop import run
 
@@ -466,17 +468,44 @@ def run_cmd(
         raise JetrlError("--force and --resume contradict each other")
     cfg = load_job_config(preset, _overrides(override))
     out = output or cfg.out_dir
-    if force and out.exists():
-        import shutil
+    if nproc is not None:
+        if nproc <= 0:
+            raise JetrlError(f"--nproc must be > 0, got {nproc}")
+        if launched_by_torchrun():
+            raise JetrlError("--nproc starts torchrun; this process already runs under torchrun (drop --nproc)")
+        from .distributed.launch import launch
 
-        if not ((out / "metrics.jsonl").exists() or (out / "preset.yaml").exists()):
-            raise JetrlError(f"{out}: not a jetrl run directory (no metrics.jsonl); --force only replaces runs")
-        shutil.rmtree(out)
-    display = RunDisplay(cfg, err_console)
-    with display:
-        lines = run(cfg, out, resume=resume, on_step=display.step, on_eval=display.eval_samples,
-                    on_resume=display.resumed)
-    display.finish(lines, out)
+        args = [preset, "-o", str(out), *(["--resume"] if resume else []), *(["--force"] if force else []),
+                *[x for o in _overrides(override) for x in ("--set", o)]]
+        code = launch(nproc, args)
+        if code:
+            raise typer.Exit(code)
+        return
+    world = World.from_env(cfg.model.device) if launched_by_torchrun() else SINGLE
+    try:
+        if force and out.exists():
+            import shutil
+
+            if not ((out / "metrics.jsonl").exists() or (out / "preset.yaml").exists()):
+                raise JetrlError(f"{out}: not a jetrl run directory (no metrics.jsonl); --force only replaces runs")
+            world.barrier()  # every rank has checked before rank 0 deletes
+            if world.is_writer:
+                shutil.rmtree(out)
+            world.barrier()
+        if not world.is_writer:
+            run(cfg, out, resume=resume, world=world)
+            return
+        display = RunDisplay(cfg, err_console)
+        with display:
+            lines = run(cfg, out, resume=resume, on_step=display.step, on_eval=display.eval_samples,
+                        on_resume=display.resumed, world=world)
+        display.finish(lines, out)
+    except JetrlError as e:
+        if not world.is_writer:  # each rank prints its own error line: say which one
+            e.args = (f"rank {world.rank}: {e}",)
+        raise
+    finally:
+        world.close()
 
 
 @app.command("bench")

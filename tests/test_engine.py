@@ -8,7 +8,8 @@ import torch
 
 from jetrl_cli.engine.base import make_payload
 from jetrl_cli.engine.embedded import EmbeddedEngine
-from jetrl_cli.engine.sampling import SamplingParams, sample, sampling_logprobs
+from jetrl_cli.engine.sampling import (SamplingParams, keyed_uniform, prompt_seeds, sample, sample_keys,
+                                      sampling_logprobs)
 from jetrl_cli.errors import JetrlError
 from jetrl_cli.models.llama import LlamaForCausalLM
 from jetrl_cli.models.tiny import tiny_config
@@ -142,6 +143,41 @@ def test_sampling_logprobs_masks_top_k_and_top_p():
     draws = torch.stack([sample(torch.log(torch.tensor([[0.7, 0.2, 0.1]])).expand(4000, 3), SamplingParams(), g)])
     freq = torch.bincount(draws.flatten(), minlength=3).float() / 4000
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def test_keyed_sampling_draws_from_the_distribution():
+    logp = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).expand(4000, 3)
+    keys = sample_keys(list(range(1000)), 4)  # 1000 prompt seeds x 4 samples: 4000 distinct keys
+    assert keys.unique().numel() == 4000
+    for pos in (0, 17):
+        freq = torch.bincount(sample(logp, SamplingParams(), keys=keys, position=pos), minlength=3).float() / 4000
+        assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+    u = keyed_uniform(keys, 3, 512)
+    assert 0 <= float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.01
+    assert abs(float(u.var()) - 1 / 12) < 0.002
+    assert torch.equal(u, keyed_uniform(keys, 3, 512)) and not torch.equal(u, keyed_uniform(keys, 4, 512))
+    assert torch.equal(keyed_uniform(keys[10:20], 3, 512), u[10:20])  # a row's noise is its key's alone
+
+
+def test_samples_depend_on_the_prompt_seed_only(model):
+    """Chunking (max_batch), the other prompts of the call and how many there are do not change a
+    prompt's samples: a data-parallel rank passing its slice of prompt_seeds gets the same ones."""
+    flow = named_flow("fp8-unified")
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, n=3, stop_token_ids=(7,))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 512, (int(k),), generator=g).tolist() for k in torch.randint(2, 10, (5,), generator=g)]
+    small, big = EmbeddedEngine(model, flow, WIDTH, max_batch=4), EmbeddedEngine(model, flow, WIDTH, max_batch=64)
+    for eng in (small, big):
+        eng.load_weights(make_payload(model, flow))
+
+    def toks(groups):
+        return [[(c.tokens, c.logprobs) for c in grp] for grp in groups]
+
+    full = toks(small.generate(prompts, sp, 9))
+    assert toks(big.generate(prompts, sp, 9)) == full
+    assert toks(big.generate(prompts[2:4], sp, prompt_seeds(9, 5)[2:4])) == full[2:4]
+    assert toks(small.generate(prompts, sp, 10)) != full
+    assert len({tuple(c[0]) for grp in full for c in grp}) > 5  # the samples of a group differ
 
 
 def test_width_is_checked(model):

@@ -161,12 +161,25 @@ def test_resume_without_checkpoint_is_an_error(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_bf16_run_improves_reward(tmp_path):
-    """Recorded curve (bf16 preset, seed 0): reward ~0.53 over the first steps, ~0.65 after 16."""
-    cfg = load_job_config("bf16", ["train.steps=16", "eval.every=8"])
-    lines = [m for m in run(cfg, tmp_path / "r") if m["step"] > 0]
-    first = sum(m["reward_mean"] for m in lines[:4]) / 4
-    last = sum(m["reward_mean"] for m in lines[-4:]) / 4
-    assert last > first + 0.05, (first, last)
+    """The bf16 preset's 40 steps raise the sampled reward on the same problems: the initial policy
+    and the final checkpoint sample 2 x 64 fresh training-distribution problems with the same seeds.
+    (Measured, seed 0: 0.594 -> 0.641 and 0.525 -> 0.625. Comparing the first and last steps' own
+    rewards instead mixes in how hard each step's problems are: after 16 steps the same-problem gain
+    is only ~0.02, so a 16-step curve test passed or failed with the sampling stream.)"""
+    from jetrl_cli.rl.loop import rollout_samples, setup
+
+    cfg = load_job_config("bf16", ["eval.every=0", "run.save_rollouts=false"])
+    out = tmp_path / "r"
+    run(cfg, out)
+
+    def reward(model_path):
+        job = setup(load_job_config("bf16", [f"model.path={model_path}"]), with_trainer=False)
+        got = [x["reward"] for seed in (1, 2)
+               for x in rollout_samples(job, job.source.batch(10_000 + seed, 64), seed=seed)]
+        return sum(got) / len(got)
+
+    before, after = reward("tiny"), reward(out / "checkpoints" / "step_000040")
+    assert after > before + 0.03, (before, after)
 
 
 def test_vllm_backend_settings_and_missing_extra(tmp_path):

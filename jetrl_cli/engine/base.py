@@ -9,7 +9,7 @@ calls, so the loop never assumes one process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Union
+from typing import Iterable, Protocol, Sequence, Union
 
 import torch
 
@@ -39,8 +39,11 @@ class RolloutEngine(Protocol):
     name: str
     width: int  # longest prompt + completion the engine holds (its KV-cache width)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[list[Completion]]:
-        """``params.n`` completions for each prompt, sampled reproducibly from ``seed``."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seed: int | Sequence[int]) -> list[list[Completion]]:
+        """``params.n`` completions for each prompt, sampled reproducibly from ``seed``: one int
+        (prompt i then gets ``sampling.prompt_seeds(seed, len(prompts))[i]``) or one seed per
+        prompt. A prompt's samples depend on its own seed only, not on the other prompts."""
 
     def load_weights(self, payload: WeightPayload) -> None:
         """Replace the engine's weights with the trainer's (the weight sync)."""
@@ -56,13 +59,15 @@ def check_prompts(prompts: list[list[int]], params: SamplingParams, width: int) 
                          f"{width} (raise rollout.max_len or shorten prompts)")
 
 
-def make_payload(model: torch.nn.Module, flow, version: int = 0) -> WeightPayload:
-    """The trainer's side of a sync: every parameter, quantized once for ``weight_sync: quantized``."""
+def make_payload(model: torch.nn.Module, flow, version: int = 0,
+                 params: Iterable[tuple[str, torch.Tensor]] | None = None) -> WeightPayload:
+    """The trainer's side of a sync: every parameter, quantized once for ``weight_sync: quantized``.
+    ``params``: the (name, full tensor) pairs to send instead of ``model.named_parameters()`` (a
+    sharded trainer passes its parameters gathered whole, so blocks and scales are the same)."""
     from ..precision.linear import JetLinear, matches_skip, weight_operand
 
     tensors: dict[str, Union[torch.Tensor, QTensor]] = {}
     quantize_weights = flow.weight_sync.payload == "quantized"
-    spec = flow.rollout.linear.b
     quantized_names = set()
     if quantize_weights:
         for name, mod in model.named_modules():
@@ -70,7 +75,7 @@ def make_payload(model: torch.nn.Module, flow, version: int = 0) -> WeightPayloa
                 quantized_names.add(f"{name}.weight")
     nbytes = 0
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in (model.named_parameters() if params is None else params):
             if name in quantized_names:
                 t = weight_operand(p.detach(), flow.rollout.linear)
                 nbytes += t.nbytes()

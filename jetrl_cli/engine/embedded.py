@@ -10,6 +10,7 @@ decode together.
 from __future__ import annotations
 
 import copy
+from typing import Sequence
 
 import torch
 
@@ -18,7 +19,7 @@ from ..models.llama import KVCache, key_width
 from ..precision.gemm import ROW_TILE
 from ..precision.linear import JetLinear, apply_flow
 from .base import Completion, WeightPayload, check_prompts
-from .sampling import SamplingParams, sample, sampling_logprobs
+from .sampling import SamplingParams, prompt_seeds, sample, sample_keys, sampling_logprobs
 
 
 def compaction(rows: list[int], live: int) -> list[int] | None:
@@ -84,16 +85,22 @@ class EmbeddedEngine:
         self.weights_version = payload.version
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seed: int | Sequence[int]) -> list[list[Completion]]:
+        """``seed``: one int for the call, or one seed per prompt (a data-parallel rank's slice of
+        ``prompt_seeds``). Each sample's noise is keyed by its prompt's seed and its index in the
+        group (``sampling.sample_keys``), so chunking and compaction do not change the tokens."""
         check_prompts(prompts, params, self.width)
+        seeds = prompt_seeds(seed, len(prompts)) if isinstance(seed, int) else list(seed)
         flat = [p for p in prompts for _ in range(params.n)]  # group-major: prompt i -> rows i*n .. i*n+n-1
+        keys = sample_keys(seeds, params.n, self.device)
         out: list[Completion] = []
-        for c, start in enumerate(range(0, len(flat), self.max_batch)):
-            gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + c)
-            out.extend(self._generate_chunk(flat[start:start + self.max_batch], params, gen))
+        for start in range(0, len(flat), self.max_batch):
+            out.extend(self._generate_chunk(flat[start:start + self.max_batch], params,
+                                            keys[start:start + self.max_batch]))
         return [out[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
-    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, gen) -> list[Completion]:
+    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, keys: torch.Tensor) -> list[Completion]:
         b = len(prompts)
         dev = self.device
         # A GRPO group repeats its prompt n times: prefill each distinct prompt once, then copy its
@@ -126,7 +133,7 @@ class EmbeddedEngine:
                 logp_report = torch.log_softmax(logits.float(), -1)
             else:
                 logp_report = logp
-            nxt = sample(logp, params, gen)
+            nxt = sample(logp, params, keys=keys, position=step)
             chosen = logp_report.gather(-1, nxt[:, None])[:, 0]
             for i, (r, t, lp) in enumerate(zip(rows, nxt.tolist(), chosen.tolist())):
                 if r < 0:
@@ -144,6 +151,6 @@ class EmbeddedEngine:
                 idx = torch.tensor(keep, device=dev)
                 cache.select(idx, self._storage(spare, len(keep)))
                 spare = 1 - spare
-                rows, nxt = [rows[i] for i in keep], nxt[idx]
+                rows, nxt, keys = [rows[i] for i in keep], nxt[idx], keys[idx]
             logits = self.model.decode(nxt, cache)
         return [Completion(toks[i], lps[i], reasons[i]) for i in range(b)]

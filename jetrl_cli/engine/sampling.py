@@ -4,6 +4,13 @@
 sampled token) and by the trainer (to score the same tokens under the training precision), so
 "the distribution the token was sampled from" means the same thing on both sides: logits divided
 by the temperature, then top-k and top-p truncation, renormalised.
+
+The random draws are keyed, not streamed: prompt ``i`` of a call with seed ``s`` has its own seed
+(``prompt_seeds``), each of its ``n`` samples a 32-bit key (``sample_keys``), and the Gumbel noise
+of token ``v`` at decode position ``t`` is a hash of (key, t, v) (``keyed_uniform``). A sample's
+tokens therefore depend only on (seed, prompt index, sample index), never on which other prompts
+share the batch, how the engine chunks or compacts it, or which process samples it: a rollout
+sharded over data-parallel ranks draws exactly the samples one process draws.
 """
 
 from __future__ import annotations
@@ -45,10 +52,58 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return torch.log_softmax(x, dim=-1)
 
 
-def sample(logp: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row: greedy argmax, or Gumbel-max (exact sampling from ``exp(logp)``)."""
+_M32, _M64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
+
+
+def prompt_seeds(seed: int, count: int) -> list[int]:
+    """The seed of each prompt of a ``generate(prompts, params, seed)`` call (the vLLM engine
+    passes them to vLLM as per-request seeds). A data-parallel rank passes its slice."""
+    return [seed * 1_000_003 + i for i in range(count)]
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def sample_keys(seeds: list[int], n: int, device=None) -> torch.Tensor:
+    """One 32-bit key per sample, prompt-major (prompt i's n samples are rows i*n .. i*n+n-1)."""
+    keys = [_splitmix64(_splitmix64(s & _M64) ^ j) >> 32 for s in seeds for j in range(n)]
+    return torch.tensor(keys, dtype=torch.int64, device=device)
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds) on int64 tensors holding values below
+    2**32; the multipliers are below 2**31, so no product overflows int64 on any device."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
+
+
+def keyed_uniform(keys: torch.Tensor, position: int, width: int) -> torch.Tensor:
+    """``(len(keys), width)`` fp32 uniforms in [0, 1), 24 bits each (as ``torch.rand``): row r,
+    column v is a hash of (keys[r], position, v) alone."""
+    pos = _splitmix64(position) >> 32
+    row = _hash32(keys ^ pos)
+    cols = (torch.arange(width, device=keys.device, dtype=torch.int64) * 0x9E3779B1) & _M32
+    x = _hash32((row[:, None] + cols[None, :]) & _M32)
+    return (x >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def sample(logp: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+           keys: torch.Tensor | None = None, position: int = 0) -> torch.Tensor:
+    """One token per row: greedy argmax, or Gumbel-max (exact sampling from ``exp(logp)``) with
+    the noise keyed by ``keys`` (one per row) and the decode ``position``, or else drawn from
+    ``generator``."""
     if params.greedy:
         return logp.argmax(-1)
-    u = torch.rand(logp.shape, generator=generator, device=logp.device, dtype=torch.float32)
+    if keys is not None:
+        u = keyed_uniform(keys, position, logp.shape[-1])
+    else:
+        u = torch.rand(logp.shape, generator=generator, device=logp.device, dtype=torch.float32)
     gumbel = -torch.log(-torch.log(u.clamp_min(1e-20)))
     return (logp + gumbel).argmax(-1)

@@ -25,6 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -32,7 +33,7 @@ from ..errors import JetrlError
 from ..precision.formats import Format
 from ..precision.quant import CastSpec
 from .base import Completion, WeightPayload, check_prompts
-from .sampling import SamplingParams
+from .sampling import SamplingParams, prompt_seeds
 
 from ..choices import VLLM_QUANTIZATIONS as QUANTIZATIONS  # noqa: E402
 
@@ -142,11 +143,13 @@ class VLLMEngine:
             ignore_eos=True,  # jetrl's stop list (the tokenizer's EOS included) is the only one, as in its engine
         )
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seed: int | Sequence[int]) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
         check_prompts(prompts, params, self.width)
-        sps = [self._sampling(params, seed * 1_000_003 + i) for i in range(len(prompts))]
+        seeds = prompt_seeds(seed, len(prompts)) if isinstance(seed, int) else list(seed)
+        sps = [self._sampling(params, s) for s in seeds]  # one vLLM request seed per prompt
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sps, use_tqdm=False)
         groups = []
         for o in outs:

@@ -26,9 +26,25 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(out: Path, step: int, model, optimizer, source_dir: Path, extra: dict, keep: int) -> Path:
+def write_model_files(dst: Path, state: dict, source_dir: Path, tie_word_embeddings: bool) -> None:
+    """The Hugging Face model directory part of a checkpoint: fp32 safetensors, config.json and the
+    tokenizer files of ``source_dir``, every file with the user's umask (not a temp file's 0600)."""
     from ..fileio import save_safetensors
 
+    state = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
+    if tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_safetensors(state, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((source_dir / "config.json").read_text())
+    cfg["torch_dtype"] = "float32"
+    cfg.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for f in TOKENIZER_FILES:
+        if (source_dir / f).exists():
+            shutil.copyfile(source_dir / f, dst / f)  # a new file: the umask's mode, like the rest
+
+
+def save_checkpoint(out: Path, step: int, model, optimizer, source_dir: Path, extra: dict, keep: int) -> Path:
     ckdir = out / "checkpoints"
     ckdir.mkdir(parents=True, exist_ok=True)
     final = ckdir / f"step_{step:06d}"
@@ -36,23 +52,19 @@ def save_checkpoint(out: Path, step: int, model, optimizer, source_dir: Path, ex
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    state = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_safetensors(state, tmp / "model.safetensors", metadata={"format": "pt"})  # umask mode, not 0600
-    cfg = json.loads((source_dir / "config.json").read_text())
-    cfg["torch_dtype"] = "float32"
-    cfg.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    for f in TOKENIZER_FILES:
-        if (source_dir / f).exists():
-            shutil.copyfile(source_dir / f, tmp / f)  # a new file: the umask's mode, like the rest
+    write_model_files(tmp, model.state_dict(), source_dir, model.config.tie_word_embeddings)
     torch.save({"step": step, "optimizer": optimizer.state_dict(), **extra}, tmp / "trainer_state.pt")
+    return publish_checkpoint(out, tmp, final, keep)
+
+
+def publish_checkpoint(out: Path, tmp: Path, final: Path, keep: int) -> Path:
+    """Rename the complete ``tmp`` directory to ``final``, point ``OUT/latest`` at it, and delete
+    all but the newest ``keep`` checkpoints."""
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     _atomic_write_text(out / "latest", final.name + "\n")
-    done = sorted(p for p in ckdir.glob("step_*") if p.is_dir())
+    done = sorted(p for p in final.parent.glob("step_*") if p.is_dir())
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -5,6 +5,10 @@ dynamic sampling -> old-policy logprobs (trainer, training precision) -> mismatc
 GRPO update -> weight sync -> periodic eval -> ``metrics.jsonl`` line -> periodic checkpoint.
 Every random draw is a function of ``(run.seed, step)``, so ``--resume`` from a checkpoint
 continues exactly as the uninterrupted run would have.
+
+Under ``torchrun`` (``world``: see ``jetrl_cli.distributed``) the same loop runs on every rank:
+the engine samples the rank's share of the prompts and gathers everyone's, the trainer is sharded
+with FSDP2, the sync gathers full weights, checkpoints go through DCP, rank 0 alone writes files.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Callable
 import torch
 
 from ..config import JobConfig
+from ..distributed.world import SINGLE, World
 from ..engine.base import RolloutEngine, make_payload
 from ..engine.embedded import EmbeddedEngine
 from ..engine.sampling import SamplingParams
@@ -28,7 +33,7 @@ from ..models.tokenizer import Tokenizer
 from ..precision.gemm import backend_report, reset_resolutions
 from ..tasks import PromptSource, build_task
 from .algos import CorrectionConfig, group_advantages, importance
-from .checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from .checkpoint import latest_checkpoint, save_checkpoint
 from .loggers import open_loggers
 from .trainer import Batch, NonFiniteError, Trainer, fold_invariant_scale
 
@@ -98,7 +103,7 @@ class Job:
     trainer: Trainer | None = None
 
 
-def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None) -> Job:
+def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None, world: World = SINGLE) -> Job:
     """Load the policy (from ``init_dir`` when resuming), build task, engine and trainer, first sync."""
     model_dir = resolve_model_dir(cfg.model.path)
     tok = Tokenizer.from_dir(model_dir)
@@ -117,11 +122,21 @@ def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None) -> J
     if s != 1.0 and init_dir is None:
         fold_invariant_scale(model, s)
     sampling = sampling_params(cfg, tok)
+    engine = build_engine(cfg, model, model_dir)  # before the trainer, which may shard the model
+    engine.load_weights(make_payload(model, cfg.flow))
     trainer = None
     if with_trainer:
-        trainer = Trainer(model, cfg.flow, cfg.train, correction_config(cfg), sampling, cfg.rollout.max_len, ref)
-    engine = build_engine(cfg, model, model_dir)
-    engine.load_weights(make_payload(model, cfg.flow))
+        args = (model, cfg.flow, cfg.train, correction_config(cfg), sampling, cfg.rollout.max_len, ref)
+        if world.distributed:
+            from ..distributed.trainer import ShardedTrainer
+
+            trainer = ShardedTrainer(*args, world=world)
+        else:
+            trainer = Trainer(*args)
+    if world.distributed:
+        from ..distributed.rollout import ShardedEngine
+
+        engine = ShardedEngine(engine, world)
     return Job(cfg, model_dir, tok, source, engine, sampling, trainer)
 
 
@@ -190,11 +205,14 @@ def _drop_flat_groups(samples: list[dict]) -> list[list[dict]]:
 
 def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict], None] | None = None,
         on_eval: Callable[[list[dict]], None] | None = None, stop_after: int | None = None,
-        on_resume: Callable[[int, Path], None] | None = None) -> list[dict]:
+        on_resume: Callable[[int, Path], None] | None = None, world: World = SINGLE) -> list[dict]:
     """The training loop. Returns the metrics lines written; ``stop_after`` (tests) stops early
     as a kill would, after that step's checkpoint (if any) is written. ``on_resume(step, checkpoint)``
     is told the first step a resumed run will run. ``out`` is created only once the model, task
-    and engine are set up, so a run that fails to start leaves no directory behind."""
+    and engine are set up, so a run that fails to start leaves no directory behind. Under torchrun
+    every rank calls it (``world``); the metrics are global, and rank 0 writes them and calls the
+    callbacks."""
+    writer = world.is_writer
     metrics_file = out / "metrics.jsonl"
     rollouts_file = out / "rollouts.jsonl"
     ckpt = latest_checkpoint(out) if resume else None
@@ -208,30 +226,37 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
         raise JetrlError(f"{out}: already holds a run (--resume continues it, --force starts over, "
                          "-o picks another directory)")
     reset_resolutions()  # the backends recorded in metrics.jsonl are this run's
-    job = setup(cfg, with_trainer=True, init_dir=ckpt)
+    world.barrier()  # every rank has checked the directory before rank 0 writes to it
+    job = setup(cfg, with_trainer=True, init_dir=ckpt, world=world)
     tr = job.trainer
+    transport = world.transport()
     lines: list[dict] = []
     start = 1
     if ckpt is not None:
-        state = load_trainer_state(ckpt)
-        tr.opt.load_state_dict(state["optimizer"])
-        start = state["step"] + 1
-        if on_resume:
+        from ..distributed.checkpoint import restore_trainer
+
+        start = restore_trainer(tr, ckpt, world) + 1
+        if on_resume and writer:
             on_resume(start, ckpt)
         lines = [json.loads(x) for x in metrics_file.read_text().splitlines() if x.strip()]
         lines = [m for m in lines if m["step"] < start]
-        metrics_file.write_text("".join(json.dumps(m) + "\n" for m in lines))
-        if rollouts_file.exists():
+        world.barrier()  # every rank has read the metrics before rank 0 rewrites them
+        if writer:
+            metrics_file.write_text("".join(json.dumps(m) + "\n" for m in lines))
+        if writer and rollouts_file.exists():
             kept = [x for x in rollouts_file.read_text().splitlines() if x.strip() and json.loads(x)["step"] < start]
             rollouts_file.write_text("".join(x + "\n" for x in kept))
     import yaml
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "preset.yaml").write_text(yaml.safe_dump(cfg.raw, sort_keys=False))
-    loggers.start(out, start)
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "preset.yaml").write_text(yaml.safe_dump(cfg.raw, sort_keys=False))
+        loggers.start(out, start)
 
     def emit(m: dict):
         lines.append(m)
+        if not writer:
+            return
         with metrics_file.open("a") as f:
             f.write(json.dumps(m) + "\n")
         loggers.log(m)
@@ -242,7 +267,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
         t0 = time.perf_counter()
         acc, samples = evaluate(job, cfg.eval.prompts)
         emit({"step": 0, "eval_accuracy": acc, "eval_s": time.perf_counter() - t0})
-        if on_eval:
+        if on_eval and writer:
             on_eval(samples)
     last_good = ckpt
     last_report = None
@@ -267,7 +292,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
         else:
             train_samples = samples
         rollout_s = time.perf_counter() - t0
-        if cfg.run.save_rollouts:
+        if cfg.run.save_rollouts and writer:
             with rollouts_file.open("a") as f:
                 for s in all_samples:
                     f.write(json.dumps({**s, "model": str(job.model_dir), "flow": cfg.flow.name,
@@ -290,7 +315,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
         else:
             m.update({"mismatch_kl": None, "skipped": True, "score_s": 0.0, "train_s": 0.0})
         t0 = time.perf_counter()
-        payload = make_payload(tr.model, cfg.flow, version=step)
+        payload = transport.payload(tr.model, cfg.flow, version=step)
         job.engine.load_weights(payload)
         m["sync_s"] = time.perf_counter() - t0
         m["sync_bytes"] = payload.nbytes
@@ -303,7 +328,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
             acc, ev = evaluate(job, cfg.eval.prompts)
             m["eval_accuracy"] = acc
             m["eval_s"] = time.perf_counter() - t0
-            if on_eval:
+            if on_eval and writer:
                 on_eval(ev)
         report = backend_report()
         if report != last_report and (report["resolved"] or report["fallbacks"]):
@@ -311,13 +336,20 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
             last_report = report
         emit(m)  # before the checkpoint: a resume truncates metrics back to its checkpoint's step
         if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == steps:
-            last_good = save_checkpoint(out, step, tr.model, tr.opt, job.model_dir,
-                                        {"preset": cfg.name, "invariant_scale": cfg.train.invariant_scale},
-                                        cfg.run.keep_checkpoints)
+            extra = {"preset": cfg.name, "invariant_scale": cfg.train.invariant_scale}
+            if world.distributed:
+                from ..distributed.checkpoint import save_sharded_checkpoint
+
+                last_good = save_sharded_checkpoint(out, step, tr, world, job.model_dir, extra,
+                                                    cfg.run.keep_checkpoints)
+            else:
+                last_good = save_checkpoint(out, step, tr.model, tr.opt, job.model_dir, extra,
+                                            cfg.run.keep_checkpoints)
         if stop_after is not None and step >= stop_after:
             break
-    loggers.close()
-    if lines:
+    if writer:
+        loggers.close()
+    if lines and writer:
         try:
             from .plots import plot_curves
 

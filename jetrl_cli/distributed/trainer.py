@@ -1,0 +1,165 @@
+"""The GRPO trainer on FSDP2: the same ``score`` / ``update`` as ``rl.trainer.Trainer``, sharded.
+
+Every rank holds the step's whole batch (samples are small next to weights, and the loop gathers
+them after the rollout), so the shares need no communication to agree on: rank ``r`` scores the
+``r``-th block of sequences and trains on the ``r``-th block of each mini-batch's groups (a group's
+samples never split, and every rank knows every other rank's share).
+
+What is global and how:
+
+- the loss is divided by the mini-batch's token count over all ranks (read off the whole batch),
+  and FSDP sums (not averages) the gradients, so the gradient is the single-process gradient;
+- ``score`` all-gathers each rank's logprobs into the whole batch's tensor, so the importance
+  ratios, mismatch metrics and advantages are computed on all sequences, as in one process;
+- the loss terms and statistics of each micro-batch are gathered and added in the global
+  micro-batch order (the order one process adds them);
+- the gradient norm: ``World.exact`` (gloo) gathers each gradient whole and calls the very norm
+  function ``clip_grad_norm_`` uses; otherwise FSDP's DTensor norm (NCCL, no full copies).
+
+FSDP runs collectives in every forward and backward, so all ranks run the same number of them: a
+rank with fewer micro-batches than another runs masked ones (a 2-token forward whose loss is
+multiplied by 0, adding exact zeros to the gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..errors import JetrlError
+from ..precision.linear import apply_flow
+from ..rl.algos import importance, policy_loss
+from ..rl.trainer import Batch, NonFiniteError, Trainer, score_logprobs, token_logprobs
+from .sharding import quiet_fsdp_view_warning, set_gradient_sync, shard_model
+from .world import World
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
+    return [rows[s:s + size] for s in range(0, len(rows), size)]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class ShardedTrainer(Trainer):
+    def __init__(self, model, flow, tcfg, ccfg, sampling, width, ref_model=None, *, world: World):
+        quiet_fsdp_view_warning()
+        apply_flow(model, flow, "train")  # before sharding: FSDP records each parameter's module
+        shard_model(model, world.exact)
+        if ref_model is not None:
+            apply_flow(ref_model.eval(), flow, "train")
+            for p in ref_model.parameters():
+                p.requires_grad_(False)
+            shard_model(ref_model, world.exact)
+        self.world = world
+        super().__init__(model, flow, tcfg, ccfg, sampling, width, ref_model)
+
+    # ---------------------------------------------------------------- scoring
+
+    @torch.no_grad()
+    def score(self, b: Batch, ref: bool = False) -> torch.Tensor:
+        """The whole batch's logprobs (every rank gets all of them); each rank scores its block."""
+        model = self.ref if ref else self.model
+        if b.ids.shape[1] > self.width:
+            raise JetrlError(f"a sequence of {b.ids.shape[1]} tokens is longer than rollout.max_len ({self.width})")
+        mb = self.cfg.micro_batch
+        shares = self.world.shards(len(b))
+        mine = shares[self.world.rank]
+        local = torch.zeros(len(mine), b.mask.shape[1])
+        if len(mine):
+            sub = b.select(torch.tensor(list(mine)))
+            out = score_logprobs(model, sub, self.sampling, mb, self.width)
+            local[:, :out.shape[1]] = out
+        forwards = max(_ceil_div(len(s), mb) for s in shares)
+        for _ in range(forwards - _ceil_div(len(mine), mb)):
+            model(b.ids[:1, :2].to(self._device))  # FSDP's all-gathers: as many forwards as the busiest rank
+        return torch.cat(self.world.all_gather_object(local))
+
+    @property
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ---------------------------------------------------------------- update
+
+    def update(self, b: Batch, adv: torch.Tensor, old: torch.Tensor, ref_logp: torch.Tensor | None,
+               step: int) -> dict:
+        cfg, world = self.cfg, self.world
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr_at(step)
+        gsplit = torch.tensor_split(b.group.unique(), cfg.minibatches)
+        agg: dict[str, float] = {}
+        count = 0
+        dev = self._device
+        for _ in range(cfg.ppo_epochs):
+            for gs in gsplit:
+                idx = torch.isin(b.group, gs).nonzero()[:, 0]
+                denom = float(b.mask[idx].sum().clamp_min(1))
+                plans = [_micro_batches(torch.isin(b.group, gs[r.start:r.stop]).nonzero()[:, 0], cfg.micro_batch)
+                         for r in world.shards(len(gs))]
+                mine, rounds = plans[world.rank], max(len(p) for p in plans)
+                self.opt.zero_grad(set_to_none=True)
+                done = []  # (loss, stats, sequences) of this rank's micro-batches
+                for k in range(rounds):
+                    set_gradient_sync(self.model, k == rounds - 1 or not world.exact)
+                    if k < len(mine):
+                        sub = mine[k]
+                        mb = b.select(sub)
+                        t1 = mb.mask.shape[1]
+                        o, r = old[sub, :t1].to(dev), mb.rollout_logp.to(dev)
+                        m = mb.mask.to(dev)
+                        imp = importance(o, r, m, self.ccfg, cfg.clip_high, with_metrics=False)
+                        lp = token_logprobs(self.model, mb, self.sampling)
+                        rl = ref_logp[sub, :t1].to(dev) if ref_logp is not None else None
+                        loss, st = policy_loss(lp, o, adv[sub].to(dev), m, imp, cfg.clip_low, cfg.clip_high,
+                                               denom, rl, cfg.kl_coef)
+                        value = float(loss.detach())
+                    else:
+                        loss, st, value = self.model(b.ids[:1, :2].to(dev)).sum() * 0.0, None, 0.0
+                    bad = [v for v in world.all_gather_object(value) if not torch.isfinite(torch.tensor(v))]
+                    if bad:
+                        raise NonFiniteError(f"step {step}: the loss is {bad[0]}; stopped before the update")
+                    loss.backward()
+                    if st is not None:
+                        done.append((value, st, len(sub)))
+                losses = 0.0
+                for part in world.all_gather_object(done):  # rank order = the global micro-batch order
+                    for value, st, n in part:
+                        losses += value
+                        for key, v in st.items():  # loss terms add up over micro-batches, fractions average
+                            agg[key] = agg.get(key, 0.0) + (v * n / len(idx) if key == "clip_frac" else v)
+                gnorm = self._clip_grads()
+                if not torch.isfinite(torch.tensor(gnorm)):
+                    raise NonFiniteError(f"step {step}: the gradient norm is {gnorm}; stopped before the update")
+                self.opt.step()
+                self._check_finite_params(step)
+                agg["loss"] = agg.get("loss", 0.0) + losses
+                agg["grad_norm"] = agg.get("grad_norm", 0.0) + gnorm
+                count += 1
+        self.updates += count
+        return {k: v / count for k, v in agg.items()}
+
+    def _clip_grads(self) -> float:
+        """``clip_grad_norm_``: with ``World.exact`` on the gradients gathered whole (the same norm,
+        bit for bit, as one process computes), else FSDP's sharded norm."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not self.world.exact:
+            total = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+            return float(total.full_tensor() if isinstance(total, DTensor) else total)
+        full = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        total = torch.nn.utils.get_total_norm(full, 2.0)
+        del full
+        torch.nn.utils.clip_grads_with_norm_(params, self.cfg.grad_clip, total)
+        return float(total)
+
+    def _check_finite_params(self, step: int) -> None:
+        params = list(self.model.named_parameters())
+        mine = [n for n, p in params if not torch.isfinite(_local(p)).all()]
+        bad = set().union(*self.world.all_gather_object(mine))
+        if bad:
+            first = next(n for n, _ in params if n in bad)
+            raise NonFiniteError(f"step {step}: parameter {first} became non-finite after the update")
