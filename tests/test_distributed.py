@@ -21,7 +21,7 @@ from jetrl_cli.cli import app
 from jetrl_cli.config import load_job_config
 from jetrl_cli.distributed.launch import torchrun_command
 from jetrl_cli.distributed.world import shard_range
-from jetrl_cli.rl.loop import TIMING_KEYS, run
+from jetrl_cli.rl.loop import ENVIRONMENT_KEYS, run
 
 SMALL = ["train.steps=5", "rollout.prompts_per_step=4", "rollout.n=4", "train.micro_batch=8", "eval.prompts=8",
          "eval.every=2", "run.checkpoint_every=2"]
@@ -60,7 +60,7 @@ def torchrun(nproc, *run_args, background=False):
 
 def metrics(out: Path) -> list[dict]:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in rows]
+    return [{k: v for k, v in m.items() if k not in ENVIRONMENT_KEYS} for m in rows]
 
 
 def samples(out: Path) -> list[dict]:

@@ -486,10 +486,14 @@ class LlamaForCausalLM(nn.Module):
         return self._trunk(input_ids, pos, q_index, keep, width, causal_from_zero=True)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, width: int | None = None
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, width: int | None = None,
+        head=None,
     ) -> torch.Tensor:
-        """Logits (fp32) for every position (see ``hidden``)."""
-        return self.logits(self.hidden(input_ids, attention_mask, width))
+        """Logits (fp32) for every position (see ``hidden``), or ``head(self, hidden_states)``: what
+        the trainer computes from the hidden states instead of full logits (its chunked logprobs),
+        inside ``forward`` so module hooks apply to it too (FSDP gathers ``lm_head`` there)."""
+        h = self.hidden(input_ids, attention_mask, width)
+        return self.logits(h) if head is None else head(self, h)
 
     # -- incremental decoding (the rollout engine) ----------------------------------------
 

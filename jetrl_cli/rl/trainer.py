@@ -110,9 +110,10 @@ def token_logprobs(model, b: Batch, sampling: SamplingParams) -> torch.Tensor:
     dev = next(model.parameters()).device
     ids = b.ids.to(dev)
     mask = b.mask.to(dev)
-    h = model.hidden(ids)[:, :-1]
     where = mask.nonzero(as_tuple=True)
-    lp = target_logprobs(model, h[where], ids[:, 1:][where], sampling)
+    targets = ids[:, 1:][where]
+    # inside forward, so module hooks (FSDP's parameter gathering) cover the lm_head too
+    lp = model(ids, head=lambda m, h: target_logprobs(m, h[:, :-1][where], targets, sampling))
     return torch.zeros(mask.shape, dtype=lp.dtype, device=dev).index_put(where, lp)
 
 
