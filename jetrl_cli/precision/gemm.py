@@ -62,7 +62,7 @@ from ..errors import JetrlError
 from ..choices import GEMM_BACKENDS
 from .flow import OPERANDS, REDUCTION_ON_ROWS
 from .formats import Block, Format
-from .quant import CastSpec, QTensor, quantize, round_to
+from .quant import CastSpec, QTensor, quantize, round_to, to_float
 
 Operand = Union[QTensor, torch.Tensor]
 
@@ -221,7 +221,7 @@ def exact_operand(q) -> ExactOperand:
     if isinstance(q, ExactOperand):
         return q
     scales, group = _row_group_scales(q)
-    return ExactOperand(q.data.to(torch.float64), scales, group, q.spec.format)
+    return ExactOperand(to_float(q.data, torch.float64), scales, group, q.spec.format)
 
 
 # Per 8-bit format: (log2 of the spacing of its smallest values, log2 of a bound on its magnitude).
