@@ -11,7 +11,7 @@ from jetrl_cli.engine.embedded import EmbeddedEngine
 from jetrl_cli.engine.sampling import (SamplingParams, keyed_uniform, prompt_seeds, sample, sample_keys,
                                       sampling_logprobs)
 from jetrl_cli.errors import JetrlError
-from jetrl_cli.models.llama import LlamaForCausalLM
+from jetrl_cli.models.llama import LlamaForCausalLM, key_width
 from jetrl_cli.models.tiny import tiny_config
 from jetrl_cli.precision import apply_flow, named_flow
 from jetrl_cli.precision.gemm import row_invariant_mm
@@ -374,9 +374,10 @@ def test_rows_dropped_mid_rollout_keep_logprobs_bitwise_on_policy(model, flow_na
     sizes = []
     orig = eng.model.decode
 
-    def decode(tokens, cache):
+    def decode(tokens, cache, width=None):
         sizes.append(tokens.shape[0])
-        return orig(tokens, cache)
+        assert width == key_width(int(cache.lengths.max()) + 1)  # the host's width is the cache's
+        return orig(tokens, cache, width)
 
     eng.model.decode = decode
     g = torch.Generator().manual_seed(SEED + 1)
@@ -414,3 +415,55 @@ def test_kv_cache_select_into_storage():
     assert torch.count_nonzero(fresh.kv) == 0
     with pytest.raises(ValueError, match="storage holds"):
         KVCache(cfg, 9, 32, storage=storage)
+
+
+def test_looking_for_stops_less_often_changes_no_sample(model):
+    """On a GPU the engine looks for stopped rows every 8 tokens (one host sync each time), so rows
+    decode a few tokens past their stop; what it returns is the same as looking after every token."""
+    flow = named_flow("fp8-unified")
+    stops = tuple(range(0, 512, 19))  # ~1 token in 19: some rows stop early, some run to the end
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0, n=4, stop_token_ids=stops)
+    g = torch.Generator().manual_seed(SEED + 2)
+    prompts = [torch.randint(1, 512, (int(k),), generator=g).tolist() for k in torch.randint(2, 14, (6,), generator=g)]
+    outs = {}
+    for every in (1, 3, 8):
+        eng = EmbeddedEngine(model, flow, WIDTH, max_batch=16)
+        eng.load_weights(make_payload(model, flow))
+        eng.check_every = every
+        outs[every] = [[(c.tokens, c.logprobs, c.finish_reason) for c in gr] for gr in eng.generate(prompts, sp, 3)]
+    assert outs[1] == outs[3] == outs[8]
+    reasons = [r for gr in outs[1] for _, _, r in gr]
+    assert "stop" in reasons and "length" in reasons
+
+
+@pytest.mark.parametrize("flow_name", ["fp8-unified", "bf16"])
+def test_fp8_kv_cache_holds_fp8_and_stays_bitwise_on_policy(model, flow_name):
+    """``kv_cache: fp8_e4m3 row`` stores FP8 keys and values with one fp32 scale per token and head
+    (head_dim + 4 bytes per head and token, against 2 * head_dim in bf16), attention reads them
+    dequantized, and the trainer rounds its keys and values to the same values: the rollout's
+    logprobs still equal the trainer's bit for bit."""
+    from jetrl_cli.precision import parse_flow
+
+    flow = parse_flow({"base": flow_name, "rollout": {"kv_cache": "fp8_e4m3 row"}, "unified": True},
+                      source="<test>")
+    assert flow.kv_cast("train") == flow.kv_cast("rollout")
+    tm = copy.deepcopy(model)
+    sp = SamplingParams(max_new_tokens=20, temperature=1.0, n=4, stop_token_ids=tuple(range(0, 512, 23)))
+    eng = EmbeddedEngine(tm, flow, WIDTH, max_batch=8)
+    eng.load_weights(make_payload(tm, flow))
+    cache = eng.model.new_cache(2, WIDTH)
+    assert cache.kv.dtype == torch.float8_e4m3fn and cache.scales.shape == cache.kv.shape[:-1]
+    cfg = eng.model.config
+    assert cache.nbytes_per_token() == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.head_dim + 4)
+    g = torch.Generator().manual_seed(SEED + 3)
+    prompts = [torch.randint(1, 512, (int(k),), generator=g).tolist() for k in torch.randint(2, 14, (5,), generator=g)]
+    out = eng.generate(prompts, sp, seed=4)
+    flat = [(p, c) for p, grp in zip(prompts, out) for c in grp]
+    b = Batch.build([p for p, _ in flat], [c.tokens for _, c in flat], [c.logprobs for _, c in flat],
+                    [0.0] * len(flat), [i // 4 for i in range(len(flat))])
+    tr = Trainer(copy.deepcopy(model), flow, TrainConfig(micro_batch=7), CorrectionConfig(), sp, WIDTH)
+    old = tr.score(b)
+    assert b.mask.sum() > 40 and torch.equal(old[b.mask], b.rollout_logp[b.mask])
+    # and the FP8 cache changes the numbers: against the bf16-cache flow the logprobs differ
+    ref = Trainer(copy.deepcopy(model), named_flow(flow_name), TrainConfig(micro_batch=7), CorrectionConfig(), sp, WIDTH)
+    assert not torch.equal(ref.score(b)[b.mask], b.rollout_logp[b.mask])

@@ -39,6 +39,18 @@ def compaction(rows: list[int], live: int) -> list[int] | None:
     return keep
 
 
+def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, stops: set[int]) -> list[Completion]:
+    """Each row cut after its first stop token (tokens past it were decoded before the host looked)."""
+    out = []
+    for toks, lps in zip(tokens.tolist(), logprobs.tolist()):
+        end = next((j for j, t in enumerate(toks) if t in stops), None)
+        if end is None:
+            out.append(Completion(toks, lps, "length"))
+        else:
+            out.append(Completion(toks[:end + 1], lps[:end + 1], "stop"))
+    return out
+
+
 class EmbeddedEngine:
     name = "embedded"
 
@@ -54,6 +66,9 @@ class EmbeddedEngine:
         self.device = next(self.model.parameters()).device
         self.weights_version = -1
         self._kv_storage: list[torch.Tensor | None] = [None, None]
+        # host syncs to look for stopped rows: every token on CPU (rows leave the batch at once),
+        # every 8 tokens on a GPU, where a sync stalls the launch queue
+        self.check_every = 1 if self.device.type == "cpu" else 8
 
     def _storage(self, i: int, batch: int) -> torch.Tensor | None:
         """Flat buffer ``i`` of two that the KV cache lives in and is compacted between, kept from
@@ -121,36 +136,46 @@ class EmbeddedEngine:
             cache.select(src, self._storage(spare, b))
             spare = 1 - spare
             logits = logits[src]
-        stops = set(params.stop_token_ids)
-        toks = [[] for _ in range(b)]
-        lps = [[] for _ in range(b)]
-        reasons = ["length"] * b
+        # Sampled tokens and their logprobs stay on the device, written at every step; the host
+        # looks at which rows stopped only every ``check_every`` steps (one sync), and rows that
+        # stopped in between decode a few more tokens that are cut off at the end. Each row's
+        # tokens depend on its own key and position only, so when the checks happen changes nothing.
+        new = params.max_new_tokens
+        out_tok = torch.zeros(new, b, dtype=torch.long, device=dev)  # step-major: a step's write is contiguous
+        out_lp = torch.zeros(new, b, dtype=torch.float32, device=dev)
+        stop_ids = torch.tensor(sorted(set(params.stop_token_ids)) or [-1], device=dev)
         rows = list(range(b))  # original index of each batch row; -1: finished, not yet dropped
+        orig = list(range(b))  # original index of each batch row
+        rows_t = torch.arange(b, device=dev)
+        prompt_len = [len(p) for p in prompts]
+        longest_prompt = max(prompt_len)
+        done = torch.zeros(b, dtype=torch.bool, device=dev)  # per batch row
         live = b
-        for step in range(params.max_new_tokens):
+        check_every = self.check_every
+        for step in range(new):
             logp = sampling_logprobs(logits, params)
-            if params.greedy:
-                logp_report = torch.log_softmax(logits.float(), -1)
-            else:
-                logp_report = logp
+            logp_report = torch.log_softmax(logits.float(), -1) if params.greedy else logp
             nxt = sample(logp, params, keys=keys, position=step)
-            chosen = logp_report.gather(-1, nxt[:, None])[:, 0]
-            for i, (r, t, lp) in enumerate(zip(rows, nxt.tolist(), chosen.tolist())):
-                if r < 0:
-                    continue
-                toks[r].append(t)
-                lps[r].append(lp)
-                if t in stops:
-                    reasons[r] = "stop"
-                    rows[i] = -1
-                    live -= 1
-            if step == params.max_new_tokens - 1 or live == 0:
+            out_tok[step].index_copy_(0, rows_t, nxt)
+            out_lp[step].index_copy_(0, rows_t, logp_report.gather(-1, nxt[:, None])[:, 0])
+            done |= torch.isin(nxt, stop_ids)
+            if step == new - 1:
                 break
-            keep = compaction(rows, live)
-            if keep is not None:
-                idx = torch.tensor(keep, device=dev)
-                cache.select(idx, self._storage(spare, len(keep)))
-                spare = 1 - spare
-                rows, nxt, keys = [rows[i] for i in keep], nxt[idx], keys[idx]
-            logits = self.model.decode(nxt, cache)
-        return [Completion(toks[i], lps[i], reasons[i]) for i in range(b)]
+            if step % check_every == check_every - 1:
+                for i, d in enumerate(done.tolist()):
+                    if d and rows[i] >= 0:
+                        rows[i] = -1
+                        live -= 1
+                if live == 0:
+                    break
+                keep = compaction(rows, live)
+                if keep is not None:
+                    idx = torch.tensor(keep, device=dev)
+                    cache.select(idx, self._storage(spare, len(keep)))
+                    spare = 1 - spare
+                    rows, orig = [rows[i] for i in keep], [orig[i] for i in keep]
+                    nxt, keys, rows_t, done = nxt[idx], keys[idx], rows_t[idx], done[idx]
+                    longest_prompt = max(prompt_len[o] for o in orig)
+            # a row holds its prompt and step + 1 tokens: the host knows the key width without asking
+            logits = self.model.decode(nxt, cache, width=key_width(longest_prompt + step + 1))
+        return _completions(out_tok.t().cpu(), out_lp.t().cpu(), set(params.stop_token_ids))

@@ -40,7 +40,7 @@ from ..precision.flow import LinearPrecision
 from ..precision.formats import Format
 from ..precision.gemm import native
 from ..precision.linear import JetLinear, linear_group, swiglu_down
-from ..precision.quant import CastSpec, fake_quantize, round_to
+from ..precision.quant import CastSpec, dequantize, fake_quantize, quantize, round_to, to_float
 
 
 @dataclass(frozen=True)
@@ -208,21 +208,65 @@ class KVCache:
     """Keys and values of every layer in one tensor, ``(2 * layers, batch, kv_heads, width,
     head_dim)`` (layer i: keys at 2i, values at 2i+1), each sequence stored from index 0.
 
+    With an 8-bit ``spec`` (``precision.rollout.kv_cache: fp8_e4m3 row``) the tensor holds FP8 data
+    and ``scales`` one fp32 scale per token and head, ``(2 * layers, batch, kv_heads, width)``: a
+    token's keys take ``head_dim + 4`` bytes per head instead of ``2 * head_dim`` (bf16). Attention
+    reads ``data * scale``, exactly the values the trainer's forward rounds its keys to.
+
     ``storage``: a flat tensor to build the cache in (at least ``KVCache.numel(...)`` elements),
     reused from one rollout to the next. On CPU a fresh multi-MB tensor costs a page fault per
     4 KiB page on first touch, more than the copy that fills it."""
 
     def __init__(self, cfg: ModelConfig, batch: int, width: int, dtype=torch.float32, device=None,
-                 storage: torch.Tensor | None = None):
+                 storage: torch.Tensor | None = None, spec: CastSpec | None = None):
         shape = (2 * cfg.num_hidden_layers, batch, cfg.num_key_value_heads, width, cfg.head_dim)
+        self.spec = spec if spec is not None and spec.is_scaled else None
+        if self.spec is not None:
+            dtype = self.spec.format.torch_dtype()
+            if storage is not None and storage.dtype != dtype:
+                storage = None
         if storage is None:
             kv = torch.zeros(shape, dtype=dtype, device=device)
         else:
             kv = _view(storage, shape).zero_()  # positions never written must hold finite values
+        self.scales = None if self.spec is None else torch.zeros(shape[:-1], dtype=torch.float32, device=kv.device)
         self._set(kv)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=kv.device)
         self.width = width
         self._index: tuple | None = None
+
+    def nbytes_per_token(self) -> int:
+        """Bytes one token's keys and values take in this cache, over all layers and heads."""
+        per = self.kv.shape[0] * self.kv.shape[2]
+        return per * (self.kv.shape[-1] * self.kv.element_size() + (4 if self.scales is not None else 0))
+
+    def store(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple | None:
+        """Write keys and values (b, kv_heads, t, head_dim) at the flattened rows ``idx``. With an
+        8-bit cache they are quantized here (per token and head) and their dequantized values --
+        what attention reads back -- are returned; else None (the caller rounded them already)."""
+        out = []
+        for j, t in ((2 * layer, k), (2 * layer + 1, v)):
+            dst = self.kv[j]
+            rows = t.reshape(-1, t.shape[-1])
+            if self.spec is None:
+                dst.view(-1, dst.shape[-1]).index_copy_(0, idx, rows if rows.dtype is dst.dtype else rows.to(dst.dtype))
+                continue
+            q = quantize(rows, self.spec)
+            # FP8 bytes move as uint8 (CPU kernels such as index_copy_ skip float8 dtypes)
+            dst.view(torch.uint8).view(-1, dst.shape[-1]).index_copy_(0, idx, q.data.view(torch.uint8))
+            self.scales[j].view(-1).index_copy_(0, idx, q.scale.reshape(-1))
+            out.append(dequantize(q).reshape(t.shape))
+        return tuple(out) if out else None
+
+    def read(self, layer: int, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions ``< width``, (batch, kv_heads, width, head_dim), as ``dtype``."""
+        out = []
+        for j in (2 * layer, 2 * layer + 1):
+            t = self.kv[j][:, :, :width]
+            if self.scales is not None:
+                t = (to_float(t) * self.scales[j][:, :, :width, None])
+            out.append(t if t.dtype is dtype else t.to(dtype))
+        return out[0], out[1]
 
     @staticmethod
     def numel(cfg: ModelConfig, batch: int, width: int) -> int:
@@ -248,10 +292,15 @@ class KVCache:
         """Keep only ``rows`` (finished sequences leave the batch, a prompt's cache is copied to
         its group), in one copy into ``storage`` (which must not be this cache's) or a new tensor."""
         shape = (self.kv.shape[0], rows.numel(), *self.kv.shape[2:])
-        if storage is None:
-            kv = self.kv.index_select(1, rows)
+        raw = self.kv.view(torch.uint8) if self.spec is not None else self.kv  # float8: moved as bytes
+        if storage is None or storage.dtype != self.kv.dtype:
+            kv = raw.index_select(1, rows)
         else:
-            kv = torch.index_select(self.kv, 1, rows, out=_view(storage, shape))
+            out = _view(storage, shape)
+            kv = torch.index_select(raw, 1, rows, out=out.view(torch.uint8) if self.spec is not None else out)
+        kv = kv.view(self.kv.dtype)
+        if self.scales is not None:
+            self.scales = self.scales.index_select(1, rows)
         self._set(kv)
         self.lengths = self.lengths.index_select(0, rows)
         self._index = None
@@ -313,16 +362,17 @@ class Attention(nn.Module):
         qkv = qkv.reshape(b, t, h + 2 * hk, c.head_dim).transpose(1, 2)
         qk = apply_rope(_as(qkv[:, :h + hk], torch.float32), cos, sin)
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hk:]
-        k, v = cast_kv(k, self.kv_spec), cast_kv(v, self.kv_spec)
         width = mask.width
         if cache is None:
-            keys, values = k, v
+            keys, values = cast_kv(k, self.kv_spec), cast_kv(v, self.kv_spec)
         else:
-            ck, cv = cache.k[layer], cache.v[layer]
             idx = cache.write_index(mask.q_index)
-            ck.view(-1, ck.shape[-1]).index_copy_(0, idx, _as(k.reshape(-1, k.shape[-1]), ck.dtype))
-            cv.view(-1, cv.shape[-1]).index_copy_(0, idx, _as(v.reshape(-1, v.shape[-1]), cv.dtype))
-            keys, values = (k, v) if mask.causal else (ck[:, :, :width], cv[:, :, :width])
+            if cache.spec is not None:  # an 8-bit cache quantizes (what cast_kv rounds to) as it stores
+                k, v = cache.store(layer, idx, k, v)
+            else:
+                k, v = cast_kv(k, self.kv_spec), cast_kv(v, self.kv_spec)
+                cache.store(layer, idx, k, v)
+            keys, values = (k, v) if mask.causal else cache.read(layer, width, k.dtype)
         if native(x):
             out = _native_attention(q, keys, values, mask, h // hk, self.attention_format())
             # SDPA keeps its output for its backward; o_proj's backward reads the same tensor
@@ -498,14 +548,17 @@ class LlamaForCausalLM(nn.Module):
     # -- incremental decoding (the rollout engine) ----------------------------------------
 
     def new_cache(self, batch: int, max_len: int, storage: torch.Tensor | None = None) -> KVCache:
+        spec = self.model.layers[0].self_attn.kv_spec if len(self.model.layers) else None
         return KVCache(self.config, batch, key_width(max_len), dtype=self.cache_dtype(),
-                       device=self.lm_head.weight.device, storage=storage)
+                       device=self.lm_head.weight.device, storage=storage, spec=spec)
 
     def cache_dtype(self) -> torch.dtype:
-        """fp32 on CPU (the emulated bf16 cache holds bf16-rounded fp32 values); natively bf16
-        unless the KV cache is fp32."""
+        """The 8-bit format of an FP8 KV cache; else fp32 on CPU (the emulated bf16 cache holds
+        bf16-rounded fp32 values) and natively bf16 unless the KV cache is fp32."""
         w = self.lm_head.weight
         spec = self.model.layers[0].self_attn.kv_spec if len(self.model.layers) else None
+        if spec is not None and spec.is_scaled:
+            return spec.format.torch_dtype()
         if native(w) and not (spec is not None and spec.format is Format.FP32):
             return torch.bfloat16
         return w.dtype
@@ -519,12 +572,18 @@ class LlamaForCausalLM(nn.Module):
         last = h[torch.arange(b, device=h.device), lengths - 1]
         return self.logits(last)
 
-    def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Append one token per sequence at its own length; logits (fp32) for the next token."""
+    def decode(self, tokens: torch.Tensor, cache: KVCache, width: int | None = None) -> torch.Tensor:
+        """Append one token per sequence at its own length; logits (fp32) for the next token.
+        ``width``: the key width (a multiple of ``KEY_CHUNK`` above every sequence's new length),
+        when the caller knows it; otherwise it is read from the lengths (a host sync)."""
         idx = cache.lengths[:, None]
-        longest = int(cache.lengths.max())
-        if longest >= cache.width:
-            raise ValueError(f"KV cache full ({cache.width} positions)")
-        h = self._trunk(tokens[:, None], idx, idx, None, key_width(longest + 1), cache)
-        cache.lengths = cache.lengths + 1
+        if width is None:
+            longest = int(cache.lengths.max())
+            if longest >= cache.width:
+                raise ValueError(f"KV cache full ({cache.width} positions)")
+            width = key_width(longest + 1)
+        elif width > cache.width:
+            raise ValueError(f"KV cache full ({cache.width} positions, width {width} asked)")
+        h = self._trunk(tokens[:, None], idx, idx, None, width, cache)
+        cache.lengths.add_(1)
         return self.logits(h[:, 0])
