@@ -319,7 +319,7 @@ def test_group_prompts_share_one_prefill_with_the_same_bits(model, flow_name):
         shared.select(torch.tensor(which))
         logits = logits[torch.tensor(which)]
     assert torch.equal(logits, full_logits)
-    for a, b in zip(full.k + full.v, shared.k + shared.v):
+    for a, b in ((full.layer(j), shared.layer(j)) for j in range(full.kv.shape[0])):
         for i, p in enumerate(prompts):
             assert torch.equal(a[i, :, :len(p)], b[i, :, :len(p)])
     eng = EmbeddedEngine(model, named_flow(flow_name), WIDTH)
@@ -408,13 +408,34 @@ def test_kv_cache_select_into_storage():
     rows = torch.tensor([4, 1, 1])
     cache.select(rows, storage)
     assert cache.kv.data_ptr() == storage.data_ptr() and torch.equal(cache.kv, before[:, rows])
-    assert all(torch.equal(k, cache.kv[2 * i]) and torch.equal(v, cache.kv[2 * i + 1])
-               for i, (k, v) in enumerate(zip(cache.k, cache.v)))
+    assert torch.equal(cache.layer(3), before[3][rows])  # layer 1's values
     assert cache.lengths.tolist() == [7, 4, 4]
     fresh = KVCache(cfg, 8, 32, storage=storage)  # reused storage starts from zeros, never stale
     assert torch.count_nonzero(fresh.kv) == 0
     with pytest.raises(ValueError, match="storage holds"):
         KVCache(cfg, 9, 32, storage=storage)
+
+
+def test_kv_cache_compacts_in_place_at_the_same_addresses():
+    """A GPU engine shrinks its batch inside one cache tensor, so a captured decode step keeps
+    reading the same memory; the kept sequences move to the front, in order."""
+    from jetrl_cli.models.llama import KVCache
+    from jetrl_cli.precision.quant import CastSpec
+
+    cfg = tiny_config("qwen2", hidden=64, layers=2, vocab=64)
+    for spec in (None, CastSpec("fp8_e4m3", "row")):
+        cache = KVCache(cfg, 6, 32, spec=spec)
+        g = torch.Generator().manual_seed(SEED + 4)
+        k_in, v_in = (torch.randn(6, cfg.num_key_value_heads, 16, cfg.head_dim, generator=g) for _ in range(2))
+        cache.store(0, cache.write_index(torch.arange(16).expand(6, 16)), k_in, v_in)
+        cache.lengths = torch.arange(10, 16)
+        before_k, before_v = (t.clone() for t in cache.read(0, 16, torch.float32))
+        ptr = cache.kv.data_ptr()
+        keep = torch.tensor([1, 4, 5])
+        cache.compact_(keep)
+        k, v = cache.read(0, 16, torch.float32)
+        assert cache.kv.data_ptr() == ptr and cache.batch == 3 and cache.lengths.tolist() == [11, 14, 15]
+        assert torch.equal(k, before_k[keep]) and torch.equal(v, before_v[keep])
 
 
 def test_looking_for_stops_less_often_changes_no_sample(model):

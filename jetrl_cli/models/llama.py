@@ -208,6 +208,10 @@ class KVCache:
     """Keys and values of every layer in one tensor, ``(2 * layers, batch, kv_heads, width,
     head_dim)`` (layer i: keys at 2i, values at 2i+1), each sequence stored from index 0.
 
+    In each layer slot the first n sequences are contiguous, so a batch can shrink in place
+    (``compact_``), keeping every address a captured CUDA graph reads, or be copied into another
+    buffer (``select``: the CPU engine's two reused buffers).
+
     With an 8-bit ``spec`` (``precision.rollout.kv_cache: fp8_e4m3 row``) the tensor holds FP8 data
     and ``scales`` one fp32 scale per token and head, ``(2 * layers, batch, kv_heads, width)``: a
     token's keys take ``head_dim + 4`` bytes per head instead of ``2 * head_dim`` (bf16). Attention
@@ -230,30 +234,53 @@ class KVCache:
         else:
             kv = _view(storage, shape).zero_()  # positions never written must hold finite values
         self.scales = None if self.spec is None else torch.zeros(shape[:-1], dtype=torch.float32, device=kv.device)
-        self._set(kv)
+        self.kv = kv
         self.lengths = torch.zeros(batch, dtype=torch.long, device=kv.device)
         self.width = width
         self._index: tuple | None = None
+
+    @staticmethod
+    def numel(cfg: ModelConfig, batch: int, width: int) -> int:
+        return 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * width * cfg.head_dim
+
+    @property
+    def batch(self) -> int:
+        return self.kv.shape[1]
+
+    def layer(self, j: int) -> torch.Tensor:
+        """Keys (j = 2i) or values (j = 2i + 1) of layer i: (batch, kv_heads, width, head_dim)."""
+        return self.kv[j]
 
     def nbytes_per_token(self) -> int:
         """Bytes one token's keys and values take in this cache, over all layers and heads."""
         per = self.kv.shape[0] * self.kv.shape[2]
         return per * (self.kv.shape[-1] * self.kv.element_size() + (4 if self.scales is not None else 0))
 
+    def write_index(self, q_index: torch.Tensor) -> torch.Tensor:
+        """Rows of a layer slot flattened to ``(batch * kv_heads * width, head_dim)`` that the keys of
+        ``q_index`` (batch, t) go to, in ``(batch, kv_heads, t)`` order; computed once per forward."""
+        if self._index is not None and self._index[0] is q_index:
+            return self._index[1]
+        _, b, hk, w, _ = self.kv.shape
+        bh = torch.arange(b * hk, device=q_index.device).reshape(b, hk, 1)
+        idx = (bh * w + q_index[:, None, :]).reshape(-1)
+        self._index = (q_index, idx)
+        return idx
+
     def store(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple | None:
-        """Write keys and values (b, kv_heads, t, head_dim) at the flattened rows ``idx``. With an
-        8-bit cache they are quantized here (per token and head) and their dequantized values --
-        what attention reads back -- are returned; else None (the caller rounded them already)."""
+        """Write keys and values (b, kv_heads, t, head_dim) at the rows ``idx`` (``write_index``).
+        With an 8-bit cache they are quantized here (per token and head) and their dequantized
+        values -- what attention reads back -- are returned; else None (the caller rounded them)."""
+        d = self.kv.shape[-1]
         out = []
         for j, t in ((2 * layer, k), (2 * layer + 1, v)):
-            dst = self.kv[j]
-            rows = t.reshape(-1, t.shape[-1])
+            flat = self.kv[j].view(-1, d)  # the slot's first `batch` sequences are contiguous
+            rows = t.reshape(-1, d)
             if self.spec is None:
-                dst.view(-1, dst.shape[-1]).index_copy_(0, idx, rows if rows.dtype is dst.dtype else rows.to(dst.dtype))
+                flat.index_copy_(0, idx, rows if rows.dtype is flat.dtype else rows.to(flat.dtype))
                 continue
-            q = quantize(rows, self.spec)
-            # FP8 bytes move as uint8 (CPU kernels such as index_copy_ skip float8 dtypes)
-            dst.view(torch.uint8).view(-1, dst.shape[-1]).index_copy_(0, idx, q.data.view(torch.uint8))
+            q = quantize(rows, self.spec)  # FP8 bytes move as uint8 (CPU's index_copy_ skips float8)
+            flat.view(torch.uint8).index_copy_(0, idx, q.data.view(torch.uint8))
             self.scales[j].view(-1).index_copy_(0, idx, q.scale.reshape(-1))
             out.append(dequantize(q).reshape(t.shape))
         return tuple(out) if out else None
@@ -262,31 +289,11 @@ class KVCache:
         """Keys and values of positions ``< width``, (batch, kv_heads, width, head_dim), as ``dtype``."""
         out = []
         for j in (2 * layer, 2 * layer + 1):
-            t = self.kv[j][:, :, :width]
+            t = self.kv[j, :, :, :width]
             if self.scales is not None:
-                t = (to_float(t) * self.scales[j][:, :, :width, None])
+                t = to_float(t) * self.scales[j, :, :, :width, None]
             out.append(t if t.dtype is dtype else t.to(dtype))
         return out[0], out[1]
-
-    @staticmethod
-    def numel(cfg: ModelConfig, batch: int, width: int) -> int:
-        return 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * width * cfg.head_dim
-
-    def _set(self, kv: torch.Tensor) -> None:
-        self.kv = kv
-        self.k = list(kv[0::2])
-        self.v = list(kv[1::2])
-
-    def write_index(self, q_index: torch.Tensor) -> torch.Tensor:
-        """Rows of the flattened ``(batch * kv_heads * width, head_dim)`` cache that the keys of
-        ``q_index`` (batch, t) go to, in ``(batch, kv_heads, t)`` order; computed once per forward."""
-        if self._index is not None and self._index[0] is q_index:
-            return self._index[1]
-        b, hk, w, _ = self.k[0].shape
-        bh = torch.arange(b * hk, device=q_index.device).reshape(b, hk, 1)
-        idx = (bh * w + q_index[:, None, :]).reshape(-1)
-        self._index = (q_index, idx)
-        return idx
 
     def select(self, rows: torch.Tensor, storage: torch.Tensor | None = None) -> None:
         """Keep only ``rows`` (finished sequences leave the batch, a prompt's cache is copied to
@@ -298,11 +305,24 @@ class KVCache:
         else:
             out = _view(storage, shape)
             kv = torch.index_select(raw, 1, rows, out=out.view(torch.uint8) if self.spec is not None else out)
-        kv = kv.view(self.kv.dtype)
+        self.kv = kv.view(self.kv.dtype)
         if self.scales is not None:
             self.scales = self.scales.index_select(1, rows)
-        self._set(kv)
         self.lengths = self.lengths.index_select(0, rows)
+        self._index = None
+
+    def compact_(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (ascending), moved to the front of this cache's own tensor: the cache
+        becomes its first ``len(rows)`` sequences, at unchanged addresses."""
+        n = rows.numel()
+        raw = self.kv.view(torch.uint8) if self.spec is not None else self.kv
+        raw[:, :n] = raw.index_select(1, rows)
+        self.kv = self.kv[:, :n]
+        if self.scales is not None:
+            self.scales[:, :n] = self.scales.index_select(1, rows)
+            self.scales = self.scales[:, :n]
+        self.lengths[:n] = self.lengths.index_select(0, rows)
+        self.lengths = self.lengths[:n]
         self._index = None
 
 
