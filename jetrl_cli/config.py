@@ -55,6 +55,7 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)  # extra stop tokens (each must be one token)
     max_len: int = 128  # engine width: the longest prompt + completion
     max_batch: int = 256  # sequences decoded together
+    cuda_graphs: bool = True  # embedded engine on a GPU: replay decode steps as CUDA graphs
     # backend: vllm only
     vllm_quantization: str = "jetrl"  # jetrl (the flow's quantizers) | fp8 | fp8-block | none (vLLM's own)
     vllm_dtype: str = "float32"  # vLLM's activation dtype: float32 (as jetrl's model) | bfloat16 | float16

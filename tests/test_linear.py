@@ -306,3 +306,32 @@ def test_scaled_mm_in_backward_gemms_follows_the_reduction_dim():
     x, w, gy = torch.randn(48, 64), torch.randn(80, 64), torch.randn(48, 80)
     for got, ref in zip(run_layer(good, x, w, torch.zeros(80), gy), run_layer(emu, x, w, torch.zeros(80), gy)):
         assert error_stats(ref, got)["rel_err"] < 1e-6
+
+
+@pytest.mark.parametrize("flow", ["fp8-unified", "bf16"])
+def test_changed_weights_are_copied_into_the_cached_gemm_operand(flow):
+    """An optimizer step or a weight sync refreshes the cached (concatenated, quantized) weight in
+    place: the same tensors, the new values (what keeps a captured CUDA graph valid)."""
+    from jetrl_cli.precision.gemm import ExactOperand
+    from jetrl_cli.precision.linear import group_weight, linear_group
+
+    g = torch.Generator().manual_seed(7)
+    prec = named_flow(flow).train.linear
+    mods = [JetLinear(nn.Parameter(torch.randn(n, 128, generator=g) / 12), None, prec) for n in (128, 256)]
+    owner = nn.Module()
+    x = torch.randn(5, 128, generator=g)
+    with torch.no_grad():
+        linear_group(mods, x, owner)
+        w0, _ = group_weight(mods, owner)
+        def ptrs(w):
+            return [w.values.data_ptr(), w.scales.data_ptr()] if isinstance(w, ExactOperand) else [w.data_ptr()]
+
+        tensors = ptrs(w0)
+        for m in mods:
+            m.weight.mul_(1.5)
+        y = linear_group(mods, x, owner)
+        w1, _ = group_weight(mods, owner)
+        now = ptrs(w1)
+        fresh = [JetLinear(nn.Parameter(m.weight.detach().clone()), None, prec) for m in mods]
+        assert w1 is w0 and now == tensors
+        assert torch.equal(y, linear_group(fresh, x, nn.Module()))

@@ -19,20 +19,27 @@ from ..models.llama import KVCache, key_width
 from ..precision.gemm import ROW_TILE
 from ..precision.linear import JetLinear, apply_flow
 from .base import Completion, WeightPayload, check_prompts
+from .graphs import width_bucket
 from .sampling import SamplingParams, prompt_seeds, sample, sample_keys, sampling_logprobs
 
 
-def compaction(rows: list[int], live: int) -> list[int] | None:
+def compaction(rows: list[int], live: int, pow2: bool = False) -> list[int] | None:
     """Which batch rows to keep, or None to keep them all, once some sequences have finished.
 
     A finished row stays in the batch (its tokens are ignored: rows never affect each other) until
     a quarter of the batch has finished: dropping rows copies every layer's KV cache, which costs
     more than decoding a few extra rows. The rows kept are rounded up to a multiple of
-    ``ROW_TILE`` with finished ones, so the GEMMs need no row padding."""
+    ``ROW_TILE`` with finished ones, so the GEMMs need no row padding; with ``pow2`` (a GPU engine
+    with CUDA graphs) up to a power of two, so a rollout meets few batch sizes to capture."""
     dead = len(rows) - live
     if dead < max(ROW_TILE, len(rows) // 4):
         return None
-    target = min(len(rows), -(-live // ROW_TILE) * ROW_TILE)
+    target = -(-live // ROW_TILE) * ROW_TILE
+    if pow2:
+        target = max(ROW_TILE, 1 << (live - 1).bit_length())
+    target = min(len(rows), target)
+    if target == len(rows):
+        return None
     keep = [i for i, r in enumerate(rows) if r >= 0]
     if target > live:
         keep = sorted(keep + [i for i, r in enumerate(rows) if r < 0][:target - live])
@@ -54,8 +61,11 @@ def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, stops: set[int]) 
 class EmbeddedEngine:
     name = "embedded"
 
-    def __init__(self, model: torch.nn.Module, flow, width: int, max_batch: int = 256):
-        """``model`` is copied: the engine owns its weights and gets new ones only by ``load_weights``."""
+    def __init__(self, model: torch.nn.Module, flow, width: int, max_batch: int = 256, cuda_graphs: bool = True):
+        """``model`` is copied: the engine owns its weights and gets new ones only by ``load_weights``.
+
+        On a GPU the engine decodes in one KV cache allocated once (``StaticCacheStorage``),
+        shrinking batches in place, and replays decode steps as CUDA graphs (``cuda_graphs``)."""
         self.model = copy.deepcopy(model).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -69,6 +79,21 @@ class EmbeddedEngine:
         # host syncs to look for stopped rows: every token on CPU (rows leave the batch at once),
         # every 8 tokens on a GPU, where a sync stalls the launch queue
         self.check_every = 1 if self.device.type == "cpu" else 8
+        self.static = self.device.type == "cuda"  # one cache buffer, compacted in place
+        self._static_storage = None
+        self.graphs = None
+        if self.static and cuda_graphs:
+            from .graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model)
+
+    def _static(self, batch: int):
+        """The one cache buffer a GPU engine decodes in (grown if a chunk needs more rows)."""
+        st = self._static_storage
+        if st is None or st.batch < batch or st.kv.dtype != self.model.cache_dtype():
+            self._static_storage = None
+            st = self._static_storage = self.model.static_storage(max(batch, self.max_batch), self.width)
+        return st
 
     def _storage(self, i: int, batch: int) -> torch.Tensor | None:
         """Flat buffer ``i`` of two that the KV cache lives in and is compacted between, kept from
@@ -97,7 +122,65 @@ class EmbeddedEngine:
                 if not isinstance(mod, JetLinear):
                     raise JetrlError(f"weight sync: {name} arrived quantized but is not a quantized layer here")
                 mod.load_quantized_weight(t)
+        if self.static:
+            self._hold_weights_once()
+            if not self.model.refresh_weights() and self.graphs is not None:
+                self.graphs.reset()  # a weight moved: capture again
         self.weights_version = payload.version
+
+    def _hold_weights_once(self) -> None:
+        """On a GPU, an 8-bit layer keeps only its quantized weight: the master copy is freed, and
+        the layers of a fused group (q/k/v, gate/up) are views into the group's stacked operand."""
+        from ..precision.linear import _group_key, group_weight
+        from ..precision.quant import QTensor
+
+        for mod in self.model.modules():
+            if isinstance(mod, JetLinear) and mod._wfixed is not None and mod.weight.numel():
+                mod.weight.data = torch.empty(0, dtype=mod.weight.dtype, device=mod.weight.device)
+        for layer in self.model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            for mods, owner in (((a.q_proj, a.k_proj, a.v_proj), a), ((m.gate_proj, m.up_proj), m)):
+                if any(x._wfixed is None for x in mods):
+                    continue
+                w, b = group_weight(mods, owner)
+                if not isinstance(w, QTensor) or w.spec.block.rows not in (1, 128):
+                    continue
+                r = w.spec.block.rows
+                start = 0
+                for x in mods:
+                    n = x.out_features
+                    q = x._wfixed
+                    if r == 128 and n % 128:
+                        break
+                    x._wfixed = QTensor(w.data[start:start + n], w.scale[start // r:(start + n) // r], q.spec)
+                    start += n
+                owner.__dict__["_jet_group_cache"] = (_group_key(mods), w, b)
+
+    def weight_nbytes(self) -> int:
+        """Bytes the engine's weights take: parameters and the cached GEMM operands, each storage once."""
+        from ..precision.gemm import ExactOperand
+        from ..precision.quant import QTensor
+
+        seen: dict[int, int] = {}
+
+        def add(t):
+            if isinstance(t, torch.Tensor) and t.numel():
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+
+        for p in self.model.parameters():
+            add(p)
+        for mod in self.model.modules():
+            for item in [getattr(mod, "_wfixed", None), *(v[1] for v in getattr(mod, "_cache", {}).values()),
+                         *(mod.__dict__.get("_jet_group_cache") or (None, None, None))[1:]]:
+                for x in item if isinstance(item, list) else [item]:
+                    if isinstance(x, QTensor):
+                        add(x.data), add(x.scale)
+                    elif isinstance(x, ExactOperand):
+                        add(x.values), add(x.scales)
+                    else:
+                        add(x)
+        return sum(seen.values())
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -127,15 +210,23 @@ class EmbeddedEngine:
         ids = torch.zeros(len(distinct), int(lengths.max()), dtype=torch.long, device=dev)
         for i, p in enumerate(distinct):
             ids[i, :len(p)] = torch.tensor(p, device=dev)
-        self._storage(0, b), self._storage(1, b)  # each holds the chunk's largest batch
-        cache = self.model.new_cache(len(distinct), self.width, self._storage(0, len(distinct)))
-        spare = 1  # the storage buffer the next select copies into
-        logits = self.model.prefill(ids, lengths, cache)
-        if len(distinct) < b:
+        if self.static:  # prefill the distinct prompts, then fill the engine's one cache buffer
+            first = self.model.new_cache(len(distinct), self.width)
+            logits = self.model.prefill(ids, lengths, first)
+            cache = self.model.new_cache(b, self.width, self._static(b))
             src = torch.tensor(which, device=dev)
-            cache.select(src, self._storage(spare, b))
-            spare = 1 - spare
+            cache.fill_from(first, src)
             logits = logits[src]
+            del first
+        else:
+            self._storage(0, b), self._storage(1, b)  # each holds the chunk's largest batch
+            cache = self.model.new_cache(len(distinct), self.width, self._storage(0, len(distinct)))
+            logits = self.model.prefill(ids, lengths, cache)
+            if len(distinct) < b:
+                src = torch.tensor(which, device=dev)
+                cache.select(src, self._storage(1, b))
+                logits = logits[src]
+        spare = 0 if len(distinct) < b else 1  # the storage buffer the next select copies into
         # Sampled tokens and their logprobs stay on the device, written at every step; the host
         # looks at which rows stopped only every ``check_every`` steps (one sync), and rows that
         # stopped in between decode a few more tokens that are cut off at the end. Each row's
@@ -168,14 +259,21 @@ class EmbeddedEngine:
                         live -= 1
                 if live == 0:
                     break
-                keep = compaction(rows, live)
+                keep = compaction(rows, live, pow2=self.graphs is not None)
                 if keep is not None:
                     idx = torch.tensor(keep, device=dev)
-                    cache.select(idx, self._storage(spare, len(keep)))
-                    spare = 1 - spare
+                    if self.static:
+                        cache.compact_(idx)
+                    else:
+                        cache.select(idx, self._storage(spare, len(keep)))
+                        spare = 1 - spare
                     rows, orig = [rows[i] for i in keep], [orig[i] for i in keep]
                     nxt, keys, rows_t, done = nxt[idx], keys[idx], rows_t[idx], done[idx]
                     longest_prompt = max(prompt_len[o] for o in orig)
             # a row holds its prompt and step + 1 tokens: the host knows the key width without asking
-            logits = self.model.decode(nxt, cache, width=key_width(longest_prompt + step + 1))
+            width = key_width(longest_prompt + step + 1)
+            if self.graphs is not None:
+                logits = self.graphs.decode(nxt, cache, width_bucket(width, cache.width))
+            else:
+                logits = self.model.decode(nxt, cache, width)
         return _completions(out_tok.t().cpu(), out_lp.t().cpu(), set(params.stop_token_ids))

@@ -39,7 +39,7 @@ from torch import nn
 from ..precision.flow import LinearPrecision
 from ..precision.formats import Format
 from ..precision.gemm import native
-from ..precision.linear import JetLinear, linear_group, swiglu_down
+from ..precision.linear import JetLinear, group_weight, linear_group, swiglu_down
 from ..precision.quant import CastSpec, dequantize, fake_quantize, quantize, round_to, to_float
 
 
@@ -222,20 +222,29 @@ class KVCache:
     4 KiB page on first touch, more than the copy that fills it."""
 
     def __init__(self, cfg: ModelConfig, batch: int, width: int, dtype=torch.float32, device=None,
-                 storage: torch.Tensor | None = None, spec: CastSpec | None = None):
+                 storage: "torch.Tensor | StaticCacheStorage | None" = None, spec: CastSpec | None = None):
         shape = (2 * cfg.num_hidden_layers, batch, cfg.num_key_value_heads, width, cfg.head_dim)
         self.spec = spec if spec is not None and spec.is_scaled else None
+        static = storage if isinstance(storage, StaticCacheStorage) else None
+        if static is not None:
+            storage = static.kv
         if self.spec is not None:
             dtype = self.spec.format.torch_dtype()
-            if storage is not None and storage.dtype != dtype:
-                storage = None
+        if storage is not None and storage.dtype != dtype:
+            storage = None
         if storage is None:
             kv = torch.zeros(shape, dtype=dtype, device=device)
+        else:  # positions never written must hold finite values
+            kv = _view(storage, shape).view(torch.uint8).zero_().view(dtype) if self.spec else _view(storage, shape).zero_()
+        if self.spec is None:
+            self.scales = None
+        elif static is not None:
+            self.scales = _view(static.scales, shape[:-1]).zero_()
         else:
-            kv = _view(storage, shape).zero_()  # positions never written must hold finite values
-        self.scales = None if self.spec is None else torch.zeros(shape[:-1], dtype=torch.float32, device=kv.device)
+            self.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=kv.device)
         self.kv = kv
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=kv.device)
+        self.lengths = static.lengths[:batch].zero_() if static is not None else \
+            torch.zeros(batch, dtype=torch.long, device=kv.device)
         self.width = width
         self._index: tuple | None = None
 
@@ -311,6 +320,17 @@ class KVCache:
         self.lengths = self.lengths.index_select(0, rows)
         self._index = None
 
+    def fill_from(self, src: "KVCache", rows: torch.Tensor) -> None:
+        """Copy ``src``'s sequences ``rows`` (one per sequence of this cache) into this cache, in
+        place (a prompt prefilled once, copied to each sample of its group)."""
+        raw = self.kv.view(torch.uint8) if self.spec is not None else self.kv
+        src_raw = src.kv.view(torch.uint8) if src.spec is not None else src.kv
+        raw.copy_(src_raw.index_select(1, rows))
+        if self.scales is not None:
+            self.scales.copy_(src.scales.index_select(1, rows))
+        self.lengths.copy_(src.lengths.index_select(0, rows))
+        self._index = None
+
     def compact_(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (ascending), moved to the front of this cache's own tensor: the cache
         becomes its first ``len(rows)`` sequences, at unchanged addresses."""
@@ -324,6 +344,21 @@ class KVCache:
         self.lengths[:n] = self.lengths.index_select(0, rows)
         self.lengths = self.lengths[:n]
         self._index = None
+
+
+class StaticCacheStorage:
+    """The buffers a KV cache of up to ``batch`` sequences lives in, allocated once (a GPU engine
+    decodes every rollout in them, so a captured CUDA graph's addresses stay valid): keys and values,
+    FP8 scales when the cache is 8-bit, and the sequence lengths."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, width: int, dtype: torch.dtype, device, spec=None):
+        scaled = spec is not None and spec.is_scaled
+        self.batch, self.width = batch, width
+        self.kv = torch.zeros(KVCache.numel(cfg, batch, width), dtype=spec.format.torch_dtype() if scaled else dtype,
+                              device=device)
+        n_scales = 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * width
+        self.scales = torch.zeros(n_scales, dtype=torch.float32, device=device) if scaled else None
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
 
 
 def _view(storage: torch.Tensor, shape: tuple) -> torch.Tensor:
@@ -567,10 +602,32 @@ class LlamaForCausalLM(nn.Module):
 
     # -- incremental decoding (the rollout engine) ----------------------------------------
 
-    def new_cache(self, batch: int, max_len: int, storage: torch.Tensor | None = None) -> KVCache:
-        spec = self.model.layers[0].self_attn.kv_spec if len(self.model.layers) else None
+    def kv_spec(self) -> CastSpec | None:
+        return self.model.layers[0].self_attn.kv_spec if len(self.model.layers) else None
+
+    def new_cache(self, batch: int, max_len: int, storage=None) -> KVCache:
         return KVCache(self.config, batch, key_width(max_len), dtype=self.cache_dtype(),
-                       device=self.lm_head.weight.device, storage=storage, spec=spec)
+                       device=self.lm_head.weight.device, storage=storage, spec=self.kv_spec())
+
+    def static_storage(self, batch: int, max_len: int) -> StaticCacheStorage:
+        return StaticCacheStorage(self.config, batch, key_width(max_len), self.cache_dtype(),
+                                  self.lm_head.weight.device, self.kv_spec())
+
+    def refresh_weights(self) -> bool:
+        """Bring every cached GEMM weight up to date now (a captured decode step does not run the
+        Python that would do it lazily). True if every one was updated in place."""
+        groups = []
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            groups += [((a.q_proj, a.k_proj, a.v_proj), a), ((a.o_proj,), a.o_proj),
+                       ((m.gate_proj, m.up_proj), m), ((m.down_proj,), m.down_proj)]
+        groups.append(((self.lm_head,), self.lm_head))
+        same = True
+        for mods, owner in groups:
+            before = owner.__dict__.get("_jet_group_cache")
+            w, b = group_weight(mods, owner)
+            same = same and before is not None and before[1] is w and before[2] is b
+        return same
 
     def cache_dtype(self) -> torch.dtype:
         """The 8-bit format of an FP8 KV cache; else fp32 on CPU (the emulated bf16 cache holds

@@ -219,7 +219,11 @@ def _group_key(mods) -> tuple:
 
 
 def group_weight(mods, owner: nn.Module):
-    """The group's fprop weight (concatenated along N) and bias, cached on ``owner``."""
+    """The group's fprop weight (concatenated along N) and bias, cached on ``owner``.
+
+    When the weights change (an optimizer step, a weight sync) but not their shapes or precision,
+    the new values are copied into the cached tensors: their addresses stay, so a CUDA graph
+    captured over them stays valid across steps."""
     key = _group_key(mods)
     hit = owner.__dict__.get("_jet_group_cache")
     if hit is None or hit[0] != key:
@@ -230,9 +234,40 @@ def group_weight(mods, owner: nn.Module):
             b = None
             if mods[0].bias is not None:
                 b = torch.cat([m.bias.detach() for m in mods]).float()
+            if hit is not None and copy_operand_(hit[1], w) and copy_operand_(hit[2], b):
+                w, b = hit[1], hit[2]
         hit = (key, w, b)
         owner.__dict__["_jet_group_cache"] = hit
     return hit[1], hit[2]
+
+
+def copy_operand_(dst, src) -> bool:
+    """Copy ``src``'s values into ``dst`` in place if they have the same kind, shapes, dtypes and
+    spec; True if done (or both are None)."""
+    if dst is None or src is None:
+        return dst is None and src is None
+    if dst is src:
+        return True
+    if isinstance(dst, list):
+        return isinstance(src, list) and len(dst) == len(src) and all(copy_operand_(a, b) for a, b in zip(dst, src))
+    pairs = {QTensor: ("data", "scale"), ExactOperand: ("values", "scales")}.get(type(dst))
+    if pairs is not None:
+        if type(src) is not type(dst) or getattr(dst, "spec", None) != getattr(src, "spec", None) or \
+                getattr(dst, "group", None) != getattr(src, "group", None):
+            return False
+        parts = [(getattr(dst, a), getattr(src, a)) for a in pairs]
+    elif isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
+        parts = [(dst, src)]
+    else:
+        return False
+    if any(d.shape != s.shape or d.dtype != s.dtype or d.device != s.device for d, s in parts):
+        return False
+    for d, s in parts:
+        (d.view(torch.uint8) if d.dtype in _FP8 else d).copy_(s.view(torch.uint8) if s.dtype in _FP8 else s)
+    return True
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _uniform(mods) -> bool:

@@ -89,7 +89,7 @@ def build_engine(cfg: JobConfig, model: torch.nn.Module, model_dir: Path, flow=N
         settings = VLLMSettings(r.vllm_quantization, r.vllm_dtype, r.vllm_gpu_memory_utilization,
                                 r.vllm_enforce_eager, r.max_batch)
         return VLLMEngine(model_dir, flow, width, settings, device=cfg.model.device, seed=cfg.run.seed)
-    return EmbeddedEngine(model, flow, width, r.max_batch)
+    return EmbeddedEngine(model, flow, width, r.max_batch, cuda_graphs=r.cuda_graphs)
 
 
 @dataclass

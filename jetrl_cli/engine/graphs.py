@@ -1,0 +1,112 @@
+"""CUDA graphs for the embedded engine's decode step.
+
+A decode step of a small batch is hundreds of small kernels; launching them one by one from Python
+costs more than running them. ``DecodeGraphs`` captures ``model.decode(tokens, cache, width)``
+once per (batch size, key width, cache buffers) and then replays it: one launch per token.
+
+What makes replay correct is that everything the captured kernels read stays at one address:
+
+- the KV cache, its FP8 scales and the sequence lengths live in ``StaticCacheStorage``, allocated
+  once per engine; a batch shrinks in place (``KVCache.compact_``);
+- the tokens fed to a step are copied into the graph's own input tensor;
+- the weights are refreshed in place at each sync (``LlamaForCausalLM.refresh_weights``), and when a
+  refresh cannot be in place (a new shape) the graphs are dropped and captured again.
+
+Capture follows torch's recipe: one eager step first (the step's real result; lengths are then
+reset so the capture sees the same state), then the capture, then a replay -- which performs the
+step -- whose logits must equal the eager step's bit for bit. If capture fails or the replay
+differs, graphs are switched off for the engine with the reason kept in ``disabled`` (reported by
+``jetrl bench``), and decoding goes on eagerly: a graph never silently changes a sample.
+
+Batch sizes and widths are bucketed (``width_bucket``, and the engine compacts to power-of-two
+batch sizes on a GPU) so a rollout captures a handful of graphs, reused while weights keep their
+shapes. Nothing here runs on CPU except under a test's stand-in for the capture API.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+WIDTH_BUCKET = 128
+
+
+def width_bucket(width: int, limit: int) -> int:
+    """The key width a captured step runs at: ``width`` rounded up to ``WIDTH_BUCKET``, at most ``limit``."""
+    return min(limit, -(-width // WIDTH_BUCKET) * WIDTH_BUCKET)
+
+
+@dataclass
+class _Captured:
+    graph: object
+    tokens: torch.Tensor
+    logits: torch.Tensor
+
+
+class DecodeGraphs:
+    """``decode(tokens, cache, width)`` through CUDA graphs, with an eager fallback."""
+
+    def __init__(self, model, graph_api=None):
+        self.model = model
+        self.api = graph_api or _CudaGraphAPI()
+        self.graphs: dict[tuple, _Captured] = {}
+        self.disabled: str | None = None
+        self.captures = 0
+        self.pool = None
+
+    def reset(self) -> None:
+        """Drop every graph (the weights moved)."""
+        self.graphs.clear()
+        self.pool = None
+
+    def decode(self, tokens: torch.Tensor, cache, width: int) -> torch.Tensor:
+        if self.disabled is not None:
+            return self.model.decode(tokens, cache, width)
+        key = (tokens.shape[0], width, cache.kv.data_ptr(), cache.kv.stride(0), cache.lengths.data_ptr(),
+               None if cache.scales is None else cache.scales.data_ptr())
+        hit = self.graphs.get(key)
+        if hit is None:
+            return self._capture(key, tokens, cache, width)
+        hit.tokens.copy_(tokens)
+        hit.graph.replay()
+        return hit.logits
+
+    def _capture(self, key, tokens, cache, width) -> torch.Tensor:
+        static_tokens = tokens.clone()
+        before = cache.lengths.clone()
+        eager = self.model.decode(static_tokens, cache, width)  # the step itself (and the warm-up)
+        eager = eager.clone()
+        cache.lengths.copy_(before)
+        try:
+            if self.pool is None:
+                self.pool = self.api.pool()
+            graph = self.api.new_graph()
+            frozen = copy.copy(cache)  # the cache's tensors as captured (later compaction rebinds `cache`)
+            logits = self.api.record(graph, self.pool, lambda: self.model.decode(static_tokens, frozen, width))
+            graph.replay()  # performs the step again: same KV writes, lengths + 1
+            self.captures += 1
+        except Exception as e:  # a kernel that cannot be captured on this GPU / torch
+            self.disabled = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            cache.lengths.copy_(before + 1)
+            return eager
+        if not torch.equal(logits, eager):
+            self.disabled = "a replayed decode step differed from the eager one"
+            return eager
+        self.graphs[key] = _Captured(graph, static_tokens, logits)
+        return logits
+
+
+class _CudaGraphAPI:
+    def pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def new_graph(self):
+        return torch.cuda.CUDAGraph()
+
+    def record(self, graph, pool, fn):
+        """Capture ``fn`` into ``graph`` (nothing runs); returns its output tensor, which every
+        ``graph.replay()`` rewrites."""
+        with torch.cuda.graph(graph, pool=pool):
+            return fn()

@@ -1,0 +1,191 @@
+"""The GPU engine's decode path on CPU: one KV cache buffer compacted in place, decode steps
+replayed from captured graphs, weights refreshed in place at each sync.
+
+CUDA graphs cannot be captured on CPU; ``FakeGraphs`` stands in for torch.cuda's capture API with
+the same contract (capturing runs nothing; each replay recomputes the step and writes its result
+into the one output tensor capture returned). The engine's plumbing around it -- static buffers,
+graph keys, bucketing, the eager check of every new graph, the fallback -- is what runs here, and
+its samples must be exactly the plain engine's. The real capture is exercised by the ``gpu`` test.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from jetrl_cli.engine.base import make_payload
+from jetrl_cli.engine.embedded import EmbeddedEngine, compaction
+from jetrl_cli.engine.graphs import DecodeGraphs
+from jetrl_cli.engine.sampling import SamplingParams
+from jetrl_cli.models.shapes import random_model
+from jetrl_cli.models.tiny import tiny_config
+from jetrl_cli.precision import named_flow, parse_flow
+
+SEED = 77
+
+
+class FakeGraph:
+    def __init__(self):
+        self.fn = self.out = None
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        self.out.copy_(self.fn())
+
+
+class FakeGraphs:
+    """torch.cuda's capture API, emulated: record() runs nothing the state keeps (lengths are put
+    back), and replay() recomputes into the recorded output tensor."""
+
+    def __init__(self, break_after: int | None = None):
+        self.graphs = []
+        self.break_after = break_after
+
+    def pool(self):
+        return object()
+
+    def new_graph(self):
+        g = FakeGraph()
+        self.graphs.append(g)
+        return g
+
+    def record(self, graph, pool, fn):
+        if self.break_after is not None and len(self.graphs) > self.break_after:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        graph.fn = fn
+        snap = _lengths_of(fn)
+        before = snap.clone()
+        graph.out = fn().clone()
+        snap.copy_(before)  # capturing leaves the state as it was
+        return graph.out
+
+
+def _lengths_of(fn):
+    for cell in fn.__closure__:
+        obj = cell.cell_contents
+        if hasattr(obj, "lengths") and hasattr(obj, "kv"):
+            return obj.lengths
+    raise AssertionError("the captured closure holds no cache")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(tiny_config("qwen2", hidden=128, layers=2, vocab=256), seed=SEED, std=0.05)
+
+
+def _engine(model, flow, graphs=None, static=True):
+    eng = EmbeddedEngine(model, flow, 64, max_batch=32, cuda_graphs=False)
+    eng.static = static
+    if graphs is not None:
+        eng.graphs = DecodeGraphs(eng.model, graph_api=graphs)
+    eng.load_weights(make_payload(model, flow))
+    return eng
+
+
+def _prompts(n=6):
+    g = torch.Generator().manual_seed(SEED)
+    return [torch.randint(1, 256, (int(k),), generator=g).tolist() for k in torch.randint(2, 14, (n,), generator=g)]
+
+
+def _samples(eng, sp, seed=3):
+    return [[(c.tokens, c.logprobs, c.finish_reason) for c in gr] for gr in eng.generate(_prompts(), sp, seed)]
+
+
+@pytest.mark.parametrize("flow", ["bf16", "fp8-unified"])
+def test_static_cache_and_replayed_graphs_sample_what_the_plain_engine_samples(model, flow):
+    f = named_flow(flow)
+    sp = SamplingParams(max_new_tokens=40, temperature=1.0, n=4, stop_token_ids=tuple(range(0, 256, 11)))
+    plain = _samples(_engine(model, f, static=False), sp)
+    fake = FakeGraphs()
+    eng = _engine(model, f, graphs=fake)
+    eng.check_every = 8
+    got = _samples(eng, sp)
+    assert got == plain
+    assert eng.graphs.disabled is None and eng.graphs.captures >= 2
+    assert sum(g.replays for g in fake.graphs) > eng.graphs.captures  # graphs were reused, not just captured
+    widths = {key[1] for key in eng.graphs.graphs}
+    assert widths <= {64} and {key[0] for key in eng.graphs.graphs} <= {24, 16, 8, 4}  # bucketed
+    # a second rollout in the same buffers replays the graphs captured by the first
+    n = eng.graphs.captures
+    assert _samples(eng, sp) == plain and eng.graphs.captures == n
+
+
+def test_a_sync_refreshes_weights_in_place_and_the_graphs_stay_valid(model):
+    f = named_flow("fp8-unified")
+    sp = SamplingParams(max_new_tokens=16, temperature=1.0, n=2)
+    eng = _engine(model, f, graphs=FakeGraphs())
+    _samples(eng, sp)
+    n = eng.graphs.captures
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.mul_(1.01)
+    eng.load_weights(make_payload(moved, f, version=2))
+    fresh = _engine(moved, f, static=False)
+    assert _samples(eng, sp) == _samples(fresh, sp)  # the new weights, through the old graphs
+    assert eng.graphs.captures == n and eng.graphs.graphs
+
+
+def test_a_graph_that_cannot_be_captured_falls_back_to_eager_and_says_why(model):
+    f = named_flow("bf16")
+    sp = SamplingParams(max_new_tokens=20, temperature=1.0, n=2)
+    plain = _samples(_engine(model, f, static=False), sp)
+    eng = _engine(model, f, graphs=FakeGraphs(break_after=0))
+    assert _samples(eng, sp) == plain
+    assert eng.graphs.disabled.startswith("capture failed: RuntimeError: operation not permitted")
+
+
+def test_an_fp8_engine_holds_its_weights_once(model):
+    """The GPU engine keeps only the FP8 weights of its quantized layers (master copies freed, fused
+    layers viewing their group's stacked operand): about half of a bf16 engine's weight bytes. The
+    Triton backend stacks QTensors as a GPU backend does (run here in Triton's interpreter)."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    from tests.triton_interp_fix import fixed_fp8_conversion
+
+    cfg = tiny_config("qwen2", hidden=256, layers=2, vocab=256)
+    m = random_model(cfg, seed=1)
+    tri = {"base": "fp8-unified", "rollout": {"linear": {"input": "fp8_e4m3 1x128", "weight": "fp8_e4m3 128x128",
+                                                       "out": "bf16", "backend": "triton"}},
+           "train": {"fprop": {"input": "fp8_e4m3 1x128", "weight": "fp8_e4m3 128x128", "out": "bf16",
+                               "backend": "triton"}}}
+    with fixed_fp8_conversion():
+        eng = _engine(m, parse_flow(tri, source="<test>"))
+        quantized = [x for n, x in eng.model.named_modules() if n.endswith("_proj")]
+        assert quantized and all(x.weight.numel() == 0 for x in quantized)  # master copies freed
+        linear = sum(p.numel() for n, p in m.named_parameters() if n.endswith("proj.weight"))
+        others = sum(p.numel() * 4 for n, p in m.named_parameters() if not n.endswith("proj.weight"))
+        lm_head_cache = m.lm_head.weight.numel() * 4  # the skipped lm_head's bf16-rounded copy (fp32 on CPU)
+        # one byte per quantized weight, plus scales (one fp32 per 128x128 block): held once
+        assert eng.weight_nbytes() - others - lm_head_cache <= linear * 1.01
+        out = eng.generate(_prompts(2), SamplingParams(max_new_tokens=4, n=2), 1)
+        assert all(len(c.tokens) == 4 for gr in out for c in gr)
+
+
+def test_power_of_two_compaction():
+    rows = [0, -1, 2, -1, -1, 5, 6, -1, 8, 9, -1, -1, 12, 13, 14, -1, -1, -1, 18, 19, 20, -1, -1, 23]
+    live = sum(r >= 0 for r in rows)  # 13 of 24
+    keep = compaction(rows, live, pow2=True)
+    assert len(keep) == 16 and all(rows[i] >= 0 for i in keep[:live]) or sum(rows[i] >= 0 for i in keep) == live
+    assert compaction(rows, live) is not None and len(compaction(rows, live)) == 16  # 13 -> 16 either way
+    assert compaction(rows[:16], 15, pow2=True) is None  # too few finished to pay a copy
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("flow", ["bf16", "fp8-unified"])
+def test_real_cuda_graphs_sample_what_eager_decoding_samples(flow):
+    f = named_flow(flow)
+    m = random_model(tiny_config("qwen2", hidden=256, layers=2, vocab=512), seed=SEED, std=0.05).cuda()
+    sp = SamplingParams(max_new_tokens=48, temperature=1.0, n=4, stop_token_ids=tuple(range(0, 512, 13)))
+    runs = {}
+    for graphs in (False, True):
+        eng = EmbeddedEngine(m, f, 64, max_batch=32, cuda_graphs=graphs)
+        eng.load_weights(make_payload(m, f))
+        runs[graphs] = (_samples(eng, sp), eng.graphs)
+    assert runs[True][1].disabled is None, runs[True][1].disabled
+    assert runs[True][1].captures >= 1
+    # the same kernels in the same order: the same samples (both non-invariant, but identically so)
+    assert runs[True][0] == runs[False][0]
