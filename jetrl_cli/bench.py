@@ -73,6 +73,7 @@ class Settings:
     seq: int = 64
     e2e_steps: int = 3
     task_preset: str | None = "fp8-unified"  # rollout: also an RL-shaped batch from this preset's task
+    task_overrides: list[str] = field(default_factory=list)  # key=value for that preset (its batch shape)
     progress: object = None
 
     def say(self, msg: str) -> None:
@@ -429,11 +430,21 @@ def bench_rollout(s: Settings) -> list[dict]:
             assert out.shape[1] == s.prompt + s.new_tokens
 
         fns["hf"] = run_hf
+        if s.device == "cuda":  # transformers' fastest: a static cache, the decode step compiled
+            def run_hf_static():
+                with torch.inference_mode():
+                    hf.generate(pd, attention_mask=torch.ones_like(pd), do_sample=True, temperature=1.0, top_k=0,
+                                top_p=1.0, max_new_tokens=s.new_tokens, min_new_tokens=s.new_tokens,
+                                pad_token_id=0, eos_token_id=None, cache_implementation="static")
+
+            fns["hf-static"] = run_hf_static
+    engines, details = {}, {}
     for name in names:
         s.say(f"rollout: embedded engine, {name}")
         flow = _flow(name)
         eng = EmbeddedEngine(model, flow, s.prompt + s.new_tokens, max_batch=s.batch)
         eng.load_weights(make_payload(model, flow))
+        engines[name] = eng
 
         def run_ours(eng=eng):
             eng.generate(plist, sp, seed=0)
@@ -441,16 +452,24 @@ def bench_rollout(s: Settings) -> list[dict]:
         fns[name] = run_ours
     s.say("rollout: timing the engines in turn")
     timed = measure_interleaved(fns, s)
+    for name, eng in engines.items():
+        details[name] = engine_details(eng, model, _flow(name), plist, sp, s)
     fns.clear()  # frees the engines and transformers' model
+    engines.clear()
     hf = eng = None
     base = total / timed["hf"]["s"] if "hf" in timed else None
     if base is not None:
         rows.append({"engine": "transformers generate()", "flow": hp, "emulated": False, **timed["hf"],
                      "tokens_per_s": base, "vs_generate": 1.0})
+    if "hf-static" in timed:
+        tps = total / timed["hf-static"]["s"]
+        rows.append({"engine": "transformers generate(), static cache", "flow": hp, "emulated": False,
+                     **timed["hf-static"], "tokens_per_s": tps, "vs_generate": tps / base})
     for name in names:
         tps = total / timed[name]["s"]
         rows.append({"engine": "jetrl embedded", "flow": name, "emulated": s.device == "cpu" and name != "fp32",
-                     **timed[name], "tokens_per_s": tps, "vs_generate": tps / base if base else None})
+                     **timed[name], "tokens_per_s": tps, "vs_generate": tps / base if base else None,
+                     **details[name]})
     if path is not None:
         rows += _vllm_rows(s, model, path, names, plist, sp, s.prompt + s.new_tokens, s.batch, base)
     _ratios_to_bf16(rows)
@@ -460,6 +479,30 @@ def bench_rollout(s: Settings) -> list[dict]:
     if s.task_preset:
         rows += _rollout_task_rows(s, model, path, label, transformers, names)
     return rows
+
+
+def engine_details(eng, model, flow, prompts, sp, s: Settings) -> dict:
+    """What a rollout costs besides its tokens/s: time to first token (a generate() of one token),
+    the weight sync (the trainer's payload, quantized for a quantized sync, loaded into the engine),
+    the KV cache's bytes per token, the engine's weight bytes, its CUDA graphs, and on a GPU the
+    peak memory of one rollout."""
+    from dataclasses import replace
+
+    from .engine.base import make_payload
+
+    first = replace(sp, max_new_tokens=1)
+    ttft = measure(lambda: eng.generate(prompts, first, seed=0), s)
+    sync = measure(lambda: eng.load_weights(make_payload(model, flow)), s)
+    out = {"ttft_s": ttft["s"], "sync_s": sync["s"], "kv_bytes_per_token": eng.model.new_cache(1, 16).nbytes_per_token(),
+           "weight_bytes": eng.weight_nbytes()}
+    if eng.graphs is not None:
+        out["cuda_graphs"] = eng.graphs.disabled or f"{eng.graphs.captures} captured"
+    if s.device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        eng.generate(prompts, sp, seed=0)
+        out["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+    return out
 
 
 def _model_path(name: str):
@@ -532,7 +575,7 @@ def _rollout_task_rows(s: Settings, model, path, model_label: str, transformers,
     from .models.shapes import tokenizer_dir
     from .models.transformers_ref import transformers_twin
 
-    cfg = load_job_config(s.task_preset, [f"model.path={path}"] if path is not None else [])
+    cfg = load_job_config(s.task_preset, ([f"model.path={path}"] if path is not None else []) + list(s.task_overrides))
     tok = Tokenizer.from_dir(path if path is not None else tokenizer_dir())
     prompts = [tok.encode(p.prompt) for p in PromptSource(build_task(cfg.task, 0), 0).batch(1, cfg.rollout.prompts_per_step)]
     sp = sampling_params(cfg, tok)
@@ -559,9 +602,10 @@ def _rollout_task_rows(s: Settings, model, path, model_label: str, transformers,
                        for row in out[:, longest:].tolist())
 
         fns["hf"] = run_hf
+    engines = {}
     for name in names:
         s.say(f"rollout: {label}: embedded engine, {name}")
-        eng = EmbeddedEngine(model, _flow(name), width, max_batch=cfg.rollout.max_batch)
+        eng = engines[name] = EmbeddedEngine(model, _flow(name), width, max_batch=cfg.rollout.max_batch)
 
         def run_ours(eng=eng):
             return sum(len(c.tokens) for g in eng.generate(prompts, sp, seed=0) for c in g)
@@ -569,6 +613,8 @@ def _rollout_task_rows(s: Settings, model, path, model_label: str, transformers,
         fns[name] = run_ours
     s.say(f"rollout: {label}: timing the engines in turn")
     timed = measure_interleaved(fns, s)
+    details = {name: engine_details(eng, model, _flow(name), prompts, sp, s) for name, eng in engines.items()}
+    engines.clear()
     fns.clear()
     hf = eng = None
     base = timed["hf"]["tokens_per_s"] if "hf" in timed else None
@@ -578,7 +624,7 @@ def _rollout_task_rows(s: Settings, model, path, model_label: str, transformers,
     for name in names:
         tps = timed[name]["tokens_per_s"]
         rows.append({"engine": "jetrl embedded", "flow": name, "emulated": s.device == "cpu" and name != "fp32",
-                     **timed[name], "vs_generate": tps / base if base else None})
+                     **timed[name], "vs_generate": tps / base if base else None, **details[name]})
     if path is not None:
         rows += _vllm_rows(s, model, path, names, prompts, sp, width, cfg.rollout.max_batch, base)
     _ratios_to_bf16(rows)
@@ -902,12 +948,19 @@ def render(res: dict, console) -> None:
             title = (f"rollout: {x0['model']}, batch {x0['batch']}, prompt {x0['prompt']}, {x0['new_tokens']} new tokens"
                      if wl == "fixed" else f"rollout: {x0['model']}, {wl}")
             t = Table(title=escape(title), title_justify="left")
-            for c in ("engine", "flow", "s", "spread", "tokens/s", "vs generate()", "vs bf16", "sync s"):
-                t.add_column(c, justify="left" if c in ("engine", "flow") else "right", no_wrap=c in ("engine", "flow"))
+            for c in ("engine", "flow", "s", "spread", "tokens/s", "vs generate()", "vs bf16", "TTFT ms", "sync s",
+                      "KV B/token", "weights MiB", "peak MiB", "CUDA graphs"):
+                t.add_column(c, justify="left" if c in ("engine", "flow", "CUDA graphs") else "right",
+                             no_wrap=c in ("engine", "flow"))
             for x in xs:
                 flow = x["flow"] + (" (emul.)" if x["emulated"] else "")
                 t.add_row(x["engine"], flow, f"{x['s']:.3f}", f"{x['spread_s']:.3f}", f"{x['tokens_per_s']:.0f}",
-                          _f(x["vs_generate"], "{:.2f}x"), _f(x["vs_bf16"], "{:.2f}x"), _f(x.get("sync_s"), "{:.4f}"))
+                          _f(x["vs_generate"], "{:.2f}x"), _f(x["vs_bf16"], "{:.2f}x"),
+                          _f(x.get("ttft_s") and 1e3 * x["ttft_s"], "{:.1f}"), _f(x.get("sync_s"), "{:.4f}"),
+                          _f(x.get("kv_bytes_per_token"), "{:.0f}"),
+                          _f(x.get("weight_bytes") and x["weight_bytes"] / 2**20, "{:.1f}"),
+                          _f(x.get("peak_memory_bytes") and x["peak_memory_bytes"] / 2**20, "{:.0f}"),
+                          x.get("cuda_graphs", "-"))
             print_table(console, t, keep=2)
     if "train" in r:
         x0 = r["train"][0]

@@ -523,6 +523,7 @@ def bench_cmd(
     seq: Annotated[int, typer.Option("--seq", help="train: tokens per sequence.")] = 64,
     steps: Annotated[int, typer.Option("--steps", help="e2e: run steps per flow (the first is a warm-up).")] = 3,
     task_preset: Annotated[Optional[str], typer.Option("--task-preset", help="rollout: also time an RL-shaped batch: this preset's task prompts, groups, stop at EOS ('none': skip). Default: fp8-unified with --model tiny, none with a model of yours.")] = None,
+    task_set: Annotated[Optional[list[str]], typer.Option("--task-set", metavar="KEY=VALUE", help="rollout: override the task preset (e.g. rollout.prompts_per_step=64, rollout.n=8, rollout.max_new_tokens=1024).")] = None,
     repeats: Annotated[int, typer.Option("--repeats", help="Timed runs per measurement (median reported).")] = 5,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed runs first.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", metavar="", help="Print the results as JSON.")] = False,
@@ -547,7 +548,7 @@ def bench_cmd(
         raise JetrlError(f"--layers must be > 0, got {layers}")
     s = bench.Settings(device=device, repeats=repeats, warmup=warmup, model=model, layers=layers, batch=batch,
                        new_tokens=new_tokens, train_batch=train_batch, seq=seq, e2e_steps=steps,
-                       task_preset=_bench_task_preset(task_preset, model))
+                       task_preset=_bench_task_preset(task_preset, model), task_overrides=list(task_set or []))
     if flows:
         s.flows = tuple(f.strip() for f in flows.split(",") if f.strip())
         for f in s.flows:
