@@ -386,8 +386,12 @@ def _flow(name: str):
         from .rl.mismatch import reference_flow
 
         return reference_flow()
-    if name not in NAMED_FLOWS:
-        raise JetrlError(f"--flows: unknown flow {name!r} (allowed: fp32, {', '.join(NAMED_FLOWS)})")
+    base, plus, mode = name.partition("+")
+    if base not in NAMED_FLOWS or (plus and mode != "invariant"):
+        raise JetrlError(f"--flows: unknown flow {name!r} (allowed: fp32, {', '.join(NAMED_FLOWS)}; a flow name "
+                         "+invariant for its batch-invariant mode)")
+    if plus:
+        return parse_flow({"base": base, "batch_invariant": True}, source="--flows", name=name)
     return parse_flow(name, source="--flows")
 
 

@@ -5,7 +5,7 @@ choice all read these tuples; the implementations check at import that they cove
 names. Plain data, no torch: the CLI reads it at start-up.
 """
 
-GEMM_BACKENDS = ("auto", "emulated", "scaled_mm", "triton", "te")  # precision/gemm.py is the registry
+GEMM_BACKENDS = ("auto", "emulated", "scaled_mm", "triton", "invariant", "te")  # precision/gemm.py is the registry
 CORRECTIONS = ("none", "tis", "mis", "acr")  # rl/algos.py
 ROLLOUT_BACKENDS = ("embedded", "vllm")  # rl/loop.py build_engine
 VLLM_QUANTIZATIONS = ("jetrl", "fp8", "fp8-block", "none")  # engine/vllm_engine.py

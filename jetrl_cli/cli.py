@@ -512,7 +512,7 @@ def run_cmd(
 @user_errors
 def bench_cmd(
     mode: Annotated[str, typer.Argument(help="gemm, quantize, rollout, train, e2e or all.")] = "all",
-    flows: Annotated[Optional[str], typer.Option("--flows", help="Comma-separated flows for rollout/train/e2e (default bf16,fp8-rollout,fp8-unified).")] = None,
+    flows: Annotated[Optional[str], typer.Option("--flows", help="Comma-separated flows for rollout/train/e2e (default bf16,fp8-rollout,fp8-unified); NAME+invariant for a flow's batch-invariant mode.")] = None,
     shapes: Annotated[Optional[str], typer.Option("--shapes", help="gemm: MxNxK,... ; quantize: MxK,... (default: Llama-3-8B and Qwen2.5-7B layers).")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
     model: Annotated[str, typer.Option("--model", help="rollout/train/e2e model: 'tiny', a local HF directory, or a shape with random weights: qwen2.5-1.5b, qwen2.5-7b, llama-3-8b.")] = "tiny",

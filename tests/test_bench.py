@@ -237,3 +237,14 @@ def test_generate_reference_loads_quietly(capfd):
     assert "deprecated" not in out + err and "Loading" not in out + err and "%|" not in out + err, out + err
     assert (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()) == before
     assert _dtype_kwarg("4.45.2") == "torch_dtype" and _dtype_kwarg("4.56.0") == "dtype" and _dtype_kwarg("5.0.0rc1") == "dtype"
+
+def test_invariant_flow_names_in_bench():
+    from jetrl_cli import bench as bench_mod
+
+    f = bench_mod._flow("fp8-unified+invariant")
+    assert f.batch_invariant and f.rollout.linear.backend == "invariant" and f.name == "fp8-unified+invariant"
+    assert not bench_mod._flow("fp8-unified").batch_invariant
+    res = runner.invoke(app, ["bench", "train", "--flows", "bf16+fast", *FAST])
+    assert res.exit_code == 2 and "+invariant for its batch-invariant mode" in res.output
+    out = bench("train", "--train-batch", 2, "--seq", 8, "--flows", "bf16,bf16+invariant", *FAST)
+    assert [r["flow"] for r in out["results"]["train"]][:2] == ["bf16", "bf16+invariant"]

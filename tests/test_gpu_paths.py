@@ -403,3 +403,73 @@ def test_native_training_step_on_gpu_matches_cpu_emulation(flow):
     assert error_stats(lp_cpu, lp_gpu)["rel_err"] < NATIVE_TOL[flow]
     for n in g_cpu:
         assert error_stats(g_cpu[n], g_gpu[n])["rel_err"] < 2 * NATIVE_TOL[flow], n
+
+
+# --------------------------------------------------------------------------- batch-invariant mode
+
+
+@pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified"])
+def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernels(flow_name, forced_native, monkeypatch):
+    """``precision.batch_invariant`` on the native (GPU) path, run here with Triton's interpreter:
+    GEMMs, attention, RMSNorm and the log-softmax go through kernels/invariant.py, and the rollout
+    (prefill, then decode steps of a few rows) gives the trainer's logprobs bit for bit."""
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    from jetrl_cli.config import TrainConfig
+    from jetrl_cli.engine.base import make_payload
+    from jetrl_cli.engine.embedded import EmbeddedEngine
+    from jetrl_cli.kernels import invariant
+    from jetrl_cli.precision import parse_flow
+    from jetrl_cli.rl.algos import CorrectionConfig
+    from jetrl_cli.rl.trainer import Trainer
+
+    from .triton_interp_fix import fixed_fp8_conversion
+
+    flow = parse_flow({"base": flow_name, "batch_invariant": True}, source="<test>")
+    assert flow.rollout.linear.backend == flow.train.linear.fprop.backend == "invariant"
+    assert flow.skipped_linear().fprop.backend == "invariant" and "batch-invariant" in flow.short_str()
+    calls = {}
+    for name in ("invariant_mm", "invariant_blockwise_mm", "invariant_attention", "invariant_rms_norm",
+                 "invariant_log_softmax"):
+        fn = getattr(invariant, name)
+
+        def counted(*a, _fn=fn, _n=name, **k):
+            calls[_n] = calls.get(_n, 0) + 1
+            return _fn(*a, **k)
+
+        monkeypatch.setattr(invariant, name, counted)
+    with fixed_fp8_conversion():
+        m = _model(seed=9, hidden=128, layers=1, vocab=128)
+        sp = SamplingParams(max_new_tokens=6, temperature=1.0, n=2)
+        eng = EmbeddedEngine(m, flow, 32, max_batch=4, cuda_graphs=False)
+        eng.load_weights(make_payload(m, flow))
+        prompts = [[5, 9, 3], [7, 2, 11, 4, 8], [1]]
+        out = eng.generate(prompts, sp, seed=2)
+        flat = [(p, c) for p, g in zip(prompts, out) for c in g]
+        b = Batch.build([p for p, _ in flat], [c.tokens for _, c in flat], [c.logprobs for _, c in flat],
+                        [0.0] * len(flat), [i // 2 for i in range(len(flat))])
+        tr = Trainer(copy.deepcopy(m), flow, TrainConfig(micro_batch=6), CorrectionConfig(), sp, 32)
+        old = tr.score(b)
+    assert torch.equal(old[b.mask], b.rollout_logp[b.mask])
+    want = {"invariant_mm", "invariant_attention", "invariant_rms_norm", "invariant_log_softmax"}
+    if flow_name == "fp8-unified":
+        want.add("invariant_blockwise_mm")
+    assert want <= set(calls), calls
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("preset", ["fp8-unified", "bf16"])
+def test_batch_invariant_gpu_run_is_bitwise_on_policy_at_every_step(preset, tmp_path):
+    """Issue target: `jetrl run presets/<preset>.yaml --set model.device=cuda --set
+    precision.batch_invariant=true` has mismatch_kl exactly 0 and every token bitwise equal."""
+    from jetrl_cli.config import load_job_config
+    from jetrl_cli.rl.loop import run
+
+    cfg = load_job_config(preset, ["model.device=cuda", "precision.batch_invariant=true", "train.steps=4",
+                                   "eval.every=0", "eval.prompts=8", "run.checkpoint_every=0"])
+    lines = [m for m in run(cfg, tmp_path / "r") if m["step"] > 0]
+    assert len(lines) == 4
+    assert all(m["mismatch_kl"] == 0.0 and m["frac_bitwise_equal"] == 1.0 for m in lines), lines

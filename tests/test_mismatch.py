@@ -172,11 +172,13 @@ def test_report_on_the_tiny_policy(tmp_path, monkeypatch):
         assert f["summary"]["frac_bitwise_equal"] == 1.0 and f["top_tokens"] == []
         assert all(r["mismatch_kl"] == 0.0 for r in f["by_length"] + f["by_position"])
         assert f["greedy"]["vs_train"]["diverged_frac"] == 0.0
+        assert f["decode_vs_forward"]["first_divergent"] is None and f["decode_vs_forward"]["positions"] > 0
         assert all(r["rel_diff"] == 0.0 and r["kl_alone"] is None for r in f["layers"])
         assert [d["kl_alone"] for d in f["decoder_layers"]] == [0.0] * 4 and f["refined_layers"] == []
         assert passes[list(flows).index(name)][-1] == (4, 4)  # one pass per decoder layer, none refined
     off = flows["fp8-rollout"]
     assert off["status"] == "drift" and off["summary"]["mismatch_kl"] > 0
+    assert off["decode_vs_forward"]["first_divergent"] == "decoder layer 0"  # FP8 GEMMs in rollout only
     assert [r["length"] for r in off["by_length"]] == [6, 12] and off["by_length"][1]["tokens"] == 3 * 2 * 12
     assert off["rollout_vs_fp32"]["mismatch_kl"] > 0 and off["top_tokens"]
     # coarse to fine: each of the 4 decoder layers alone, then the 7 linears of the worst one alone
@@ -273,3 +275,38 @@ def test_bad_rollout_files_are_one_line_errors(tmp_path):
     res = invoke("mismatch-report", "fp8-rollout", "--rollouts", good, "--no-attribution", "--json")
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["flows"][0]["summary"]["mismatch_kl"] > 0
+
+
+def test_decode_steps_are_compared_with_the_trainer_forward_stage_by_stage():
+    """``divergence.decode_divergence``: on-policy flows agree at every stage; when one stage
+    computes differently (here: one decoder layer's rollout GEMMs in another precision) it is that
+    stage the report names."""
+    import copy
+
+    import torch
+
+    from jetrl_cli.engine.sampling import SamplingParams
+    from jetrl_cli.models.shapes import random_model
+    from jetrl_cli.models.tiny import tiny_config
+    from jetrl_cli.precision import apply_flow, named_flow
+    from jetrl_cli.rl.divergence import decode_divergence
+
+    base = random_model(tiny_config("qwen2", hidden=128, layers=3, vocab=128), seed=4, std=0.05)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, 128, (int(k),), generator=g).tolist() for k in (3, 7, 5)]
+    comps = [torch.randint(1, 128, (9,), generator=g).tolist() for _ in prompts]
+    flow = named_flow("fp8-unified")
+    roll, train = copy.deepcopy(base).eval(), copy.deepcopy(base).eval()
+    apply_flow(roll, flow, "rollout")
+    apply_flow(train, flow, "train")
+    d = decode_divergence(roll, train, prompts, comps, SamplingParams(), 32)
+    assert d["first_divergent"] is None and d["positions"] == 3 * 9
+    assert [s["stage"] for s in d["stages"]][:3] == ["decoder layer 0", "decoder layer 1", "decoder layer 2"]
+    assert all(s["frac_equal"] == 1.0 and s["max_abs_diff"] == 0.0 for s in d["stages"])
+    # break layer 1: its MLP runs the bf16 flow's rollout precision on the rollout side only
+    bf = named_flow("bf16").rollout_linear()
+    for lin in (roll.model.layers[1].mlp.gate_proj, roll.model.layers[1].mlp.up_proj):
+        lin.set_precision(bf)
+    d = decode_divergence(roll, train, prompts, comps, SamplingParams(), 32)
+    assert d["first_divergent"] == "decoder layer 1"
+    assert d["stages"][0]["frac_equal"] == 1.0 and d["stages"][1]["frac_equal"] < 1.0

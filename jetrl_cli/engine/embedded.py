@@ -16,7 +16,7 @@ import torch
 
 from ..errors import JetrlError
 from ..models.llama import KVCache, key_width
-from ..precision.gemm import ROW_TILE
+from ..precision.gemm import ROW_TILE, native
 from ..precision.linear import JetLinear, apply_flow
 from .base import Completion, WeightPayload, check_prompts
 from .graphs import width_bucket
@@ -44,6 +44,15 @@ def compaction(rows: list[int], live: int, pow2: bool = False) -> list[int] | No
     if target > live:
         keep = sorted(keep + [i for i, r in enumerate(rows) if r < 0][:target - live])
     return keep
+
+
+def _plain_logprobs(logits: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """Greedy decoding reports logprobs at temperature 1, without truncation."""
+    if invariant:
+        from ..kernels.invariant import invariant_log_softmax
+
+        return invariant_log_softmax(logits.float())
+    return torch.log_softmax(logits.float(), -1)
 
 
 def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, stops: set[int]) -> list[Completion]:
@@ -243,9 +252,10 @@ class EmbeddedEngine:
         done = torch.zeros(b, dtype=torch.bool, device=dev)  # per batch row
         live = b
         check_every = self.check_every
+        invariant = self.model.batch_invariant and native(logits)
         for step in range(new):
-            logp = sampling_logprobs(logits, params)
-            logp_report = torch.log_softmax(logits.float(), -1) if params.greedy else logp
+            logp = sampling_logprobs(logits, params, invariant)
+            logp_report = _plain_logprobs(logits, invariant) if params.greedy else logp
             nxt = sample(logp, params, keys=keys, position=step)
             out_tok[step].index_copy_(0, rows_t, nxt)
             out_lp[step].index_copy_(0, rows_t, logp_report.gather(-1, nxt[:, None])[:, 0])

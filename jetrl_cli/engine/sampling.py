@@ -34,8 +34,10 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """fp32 log-probabilities of the sampling distribution, rows of ``logits`` independently."""
+def sampling_logprobs(logits: torch.Tensor, params: SamplingParams, invariant: bool = False) -> torch.Tensor:
+    """fp32 log-probabilities of the sampling distribution, rows of ``logits`` independently.
+    ``invariant`` (a batch-invariant flow on a GPU): the final log-softmax is jetrl's one-program-
+    per-row kernel, so a row's bits do not depend on how many rows there are."""
     x = logits.float()
     if not params.greedy and params.temperature != 1.0:
         x = x / params.temperature
@@ -49,6 +51,10 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         drop_sorted = before >= params.top_p  # keeps the smallest prefix reaching top_p (>= 1 token)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
+    if invariant:
+        from ..kernels.invariant import invariant_log_softmax
+
+        return invariant_log_softmax(x)
     return torch.log_softmax(x, dim=-1)
 
 

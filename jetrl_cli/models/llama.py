@@ -77,9 +77,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    invariant = False  # set by the model: the batch-invariant kernel on a GPU
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return _RMSNormFn.apply(x, self.weight, self.eps)
+            return _RMSNormFn.apply(x, self.weight, self.eps, self.invariant and native(x))
+        if self.invariant and native(x):
+            from ..kernels.invariant import invariant_rms_norm
+
+            return invariant_rms_norm(x, self.weight, self.eps)
         return _rms_norm(x, self.weight, self.eps)[0]
 
 
@@ -100,8 +106,12 @@ class _RMSNormFn(torch.autograd.Function):
     two more activation-sized tensors); the forward is ``_rms_norm``, bit for bit."""
 
     @staticmethod
-    def forward(ctx, x, w, eps):
+    def forward(ctx, x, w, eps, invariant=False):
         y, r = _rms_norm(x, w, eps)
+        if invariant:  # the forward's bits from the batch-invariant kernel (rsqrt kept for the backward)
+            from ..kernels.invariant import invariant_rms_norm
+
+            y = invariant_rms_norm(x, w, eps)
         ctx.save_for_backward(x, w, r)
         return y
 
@@ -113,7 +123,7 @@ class _RMSNormFn(torch.autograd.Function):
         gw = (gyf * xhat).reshape(-1, x.shape[-1]).sum(0).to(w.dtype) if ctx.needs_input_grad[1] else None
         gxhat = gyf * wf
         gx = r * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))
-        return gx.to(x.dtype), gw, None
+        return gx.to(x.dtype), gw, None, None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -378,6 +388,7 @@ class Masking:
         self.q_index, self.key_keep, self.width = q_index, key_keep, width
         self.causal = causal_from_zero and key_keep is None  # queries at 0..t-1 over keys 0..t-1
         self._bias = self._visible = None
+        self.invariant = False  # the batch-invariant kernels (a flow's batch_invariant, on a GPU)
 
     def visible(self) -> torch.Tensor:
         """(b, 1, t, width) bool."""
@@ -470,6 +481,15 @@ def _native_attention(q, keys, values, mask: Masking, rep: int, fmt: Format) -> 
     b, h, t, d = q.shape
     dt = fmt.torch_dtype()
     qn, kn, vn = q.to(dt), keys.to(dt), values.to(dt)
+    if mask.invariant:  # fixed key blocks from key 0, no split-KV: decode, prefill and training agree bitwise
+        if mask.key_keep is not None:
+            from ..errors import JetrlError
+
+            raise JetrlError("precision.batch_invariant: left-padded sequences are not supported (right-pad them)")
+        from ..kernels.invariant import invariant_attention
+
+        out, _ = invariant_attention(qn, kn, vn, mask.q_index, check_positions=False)
+        return out.transpose(1, 2).reshape(b, t, h * d)
     if rep > 1 and not _SDPA_GQA:
         kn, vn = kn.repeat_interleave(rep, 1), vn.repeat_interleave(rep, 1)
     kw = {"enable_gqa": True} if rep > 1 and _SDPA_GQA else {}
@@ -536,8 +556,23 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._batch_invariant = False
 
     # -- shared pieces ---------------------------------------------------------------------
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Set by ``apply_flow`` (``precision.batch_invariant``): on a GPU, attention, RMSNorm and the
+        log-softmax run jetrl's batch-invariant kernels (GEMMs get them from their backend). The CPU
+        emulation is batch-invariant already."""
+        return self._batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, on: bool) -> None:
+        self._batch_invariant = bool(on)
+        for mod in self.modules():
+            if isinstance(mod, RMSNorm):
+                mod.invariant = bool(on)
 
     def set_kv_spec(self, spec: CastSpec | None) -> None:
         """The format keys and values are rounded to (the KV cache's, in every forward)."""
@@ -560,6 +595,7 @@ class LlamaForCausalLM(nn.Module):
     def _trunk(self, input_ids, pos, q_index, key_keep, width, cache=None, causal_from_zero=False) -> torch.Tensor:
         cos, sin = self._cos_sin(pos, width)  # every position is < width
         mask = Masking(q_index, key_keep, width, causal_from_zero)
+        mask.invariant = self.batch_invariant
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, cache, i)

@@ -27,6 +27,7 @@ Named flows (``NAMED_FLOWS``):
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +134,7 @@ class PrecisionFlow:
     skip: tuple[str, ...] = DEFAULT_SKIP
     unified: bool = False  # a promise, checked: training fprop == rollout linear
     skip_format: Format = Format.BF16  # the skipped linear layers' operands, on both sides
+    batch_invariant: bool = False  # GPU: batch-invariant kernels for every forward op (a token's bits never depend on the batch)
 
     @property
     def is_on_policy(self) -> bool:
@@ -144,7 +146,10 @@ class PrecisionFlow:
 
     def skipped_linear(self) -> LinearPrecision:
         """What a linear layer on the skip list runs, in rollout and training alike."""
-        return LinearPrecision.unquantized(self.skip_format)
+        p = LinearPrecision.unquantized(self.skip_format)
+        if self.batch_invariant:
+            p = dataclasses.replace(p, fprop=dataclasses.replace(p.fprop, backend="invariant"))
+        return p
 
     def kv_cast(self, side: str) -> CastSpec:
         """How keys/values are rounded: the rollout's KV-cache format; the trainer's forward
@@ -160,7 +165,7 @@ class PrecisionFlow:
             f"{self.name} [{kind}] rollout={self.rollout.linear.short_str()} "
             f"kv={self.rollout.kv_cache.short_str()} train: {self.train.linear.short_str()} "
             f"master={self.train.master_weights.short} sync={self.weight_sync.payload} "
-            f"skipped={self.skip_format.short}"
+            f"skipped={self.skip_format.short}" + (" batch-invariant" if self.batch_invariant else "")
         )
 
     def to_dict(self) -> dict:
@@ -350,7 +355,8 @@ def _parse_gemm(ctx: _Ctx, value, key: str, gemm: str) -> GemmSpec:
 
 
 def _parse_flow_dict(ctx: _Ctx, name: str, d: dict, key: str) -> PrecisionFlow:  # noqa: C901
-    top = ctx.mapping(d, key, ("base", "rollout", "train", "weight_sync", "skip", "skip_format", "unified"))
+    top = ctx.mapping(d, key, ("base", "rollout", "train", "weight_sync", "skip", "skip_format", "unified",
+                               "batch_invariant"))
     p = f"{key}." if key else ""
     for section in ("rollout", "train"):
         if section not in top:
@@ -396,8 +402,22 @@ def _parse_flow_dict(ctx: _Ctx, name: str, d: dict, key: str) -> PrecisionFlow: 
 
     skip_format = _parse_format(ctx, top.get("skip_format", "bf16"), f"{p}skip_format", SKIP_FORMATS)
     unified = ctx.boolean(top.get("unified", False), f"{p}unified")
+    invariant = ctx.boolean(top.get("batch_invariant", False), f"{p}batch_invariant")
+    if invariant:  # every forward GEMM through the batch-invariant kernels (the backward need not be)
+        for what, g in (("rollout.linear", r_lin), ("train.fprop", train.linear.fprop)):
+            if g.backend not in ("auto", "invariant"):
+                ctx.fail(f"{p}batch_invariant", f"is true but {what} names backend {g.backend}; drop that backend "
+                         "(batch_invariant sets the forward GEMMs' backend to invariant)")
+            from .gemm import static_unsupported
+
+            why = static_unsupported("invariant", dataclasses.replace(g, backend="invariant"), "fprop")
+            if why is not None:
+                ctx.fail(f"{p}batch_invariant", f"the batch-invariant GEMM {why}")
+        r_lin = dataclasses.replace(r_lin, backend="invariant")
+        train = dataclasses.replace(train, linear=dataclasses.replace(
+            train.linear, fprop=dataclasses.replace(train.linear.fprop, backend="invariant")))
     flow = PrecisionFlow(name, RolloutPrecision(r_lin, kv_spec), train, WeightSyncSpec(sync), tuple(skip), unified,
-                         skip_format)
+                         skip_format, invariant)
     if unified and not flow.is_on_policy:
         ctx.fail(f"{p}unified", "is true but train.fprop differs from rollout.linear "
                  f"({train.linear.fprop.short_str()} vs {r_lin.short_str()}); the trainer must run the rollout's quantizers")
@@ -466,6 +486,7 @@ def _flow_to_dict(flow: PrecisionFlow) -> dict:
         "skip": list(flow.skip),
         "skip_format": flow.skip_format.value,
         "unified": flow.unified,
+        "batch_invariant": flow.batch_invariant,
     }
 
 

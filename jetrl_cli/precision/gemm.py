@@ -512,6 +512,46 @@ class TritonBackend:
         return _triton_kernels().blockwise_mm(a, b, out_dtype=out_dtype)
 
 
+class InvariantBackend:
+    """jetrl's batch-invariant Triton GEMMs (``kernels/invariant.py``): one tile configuration for
+    every M and no split-K, so a row's result does not depend on the batch (``precision.batch_invariant``).
+    Dense bf16/fp32 operands and FP8 with 1x128 / 128x128 scales along K."""
+
+    name = "invariant"
+
+    def unsupported(self, spec, gemm, device):
+        if spec.is_quantized:
+            why = TritonBackend().unsupported(spec, gemm, None)
+            if why is not None:
+                return why.replace("runs FP8", "runs dense bf16/fp32 operands, or FP8", 1)
+        if device is None:
+            return None
+        from ..kernels import unavailable_reason
+
+        why = unavailable_reason()
+        if why is None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            why = "the Triton kernels run on CUDA tensors (or in Triton's interpreter with TRITON_INTERPRET=1)"
+        return why
+
+    def cast(self, x, spec):
+        return TritonBackend().cast(x, spec) if spec.is_scaled else dense_cast(x, spec.format)
+
+    def shape_unsupported(self, a, b):
+        return None
+
+    def mm(self, a, b, out=Format.FP32):
+        from ..kernels import invariant
+
+        quantized = isinstance(a, QTensor), isinstance(b, QTensor)
+        ref = a.data if quantized[0] else a
+        out_dtype = out.torch_dtype() if native(ref) else torch.float32
+        if all(quantized):
+            return invariant.invariant_blockwise_mm(a, b, out_dtype=out_dtype)
+        if any(quantized):
+            a, b = operand_values(a), operand_values(b)
+        return invariant.invariant_mm(a, b, out_dtype=out_dtype)
+
+
 class UnavailableBackend:
     """A named slot with nothing behind it (yet)."""
 
@@ -535,6 +575,7 @@ _BACKENDS: dict[str, GemmBackend] = {
     "emulated": EmulatedBackend(),
     "scaled_mm": ScaledMMBackend(),
     "triton": TritonBackend(),
+    "invariant": InvariantBackend(),
     "te": UnavailableBackend("te", "no Transformer Engine integration is in this release; use 'auto' or 'emulated'"),
 }
 AUTO_ORDER = ("scaled_mm", "triton", "emulated")
@@ -633,7 +674,12 @@ def resolve(spec, gemm: str, device: torch.device | str) -> Resolution:
         return hit
     asked = spec.backend
     dev_str = str(device)
-    if not spec.is_quantized:
+    if asked == "invariant" and device.type != "cuda" and not _FORCE_NATIVE:
+        res = Resolution(gemm, spec.short_str(), dev_str, asked, "emulated" if spec.is_quantized else "torch",
+                         ["emulated" if spec.is_quantized else "torch"],
+                         rejected={"invariant": "the CPU emulation is batch-invariant already (exact FP8 GEMMs, "
+                                                "fixed-shape dense GEMMs)"})
+    elif not spec.is_quantized and asked != "invariant":
         res = Resolution(gemm, spec.short_str(), dev_str, asked, "torch", ["torch"])
     elif asked != "auto":
         why = get_backend(asked).unsupported(spec, gemm, device)

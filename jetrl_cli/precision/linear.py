@@ -579,4 +579,6 @@ def apply_flow(model: nn.Module, flow: PrecisionFlow, side: str) -> SwapReport:
     report = swap_linears(model, prec, flow.skip, flow.skipped_linear())
     if hasattr(model, "set_kv_spec"):
         model.set_kv_spec(flow.kv_cast(side))
+    if hasattr(model, "batch_invariant"):
+        model.batch_invariant = flow.batch_invariant
     return report

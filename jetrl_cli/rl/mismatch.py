@@ -36,6 +36,7 @@ from ..errors import JetrlError
 from ..precision.flow import NAMED_FLOWS, KVCacheSpec, PrecisionFlow, RolloutPrecision, parse_flow
 from ..precision.linear import JetLinear, apply_flow, matches_skip, separate_linears
 from .algos import CorrectionConfig, mismatch_metrics
+from .divergence import decode_divergence
 from .trainer import Batch, Trainer, score_logprobs
 
 DEFAULT_FLOWS = ("bf16", "fp8-rollout", "fp8-unified")
@@ -428,6 +429,10 @@ def flow_report(label: str, flow: PrecisionFlow, inp: ReportInputs, lengths: lis
         last = (b, lt, lr)
     b, lt, lr = last
     _fill_token_stats(res, b, lt, lr, inp)
+    progress(f"{label}: the rollout's decode steps against the trainer's forward, stage by stage")
+    k = min(8, len(groups))
+    res["decode_vs_forward"] = decode_divergence(embedded.model, train_model, inp.prompts[:k],
+                                                 [g[0].tokens for g in groups[:k]], inp.sampling, width)
     if greedy:
         progress(f"{label}: greedy decoding under rollout, training and fp32 precision")
         res["greedy"] = greedy_divergence(inp, flow, max(lengths), width)
@@ -627,7 +632,20 @@ def render(report: dict, console) -> None:
                   f"{100 * vt['diverged_frac']:.0f}% of prompts{first}, from fp32's in {100 * vf['diverged_frac']:.0f}%")
         top = f"; largest single-layer contributor: {f['top_layer']}" if f.get("top_layer") else ""
         style = {"on-policy": "green", "near": "green", "drift": "yellow"}.get(f["status"], "white")
-        console.print(f"[bold {style}]{escape(f['flow'])}[/]: " + escape(f"{f['verdict']}{top}{gl}"), highlight=False)
+        console.print(f"[bold {style}]{escape(f['flow'])}[/]: " + escape(f"{f['verdict']}{top}{gl}{_breaks(f)}"),
+                      highlight=False)
+
+
+def _breaks(f: dict) -> str:
+    """Where the rollout's decode steps first differ from the trainer's forward (``divergence``)."""
+    d = f.get("decode_vs_forward")
+    if not d or not d.get("positions"):
+        return ""
+    if d["first_divergent"] is None:
+        return f"; decode steps equal the trainer's forward bit for bit at every stage ({d['positions']} positions)"
+    s = next(x for x in d["stages"] if x["stage"] == d["first_divergent"])
+    return (f"; equality first breaks at {d['first_divergent']} (decode step vs trainer forward: "
+            f"{100 * (1 - s['frac_equal']):.0f}% of positions differ, max |diff| {s['max_abs_diff']:.2e})")
 
 
 def write_outputs(report: dict, out: Path) -> list[Path]:
@@ -732,7 +750,7 @@ def markdown(report: dict, images: list[str]) -> str:
              "KL is KL(rollout || train) by the k3 estimator, per token.", "", "## Verdicts", ""]
     for f in flows:
         extra = f"; largest single-layer contributor: `{f['top_layer']}`" if f.get("top_layer") else ""
-        lines.append(f"- **{f['flow']}** ({f['description']}): {f['verdict']}{extra}")
+        lines.append(f"- **{f['flow']}** ({f['description']}): {f['verdict']}{extra}{_breaks(f)}")
     lines += ["", "## Summary", "", "| flow | tokens | " + " | ".join(h for _, h in SUMMARY_COLUMNS) + " | rollout vs fp32 KL |",
               "|---" * (len(SUMMARY_COLUMNS) + 3) + "|"]
     for f in flows:

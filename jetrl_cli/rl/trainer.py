@@ -20,7 +20,7 @@ import torch
 
 from ..engine.sampling import SamplingParams, sampling_logprobs
 from ..errors import JetrlError
-from ..precision.gemm import configure_cuda_numerics
+from ..precision.gemm import configure_cuda_numerics, native
 from ..precision.linear import apply_flow
 
 LOGPROB_CHUNK_ELEMENTS = 1 << 25  # logits held at once: 32M fp32 values (128 MiB), whatever the vocab
@@ -81,7 +81,9 @@ def fold_invariant_scale(model: torch.nn.Module, s: float) -> None:
 
 
 def _chunk_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    return sampling_logprobs(model.logits(h), sampling).gather(-1, targets[:, None])[:, 0]
+    logits = model.logits(h)
+    invariant = getattr(model, "batch_invariant", False) and native(logits)
+    return sampling_logprobs(logits, sampling, invariant).gather(-1, targets[:, None])[:, 0]
 
 
 def target_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
