@@ -23,13 +23,13 @@ from jetrl_cli.cli import app  # noqa: E402
 from jetrl_cli.engine.base import WeightPayload, make_payload  # noqa: E402
 from jetrl_cli.engine.sampling import SamplingParams  # noqa: E402
 from jetrl_cli.engine.vllm_engine import VLLMEngine, VLLMSettings  # noqa: E402
-from jetrl_cli.engine.vllm_quant import HIGH_PRECISION  # noqa: E402
 from jetrl_cli.errors import JetrlError  # noqa: E402
 from jetrl_cli.models.hf import load_model  # noqa: E402
 from jetrl_cli.models.tokenizer import Tokenizer  # noqa: E402
 from jetrl_cli.precision.flow import named_flow  # noqa: E402
+from jetrl_cli.precision.gemm import ExactOperand  # noqa: E402
 from jetrl_cli.precision.linear import JetLinear, apply_flow  # noqa: E402
-from jetrl_cli.precision.quant import QTensor, quantize  # noqa: E402
+from jetrl_cli.precision.quant import QTensor, quantize, round_to  # noqa: E402
 from jetrl_cli.rl.algos import mismatch_metrics  # noqa: E402
 from jetrl_cli.rl.loop import tiny_policy_dir  # noqa: E402
 from jetrl_cli.rl.trainer import Batch, score_logprobs  # noqa: E402
@@ -98,11 +98,11 @@ def _assert_holds(eng, model, flow):
     for name, mod in layers.items():
         hf = _hf_names(name)
         assert len(mod.jetrl_ops) == len(hf)
-        skipped = name == "lm_head"  # on the flow's skip list: fp32
-        assert mod.quant_method.spec == (HIGH_PRECISION if skipped else flow.rollout.linear)
+        skipped = name == "lm_head"  # on the flow's skip list: the flow's skip_format (bf16)
+        assert mod.quant_method.spec == (flow.skipped_linear().fprop if skipped else flow.rollout.linear)
         for op, n in zip(mod.jetrl_ops, hf):
             w = model.get_submodule(n).weight.detach().float()
-            want = w if skipped else quantize(w, flow.rollout.linear.b)
+            want = round_to(w, flow.skip_format) if skipped else quantize(w, flow.rollout.linear.b)
             assert _same_bits(op, want), n
 
 
@@ -203,11 +203,20 @@ def _perturbed(policy, seed):
     return m
 
 
+def _ptr(op) -> int:
+    """Where a GEMM operand's values live (a QTensor's FP8 data, an exact operand's values)."""
+    if isinstance(op, QTensor):
+        return op.data.data_ptr()
+    if isinstance(op, ExactOperand):
+        return op.values.data_ptr()
+    return op.data_ptr()
+
+
 def test_weight_sync_in_place_quantized_payload(unified, policy, prompts):
     flow = named_flow("fp8-unified")
     assert flow.weight_sync.payload == "quantized"
     layers = _jetrl_layers(unified)
-    ptrs = {n: ([op.data.data_ptr() for op in m.jetrl_ops], m.jetrl_fused.data_ptr()) for n, m in layers.items()}
+    ptrs = {n: ([_ptr(op) for op in m.jetrl_ops], _ptr(m.jetrl_weight)) for n, m in layers.items()}
     new = _perturbed(policy, 1)
     payload = make_payload(new, flow, version=1)
     assert any(isinstance(t, QTensor) for t in payload.tensors.values())
@@ -215,7 +224,7 @@ def test_weight_sync_in_place_quantized_payload(unified, policy, prompts):
         unified.load_weights(payload)
         assert unified.weights_version == 1
         after = _jetrl_layers(unified)
-        assert {n: ([op.data.data_ptr() for op in m.jetrl_ops], m.jetrl_fused.data_ptr())
+        assert {n: ([_ptr(op) for op in m.jetrl_ops], _ptr(m.jetrl_weight))
                 for n, m in after.items()} == ptrs  # stable storage: nothing re-allocated
         _assert_holds(unified, new, flow)
         sp = SamplingParams(max_new_tokens=24, temperature=1.0, n=4)

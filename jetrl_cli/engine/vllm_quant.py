@@ -31,11 +31,11 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.parameter import ModelWeightParameter
 
-from ..models.llama import cast_kv
+from ..models.llama import attention_format, cast_kv
 from ..precision.flow import GemmSpec, PrecisionFlow, parse_flow
 from ..precision.gemm import ExactOperand
 from ..precision.linear import concat_operands, linear_forward, matches_skip, weight_operand
-from ..precision.quant import CastSpec, QTensor
+from ..precision.quant import CastSpec, QTensor, round_to
 
 NAME = "jetrl"
 
@@ -229,25 +229,43 @@ def load_payload(model: torch.nn.Module, tensors: dict) -> int:
 
 
 def install_kv_rounding(model: torch.nn.Module, spec: CastSpec) -> int:
-    """Round keys and values with jetrl's ``cast_kv`` (its engine's KV-cache rounding) as they enter
-    attention, after RoPE. vLLM then keeps them in a cache in the model dtype, holding the values
-    jetrl's engine holds. Returns the number of attention layers hooked."""
+    """Round attention's inputs and output as jetrl's model does (``models.llama``): keys and values
+    with ``cast_kv`` (its engine's KV-cache rounding) as they enter attention, after RoPE, queries
+    and the attention output to ``attention_format`` (bf16 unless the cache is fp32, as flash
+    attention reads and writes them). vLLM then keeps keys and values in a cache in the model dtype,
+    holding the values jetrl's engine holds. Returns the number of attention layers hooked."""
+    fmt = attention_format(spec)
 
-    def hook(_mod, args, kwargs):
+    def rnd(t: torch.Tensor) -> torch.Tensor:
+        return round_to(t, fmt).to(t.dtype)
+
+    def before(_mod, args, kwargs):
         if len(args) >= 3:
             q, k, v = args[:3]
-            return (q, cast_kv(k, spec), cast_kv(v, spec), *args[3:]), kwargs
-        kwargs = dict(kwargs)
-        for name in ("key", "value"):
-            if kwargs.get(name) is not None:
-                kwargs[name] = cast_kv(kwargs[name], spec)
-        return args, kwargs
+            return (rnd(q), cast_kv(k, spec), cast_kv(v, spec), *args[3:]), kwargs
+        args, kwargs = list(args), dict(kwargs)
+        for i, name in enumerate(("query", "key", "value")):
+            if i < len(args):
+                t = args[i]
+            elif kwargs.get(name) is not None:
+                t = kwargs[name]
+            else:
+                continue
+            t = rnd(t) if name == "query" else cast_kv(t, spec)
+            if i < len(args):
+                args[i] = t
+            else:
+                kwargs[name] = t
+        return tuple(args), kwargs
+
+    def after(_mod, _args, _kwargs, out):
+        return rnd(out) if isinstance(out, torch.Tensor) else out
 
     n = 0
     for mod in model.modules():
         if isinstance(mod, Attention) and not getattr(mod, "_jetrl_kv_hook", False):
-            mod.register_forward_pre_hook(hook, with_kwargs=True)
+            mod.register_forward_pre_hook(before, with_kwargs=True)
+            mod.register_forward_hook(after, with_kwargs=True)
             mod._jetrl_kv_hook = True
             n += 1
     return n
-

@@ -468,10 +468,13 @@ class Attention(nn.Module):
         return linear_group((self.o_proj,), _as(out, x.dtype), self.o_proj)
 
     def attention_format(self) -> Format:
-        """What attention reads queries and writes outputs in: fp32 with an fp32 KV cache (or no flow),
-        else bf16, as flash attention does on a GPU."""
-        spec = self.kv_spec
-        return Format.FP32 if spec is None or spec.format is Format.FP32 else Format.BF16
+        return attention_format(self.kv_spec)
+
+
+def attention_format(kv_spec: CastSpec | None) -> Format:
+    """What attention reads queries and writes outputs in: fp32 with an fp32 KV cache (or no flow),
+    else bf16, as flash attention does on a GPU. The vLLM backend rounds the same way."""
+    return Format.FP32 if kv_spec is None or kv_spec.format is Format.FP32 else Format.BF16
 
 
 def _native_attention(q, keys, values, mask: Masking, rep: int, fmt: Format) -> torch.Tensor:
