@@ -52,7 +52,19 @@ MODEL_SHAPES = (
 )
 # Targets from the project brief, reported against (never asserted in tests).
 CPU_TARGETS = {"train_fp8_vs_bf16_step": 1.5, "rollout_vs_generate": 2.0}
-GPU_TARGETS = {"gemm_blockwise_vs_bf16": 1.7, "quantize_vs_copy": 0.8, "train_speedup": 1.5, "rollout_speedup": 1.4}
+GPU_TARGETS = {  # the GPU issues' targets (docs/benchmarks.md), checked on CUDA rows only
+    "gemm_blockwise_vs_bf16": 1.5,  # Fprop/Dgrad 1x128 x 128x128 at M=4096 on 7-8B layer shapes, worst shape
+    "gemm_wgrad_vs_bf16": 1.2,  # 1x128 x 1x128, same shapes
+    "quantize_vs_copy": 0.8,  # every Triton quantizer
+    "bf16_step_vs_transformers": 1.0,  # jetrl bf16 train step, and its peak memory, <= the transformers row
+    "train_speedup_7b": 1.3,  # fp8-unified step vs bf16 at Llama-3-8B / Qwen2.5-7B layer shapes
+    "train_speedup": 1.15,  # ... at smaller shapes (Qwen2.5-1.5B)
+    "rollout_bf16_vs_static_generate": 1.0,  # embedded bf16 vs transformers static-cache generate()
+    "rollout_fp8_vs_bf16": 1.3,  # embedded fp8-rollout vs embedded bf16
+    "rollout_int8_vs_bf16": 1.2,  # embedded int8-rollout vs embedded bf16
+    "sync_frac": 0.02,  # weight sync share of an RL step (e2e)
+    "invariant_cost": 1.25,  # batch-invariant mode: <= 25% slower rollout and training step
+}
 KERNEL_TOLERANCE = 1e-3  # relative error of a backend against the emulated GEMM on the same operands
 
 
@@ -855,30 +867,79 @@ def targets(results: dict, device: str) -> list[dict]:
                 out.append({"target": f"embedded rollout >= 2x generate() tokens/s (fp32, {r['workload']} workload)",
                             "value": v, "met": v >= CPU_TARGETS["rollout_vs_generate"]})
     else:
-        blk = [r for r in results.get("gemm", []) if r.get("backend") == "triton" and "vs_bf16" in r
-               and max(r["M"], r["N"], r["K"]) >= 4096]
-        if blk:
-            v = min(r["vs_bf16"] for r in blk)
-            out.append({"target": "blockwise FP8 GEMM >= 1.7x cuBLAS BF16 (4096-8192 shapes, worst)", "value": v,
-                        "met": v >= GPU_TARGETS["gemm_blockwise_vs_bf16"]})
-        q = [r for r in results.get("quantize", []) if r.get("backend") == "triton"]
-        if q:
-            v = min(r["vs_copy"] for r in q)
-            out.append({"target": "Triton quantizers >= 80% of copy bandwidth (worst)", "value": v,
-                        "met": v >= GPU_TARGETS["quantize_vs_copy"]})
-        tr = {r["flow"]: r for r in results.get("train", [])}
-        if "bf16" in tr and "fp8-unified" in tr:
-            v = 1 / tr["fp8-unified"]["step_vs_bf16"]
-            out.append({"target": "fp8-unified training step >= 1.5x bf16", "value": v,
-                        "met": v >= GPU_TARGETS["train_speedup"]})
-        ro = {r["flow"]: r for r in results.get("rollout", []) if r["engine"] == "jetrl embedded"}
-        if "bf16" in ro and "fp8-unified" in ro:
-            v = ro["fp8-unified"]["vs_bf16"]
-            out.append({"target": "fp8-unified rollout >= 1.4x bf16", "value": v, "met": v >= GPU_TARGETS["rollout_speedup"]})
+        out += _gpu_targets(results)
     tr = {r["flow"]: r for r in results.get("train", [])}
     if "bf16" in tr and "fp8-unified" in tr:
         v = tr["fp8-unified"]["activations_vs_bf16"]
         out.append({"target": "fp8-unified saved activations <= 0.6x bf16 (same batch)", "value": v, "met": v <= 0.6})
+    return out
+
+
+def _big_shape(label: str) -> bool:
+    return any(m in label.lower() for m in ("8b", "7b"))
+
+
+def _gpu_targets(results: dict) -> list[dict]:
+    """The GPU issues' targets on CUDA rows; a target whose rows were not measured is left out."""
+    T = GPU_TARGETS
+    out = []
+
+    def add(name, value, met):
+        out.append({"target": name, "value": value, "met": met})
+
+    gemm = [r for r in results.get("gemm", []) if "vs_bf16" in r and r.get("accuracy_ok", True)
+            and r["backend"] != "torch" and r["M"] >= 4096 and _big_shape(r["shape"])]
+    for variant, key, what in (("fp8 1x128 x 128x128", "gemm_blockwise_vs_bf16", "blockwise FP8 GEMM (Fprop/Dgrad)"),
+                               ("fp8 1x128 x 1x128 (wgrad)", "gemm_wgrad_vs_bf16", "blockwise FP8 Wgrad GEMM")):
+        best: dict[str, float] = {}  # shape -> its fastest backend (what `auto` picks)
+        for r in gemm:
+            if r["variant"] == variant:
+                best[r["shape"]] = max(best.get(r["shape"], 0.0), r["vs_bf16"])
+        if best:
+            v = min(best.values())
+            add(f"{what} >= {T[key]}x cuBLAS BF16 (M=4096, 7-8B shapes, worst shape)", v, v >= T[key])
+    q = [r for r in results.get("quantize", []) if r.get("backend") == "triton"]
+    if q:
+        v = min(r["vs_copy"] for r in q)
+        add(f"every Triton quantizer >= {T['quantize_vs_copy']}x copy bandwidth (worst)", v, v >= T["quantize_vs_copy"])
+    tr = {r["flow"]: r for r in results.get("train", [])}
+    bf = tr.get("bf16")
+    if bf and bf.get("step_vs_transformers"):
+        v = bf["step_vs_transformers"]
+        add("bf16 train step <= the transformers row's", v, v <= T["bf16_step_vs_transformers"])
+        if bf.get("peak_vs_transformers"):
+            v = bf["peak_vs_transformers"]
+            add("bf16 train peak memory <= the transformers row's", v, v <= 1.0)
+    if bf and "fp8-unified" in tr:
+        key = "train_speedup_7b" if _big_shape(bf["model"]) else "train_speedup"
+        v = 1 / tr["fp8-unified"]["step_vs_bf16"]
+        add(f"fp8-unified train step >= {T[key]}x faster than bf16 ({bf['model']})", v, v >= T[key])
+    for name in tr:
+        if name.endswith("+invariant") and name.split("+")[0] in tr:
+            v = tr[name]["s"] / tr[name.split("+")[0]]["s"]
+            add(f"{name} train step <= {T['invariant_cost']}x the fast path's", v, v <= T["invariant_cost"])
+    rollout = results.get("rollout", [])
+    for wl in dict.fromkeys(r.get("workload") for r in rollout):
+        rows = [r for r in rollout if r.get("workload") == wl]
+        emb = {r["flow"]: r for r in rows if r["engine"] == "jetrl embedded"}
+        static = next((r for r in rows if r["engine"] == "transformers generate(), static cache"), None)
+        if "bf16" in emb and static:
+            v = emb["bf16"]["tokens_per_s"] / static["tokens_per_s"]
+            add(f"embedded bf16 rollout >= static-cache generate() ({wl})", v, v >= T["rollout_bf16_vs_static_generate"])
+        if "bf16" not in emb:
+            continue
+        for name, key in (("fp8-rollout", "rollout_fp8_vs_bf16"), ("int8-rollout", "rollout_int8_vs_bf16")):
+            if name in emb:
+                v = emb[name]["tokens_per_s"] / emb["bf16"]["tokens_per_s"]
+                add(f"{name} rollout >= {T[key]}x embedded bf16 ({wl})", v, v >= T[key])
+        for name in emb:
+            if name.endswith("+invariant") and name.split("+")[0] in emb:
+                v = emb[name.split("+")[0]]["tokens_per_s"] / emb[name]["tokens_per_s"]
+                add(f"{name} rollout time <= {T['invariant_cost']}x the fast path's ({wl})", v, v <= T["invariant_cost"])
+    for r in results.get("e2e", []):
+        if r.get("step_s"):
+            v = r["sync_s"] / r["step_s"]
+            add(f"{r['flow']} weight sync <= {T['sync_frac']:.0%} of an RL step", v, v <= T["sync_frac"])
     return out
 
 

@@ -248,3 +248,52 @@ def test_invariant_flow_names_in_bench():
     assert res.exit_code == 2 and "+invariant for its batch-invariant mode" in res.output
     out = bench("train", "--train-batch", 2, "--seq", 8, "--flows", "bf16,bf16+invariant", *FAST)
     assert [r["flow"] for r in out["results"]["train"]][:2] == ["bf16", "bf16+invariant"]
+
+
+def test_gpu_targets_follow_the_issues_rules():
+    """The GPU targets on CUDA-shaped rows: the fastest backend per shape counts, the worst shape decides,
+    rows that were not measured add no target, and each comparison uses the rows it names."""
+    from jetrl_cli.bench import GPU_TARGETS, targets
+
+    def g(shape, variant, backend, vs, ok=True, m=4096):
+        return {"shape": shape, "M": m, "N": 4096, "K": 4096, "variant": variant, "backend": backend,
+                "vs_bf16": vs, "accuracy_ok": ok}
+
+    blk, wg = "fp8 1x128 x 128x128", "fp8 1x128 x 1x128 (wgrad)"
+    gemm = [g("llama-3-8b q_proj", "bf16 (cuBLAS)", "torch", 1.0),
+            g("llama-3-8b q_proj", blk, "triton", 0.9), g("llama-3-8b q_proj", blk, "scaled_mm", 1.6),
+            g("qwen2.5-7b down_proj", blk, "scaled_mm", 1.52), g("qwen2.5-7b down_proj", blk, "triton", 9.0, ok=False),
+            g("square 8192", blk, "scaled_mm", 0.5), g("llama-3-8b q_proj", blk, "scaled_mm", 0.1, m=128),
+            g("llama-3-8b q_proj", wg, "scaled_mm", 1.1)]
+    train = [{"flow": "bf16", "model": "qwen2.5-1.5b", "s": 1.0, "step_vs_bf16": 1.0, "step_vs_transformers": 0.9,
+              "peak_vs_transformers": 1.1, "activations_vs_bf16": 1.0},
+             {"flow": "fp8-unified", "model": "qwen2.5-1.5b", "s": 0.8, "step_vs_bf16": 0.8, "activations_vs_bf16": 0.55},
+             {"flow": "fp8-unified+invariant", "model": "qwen2.5-1.5b", "s": 1.1, "step_vs_bf16": 1.1,
+              "activations_vs_bf16": 0.55}]
+    ro = [{"engine": "transformers generate(), static cache", "flow": "bf16", "workload": "fixed", "tokens_per_s": 100.0},
+          {"engine": "jetrl embedded", "flow": "bf16", "workload": "fixed", "tokens_per_s": 120.0},
+          {"engine": "jetrl embedded", "flow": "fp8-rollout", "workload": "fixed", "tokens_per_s": 150.0},
+          {"engine": "jetrl embedded", "flow": "int8-rollout", "workload": "fixed", "tokens_per_s": 145.0}]
+    e2e = [{"flow": "fp8-unified", "sync_s": 0.01, "step_s": 1.0}]
+    got = {t["target"]: t for t in targets({"gemm": gemm, "train": train, "rollout": ro, "e2e": e2e}, "cuda")}
+
+    def one(prefix):
+        (t,) = [t for name, t in got.items() if name.startswith(prefix)]
+        return t
+
+    t = one("blockwise FP8 GEMM (Fprop/Dgrad)")  # best per shape: 1.6 and 1.52 (the inaccurate 9.0 is not counted)
+    assert t["value"] == 1.52 and t["met"]
+    t = one("blockwise FP8 Wgrad")
+    assert t["value"] == 1.1 and not t["met"]
+    assert one("bf16 train step <=")["met"] and not one("bf16 train peak memory")["met"]
+    t = one("fp8-unified train step >= 1.15x")
+    assert t["value"] == pytest.approx(1.25) and t["met"]
+    t = one("fp8-unified+invariant train step")
+    assert t["value"] == pytest.approx(1.1 / 0.8) and not t["met"]
+    assert one("embedded bf16 rollout >= static-cache")["value"] == pytest.approx(1.2)
+    t = one("fp8-rollout rollout")
+    assert t["value"] == pytest.approx(1.25) and not t["met"] and GPU_TARGETS["rollout_fp8_vs_bf16"] == 1.3
+    assert one("int8-rollout rollout")["met"]
+    assert one("fp8-unified weight sync")["met"]
+    assert not any(name.startswith("every Triton quantizer") for name in got)  # no quantize rows measured
+    assert targets({"gemm": gemm}, "cpu") == []  # GPU targets never judge CPU rows
