@@ -14,7 +14,6 @@ from jetrl_cli.errors import JetrlError
 from jetrl_cli.models.llama import LlamaForCausalLM, key_width
 from jetrl_cli.models.tiny import tiny_config
 from jetrl_cli.precision import apply_flow, named_flow
-from jetrl_cli.precision.gemm import row_invariant_mm
 from jetrl_cli.precision.linear import JetLinear
 from jetrl_cli.rl.trainer import Batch, Trainer
 from jetrl_cli.rl.algos import CorrectionConfig
@@ -36,16 +35,6 @@ def _tiny_model():
 @pytest.fixture(scope="module")
 def model():
     return _tiny_model()
-
-
-@pytest.mark.parametrize("k,n", [(64, 96), (256, 384), (384, 512)])
-def test_row_invariant_mm_rows_do_not_depend_on_batch(k, n):
-    a, b = torch.randn(300, k), torch.randn(n, k)
-    full = row_invariant_mm(a, b)
-    for rows in ([0], [5, 6, 7], list(range(17)), [299]):
-        assert torch.equal(row_invariant_mm(a[rows], b), full[rows])
-    ref = a.double() @ b.double().T
-    assert ((full.double() - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
 def _rollout_and_score(model, flow_name, seed=0, n=3, temperature=1.0, top_p=1.0, top_k=0):
@@ -224,19 +213,6 @@ def test_grad_and_no_grad_forwards_are_bitwise_equal(model, flow):
     assert torch.equal(fused_r, sep_r.detach())
 
 
-@pytest.mark.parametrize("w", [16, 48, 64, 128, 192])
-def test_attention_bmm_rows_do_not_depend_on_row_count(w):
-    """The property the attention relies on: bmm rows agree for every M that is a multiple of 4."""
-    from jetrl_cli.models.llama import ATT_ROW_TILE, _pad_rows
-
-    q, k = torch.randn(64, 96, 32), torch.randn(64, 32, w)
-    full = torch.bmm(q, k)
-    for s, m in ((0, 1), (5, 2), (40, 3), (90, 6)):
-        part = torch.bmm(_pad_rows(q[:, s:s + m]), k)
-        assert part.shape[1] % ATT_ROW_TILE == 0
-        assert torch.equal(part[:, :m], full[:, s:s + m])
-
-
 def test_hf_model_with_bpe_tokenizer_runs_a_jsonl_rollout(tmp_path):
     """A Qwen2 model and a BPE tokenizer saved by transformers (built here, nothing downloaded):
     jetrl loads both, matches transformers' logits, and samples with them."""
@@ -327,21 +303,6 @@ def test_group_prompts_share_one_prefill_with_the_same_bits(model, flow_name):
     grouped = eng.generate(distinct, sp, seed=5)
     assert all(len(gr) == 3 for gr in grouped)
     assert len({tuple(c.tokens) for gr in grouped for c in gr}) > 3  # samples of a group differ
-
-
-def test_attention_bmm_columns_do_not_depend_on_key_width():
-    """The other property: q @ k.T for the first keys and p @ v with zero weights on the extra keys
-    give the same bits at every key width (a multiple of KEY_CHUNK) the attention may run at."""
-    from jetrl_cli.models.llama import KEY_CHUNK, _chunked_pv
-
-    q, k, v = torch.randn(32, 4, 32), torch.randn(32, 320, 32), torch.randn(32, 320, 32)
-    p = torch.rand(32, 4, 320)
-    p[..., KEY_CHUNK:] = 0
-    qk = torch.bmm(q, k[:, :KEY_CHUNK].transpose(1, 2))
-    pv = torch.bmm(p[..., :KEY_CHUNK], v[:, :KEY_CHUNK])
-    for w in range(KEY_CHUNK, 321, KEY_CHUNK):
-        assert torch.equal(torch.bmm(q, k[:, :w].transpose(1, 2))[..., :KEY_CHUNK], qk)
-        assert torch.equal(_chunked_pv(p[..., :w], v[:, :w]), pv)
 
 
 def test_compaction_policy():

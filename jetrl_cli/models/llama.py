@@ -14,12 +14,15 @@ Two ways to run it, one set of numerics:
 
 Execution. On CPU the model emulates the GPU's numerics in fp32 (see ``precision/gemm.py``), and
 every op is computed so that a token's result does not depend on how many other rows are in the
-batch or on whether it was computed in a full forward or in a decode step: GEMMs go through
-``row_invariant_mm``, attention runs over a key width that is a multiple of ``KEY_CHUNK`` and
-reduces over keys in fixed chunks of ``PV_CHUNK`` with each sequence stored from index 0 (so keys
-past a sequence's end add exact zeros, whatever the width), and SiLU / RoPE avoid kernels whose
-vectorised and scalar paths round differently. That is what lets the rollout's logprobs equal the
-trainer's bit for bit when both run the same precision (tested in ``tests/test_engine.py``).
+batch or on whether it was computed in a full forward or in a decode step, on any CPU: every
+forward GEMM -- the linear layers' and attention's ``q @ k^T`` and ``p @ v`` -- is exact per K
+group (``exact_mm``, ``exact_scores``, ``exact_pv``: fixed-point operands whose group dot products
+float64 holds exactly, so no BLAS's summation order can show), attention runs over a key width
+that is a multiple of ``KEY_CHUNK`` with each sequence stored from index 0 (keys past a sequence's
+end get probability exactly 0), and the row-local ops (RMSNorm, softmax, SiLU, RoPE) avoid kernels
+whose vectorised and scalar paths round differently. That is what lets the rollout's logprobs
+equal the trainer's bit for bit when both run the same precision (``tests/test_invariance.py``,
+``tests/test_engine.py``).
 
 On CUDA it runs natively: the residual stream, norms and RoPE in fp32 (as under bf16 autocast),
 GEMMs on bf16 (or FP8) operands writing bf16, attention through
@@ -38,7 +41,7 @@ from torch import nn
 
 from ..precision.flow import LinearPrecision
 from ..precision.formats import Format
-from ..precision.gemm import native
+from ..precision.gemm import F64_BITS, fixed_point, native
 from ..precision.linear import JetLinear, group_weight, linear_group, swiglu_down
 from ..precision.quant import CastSpec, dequantize, fake_quantize, quantize, round_to, to_float
 
@@ -169,7 +172,6 @@ def cast_kv(t: torch.Tensor, spec: CastSpec | None) -> torch.Tensor:
 
 
 KEY_CHUNK = 16  # key widths are multiples of this
-PV_CHUNK = 128  # keys per p @ v GEMM (the last one of a width may hold 64)
 
 
 def key_width(n: int) -> int:
@@ -177,41 +179,96 @@ def key_width(n: int) -> int:
     return -(-n // KEY_CHUNK) * KEY_CHUNK
 
 
-def _chunked_pv(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``p @ v`` reduced over keys ``PV_CHUNK`` at a time, chunk results added in order: a key
-    block past every sequence's end adds exact zeros, so the result does not depend on the width
-    (one bmm over a long width changes its summation blocking with the width)."""
-    out = None
-    for s in range(0, p.shape[-1], PV_CHUNK):
-        part = torch.bmm(p[..., s:s + PV_CHUNK], v[:, s:s + PV_CHUNK])
-        out = part if out is None else out + part
-    return out
+KV_BITS = 22  # keys and values on CPU: integers below 2^22 times a power of two per token and head
+PV_GROUP = 128  # keys per exact group of p @ v
 
 
-ATT_ROW_TILE = 4  # attention GEMMs: this BLAS runs one kernel for every M >= 4 (tests/test_engine.py)
+def q_bits(head_dim: int) -> int:
+    """Fixed-point bits of a query row: q @ k^T over the head dim is then exact in float64."""
+    return min(24, F64_BITS - KV_BITS - max(0, (head_dim - 1).bit_length()))
 
 
-def _pad_rows(x: torch.Tensor) -> torch.Tensor:
-    t = x.shape[-2]
-    pad = (-t) % ATT_ROW_TILE
-    return F.pad(x, (0, 0, 0, pad)) if pad else x
+def kv_fixed(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys or values (..., tokens, d) on their CPU grid: fp32 integers and a float64 power-of-two
+    scale per token (..., tokens), from that token alone. What the CPU KV cache stores."""
+    v, s = fixed_point(t if t.dtype is torch.float32 else t.float(), KV_BITS, t.shape[-1])
+    return v, s[..., 0]
 
 
-def _decode_attention(q, kf, vf, bias, rep: int) -> torch.Tensor:
-    """Attention for one query per sequence (a decode step), (b, 1, heads * d): the same bits as
-    the general path, with fewer ops. The query rows of a KV head are padded to ``ATT_ROW_TILE``
-    once, and the padding rows (zeros) go through softmax and ``p @ v`` with the real ones instead
-    of being cut and padded again (rows never affect each other; their softmax is finite)."""
-    b, h, _, d = q.shape
+def exact_scores(q: torch.Tensor, k_int: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
+    """``q @ k^T`` for queries (B, M, d) fp32 and keys on their grid (B, W, d) + (B, W): every dot
+    product exact in float64 (``q_bits`` + ``KV_BITS`` + log2 d <= 53), then scaled and rounded to
+    fp32 once. A row's scores do not depend on other rows, on the BLAS or on the key width."""
+    qv, sq = fixed_point(q, q_bits(q.shape[-1]), q.shape[-1])
+    acc = torch.bmm(qv.double(), k_int.double().transpose(1, 2))
+    return acc.mul_(sq).mul_(k_scale.unsqueeze(1)).float()
+
+
+def exact_pv(p: torch.Tensor, v_int: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+    """``p @ v`` for probabilities (B, M, W) fp32 and values on their grid (B, W, d) + (B, W),
+    reduced over keys exactly per group of ``PV_GROUP`` keys: each key's scale is folded into ``p``
+    (a power of two: exact), each row of ``p`` then gets a 24-bit grid per key group, whose largest
+    element keys with ``p == 0`` (past a sequence's end) cannot change; group results are added in
+    key order in float64 and rounded to fp32 once."""
+    pp = p.double() * v_scale.unsqueeze(1)
+    pv, sp = fixed_point(pp, F64_BITS - KV_BITS - (PV_GROUP - 1).bit_length(), PV_GROUP)
+    vv = v_int.double()
+    acc = None
+    for i, k0 in enumerate(range(0, p.shape[-1], PV_GROUP)):
+        part = torch.bmm(pv[..., k0:k0 + PV_GROUP], vv[:, k0:k0 + PV_GROUP]).mul_(sp[..., i:i + 1])
+        acc = part if acc is None else acc.add_(part)
+    return acc.float()
+
+
+class _ExactScores(torch.autograd.Function):
+    """``exact_scores`` of keys given as values (the trainer's forward); the backward is the plain one."""
+
+    @staticmethod
+    def forward(ctx, q, k):
+        ctx.save_for_backward(q, k)
+        return exact_scores(q, *kv_fixed(k))
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k = ctx.saved_tensors
+        gq = torch.bmm(g, k) if ctx.needs_input_grad[0] else None
+        gk = torch.bmm(g.transpose(1, 2), q) if ctx.needs_input_grad[1] else None
+        return gq, gk
+
+
+class _ExactPV(torch.autograd.Function):
+    """``exact_pv`` of values given as values (the trainer's forward); the backward is the plain one."""
+
+    @staticmethod
+    def forward(ctx, p, v):
+        ctx.save_for_backward(p, v)
+        return exact_pv(p, *kv_fixed(v))
+
+    @staticmethod
+    def backward(ctx, g):
+        p, v = ctx.saved_tensors
+        gp = torch.bmm(g, v.transpose(1, 2)) if ctx.needs_input_grad[0] else None
+        gv = torch.bmm(p.transpose(1, 2), g) if ctx.needs_input_grad[1] else None
+        return gp, gv
+
+
+def _emulated_attention(q, kf, vf, bias, rep: int, fixed: tuple | None = None) -> torch.Tensor:
+    """CPU attention, (b, t, heads * d) from queries (b, h, t, d) and keys / values (b * kv_heads,
+    w, d) in fp32, or ``fixed``: keys and values already on their grid (the KV cache's). Its two
+    GEMMs are exact (``exact_scores``, ``exact_pv``), so a token's result does not depend on the
+    other rows or on the key width; softmax is row-local over a width that is a multiple of
+    ``KEY_CHUNK`` (keys past a sequence's end get probability exactly 0)."""
+    b, h, t, d = q.shape
     hk = h // rep
-    tile = -(-rep // ATT_ROW_TILE) * ATT_ROW_TILE
-    qf = torch.zeros(b * hk, tile, d, dtype=torch.float32, device=q.device)
-    torch.mul(_as(q, torch.float32).reshape(b, hk, rep, d), d ** -0.5, out=qf.view(b, hk, tile, d)[:, :, :rep])
-    att = torch.bmm(qf, kf.transpose(1, 2))
+    qf = (q * (d ** -0.5)).reshape(b * hk, rep * t, d)
+    if fixed is None:
+        att = _ExactScores.apply(qf, kf)
+    else:
+        att = exact_scores(qf, fixed[0], fixed[1])
     w = att.shape[-1]
-    att = (att.view(b, hk, tile, w) + bias.view(b, 1, 1, w)).softmax(-1)
-    out = _chunked_pv(att.view(b * hk, tile, w), vf)
-    return out.view(b, hk, tile, d)[:, :, :rep].reshape(b, 1, h * d)
+    att = (att.reshape(b, hk, rep, t, w) + bias).softmax(-1).reshape(b * hk, rep * t, w)
+    out = _ExactPV.apply(att, vf) if fixed is None else exact_pv(att, fixed[2], fixed[3])
+    return out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)
 
 
 class KVCache:
@@ -227,14 +284,23 @@ class KVCache:
     token's keys take ``head_dim + 4`` bytes per head instead of ``2 * head_dim`` (bf16). Attention
     reads ``data * scale``, exactly the values the trainer's forward rounds its keys to.
 
+    ``exact`` (the CPU emulation with an unscaled cache): the tensor holds each token's keys and
+    values on their grid (``kv_fixed``: fp32 integers) and ``scales`` its power of two per token and
+    head, computed once when the token is stored; attention multiplies them exactly
+    (``read_fixed``), and ``read`` gives their values.
+
     ``storage``: a flat tensor to build the cache in (at least ``KVCache.numel(...)`` elements),
     reused from one rollout to the next. On CPU a fresh multi-MB tensor costs a page fault per
     4 KiB page on first touch, more than the copy that fills it."""
 
     def __init__(self, cfg: ModelConfig, batch: int, width: int, dtype=torch.float32, device=None,
-                 storage: "torch.Tensor | StaticCacheStorage | None" = None, spec: CastSpec | None = None):
+                 storage: "torch.Tensor | StaticCacheStorage | None" = None, spec: CastSpec | None = None,
+                 exact: bool = False):
         shape = (2 * cfg.num_hidden_layers, batch, cfg.num_key_value_heads, width, cfg.head_dim)
         self.spec = spec if spec is not None and spec.is_scaled else None
+        self.exact = exact and self.spec is None
+        if self.exact:
+            dtype = torch.float32
         static = storage if isinstance(storage, StaticCacheStorage) else None
         if static is not None:
             storage = static.kv
@@ -246,9 +312,9 @@ class KVCache:
             kv = torch.zeros(shape, dtype=dtype, device=device)
         else:  # positions never written must hold finite values
             kv = _view(storage, shape).view(torch.uint8).zero_().view(dtype) if self.spec else _view(storage, shape).zero_()
-        if self.spec is None:
+        if self.spec is None and not self.exact:
             self.scales = None
-        elif static is not None:
+        elif static is not None and static.scales is not None:
             self.scales = _view(static.scales, shape[:-1]).zero_()
         else:
             self.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=kv.device)
@@ -295,6 +361,11 @@ class KVCache:
         for j, t in ((2 * layer, k), (2 * layer + 1, v)):
             flat = self.kv[j].view(-1, d)  # the slot's first `batch` sequences are contiguous
             rows = t.reshape(-1, d)
+            if self.exact:
+                ints, scale = kv_fixed(rows)
+                flat.index_copy_(0, idx, ints)
+                self.scales[j].view(-1).index_copy_(0, idx, scale.float())
+                continue
             if self.spec is None:
                 flat.index_copy_(0, idx, rows if rows.dtype is flat.dtype else rows.to(flat.dtype))
                 continue
@@ -313,6 +384,16 @@ class KVCache:
                 t = to_float(t) * self.scales[j, :, :, :width, None]
             out.append(t if t.dtype is dtype else t.to(dtype))
         return out[0], out[1]
+
+    def read_fixed(self, layer: int, width: int) -> tuple:
+        """An exact cache's keys and values of positions ``< width`` on their grid: integers
+        (batch * kv_heads, width, head_dim) and float64 scales (batch * kv_heads, width), each."""
+        _, b, hk, _, d = self.kv.shape
+        out = []
+        for j in (2 * layer, 2 * layer + 1):
+            out += [self.kv[j, :, :, :width].reshape(b * hk, width, d),
+                    self.scales[j, :, :, :width].reshape(b * hk, width).double()]
+        return tuple(out)
 
     def select(self, rows: torch.Tensor, storage: torch.Tensor | None = None) -> None:
         """Keep only ``rows`` (finished sequences leave the batch, a prompt's cache is copied to
@@ -359,15 +440,16 @@ class KVCache:
 class StaticCacheStorage:
     """The buffers a KV cache of up to ``batch`` sequences lives in, allocated once (a GPU engine
     decodes every rollout in them, so a captured CUDA graph's addresses stay valid): keys and values,
-    FP8 scales when the cache is 8-bit, and the sequence lengths."""
+    scales when the cache is 8-bit (or exact, on CPU), and the sequence lengths."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, width: int, dtype: torch.dtype, device, spec=None):
+    def __init__(self, cfg: ModelConfig, batch: int, width: int, dtype: torch.dtype, device, spec=None,
+                 exact: bool = False):
         scaled = spec is not None and spec.is_scaled
         self.batch, self.width = batch, width
         self.kv = torch.zeros(KVCache.numel(cfg, batch, width), dtype=spec.format.torch_dtype() if scaled else dtype,
                               device=device)
         n_scales = 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * width
-        self.scales = torch.zeros(n_scales, dtype=torch.float32, device=device) if scaled else None
+        self.scales = torch.zeros(n_scales, dtype=torch.float32, device=device) if scaled or exact else None
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
 
 
@@ -438,32 +520,26 @@ class Attention(nn.Module):
             else:
                 k, v = cast_kv(k, self.kv_spec), cast_kv(v, self.kv_spec)
                 cache.store(layer, idx, k, v)
-            keys, values = (k, v) if mask.causal else cache.read(layer, width, k.dtype)
+            keys, values = (k, v) if mask.causal or cache.exact else cache.read(layer, width, k.dtype)
         if native(x):
             out = _native_attention(q, keys, values, mask, h // hk, self.attention_format())
             # SDPA keeps its output for its backward; o_proj's backward reads the same tensor
             return linear_group((self.o_proj,), out, self.o_proj, input_kept=True)
-        if keys.shape[2] < width:
-            keys = F.pad(keys, (0, 0, 0, width - keys.shape[2]))
-            values = F.pad(values, (0, 0, 0, width - values.shape[2]))
-        # GQA without copying the cache: the `rep` query heads sharing a KV head are stacked as rows
-        # of one (rep*t, d) matrix per (sequence, KV head).
         rep = h // hk
-        w, d = keys.shape[2], c.head_dim
-        kf = _as(keys, torch.float32).reshape(b * hk, w, d)
-        vf = _as(values, torch.float32).reshape(b * hk, w, d)
-        bias = mask.additive()
+        d = c.head_dim
+        fixed = cache.read_fixed(layer, width) if cache is not None and cache.exact and not mask.causal else None
+        kf = vf = None
+        if fixed is None:
+            if keys.shape[2] < width:
+                keys = F.pad(keys, (0, 0, 0, width - keys.shape[2]))
+                values = F.pad(values, (0, 0, 0, width - values.shape[2]))
+            # GQA without copying the cache: the `rep` query heads sharing a KV head are stacked as
+            # rows of one (rep*t, d) matrix per (sequence, KV head).
+            kf = _as(keys, torch.float32).reshape(b * hk, keys.shape[2], d)
+            vf = _as(values, torch.float32).reshape(b * hk, values.shape[2], d)
         fmt = self.attention_format()
         q = round_to(q, fmt)  # as flash attention reads it
-        if t == 1:
-            out = _decode_attention(q, kf, vf, bias, rep)
-        else:
-            rows = rep * t
-            qf = _pad_rows((q * (d ** -0.5)).reshape(b * hk, rows, d))
-            att = torch.bmm(qf, kf.transpose(1, 2))[:, :rows].reshape(b, hk, rep, t, w)
-            att = (att + bias).softmax(-1)
-            out = _chunked_pv(_pad_rows(att.reshape(b * hk, rows, w)), vf)[:, :rows]
-            out = out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, -1)
+        out = _emulated_attention(q, kf, vf, mask.additive(), rep, fixed)
         out = round_to(out, fmt)  # as flash attention writes it
         return linear_group((self.o_proj,), _as(out, x.dtype), self.o_proj)
 
@@ -645,12 +721,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model.layers[0].self_attn.kv_spec if len(self.model.layers) else None
 
     def new_cache(self, batch: int, max_len: int, storage=None) -> KVCache:
-        return KVCache(self.config, batch, key_width(max_len), dtype=self.cache_dtype(),
-                       device=self.lm_head.weight.device, storage=storage, spec=self.kv_spec())
+        dev = self.lm_head.weight.device
+        return KVCache(self.config, batch, key_width(max_len), dtype=self.cache_dtype(), device=dev,
+                       storage=storage, spec=self.kv_spec(), exact=not native(self.lm_head.weight))
 
     def static_storage(self, batch: int, max_len: int) -> StaticCacheStorage:
         return StaticCacheStorage(self.config, batch, key_width(max_len), self.cache_dtype(),
-                                  self.lm_head.weight.device, self.kv_spec())
+                                  self.lm_head.weight.device, self.kv_spec(), exact=not native(self.lm_head.weight))
 
     def refresh_weights(self) -> bool:
         """Bring every cached GEMM weight up to date now (a captured decode step does not run the

@@ -7,8 +7,12 @@ are laid out (``cast``), and which one ``auto`` picks (``resolve``).
 Execution: emulated on CPU, native on CUDA
 ------------------------------------------
 - **CPU** emulates the GPU's numerics: an operand in ``bf16`` is an fp32 tensor holding bf16-rounded
-  values, products accumulate in fp32 (``row_invariant_mm``), and a GEMM's ``out`` format is applied
-  by rounding the fp32 result. FP8/INT8 operands are dequantized and multiplied the same way.
+  values, and a GEMM's ``out`` format is applied by rounding the fp32 result. Every forward GEMM is
+  exact per K group, so a row's result cannot depend on the batch, the BLAS or the thread count:
+  8-bit operands through ``exact_mm`` (their values and scales in float64), dense ones through
+  ``exact_dense_mm`` (each element on a fixed-point grid of its row's K group, ``fixed_point``),
+  rounded to fp32 once -- fp32-accumulation accuracy, an order fixed by jetrl. The backward's GEMMs
+  (which need no invariance) multiply dequantized values in fp32.
 - **CUDA** runs natively: ``bf16`` operands are bf16 tensors multiplied by cuBLAS with fp32
   accumulation (``allow_bf16_reduced_precision_reduction`` is turned off so split-K reductions stay
   fp32), the output is written in the ``out`` dtype, and FP8 GEMMs run on the tensor cores
@@ -51,6 +55,7 @@ Backends (for 8-bit GEMMs; an unscaled GEMM always runs ``torch.matmul`` as abov
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -93,15 +98,9 @@ def configure_cuda_numerics() -> None:
 
 
 def row_invariant_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b.T`` whose every output row is bitwise independent of how many rows ``a`` has.
-
-    A rollout decodes one token per sequence (a few rows per GEMM); the trainer scores whole
-    sequences (thousands of rows). CPU BLAS picks a different kernel (and summation order) for
-    small M, so the same row would come out with different low bits. Padding M to a multiple of
-    ``ROW_TILE`` keeps one kernel for all row counts; ``tests/test_engine.py`` checks the property on
-    this machine's BLAS. CUDA is left alone (bitwise batch invariance there needs batch-invariant
-    kernels).
-    """
+    """``a @ b.T`` in fp32, rows padded to a multiple of ``ROW_TILE`` (one BLAS kernel for every row
+    count on the BLAS this project was developed on). For the GEMMs that claim no invariance (the
+    backward, mixed 8-bit formats); the forward's are exact (``exact_mm``, ``exact_dense_mm``)."""
     m = a.shape[0]
     if a.is_cuda or m % ROW_TILE == 0:
         return torch.mm(a, b.t())
@@ -226,6 +225,8 @@ def exact_operand(q) -> ExactOperand:
 
 # Per 8-bit format: (log2 of the spacing of its smallest values, log2 of a bound on its magnitude).
 _GRID = {Format.FP8_E4M3: (-9, 9), Format.FP8_E5M2: (-16, 16), Format.INT8: (0, 7)}
+# dense operands on their fixed-point grid (``fixed_point``): integers below 2^bits
+_GRID.update({Format.BF16: (0, 22), Format.FP32: (0, 24)})
 
 
 def exact_bits(fa: Format, fb: Format, group: int) -> int:
@@ -258,6 +259,108 @@ def exact_mm(a, b) -> torch.Tensor:
         part.mul_(a.scales[:, k0 // a.group:k0 // a.group + 1]).mul_(b.scales[:, k0 // b.group])
         acc = part if acc is None else acc.add_(part)
     return acc.float()
+
+
+# Dense (bf16 / fp32) operands made exact: each element on a fixed-point grid of its (row, K group)
+# -- value = integer * 2^(e - bits), |integer| <= 2^bits, where 2^e bounds the group's largest
+# magnitude. A bf16 value within 2^-14 of its group's largest keeps all its bits (bits = 22); an
+# fp32 value in the group's top binade keeps all 24; smaller ones round to the grid (half to even),
+# an error of at most 2^(e - bits - 1) <= 2^-bits of the group's largest value, that of fp32 accumulation.
+DENSE_BITS = {Format.BF16: 22, Format.FP32: 24}
+F64_BITS = 53
+MAX_GROUP = 128
+
+
+def exact_group(bits_a: int, bits_b: int, k: int | None = None) -> int:
+    """The widest K group (a power of two, <= ``MAX_GROUP``) whose dot product of ``bits_a``- and
+    ``bits_b``-bit integers is exact in float64: every partial sum is an integer of magnitude
+    <= group * 2^(bits_a + bits_b) <= 2^53."""
+    g = min(MAX_GROUP, 1 << max(0, F64_BITS - bits_a - bits_b))
+    return g if k is None else min(g, 1 << max(0, (k - 1).bit_length()))
+
+
+MIN_EXP = -100  # groups whose largest magnitude is below 2^-100 share the grid of 2^-100 (scales stay normal)
+
+
+def pow2(n: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """2^n for an integer tensor ``n`` (within the dtype's normal range), exactly: built from its bits."""
+    if dtype is torch.float64:
+        return ((n.long() + 1023) << 52).view(torch.float64)
+    return ((n.int() + 127) << 23).view(torch.float32)
+
+
+def fixed_point(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (..., R, K) fp32 or float64 as integers ``v`` (same dtype, ``|v| <= 2^bits``, bits <= 24)
+    and float64 power-of-two scales ``s`` (..., R, G) of each row's K groups, ``x ~= v * s``, rounded
+    half to even; a group is ``group`` elements from K index 0, the last one partial. A row's values
+    depend on that row alone. Non-finite groups stay non-finite."""
+    *lead, r, k = x.shape
+    n = -(-k // group)
+    pad = n * group - k
+    xg = torch.nn.functional.pad(x, (0, pad)) if pad else x
+    xg = xg.reshape(*lead, r, n, group)
+    e = torch.frexp(xg.abs().amax(-1)).exponent.clamp_(min=MIN_EXP)  # amax < 2^e
+    v = (xg * pow2(bits - e, x.dtype).unsqueeze(-1)).round_()  # a power-of-two scaling: exact
+    v = v.reshape(*lead, r, n * group)
+    return (v[..., :k] if pad else v), pow2(e - bits, torch.float64)
+
+
+def on_grid(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """``x`` (fp32) rounded onto its ``fixed_point`` grid, as fp32 values (integer * power of two:
+    exact). Two rows' products then share one power of two per K group, which is what makes their
+    float64 group sums exact."""
+    *lead, r, k = x.shape
+    n = -(-k // group)
+    pad = n * group - k
+    xg = torch.nn.functional.pad(x, (0, pad)) if pad else x
+    xg = xg.reshape(*lead, r, n, group)
+    e = torch.frexp(xg.abs().amax(-1)).exponent.clamp_(min=MIN_EXP).unsqueeze(-1)
+    v = (xg * pow2(bits - e, torch.float32)).round_().mul_(pow2(e - bits, torch.float32))
+    v = v.reshape(*lead, r, n * group)
+    return v[..., :k] if pad else v
+
+
+def dense_exact_operand(x: torch.Tensor, fmt: Format, group: int) -> ExactOperand:
+    """A dense operand on its grid, as float64 values (``on_grid``; unit scales: the grid's powers of
+    two are in the values)."""
+    v = on_grid(x if x.dtype is torch.float32 else x.float(), DENSE_BITS[fmt], group).double()
+    return ExactOperand(v, torch.ones(v.shape[0], -(-v.shape[1] // group), dtype=torch.float64, device=v.device),
+                        group, fmt)
+
+
+def exact_dense_mm(a: torch.Tensor, b, fa: Format, fb: Format) -> torch.Tensor:
+    """``a @ b.T`` of dense CPU operands (fp32 tensors holding ``fa`` / ``fb`` values; ``b`` may be
+    already converted, ``dense_weight_operand``), each K group's dot product exact (``on_grid``:
+    within a group every product of a row of ``a`` and a row of ``b`` is an integer below 2^53
+    times one power of two), groups added in K order in float64, rounded to fp32 once: a row's
+    result is the same bits whatever else is in the batch, on any CPU, BLAS and thread count. What
+    the forward GEMMs of the CPU emulation run (rollout and trainer alike); the backward's GEMMs
+    need no invariance."""
+    g = exact_group(DENSE_BITS[fa], DENSE_BITS[fb], a.shape[1])
+    if not isinstance(b, ExactOperand):
+        b = dense_exact_operand(b, fb, g)
+    av = on_grid(a if a.dtype is torch.float32 else a.float(), DENSE_BITS[fa], b.group).double()
+    bv = b.values
+    k, g = a.shape[1], b.group
+    if k <= g:
+        return torch.mm(av, bv.t()).float()
+    acc = None
+    for k0 in range(0, k, g):
+        part = torch.mm(av[:, k0:k0 + g], bv[:, k0:k0 + g].t())
+        acc = part if acc is None else acc.add_(part)
+    return acc.float()
+
+
+def exact_dense_spec(spec, gemm: str, device: torch.device) -> bool:
+    """Whether GEMM ``gemm`` of ``spec`` runs ``exact_dense_mm``: a dense forward GEMM on CPU."""
+    return (gemm == "fprop" and device.type != "cuda" and not _FORCE_NATIVE and not spec.is_quantized
+            and spec.a.format in DENSE_BITS and spec.b.format in DENSE_BITS)
+
+
+def dense_weight_operand(w: torch.Tensor, spec) -> ExactOperand:
+    """A dense forward weight converted once for ``exact_dense_mm`` (cached with the layer's weights)."""
+    fa, fb = spec.a.format, spec.b.format
+    return dense_exact_operand(w, fb, exact_group(DENSE_BITS[fa], DENSE_BITS[fb], w.shape[1]))
 
 
 def _exact(a, b) -> bool:
@@ -677,8 +780,8 @@ def resolve(spec, gemm: str, device: torch.device | str) -> Resolution:
     if asked == "invariant" and device.type != "cuda" and not _FORCE_NATIVE:
         res = Resolution(gemm, spec.short_str(), dev_str, asked, "emulated" if spec.is_quantized else "torch",
                          ["emulated" if spec.is_quantized else "torch"],
-                         rejected={"invariant": "the CPU emulation is batch-invariant already (exact FP8 GEMMs, "
-                                                "fixed-shape dense GEMMs)"})
+                         rejected={"invariant": "the CPU emulation is batch-invariant already (every "
+                                                "forward GEMM exact per K group)"})
     elif not spec.is_quantized and asked != "invariant":
         res = Resolution(gemm, spec.short_str(), dev_str, asked, "torch", ["torch"])
     elif asked != "auto":
@@ -715,6 +818,8 @@ def run_gemm(a: Operand, b: Operand, spec, gemm: str, device: torch.device) -> t
     """``a @ b.T`` on the resolved backend, falling back (and counting it) when the shapes do not fit."""
     res = resolve(spec, gemm, device)
     if res.backend == "torch":
+        if isinstance(b, ExactOperand) or exact_dense_spec(spec, gemm, device):
+            return exact_dense_mm(operand_values(a), b, spec.a.format, spec.b.format)
         return dense_mm(a, b, spec.out)
     first = _BACKENDS[res.backend]
     why = first.shape_unsupported(a, b)

@@ -41,6 +41,8 @@ from .gemm import (
     cast_operand,
     cast_pair,
     cast_weight_pair,
+    dense_weight_operand,
+    exact_dense_spec,
     exact_operand,
     finish,
     native,
@@ -94,7 +96,8 @@ def concat_operands(ops: Sequence[Operand], spec: GemmSpec, device: torch.device
     returned and ``linear_forward`` runs one GEMM per part."""
     emulated = resolve(spec, gemm, device).backend == "emulated"
     if not spec.is_quantized:
-        return ops[0] if len(ops) == 1 else torch.cat(list(ops))
+        w = ops[0] if len(ops) == 1 else torch.cat(list(ops))
+        return dense_weight_operand(w, spec) if exact_dense_spec(spec, gemm, device) else w
     if emulated:  # float64 values and per-row group scales, for exact_mm (or fp32 values, for the rest)
         exact = [exact_operand(op) for op in ops]
         if len({e.group for e in exact}) == 1:
