@@ -198,7 +198,7 @@ def test_exact_attention_gemms_do_not_depend_on_rows_or_key_width():
 
 def test_exact_attention_gradients_are_the_plain_ones():
     """The exact forward's backward is the usual one: compared with autograd through float64 bmm."""
-    from jetrl_cli.models.llama import _ExactPV, _ExactScores
+    from jetrl_cli.models.llama import _ExactAttentionGemm
 
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     q = torch.randn(3, 5, 16, generator=g, requires_grad=True)
@@ -206,8 +206,8 @@ def test_exact_attention_gradients_are_the_plain_ones():
     p = torch.rand(3, 5, 32, generator=g).requires_grad_()
     v = _bf16(3, 32, 16, g=g).requires_grad_()
     gs, go = torch.randn(3, 5, 32, generator=g), torch.randn(3, 5, 16, generator=g)
-    (_ExactScores.apply(q, k) * gs).sum().backward()
-    (_ExactPV.apply(p, v) * go).sum().backward()
+    (_ExactAttentionGemm.apply(q, k, True) * gs).sum().backward()
+    (_ExactAttentionGemm.apply(p, v, False) * go).sum().backward()
     qd, kd, pd, vd = (t.detach().double().requires_grad_() for t in (q, k, p, v))
     ((qd @ kd.transpose(1, 2)) * gs.double()).sum().backward()
     ((pd @ vd) * go.double()).sum().backward()

@@ -220,36 +220,25 @@ def exact_pv(p: torch.Tensor, v_int: torch.Tensor, v_scale: torch.Tensor) -> tor
     return acc.float()
 
 
-class _ExactScores(torch.autograd.Function):
-    """``exact_scores`` of keys given as values (the trainer's forward); the backward is the plain one."""
+class _ExactAttentionGemm(torch.autograd.Function):
+    """The trainer's attention GEMMs with keys / values given as values: ``exact_scores(a, b)``
+    (``a @ b^T``, ``scores=True``) or ``exact_pv(a, b)`` (``a @ b``); the backward is the plain one."""
 
     @staticmethod
-    def forward(ctx, q, k):
-        ctx.save_for_backward(q, k)
-        return exact_scores(q, *kv_fixed(k))
-
-    @staticmethod
-    def backward(ctx, g):
-        q, k = ctx.saved_tensors
-        gq = torch.bmm(g, k) if ctx.needs_input_grad[0] else None
-        gk = torch.bmm(g.transpose(1, 2), q) if ctx.needs_input_grad[1] else None
-        return gq, gk
-
-
-class _ExactPV(torch.autograd.Function):
-    """``exact_pv`` of values given as values (the trainer's forward); the backward is the plain one."""
-
-    @staticmethod
-    def forward(ctx, p, v):
-        ctx.save_for_backward(p, v)
-        return exact_pv(p, *kv_fixed(v))
+    def forward(ctx, a, b, scores: bool):
+        ctx.save_for_backward(a, b)
+        ctx.scores = scores
+        return (exact_scores if scores else exact_pv)(a, *kv_fixed(b))
 
     @staticmethod
     def backward(ctx, g):
-        p, v = ctx.saved_tensors
-        gp = torch.bmm(g, v.transpose(1, 2)) if ctx.needs_input_grad[0] else None
-        gv = torch.bmm(p.transpose(1, 2), g) if ctx.needs_input_grad[1] else None
-        return gp, gv
+        a, b = ctx.saved_tensors
+        bt = b if ctx.scores else b.transpose(1, 2)  # out = a @ bt^T
+        ga = torch.bmm(g, bt) if ctx.needs_input_grad[0] else None
+        gb = None
+        if ctx.needs_input_grad[1]:
+            gb = torch.bmm(g.transpose(1, 2), a) if ctx.scores else torch.bmm(a.transpose(1, 2), g)
+        return ga, gb, None
 
 
 def _emulated_attention(q, kf, vf, bias, rep: int, fixed: tuple | None = None) -> torch.Tensor:
@@ -262,12 +251,12 @@ def _emulated_attention(q, kf, vf, bias, rep: int, fixed: tuple | None = None) -
     hk = h // rep
     qf = (q * (d ** -0.5)).reshape(b * hk, rep * t, d)
     if fixed is None:
-        att = _ExactScores.apply(qf, kf)
+        att = _ExactAttentionGemm.apply(qf, kf, True)
     else:
         att = exact_scores(qf, fixed[0], fixed[1])
     w = att.shape[-1]
     att = (att.reshape(b, hk, rep, t, w) + bias).softmax(-1).reshape(b * hk, rep * t, w)
-    out = _ExactPV.apply(att, vf) if fixed is None else exact_pv(att, fixed[2], fixed[3])
+    out = _ExactAttentionGemm.apply(att, vf, False) if fixed is None else exact_pv(att, fixed[2], fixed[3])
     return out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)
 
 
