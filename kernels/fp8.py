@@ -176,11 +176,26 @@ def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_wn, s
 
 
 @triton.jit
-def _blockwise_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
+def _to_bf16(x, INTERPRET: tl.constexpr):
+    """fp32 -> bf16, round to nearest even (done on the bits in the interpreter, whose cast truncates
+    and flushes subnormals to zero)."""
+    if INTERPRET:  # bf16 is the top half of fp32: round the bits, keep the top 16 (NaN: the quiet NaN)
+        bits = x.to(tl.int32, bitcast=True)
+        top = tl.where(x != x, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+        return top.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _blockwise_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                          stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
                          stride_sam, stride_sak, stride_sbn, stride_sbk,
-                         SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, OUT_BF16: tl.constexpr,
+                         SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) tile of ``a @ b.T``: fp8 x fp8 -> fp32 per 128-wide K block, each
+    block's partial product scaled and added in K order (no split-K: with a tile shape that does not
+    depend on M, a row's result does not depend on M -- what ``kernels.invariant`` relies on)."""
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -197,7 +212,9 @@ def _blockwise_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
         sa = tl.load(sa_ptr + (rm // SA_ROWS) * stride_sam + kb * stride_sak, mask=rm < M, other=0.0)
         sb = tl.load(sb_ptr + (rn // SB_ROWS) * stride_sbn + kb * stride_sbk, mask=rn < N, other=0.0)
         acc += part * sa[:, None] * sb[None, :]  # promote each 128-wide K block with its scales
-    out = acc.to(tl.bfloat16) if OUT_BF16 else acc
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    out = _to_bf16(acc, INTERPRET) if OUT_BF16 else acc
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, out,
              mask=(rm < M)[:, None] & (rn < N)[None, :])
 
@@ -323,9 +340,9 @@ def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
     c = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _blockwise_mm_kernel[grid](
-        a.data, b.data, c, a.scale, b.scale, m, n, k,
+        a.data, b.data, c, a.scale, b.scale, c, m, n, k,
         a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1), c.stride(0), c.stride(1),
         a.scale.stride(0), a.scale.stride(1), b.scale.stride(0), b.scale.stride(1),
-        SA_ROWS=sa_rows, SB_ROWS=sb_rows, OUT_BF16=out_dtype == torch.bfloat16,
+        SA_ROWS=sa_rows, SB_ROWS=sb_rows, HAS_BIAS=False, OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=False,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=TILE)
     return c

@@ -75,6 +75,8 @@ import triton.language as tl
 
 from jetrl_cli.precision.quant import QTensor
 
+from .fp8 import _blockwise_mm_kernel, _to_bf16
+
 # The one tile configuration of each kernel. Changing a value changes results (it is part of the math).
 MM_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
 FP8_MM_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)  # BLOCK_K = scale block
@@ -95,17 +97,6 @@ def _check_device(where: str, *ts: torch.Tensor) -> None:
     if dev.type != "cuda" and not _interpreting():
         raise ValueError(f"{where}: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 to run them "
                          f"in Triton's interpreter), got {dev}")
-
-
-@triton.jit
-def _to_bf16(x, INTERPRET: tl.constexpr):
-    """fp32 -> bf16, round to nearest even (done on the bits in the interpreter, whose cast truncates
-    and flushes subnormals to zero)."""
-    if INTERPRET:  # bf16 is the top half of fp32: round the bits, keep the top 16 (NaN: the quiet NaN)
-        bits = x.to(tl.int32, bitcast=True)
-        top = tl.where(x != x, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
-        return top.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return x.to(tl.bfloat16)
 
 
 # --- dense GEMM -------------------------------------------------------------------------------------
@@ -189,34 +180,6 @@ def mm_reference(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = N
 
 # --- blockwise FP8 GEMM -----------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["M"])
-def _blockwise_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, c_ptr, M, N, K,
-                         stride_am, stride_ak, stride_bn, stride_bk, stride_sam, stride_sak,
-                         stride_sbn, stride_sbk, stride_cm, stride_cn,
-                         SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k = kb * BLOCK_K + rk
-        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :] * stride_ak,
-                    mask=(rm < M)[:, None] & (k < K)[None, :], other=0.0)
-        b = tl.load(b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn,
-                    mask=(k < K)[:, None] & (rn < N)[None, :], other=0.0)
-        part = tl.dot(a, b, out_dtype=tl.float32)  # fp8 x fp8 -> fp32, one K block
-        sa = tl.load(sa_ptr + (rm // SA_ROWS) * stride_sam + kb * stride_sak, mask=rm < M, other=0.0)
-        sb = tl.load(sb_ptr + (rn // SB_ROWS) * stride_sbn + kb * stride_sbk, mask=rn < N, other=0.0)
-        acc += part * sa[:, None] * sb[None, :]  # promoted with its scales, added in K order
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    out = _to_bf16(acc, INTERPRET) if OUT_BF16 else acc
-    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, out,
-             mask=(rm < M)[:, None] & (rn < N)[None, :])
-
-
 def _k_scale_rows(where: str, name: str, op: QTensor) -> int:
     """Rows sharing one scale along K-blocks of 128 (1 or 128); checks the operand."""
     if not isinstance(op, QTensor) or op.data.dim() != 2 or op.data.dtype not in _FP8:
@@ -252,10 +215,10 @@ def invariant_blockwise_mm(a: QTensor, b: QTensor, bias: torch.Tensor | None = N
         return c.copy_((bias.float() if bias is not None else torch.zeros(n, device=c.device)).expand(m, n))
     cfg = FP8_MM_CONFIG
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
-    _blockwise_mm_kernel[grid](
-        a.data, b.data, a.scale, b.scale, bias if bias is not None else c, c, m, n, k,
-        a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1),
-        a.scale.stride(0), a.scale.stride(1), b.scale.stride(0), b.scale.stride(1), c.stride(0), c.stride(1),
+    _blockwise_mm_kernel[grid](  # kernels.fp8's kernel, at one fixed tile configuration
+        a.data, b.data, c, a.scale, b.scale, bias if bias is not None else c, m, n, k,
+        a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1), c.stride(0), c.stride(1),
+        a.scale.stride(0), a.scale.stride(1), b.scale.stride(0), b.scale.stride(1),
         SA_ROWS=sa_rows, SB_ROWS=sb_rows, HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16,
         INTERPRET=_interpreting(), **cfg)
     return c

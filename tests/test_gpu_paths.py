@@ -157,21 +157,25 @@ def test_fp8_flow_saves_at_most_0_6x_of_bf16_activations_at_a_real_layer_shape(f
 # --------------------------------------------------------------------------- scaled_mm layouts (meta tensors)
 
 
+def _blockwise_operands(kind: str, x, w, gy) -> tuple:
+    """The K-major FP8 operands of a linear layer's ``kind`` GEMM (x: tokens x K, w: N x K, gy:
+    tokens x N), as the scaled_mm backend receives them."""
+    e4 = "fp8_e4m3"
+    if kind == "fprop":
+        return quantize(x, CastSpec(e4, "1x128")), quantize(w, CastSpec(e4, "128x128"))
+    if kind == "dgrad":
+        return quantize(gy, CastSpec(e4, "1x128")), quantize(w, CastSpec(e4, "128x128")).t()
+    return quantize(gy, CastSpec(e4, "128x1")).t(), quantize(x, CastSpec(e4, "128x1")).t()
+
+
 @pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
 def test_blockwise_operands_pass_torchs_scaled_mm_checks(kind, forced_native):
     """The layouts the scaled_mm backend hands over are the ones torch checks for (shapes and
     strides), for each GEMM of a linear layer; run on meta tensors, so no GPU is needed."""
     if gemm._scaled_mm_v2() is None:
         pytest.skip("this torch has no torch.nn.functional.scaled_mm")
-    e4 = "fp8_e4m3"
     t, k, n = 256, 384, 640
-    x, w, gy = torch.randn(t, k), torch.randn(n, k), torch.randn(t, n)
-    if kind == "fprop":
-        a, b = quantize(x, CastSpec(e4, "1x128")), quantize(w, CastSpec(e4, "128x128"))
-    elif kind == "dgrad":
-        a, b = quantize(gy, CastSpec(e4, "1x128")), quantize(w, CastSpec(e4, "128x128")).t()
-    else:
-        a, b = quantize(gy, CastSpec(e4, "128x1")).t(), quantize(x, CastSpec(e4, "128x1")).t()
+    a, b = _blockwise_operands(kind, torch.randn(t, k), torch.randn(n, k), torch.randn(t, n))
 
     def meta(q):
         return QTensor(q.data.to("meta"), q.scale.to("meta"), q.spec)
@@ -354,14 +358,8 @@ def test_blockwise_scaled_mm_matches_the_emulated_gemm_on_gpu(kind):
         pytest.skip("blockwise FP8 needs a Hopper GPU")
     dev = "cuda"
     t, k, n = 512, 1024, 768
-    x, w, gy = (torch.randn(t, k, device=dev), torch.randn(n, k, device=dev) * 0.02, torch.randn(t, n, device=dev))
-    e4 = "fp8_e4m3"
-    if kind == "fprop":
-        a, b = quantize(x, CastSpec(e4, "1x128")), quantize(w, CastSpec(e4, "128x128"))
-    elif kind == "dgrad":
-        a, b = quantize(gy, CastSpec(e4, "1x128")), quantize(w, CastSpec(e4, "128x128")).t()
-    else:
-        a, b = quantize(gy, CastSpec(e4, "128x1")).t(), quantize(x, CastSpec(e4, "128x1")).t()
+    a, b = _blockwise_operands(kind, torch.randn(t, k, device=dev), torch.randn(n, k, device=dev) * 0.02,
+                               torch.randn(t, n, device=dev))
     got = gemm.ScaledMMBackend().mm(a, b, Format.FP32 if kind == "wgrad" else Format.BF16).float()
     ref = gemm.EmulatedBackend().mm(a, b).float()
     # fp32 accumulation in another order (Hopper FP8 MMA accumulates with ~22 significant bits,

@@ -22,6 +22,7 @@ import torch
 
 from ..tasks import ALPHABET, Arith, Count, Sort, _is_eval
 from .llama import LlamaForCausalLM, ModelConfig
+from .shapes import init_weights
 from .tokenizer import Tokenizer, write_char_tokenizer
 
 EOS_ID, PAD_ID = 1, 0
@@ -57,15 +58,7 @@ def build(out: Path, seed: int = 0, steps: int = 350, batch: int = 64, lr: float
     vocab = 64
     assert tok.vocab_size <= vocab
     cfg = tiny_policy_config(vocab)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.normal_(0, 0.02)
+    model = init_weights(LlamaForCausalLM(cfg), 0.02)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     rng = random.Random(seed)
     t0 = time.perf_counter()

@@ -51,6 +51,12 @@ def random_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.device(device):
         model = LlamaForCausalLM(cfg)
+    return init_weights(model, std, g)
+
+
+def init_weights(model: LlamaForCausalLM, std: float, generator: torch.Generator | None = None) -> LlamaForCausalLM:
+    """Norms at 1, biases at 0, every other parameter N(0, std), drawn in parameter order from
+    ``generator`` (torch's global one if None)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -58,7 +64,7 @@ def random_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int
             elif name.endswith(".bias"):
                 p.zero_()
             else:
-                p.normal_(0.0, std, generator=g)
+                p.normal_(0.0, std, generator=generator)
     return model
 
 

@@ -576,6 +576,16 @@ def _triton_kernels(x: torch.Tensor | None = None):
     return fp8
 
 
+def _triton_unavailable(device: torch.device) -> str | None:
+    """Why jetrl's Triton kernels cannot run on ``device`` here, or None."""
+    from ..kernels import unavailable_reason
+
+    why = unavailable_reason()
+    if why is None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        why = "the Triton kernels run on CUDA tensors (or in Triton's interpreter with TRITON_INTERPRET=1)"
+    return why
+
+
 class TritonBackend:
     """jetrl's blockwise FP8 GEMM and quantizers in Triton (``jetrl_cli.kernels.fp8``)."""
 
@@ -588,14 +598,7 @@ class TritonBackend:
             if not op.format.is_fp8 or blk.cols != TILE or blk.rows not in (1, TILE):
                 return (f"runs FP8 operands with 1x128 or 128x128 scales along the reduction dim; operand {which} "
                         f"is {op.short_str()} (use backend: emulated or scaled_mm)")
-        if device is None:
-            return None
-        from ..kernels import unavailable_reason
-
-        why = unavailable_reason()
-        if why is None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            why = "the Triton kernels run on CUDA tensors (or in Triton's interpreter with TRITON_INTERPRET=1)"
-        return why
+        return None if device is None else _triton_unavailable(device)
 
     def cast(self, x, spec):
         if not spec.is_scaled:
@@ -627,14 +630,7 @@ class InvariantBackend:
             why = TritonBackend().unsupported(spec, gemm, None)
             if why is not None:
                 return why.replace("runs FP8", "runs dense bf16/fp32 operands, or FP8", 1)
-        if device is None:
-            return None
-        from ..kernels import unavailable_reason
-
-        why = unavailable_reason()
-        if why is None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            why = "the Triton kernels run on CUDA tensors (or in Triton's interpreter with TRITON_INTERPRET=1)"
-        return why
+        return None if device is None else _triton_unavailable(device)
 
     def cast(self, x, spec):
         return TritonBackend().cast(x, spec) if spec.is_scaled else dense_cast(x, spec.format)
