@@ -225,8 +225,6 @@ def exact_operand(q) -> ExactOperand:
 
 # Per 8-bit format: (log2 of the spacing of its smallest values, log2 of a bound on its magnitude).
 _GRID = {Format.FP8_E4M3: (-9, 9), Format.FP8_E5M2: (-16, 16), Format.INT8: (0, 7)}
-# dense operands on their fixed-point grid (``fixed_point``): integers below 2^bits
-_GRID.update({Format.BF16: (0, 22), Format.FP32: (0, 24)})
 
 
 def exact_bits(fa: Format, fb: Format, group: int) -> int:
@@ -289,35 +287,39 @@ def pow2(n: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return ((n.int() + 127) << 23).view(torch.float32)
 
 
-def fixed_point(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (..., R, K) fp32 or float64 as integers ``v`` (same dtype, ``|v| <= 2^bits``, bits <= 24)
-    and float64 power-of-two scales ``s`` (..., R, G) of each row's K groups, ``x ~= v * s``, rounded
-    half to even; a group is ``group`` elements from K index 0, the last one partial. A row's values
-    depend on that row alone. Non-finite groups stay non-finite."""
+def _group_exponents(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (..., R, K) as (..., R, G, group) (zero-padded) and each group's exponent ``e``
+    (..., R, G, 1): the group's largest magnitude is below 2^e (e >= ``MIN_EXP``)."""
     *lead, r, k = x.shape
     n = -(-k // group)
     pad = n * group - k
     xg = torch.nn.functional.pad(x, (0, pad)) if pad else x
     xg = xg.reshape(*lead, r, n, group)
-    e = torch.frexp(xg.abs().amax(-1)).exponent.clamp_(min=MIN_EXP)  # amax < 2^e
-    v = (xg * pow2(bits - e, x.dtype).unsqueeze(-1)).round_()  # a power-of-two scaling: exact
-    v = v.reshape(*lead, r, n * group)
-    return (v[..., :k] if pad else v), pow2(e - bits, torch.float64)
+    return xg, torch.frexp(xg.abs().amax(-1, keepdim=True)).exponent.clamp_(min=MIN_EXP)
+
+
+def _ungroup(v: torch.Tensor, k: int) -> torch.Tensor:
+    v = v.reshape(*v.shape[:-2], -1)
+    return v[..., :k] if v.shape[-1] != k else v
+
+
+def fixed_point(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (..., R, K) fp32 or float64 as integers ``v`` (same dtype, ``|v| <= 2^bits``, bits <= 24)
+    and float64 power-of-two scales ``s`` (..., R, G) of each row's K groups, ``x ~= v * s``, rounded
+    half to even; a group is ``group`` elements from K index 0, the last one partial. A row's values
+    depend on that row alone. Non-finite groups stay non-finite."""
+    xg, e = _group_exponents(x, group)
+    v = (xg * pow2(bits - e, x.dtype)).round_()  # a power-of-two scaling: exact
+    return _ungroup(v, x.shape[-1]), pow2(e - bits, torch.float64)[..., 0]
 
 
 def on_grid(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     """``x`` (fp32) rounded onto its ``fixed_point`` grid, as fp32 values (integer * power of two:
     exact). Two rows' products then share one power of two per K group, which is what makes their
     float64 group sums exact."""
-    *lead, r, k = x.shape
-    n = -(-k // group)
-    pad = n * group - k
-    xg = torch.nn.functional.pad(x, (0, pad)) if pad else x
-    xg = xg.reshape(*lead, r, n, group)
-    e = torch.frexp(xg.abs().amax(-1)).exponent.clamp_(min=MIN_EXP).unsqueeze(-1)
+    xg, e = _group_exponents(x, group)
     v = (xg * pow2(bits - e, torch.float32)).round_().mul_(pow2(e - bits, torch.float32))
-    v = v.reshape(*lead, r, n * group)
-    return v[..., :k] if pad else v
+    return _ungroup(v, x.shape[-1])
 
 
 def dense_exact_operand(x: torch.Tensor, fmt: Format, group: int) -> ExactOperand:
