@@ -17,7 +17,7 @@ from jetrl_cli.precision import (
     quantize,
     swap_linears,
 )
-from jetrl_cli.precision.formats import Format
+from jetrl_cli.precision.formats import Block, Format
 
 # Odd shapes on purpose: K and N not multiples of 128, tokens not a multiple of 128.
 SHAPES = [(37, 200, 72), (130, 256, 384), (5, 96, 40)]
@@ -335,3 +335,18 @@ def test_changed_weights_are_copied_into_the_cached_gemm_operand(flow):
         fresh = [JetLinear(nn.Parameter(m.weight.detach().clone()), None, prec) for m in mods]
         assert w1 is w0 and now == tensors
         assert torch.equal(y, linear_group(fresh, x, nn.Module()))
+
+
+def test_cached_operands_are_refreshed_in_place_only_when_of_the_same_kind():
+    """A group weight is updated in place only by an operand of the same kind: an FP8 exact operand
+    must not be copied into a dense one of the same shape (a layer switched precision)."""
+    from jetrl_cli.precision.gemm import ExactOperand, exact_operand
+    from jetrl_cli.precision.linear import copy_operand_
+
+    w = torch.randn(256, 128)
+    fp8 = exact_operand(quantize(w, CastSpec(Format.FP8_E4M3, Block(128, 128))))
+    dense = ExactOperand(w.double(), torch.ones(256, 1, dtype=torch.float64), 128, Format.BF16)
+    assert fp8.values.shape == dense.values.shape and fp8.scales.shape == dense.scales.shape
+    assert not copy_operand_(dense, fp8)
+    same = exact_operand(quantize(torch.randn(256, 128), CastSpec(Format.FP8_E4M3, Block(128, 128))))
+    assert copy_operand_(fp8, same) and torch.equal(fp8.values, same.values)

@@ -161,9 +161,10 @@ class JetLinear(nn.Module):
 
     def weight_key(self) -> tuple:
         """What the cached operands depend on: the weight's storage and in-place version, the
-        precision object (set_precision replaces it) and a loaded quantized weight."""
+        precision (by value: an ``id`` of a replaced precision object can be reused by the next one,
+        which served a stale operand in another precision) and a loaded quantized weight."""
         w = self.weight
-        return (w.data_ptr(), w._version, id(self.precision), id(self._wfixed))
+        return (w.data_ptr(), w._version, self.precision, id(self._wfixed))
 
     def _cached(self, name: str, make):
         key = self.weight_key()
@@ -255,8 +256,8 @@ def copy_operand_(dst, src) -> bool:
         return isinstance(src, list) and len(dst) == len(src) and all(copy_operand_(a, b) for a, b in zip(dst, src))
     pairs = {QTensor: ("data", "scale"), ExactOperand: ("values", "scales")}.get(type(dst))
     if pairs is not None:
-        if type(src) is not type(dst) or getattr(dst, "spec", None) != getattr(src, "spec", None) or \
-                getattr(dst, "group", None) != getattr(src, "group", None):
+        if type(src) is not type(dst) or any(getattr(dst, a, None) != getattr(src, a, None)
+                                             for a in ("spec", "group", "format")):
             return False
         parts = [(getattr(dst, a), getattr(src, a)) for a in pairs]
     elif isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
