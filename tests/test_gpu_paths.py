@@ -263,8 +263,6 @@ def test_chunked_logprobs_are_the_unchunked_bits_and_gradients(monkeypatch):
 
 
 def test_logprobs_hold_no_vocab_sized_tensor_for_the_backward():
-    from jetrl_cli.bench import _saved_bytes
-
     vocab = 4096
     m = _model(vocab=vocab)
     apply_flow(m, named_flow("bf16"), "train")

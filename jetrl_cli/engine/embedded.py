@@ -22,6 +22,8 @@ from .base import Completion, WeightPayload, check_prompts
 from .graphs import width_bucket
 from .sampling import SamplingParams, prompt_seeds, sample, sample_keys, sampling_logprobs
 
+PLAIN = SamplingParams()  # temperature 1, no top-k / top-p
+
 
 def compaction(rows: list[int], live: int, pow2: bool = False) -> list[int] | None:
     """Which batch rows to keep, or None to keep them all, once some sequences have finished.
@@ -44,15 +46,6 @@ def compaction(rows: list[int], live: int, pow2: bool = False) -> list[int] | No
     if target > live:
         keep = sorted(keep + [i for i, r in enumerate(rows) if r < 0][:target - live])
     return keep
-
-
-def _plain_logprobs(logits: torch.Tensor, invariant: bool) -> torch.Tensor:
-    """Greedy decoding reports logprobs at temperature 1, without truncation."""
-    if invariant:
-        from ..kernels.invariant import invariant_log_softmax
-
-        return invariant_log_softmax(logits.float())
-    return torch.log_softmax(logits.float(), -1)
 
 
 def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, stops: set[int]) -> list[Completion]:
@@ -255,7 +248,8 @@ class EmbeddedEngine:
         invariant = self.model.batch_invariant and native(logits)
         for step in range(new):
             logp = sampling_logprobs(logits, params, invariant)
-            logp_report = _plain_logprobs(logits, invariant) if params.greedy else logp
+            # greedy decoding reports logprobs at temperature 1, without truncation
+            logp_report = sampling_logprobs(logits, PLAIN, invariant) if params.greedy else logp
             nxt = sample(logp, params, keys=keys, position=step)
             out_tok[step].index_copy_(0, rows_t, nxt)
             out_lp[step].index_copy_(0, rows_t, logp_report.gather(-1, nxt[:, None])[:, 0])

@@ -55,7 +55,6 @@ Backends (for 8-bit GEMMs; an unscaled GEMM always runs ``torch.matmul`` as abov
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from dataclasses import dataclass, field

@@ -51,7 +51,7 @@ from .gemm import (
     run_gemm,
     transpose_operand,
 )
-from .quant import CastSpec, QTensor, dequantize, quantize
+from .quant import CastSpec, QTensor, dequantize
 
 TILE = 128
 

@@ -13,7 +13,6 @@ with FSDP2, the sync gathers full weights, checkpoints go through DCP, rank 0 al
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from dataclasses import dataclass
