@@ -41,9 +41,15 @@ per-element work small:
   divide (a multiply with pow2 scales), one clamp and half a packed cvt: about 25 instructions in
   all without pow2 scales, about 10 with them (an estimate from the PTX each op lowers to, not a
   measurement). Nothing is read twice and nothing is written twice.
-- 8 warps hold the fp32 tile in ~64 registers per thread, so a few programs share an SM and keep
-  their 32 KB loads in flight while others compute; the grid is (token tiles, K tiles), for
-  8192 x 8192 4096 programs of 64 KB of traffic each: many waves over 132 SMs, a short tail.
+- 8 warps hold the fp32 tile in 64 registers per thread; the grid is (token tiles, K tiles), for
+  8192 x 8192 4096 programs of 64 KB of traffic each: many waves over 132 SMs, a short tail. What
+  the compiler makes of it (sm_90a, ``tests/sm90_compile.py``; no spills): the fused 1x128 + 128x1
+  quantizer takes ~170 registers per thread with Triton 3.9 and with 3.6 (the H100 machine's), so
+  ONE program per SM (65536 / (170 x 256) < 2), whose 32 KB load no other program's compute
+  overlaps; the 1x128-only and 128x1-only programs take 96 and ~120, two per SM; the weight
+  quantizer ~100 with Triton 3.9 but 168 (233 with pow2 scales) with 3.6. Whether the fused kernel
+  still beats two separate ones (one read of x, but half the programs in flight) is for ``jetrl
+  bench quantize`` on a GPU to say: it times all three.
 - Every store is whole, contiguous lines: the 1x128 data is 128 bytes of a row per group; the
   transposed 128x1 data is 128 bytes of a row of x^T per tile row (Triton turns the tile around
   through shared memory so that the store is coalesced along T); a tile's 128 row scales are 512
@@ -70,7 +76,11 @@ from jetrl_cli.precision.quant import DEFAULT_AMAX_FLOOR, CastSpec, QTensor
 from .layouts import cdiv, padded_groups, round_up
 
 TILE = 128
-NUM_WARPS = 8  # a 128x128 fp32 tile is 64 registers per thread at 8 warps
+# Contraction of a * b + c into one fused multiply-add, pinned at every launch: Triton 3.9 warns that
+# its default turns from on to off in 3.10, which would change the GEMMs' and reductions' last bits
+# between Triton versions. On, as every measurement and compile check here was made.
+FP_FUSION = True
+NUM_WARPS = 8  # a 128x128 fp32 tile is 64 registers per thread at 8 warps (the kernels use more: above)
 
 
 @triton.jit
@@ -134,15 +144,19 @@ def _act_quant_kernel(x_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, K, M_PAD, stride
     x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :] * stride_xk, mask=inb, other=0.0,
                 eviction_policy="evict_first").to(tl.float32)
     ax = _abs_bits(x)
+    # both amaxes first, so the bits of |x| are dead before either output is computed (221 -> ~170
+    # registers per thread for the fused case, sm_90a, Triton 3.9: tests/sm90_compile.py)
+    if ROWS:
+        s_row = _group_scale(_amax(ax, 1), FMAX, FLOOR, POW2)
+    if COLS:
+        s_col = _group_scale(_amax(ax, 0), FMAX, FLOOR, POW2)
     if ROWS:  # 1x128: one scale per row of the tile; data (M, K) row-major, scale (M, gK) column-major
-        s = _group_scale(_amax(ax, 1), FMAX, FLOOR, POW2)
-        tl.store(sr_ptr + pk.to(tl.int64) * M + rm, s, mask=row_ok)
-        q = _scaled(x, _divisor(s, POW2)[:, None], FMAX, POW2)
+        tl.store(sr_ptr + pk.to(tl.int64) * M + rm, s_row, mask=row_ok)
+        q = _scaled(x, _divisor(s_row, POW2)[:, None], FMAX, POW2)
         tl.store(qr_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :], q.to(OUT), mask=inb)
     if COLS:  # 128x1: one scale per column; written as x^T (K, M_PAD) and its (K, gM) grid, strides (1, K)
-        s = _group_scale(_amax(ax, 0), FMAX, FLOOR, POW2)
-        tl.store(st_ptr + pm.to(tl.int64) * K + rk, s, mask=col_ok)
-        q = _scaled(x, _divisor(s, POW2)[None, :], FMAX, POW2)
+        tl.store(st_ptr + pm.to(tl.int64) * K + rk, s_col, mask=col_ok)
+        q = _scaled(x, _divisor(s_col, POW2)[None, :], FMAX, POW2)
         if ZERO_PAD:  # padding tokens are zeros even in a NaN group
             q = tl.where(row_ok[:, None], q, 0.0)
         tl.store(qt_ptr + rk.to(tl.int64)[:, None] * M_PAD + rm[None, :], tl.trans(q.to(OUT)),
@@ -268,7 +282,8 @@ def quantize_act(x: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale: boo
         _act_quant_kernel[(gm, gk)](
             x, qr if rows else dummy, sr if rows else dummy, qt if cols else dummy, st if cols else dummy,
             m, k, m_pad, x.stride(0), x.stride(1), FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale,
-            OUT=_TL_FP8[fmt], ROWS=rows, COLS=cols, ZERO_PAD=cols and m_pad > m, T=TILE, num_warps=NUM_WARPS)
+            OUT=_TL_FP8[fmt], ROWS=rows, COLS=cols, ZERO_PAD=cols and m_pad > m, T=TILE, num_warps=NUM_WARPS,
+            enable_fp_fusion=FP_FUSION)
     spec = CastSpec(fmt, Block(1, TILE), pow2_scale, amax_floor)
     return (QTensor(qr, sr, spec) if rows else None), (QTensor(qt, st, spec) if cols else None)
 
@@ -295,7 +310,8 @@ def quantize_weight(w: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale: 
         _weight_quant_kernel[(gn, gk)](
             w, q, s, qt if transposed else s, st if transposed else s, n, k, w.stride(0), w.stride(1),
             gn, gk, l4, l4t, FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt],
-            TRANS=transposed, T=TILE, num_warps=NUM_WARPS)
+            TRANS=transposed, T=TILE, num_warps=NUM_WARPS,
+            enable_fp_fusion=FP_FUSION)
     spec = CastSpec(fmt, Block(TILE, TILE), pow2_scale, amax_floor)
     out = QTensor(q, s[:, :gk], spec)
     return (out, QTensor(qt, st[:, :gn], spec)) if transposed else out
@@ -344,5 +360,5 @@ def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
         a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1), c.stride(0), c.stride(1),
         a.scale.stride(0), a.scale.stride(1), b.scale.stride(0), b.scale.stride(1),
         SA_ROWS=sa_rows, SB_ROWS=sb_rows, HAS_BIAS=False, OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=False,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=TILE)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=TILE, enable_fp_fusion=FP_FUSION)
     return c

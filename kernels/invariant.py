@@ -43,14 +43,16 @@ reaches only partly. fp32 operands run IEEE fp32 dots on the CUDA cores (no tens
 many times slower than bf16: use them for checks, not speed. Expect the largest cost at decode; any
 number here would be a guess.
 
-**Unmeasured (everything on a GPU).** These kernels have run only in Triton's interpreter on CPU,
-where the tests check the numerics and the invariance. Not yet checked on a GPU: their speed; that
-they compile there; that the GPU bits are invariant too. The design argument for the last is that
-each call runs one compiled kernel whose arithmetic does not depend on M / t; but Triton still
-specialises the *other* integer arguments (key width, strides) on divisibility by 16, so a decode
-step and the trainer's forward may run two compilations of the same source. Their arithmetic is the
-same IR (specialisation only changes load vectorisation), but only ``tests/test_kernels_invariant.py``
-run on a GPU (it runs there unchanged, on CUDA tensors) can confirm the bits.
+**Checked without a GPU, and not.** The values and the invariance are tested in Triton's
+interpreter (``tests/test_kernels_invariant.py``). The compiled code is checked offline
+(``tests/test_kernels_sm90.py``): every kernel compiles for sm_90a with Triton 3.6 (the H100
+machine's) and 3.9, the bf16 and FP8 ones without register spills and on wgmma. Triton specialises
+integer arguments on ``== 1`` and divisibility by 16 (the key width, strides, a scale grid's stride
+that equals M), so a decode step and the trainer's forward do run different compilations of one
+kernel; for every kernel here those compilations (M = 1, 7, 64, 4096; key width 1, 37, 300, 512,
+1024; strided or contiguous queries) have the same floating-point instructions in the same program
+order in the PTX, and the same ones in the SASS. Not yet checked on a GPU: their speed, and the
+bits themselves (``tests/test_kernels_invariant.py`` runs there unchanged, on CUDA tensors).
 
 **Numerics.** fp32 accumulation throughout; bf16 operands go to bf16 tensor-core dots (products of
 bf16 are exact in fp32), fp32 operands to IEEE fp32 dots (``input_precision="ieee"``, never TF32).
@@ -75,7 +77,7 @@ import triton.language as tl
 
 from jetrl_cli.precision.quant import QTensor
 
-from .fp8 import _blockwise_mm_kernel, _to_bf16
+from .fp8 import FP_FUSION, _blockwise_mm_kernel, _to_bf16
 
 # The one tile configuration of each kernel. Changing a value changes results (it is part of the math).
 MM_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
@@ -164,7 +166,7 @@ def invariant_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = N
                      b.stride(1), c.stride(0), c.stride(1), HAS_BIAS=bias is not None,
                      OUT_BF16=out_dtype == torch.bfloat16,
                      F32_DOT=interp or a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16,
-                     INTERPRET=interp, **cfg)
+                     INTERPRET=interp, enable_fp_fusion=FP_FUSION, **cfg)
     return c
 
 
@@ -220,7 +222,7 @@ def invariant_blockwise_mm(a: QTensor, b: QTensor, bias: torch.Tensor | None = N
         a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1), c.stride(0), c.stride(1),
         a.scale.stride(0), a.scale.stride(1), b.scale.stride(0), b.scale.stride(1),
         SA_ROWS=sa_rows, SB_ROWS=sb_rows, HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16,
-        INTERPRET=_interpreting(), **cfg)
+        INTERPRET=_interpreting(), enable_fp_fusion=FP_FUSION, **cfg)
     return c
 
 
@@ -342,7 +344,7 @@ def _attention_forward(q, k, v, q_pos, scale):
         *q.stride(), *k.stride(), *v.stride(), *q_pos.stride(), *out.stride(), *lse.stride(),
         F32_DOT=interp or not bf16, P_BF16=bf16, OUT_BF16=bf16, INTERPRET=interp,
         BLOCK_M=ATT_BLOCK_M, BLOCK_N=ATT_BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        num_warps=ATT_WARPS, num_stages=ATT_STAGES)
+        num_warps=ATT_WARPS, num_stages=ATT_STAGES, enable_fp_fusion=FP_FUSION)
     return out, lse
 
 
@@ -457,7 +459,8 @@ def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, n, float(eps), x2.stride(0), y.stride(0),
                                          OUT_BF16=x.dtype == torch.bfloat16, INTERPRET=_interpreting(),
-                                         BLOCK=ROW_BLOCK, num_warps=ROW_WARPS)
+                                         BLOCK=ROW_BLOCK, num_warps=ROW_WARPS,
+                                         enable_fp_fusion=FP_FUSION)
     return y.reshape(x.shape)
 
 
@@ -499,7 +502,7 @@ def invariant_log_softmax(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
     if x2.shape[0]:
         _log_softmax_kernel[(x2.shape[0],)](x2, y, x2.shape[1], x2.stride(0), y.stride(0),
-                                            BLOCK=ROW_BLOCK, num_warps=ROW_WARPS)
+                                            BLOCK=ROW_BLOCK, num_warps=ROW_WARPS, enable_fp_fusion=FP_FUSION)
     return y.reshape(x.shape)
 
 

@@ -1,0 +1,205 @@
+"""Compile jetrl's Triton kernels for Hopper (sm_90a) on a machine without a GPU, and report what the
+compiler made of them. Run as a script (``python tests/sm90_compile.py``); prints one JSON object.
+
+Triton compiles a kernel for the target its active driver names. Here a stand-in driver names
+``cuda:90`` and every launch becomes a warm-up (compile, never run), so each kernel is compiled
+through jetrl's own wrappers, with the argument specialisations (``== 1``, divisibility by 16) that
+real calls at these shapes produce. Triton's NVIDIA backend ships ptxas and cuobjdump, so nothing
+here needs a GPU or a CUDA install. For each compiled kernel the report gives:
+
+- ``reg``, ``stack`` (bytes of per-thread stack: register spills): from ``cuobjdump -res-usage`` on
+  the cubin Triton built; ``shared``: the dynamic shared memory Triton asks for at launch;
+- ``ptx_fp``: the floating-point instructions of the PTX, in program order;
+- ``sass_fp``: the floating-point instructions of the SASS (the machine code), as a multiset.
+
+The batch-invariant kernels promise that a row's bits do not depend on how many rows a call has or
+on the key width. Triton still specialises integer arguments by value (``== 1``, ``% 16 == 0``), so a
+decode step and the trainer's forward can run two compilations of one kernel; the test compares
+their floating-point instructions (``tests/test_kernels_sm90.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+_PTX_FP = re.compile(
+    r"^\s*(?:@!?%p\d+\s+)?((?:add|sub|mul|fma|div|rcp|sqrt|rsqrt|ex2|lg2|max|min|neg|abs|cvt|mma|"
+    r"wgmma\.mma_async|tanh)\.[\w.:]*(?:f32|bf16|f16|e4m3|e5m2|f64)[\w.:]*)")
+_SASS_OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+_SASS_FP = ("FFMA", "FMUL", "FADD", "FMNMX", "MUFU", "HGMMA", "QGMMA", "HMMA", "F2F", "F2FP", "FSETP", "FSEL",
+            "FCHK", "FFMA2", "FMUL2", "FADD2")
+
+
+def ptx_fp(ptx: str) -> list[str]:
+    return [m.group(1) for line in ptx.splitlines() if (m := _PTX_FP.match(line))]
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([os.path.join(NVIDIA_BIN, "cuobjdump"), flag, f.name], capture_output=True,
+                              text=True, check=True).stdout
+
+
+def sass_fp(cubin: bytes) -> dict[str, int]:
+    ops = (m.group(1) for line in _cuobjdump(cubin, "-sass").splitlines() if (m := _SASS_OP.search(line)))
+    return dict(collections.Counter(o for o in ops if o.split(".")[0] in _SASS_FP))
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    out = _cuobjdump(cubin, "-res-usage")
+    return {k.lower(): int(re.search(rf"\b{k}:(\d+)", out).group(1)) for k in ("REG", "STACK")}
+
+
+class _Hopper:
+    """The stand-in driver: device 0 of a cuda:90 target, stream 0. Nothing is launched."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def is_active(self):
+        return True
+
+
+def _install() -> list:
+    """Every launch compiles for sm_90 and is recorded as (case, group, kernel name, compiled)."""
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    driver.set_active(_Hopper())
+    record, run = [], JITFunction.run
+    current = {}
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        record.append((current["case"], current["group"], self.fn.__name__, kernel))
+
+    JITFunction.run = compile_only
+    return record, current
+
+
+def _qtensor(rows: int, k: int, block_rows: int):
+    from jetrl_cli.precision.formats import Block, Format
+    from jetrl_cli.precision.quant import CastSpec, QTensor
+
+    data = torch.zeros(rows, k, dtype=torch.float8_e4m3fn)
+    gk = triton.cdiv(k, 128)
+    # 1x128: (rows, gk) column-major, as the activation quantizer writes it; 128x128: row-major blocks
+    scale = torch.ones(gk, rows).t() if block_rows == 1 else torch.ones(triton.cdiv(rows, 128), gk)
+    return QTensor(data, scale, CastSpec(Format.FP8_E4M3, Block(block_rows, 128), False, 1e-12))
+
+
+def cases():
+    """(case, group, call): each group holds calls that must compile to the same arithmetic."""
+    from jetrl_cli.kernels import fp8, invariant
+
+    invariant._check_device = lambda *a, **k: None  # CPU tensors stand in for CUDA ones (never read)
+    bf = torch.bfloat16
+    hidden, inter, vocab = 1536, 8960, 151936  # Qwen2.5-1.5B
+    b, heads, kv_heads, d = 4, 12, 2, 128
+    out = []
+    for pow2 in (False, True):
+        x = torch.zeros(4096, hidden, dtype=bf)
+        out.append((f"quantize_act pow2={pow2}", None, lambda x=x, p=pow2: fp8.quantize_act(x, pow2_scale=p, pad_tokens_to=128)))
+        out.append((f"quantize_act rows pow2={pow2}", None, lambda x=x, p=pow2: fp8.quantize_act(x, pow2_scale=p, cols=False)))
+        out.append((f"quantize_act cols pow2={pow2}", None, lambda x=x, p=pow2: fp8.quantize_act(x, pow2_scale=p, rows=False, pad_tokens_to=128)))
+        w = torch.zeros(inter, hidden, dtype=bf)
+        out.append((f"quantize_weight pow2={pow2}", None, lambda w=w, p=pow2: fp8.quantize_weight(w, pow2_scale=p, transposed=True)))
+    for m in (1, 7, 64, 4096):  # decode (one row, a few), prefill, training
+        out.append((f"blockwise_mm M={m}", "blockwise_mm", lambda m=m: fp8.blockwise_mm(
+            _qtensor(m, hidden, 1), _qtensor(inter, hidden, 128), out_dtype=bf)))
+        out.append((f"invariant_blockwise_mm M={m}", "invariant_blockwise_mm", lambda m=m: invariant.invariant_blockwise_mm(
+            _qtensor(m, hidden, 1), _qtensor(inter, hidden, 128), out_dtype=bf)))
+        out.append((f"invariant_mm bf16 M={m}", "invariant_mm bf16", lambda m=m: invariant.invariant_mm(
+            torch.zeros(m, hidden, dtype=bf), torch.zeros(inter, hidden, dtype=bf), out_dtype=bf)))
+        out.append((f"invariant_mm fp32 M={m}", "invariant_mm fp32", lambda m=m: invariant.invariant_mm(
+            torch.zeros(m, hidden), torch.zeros(256, hidden))))
+        out.append((f"invariant_rms_norm M={m}", "invariant_rms_norm", lambda m=m: invariant.invariant_rms_norm(
+            torch.zeros(m, hidden, dtype=bf), torch.ones(hidden), 1e-6)))
+        out.append((f"invariant_log_softmax M={m}", "invariant_log_softmax", lambda m=m: invariant.invariant_log_softmax(
+            torch.zeros(m, vocab, dtype=bf))))
+    cache = torch.zeros(b, kv_heads, 1024, d, dtype=bf)  # a KV cache: (b, kv heads, capacity, d), read up to a width
+
+    def att(t, width, contiguous=False, dtype=bf):
+        q = torch.zeros(b, heads, t, d, dtype=dtype) if contiguous else torch.zeros(b, t, heads, d, dtype=dtype).transpose(1, 2)
+        if t == 1:  # a decode step: one query per sequence at position width - 1, keys from the cache
+            kv = cache.to(dtype)[:, :, :width]
+            return lambda: invariant.invariant_attention(q, kv, kv, torch.full((b, 1), width - 1), check_positions=False)
+        kv = torch.zeros(b, t, kv_heads, d, dtype=dtype).transpose(1, 2)
+        return lambda: invariant.invariant_attention(q, kv, kv, check_positions=False)
+
+    for t, width in ((512, 512), (37, 37)):  # training, prefill
+        out.append((f"invariant_attention t={t}", "invariant_attention bf16", att(t, width)))
+    for width in (300, 1024, 1):
+        out.append((f"invariant_attention decode w={width}", "invariant_attention bf16", att(1, width)))
+    out.append(("invariant_attention decode contiguous q", "invariant_attention bf16", att(1, 300, contiguous=True)))
+    out.append(("invariant_attention fp32 t=512", "invariant_attention fp32", att(512, 512, dtype=torch.float32)))
+    for width in (300, 1024):
+        out.append((f"invariant_attention fp32 decode w={width}", "invariant_attention fp32", att(1, width, dtype=torch.float32)))
+    return out
+
+
+def control():
+    """A negative control for the comparison: the attention kernel at another key block (a different
+    summation order) must not compare equal to the shipped one."""
+    from jetrl_cli.kernels import invariant
+
+    q = torch.zeros(4, 12, 64, 128, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 2, 64, 128, dtype=torch.bfloat16)
+    shipped = invariant.ATT_BLOCK_N
+    invariant.ATT_BLOCK_N = shipped // 2
+    try:
+        invariant.invariant_attention(q, kv, kv, check_positions=False)
+    finally:
+        invariant.ATT_BLOCK_N = shipped
+
+
+def main() -> dict:
+    sys.path.insert(0, ROOT)
+    try:
+        record, current = _install()
+    except (ImportError, AttributeError) as e:  # Triton's internals moved: say so, the test skips
+        return {"unsupported": f"this Triton ({triton.__version__}) cannot be driven offline: {e!r}"}
+    failures = {}
+    for case, group, call in [*cases(), ("control: attention BLOCK_N/2", "control", control)]:
+        current.update(case=case, group=group)
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - reported per case
+            failures[case] = f"{type(e).__name__}: {str(e)[-2000:]}"
+    kernels = []
+    for case, group, name, k in record:
+        kernels.append(dict(case=case, group=group, kernel=name, hash=k.hash, num_warps=k.metadata.num_warps,
+                            shared=k.metadata.shared,
+                            **resources(k.asm["cubin"]), ptx_fp=ptx_fp(k.asm["ptx"]), sass_fp=sass_fp(k.asm["cubin"])))
+    return {"triton": triton.__version__, "torch": torch.__version__, "failures": failures, "kernels": kernels}
+
+
+if __name__ == "__main__":
+    json.dump(main(), sys.stdout)
