@@ -113,7 +113,7 @@ def test_fixed_point_grid():
 
     assert exact_group(22, 22) == 128 and exact_group(24, 24) == 32 and exact_group(24, 22) == 128
     assert exact_group(22, 22, 40) == 64  # never wider than K needs
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(torch.initial_seed())
     x = (torch.randn(17, 300, generator=g) * torch.logspace(-6, 2, 300)).bfloat16().float()  # 8 decades a row
     x[3] = 0.0
     x[5, 7] = 2.0 ** -140  # an fp32 subnormal next to normal values
@@ -151,7 +151,7 @@ def test_exact_dense_mm_is_exact_and_row_independent(fa, fb, k):
     from jetrl_cli.precision.gemm import DENSE_BITS, dense_weight_operand, exact_dense_mm
     from jetrl_cli.precision.flow import GemmSpec
 
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(torch.initial_seed())
     rnd = (lambda *s, scale=1.0: _bf16(*s, scale=scale, g=g)) if fa is Format.BF16 else \
         (lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale)
     a = rnd(150, k, scale=3.0)
@@ -173,7 +173,7 @@ def test_exact_attention_gemms_do_not_depend_on_rows_or_key_width():
     and whatever the key width beyond its keys holds (zero probability, arbitrary finite values)."""
     from jetrl_cli.models.llama import exact_pv, exact_scores, kv_fixed
 
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(torch.initial_seed())
     q = torch.randn(6, 40, 32, generator=g)
     k, v = _bf16(6, 320, 32, g=g), _bf16(6, 320, 32, g=g)
     ki, ks = kv_fixed(k)
@@ -200,7 +200,7 @@ def test_exact_attention_gradients_are_the_plain_ones():
     """The exact forward's backward is the usual one: compared with autograd through float64 bmm."""
     from jetrl_cli.models.llama import _ExactAttentionGemm
 
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(torch.initial_seed())
     q = torch.randn(3, 5, 16, generator=g, requires_grad=True)
     k = _bf16(3, 32, 16, g=g).requires_grad_()
     p = torch.rand(3, 5, 32, generator=g).requires_grad_()

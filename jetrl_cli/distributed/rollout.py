@@ -26,7 +26,7 @@ class ShardedEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seed: int | Sequence[int]) -> list[list[Completion]]:
         check_prompts(prompts, params, self.width)  # every rank refuses the same prompts
-        seeds = prompt_seeds(seed, len(prompts)) if isinstance(seed, int) else list(seed)
+        seeds = prompt_seeds(seed, len(prompts))
         mine = self.world.shard(len(prompts))
         local = (self.inner.generate([prompts[i] for i in mine], params, [seeds[i] for i in mine])
                  if len(mine) else [])

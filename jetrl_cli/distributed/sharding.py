@@ -64,11 +64,11 @@ class OrderedReduceScatter(ReduceScatter):
 
 
 def _bump_gathered_versions(module, args):
-    """Forward pre-hook (after FSDP's unshard): mark this unit's gathered weights as new."""
-    with torch.no_grad():
-        for p in module.parameters():
-            if not isinstance(p, DTensor):  # gathered: this unit's own (sub-units stay sharded)
-                p.mul_(1)
+    """Forward pre-hook (after FSDP's unshard): mark this unit's gathered weights as new, for the
+    operand caches keyed on a weight's version (a new version, no kernel: the bits stay)."""
+    for p in module.parameters():
+        if not isinstance(p, DTensor):  # gathered: this unit's own (sub-units stay sharded)
+            torch.autograd.graph.increment_version(p)
 
 
 def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import JetrlError
 from ..precision.linear import apply_flow
 from ..rl.algos import importance, policy_loss
-from ..rl.trainer import Batch, NonFiniteError, Trainer, score_logprobs, token_logprobs
+from ..rl.trainer import Batch, NonFiniteError, Trainer, nonfinite_parameters, score_logprobs, token_logprobs
 from .sharding import quiet_fsdp_view_warning, set_gradient_sync, shard_model
 from .world import World
 
@@ -158,7 +158,7 @@ class ShardedTrainer(Trainer):
 
     def _check_finite_params(self, step: int) -> None:
         params = list(self.model.named_parameters())
-        mine = [n for n, p in params if not torch.isfinite(_local(p)).all()]
+        mine = nonfinite_parameters([(n, _local(p)) for n, p in params])
         bad = set().union(*self.world.all_gather_object(mine))
         if bad:
             first = next(n for n, _ in params if n in bad)

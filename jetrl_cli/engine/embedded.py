@@ -113,6 +113,7 @@ class EmbeddedEngine:
     def load_weights(self, payload: WeightPayload) -> None:
         params = dict(self.model.named_parameters())
         modules = dict(self.model.named_modules())
+        replaced = False
         with torch.no_grad():
             for name, t in payload.tensors.items():
                 if name not in params:
@@ -123,9 +124,14 @@ class EmbeddedEngine:
                 mod = modules.get(name.rsplit(".", 1)[0])
                 if not isinstance(mod, JetLinear):
                     raise JetrlError(f"weight sync: {name} arrived quantized but is not a quantized layer here")
-                mod.load_quantized_weight(t)
+                # On a GPU the held operand (or its view into the group's stacked one) takes the new
+                # values in place: nothing is held twice, and captured graphs keep their addresses.
+                held = mod._wfixed
+                mod.load_quantized_weight(t, in_place=self.static)
+                replaced |= mod._wfixed is not held
         if self.static:
-            self._hold_weights_once()
+            if replaced:
+                self._hold_weights_once()
             if not self.model.refresh_weights() and self.graphs is not None:
                 self.graphs.reset()  # a weight moved: capture again
         self.weights_version = payload.version
@@ -152,7 +158,7 @@ class EmbeddedEngine:
                 for x in mods:
                     n = x.out_features
                     q = x._wfixed
-                    if r == 128 and n % 128:
+                    if n % r:
                         break
                     x._wfixed = QTensor(w.data[start:start + n], w.scale[start // r:(start + n) // r], q.spec)
                     start += n
@@ -191,7 +197,7 @@ class EmbeddedEngine:
         ``prompt_seeds``). Each sample's noise is keyed by its prompt's seed and its index in the
         group (``sampling.sample_keys``), so chunking and compaction do not change the tokens."""
         check_prompts(prompts, params, self.width)
-        seeds = prompt_seeds(seed, len(prompts)) if isinstance(seed, int) else list(seed)
+        seeds = prompt_seeds(seed, len(prompts))
         flat = [p for p in prompts for _ in range(params.n)]  # group-major: prompt i -> rows i*n .. i*n+n-1
         keys = sample_keys(seeds, params.n, self.device)
         out: list[Completion] = []
@@ -246,10 +252,12 @@ class EmbeddedEngine:
         live = b
         check_every = self.check_every
         invariant = self.model.batch_invariant and native(logits)
+        # greedy decoding reports logprobs at temperature 1, without truncation: what it samples
+        # from already, unless top-k / top-p truncate it
+        report_plain = params.greedy and (params.top_k or params.top_p < 1.0)
         for step in range(new):
             logp = sampling_logprobs(logits, params, invariant)
-            # greedy decoding reports logprobs at temperature 1, without truncation
-            logp_report = sampling_logprobs(logits, PLAIN, invariant) if params.greedy else logp
+            logp_report = sampling_logprobs(logits, PLAIN, invariant) if report_plain else logp
             nxt = sample(logp, params, keys=keys, position=step)
             out_tok[step].index_copy_(0, rows_t, nxt)
             out_lp[step].index_copy_(0, rows_t, logp_report.gather(-1, nxt[:, None])[:, 0])

@@ -15,6 +15,7 @@ sharded over data-parallel ranks draws exactly the samples one process draws.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,9 +62,12 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams, invariant: b
 _M32, _M64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
 
 
-def prompt_seeds(seed: int, count: int) -> list[int]:
+def prompt_seeds(seed: int | Sequence[int], count: int) -> list[int]:
     """The seed of each prompt of a ``generate(prompts, params, seed)`` call (the vLLM engine
-    passes them to vLLM as per-request seeds). A data-parallel rank passes its slice."""
+    passes them to vLLM as per-request seeds). A data-parallel rank passes its slice: a sequence
+    of seeds is returned as a list, as given."""
+    if not isinstance(seed, int):
+        return list(seed)
     return [seed * 1_000_003 + i for i in range(count)]
 
 

@@ -148,7 +148,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         check_prompts(prompts, params, self.width)
-        seeds = prompt_seeds(seed, len(prompts)) if isinstance(seed, int) else list(seed)
+        seeds = prompt_seeds(seed, len(prompts))
         sps = [self._sampling(params, s) for s in seeds]  # one vLLM request seed per prompt
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sps, use_tqdm=False)
         groups = []

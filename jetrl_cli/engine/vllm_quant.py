@@ -33,8 +33,7 @@ from vllm.model_executor.parameter import ModelWeightParameter
 
 from ..models.llama import attention_format, cast_kv
 from ..precision.flow import GemmSpec, PrecisionFlow, parse_flow
-from ..precision.gemm import ExactOperand
-from ..precision.linear import concat_operands, linear_forward, matches_skip, weight_operand
+from ..precision.linear import concat_operands, copy_operand_, linear_forward, matches_skip, weight_operand
 from ..precision.quant import CastSpec, QTensor, round_to
 
 NAME = "jetrl"
@@ -166,16 +165,10 @@ class JetrlLinearMethod(LinearMethodBase):
         """After shards changed: rewrite the stacked GEMM operand in place (its addresses stay)."""
         new = concat_operands(layer.jetrl_ops, self.spec, _device(layer.jetrl_ops[0]))
         old = layer.jetrl_weight
-        if isinstance(old, QTensor):
-            old.data.copy_(new.data)
-            old.scale.copy_(new.scale)
-        elif isinstance(old, ExactOperand):
-            old.values.copy_(new.values)
-            old.scales.copy_(new.scales)
-        elif isinstance(old, list):
+        if isinstance(old, list):
             layer.jetrl_weight = new  # the shards' own tensors, already updated in place
-        elif old is not new:
-            old.copy_(new)
+        elif not copy_operand_(old, new):
+            raise ValueError(f"refreshed weight does not match the operand the layer holds ({type(old).__name__})")
 
 
 def _device(op) -> torch.device:

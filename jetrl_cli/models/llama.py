@@ -95,13 +95,20 @@ class RMSNorm(nn.Module):
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``x * rsqrt(mean(x^2) + eps) * w`` in fp32 (mean as a sum, then a division: F.rms_norm's own
     ops, without its dtype checks and copies); returns the output and rsqrt."""
-    wide = (torch.float32, torch.float64)  # fp64 only in gradient checks
-    xf = x if x.dtype in wide else x.float()
-    ms = (xf * xf).sum(-1, keepdim=True).div_(x.shape[-1])
-    r = torch.rsqrt(ms.add_(eps))
-    wf = w if w.dtype in wide else w.float()
+    xf, r = _rms_rsqrt(x, eps)
+    wf = w if w.dtype in _WIDE else w.float()
     y = xf * r * wf
     return (y if y.dtype is x.dtype else y.to(x.dtype)), r
+
+
+_WIDE = (torch.float32, torch.float64)  # fp64 only in gradient checks
+
+
+def _rms_rsqrt(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in fp32 (or fp64) and its per-row ``rsqrt(mean(x^2) + eps)``."""
+    xf = x if x.dtype in _WIDE else x.float()
+    ms = (xf * xf).sum(-1, keepdim=True).div_(x.shape[-1])
+    return xf, torch.rsqrt(ms.add_(eps))
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -110,11 +117,12 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, eps, invariant=False):
-        y, r = _rms_norm(x, w, eps)
         if invariant:  # the forward's bits from the batch-invariant kernel (rsqrt kept for the backward)
             from ..kernels.invariant import invariant_rms_norm
 
-            y = invariant_rms_norm(x, w, eps)
+            y, r = invariant_rms_norm(x, w, eps), _rms_rsqrt(x, eps)[1]
+        else:
+            y, r = _rms_norm(x, w, eps)
         ctx.save_for_backward(x, w, r)
         return y
 

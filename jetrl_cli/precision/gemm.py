@@ -11,8 +11,9 @@ Execution: emulated on CPU, native on CUDA
   exact per K group, so a row's result cannot depend on the batch, the BLAS or the thread count:
   8-bit operands through ``exact_mm`` (their values and scales in float64), dense ones through
   ``exact_dense_mm`` (each element on a fixed-point grid of its row's K group, ``fixed_point``),
-  rounded to fp32 once -- fp32-accumulation accuracy, an order fixed by jetrl. The backward's GEMMs
-  (which need no invariance) multiply dequantized values in fp32.
+  rounded to fp32 once -- fp32-accumulation accuracy, an order fixed by jetrl. The backward's 8-bit
+  GEMMs go through ``exact_mm`` as well (one 8-bit path); its dense ones multiply in fp32
+  (they need no invariance).
 - **CUDA** runs natively: ``bf16`` operands are bf16 tensors multiplied by cuBLAS with fp32
   accumulation (``allow_bf16_reduced_precision_reduction`` is turned off so split-K reductions stay
   fp32), the output is written in the ``out`` dtype, and FP8 GEMMs run on the tensor cores

@@ -128,6 +128,7 @@ class JetLinear(nn.Module):
         self.bias = bias
         self._cache: dict = {}
         self._wfixed: Operand | None = None
+        self._wfixed_version = 0  # bumped when a sync writes into the held operand in place
         self.set_precision(precision)
 
     @classmethod
@@ -147,16 +148,21 @@ class JetLinear(nn.Module):
         self._cache = {}
         self._wfixed = None
 
-    def load_quantized_weight(self, q: Operand) -> None:
+    def load_quantized_weight(self, q: Operand, in_place: bool = False) -> None:
         """Use ``q`` (already cast with this layer's fprop weight spec) as the forward's weight, as
-        a rollout engine does after a quantized weight sync; ``self.weight`` is no longer read."""
+        a rollout engine does after a quantized weight sync; ``self.weight`` is no longer read.
+        ``in_place``: copy ``q``'s values into the operand already held (and so into any view of it)
+        when it has the same kind, shapes and spec, rather than holding ``q``."""
         spec = self.precision.fprop.b
         if getattr(q, "spec", spec) != spec:
             raise ValueError(f"quantized weight has spec {q.spec.short_str()}, layer expects {spec.short_str()}")
         if tuple(q.shape) != (self.out_features, self.in_features):
             raise ValueError(f"quantized weight has shape {tuple(q.shape)}, layer expects "
                              f"{(self.out_features, self.in_features)}")
-        self._wfixed = q
+        if in_place and self._wfixed is not None and copy_operand_(self._wfixed, q):
+            self._wfixed_version += 1
+        else:
+            self._wfixed = q
         self._cache = {}
 
     def weight_key(self) -> tuple:
@@ -164,7 +170,7 @@ class JetLinear(nn.Module):
         precision (by value: an ``id`` of a replaced precision object can be reused by the next one,
         which served a stale operand in another precision) and a loaded quantized weight."""
         w = self.weight
-        return (w.data_ptr(), w._version, self.precision, id(self._wfixed))
+        return (w.data_ptr(), w._version, self.precision, id(self._wfixed), self._wfixed_version)
 
     def _cached(self, name: str, make):
         key = self.weight_key()
@@ -199,8 +205,12 @@ class JetLinear(nn.Module):
 
         def make():
             if p.dgrad.b == p.fprop.b:
-                return transpose_operand(self.quantized_weight())
-            return transpose_operand(weight_operand(self.weight, p.dgrad, "dgrad"))
+                w = transpose_operand(self.quantized_weight())
+            else:
+                w = transpose_operand(weight_operand(self.weight, p.dgrad, "dgrad"))
+            if isinstance(w, QTensor) and backend_for(p.dgrad, "dgrad", w.data.device).name == "emulated":
+                w = exact_operand(w)  # the form the emulated backend multiplies, made once per weight update
+            return w
 
         self.quantized_weight()  # may have written W^T already, from the same read
         return self._cached("dgrad", make)

@@ -219,12 +219,19 @@ class Trainer:
                 if not torch.isfinite(gnorm):
                     raise NonFiniteError(f"step {step}: the gradient norm is {float(gnorm)}; stopped before the update")
                 self.opt.step()
-                params = list(self.model.named_parameters())
-                if not bool(torch.stack([torch.isfinite(p).all() for _, p in params]).all()):
-                    bad = [n for n, p in params if not torch.isfinite(p).all()]
+                bad = nonfinite_parameters(list(self.model.named_parameters()))
+                if bad:
                     raise NonFiniteError(f"step {step}: parameter {bad[0]} became non-finite after the update")
                 agg["loss"] = agg.get("loss", 0.0) + losses
                 agg["grad_norm"] = agg.get("grad_norm", 0.0) + float(gnorm)
                 count += 1
         self.updates += count
         return {k: v / count for k, v in agg.items()}
+
+
+def nonfinite_parameters(params: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the (name, tensor) pairs holding a NaN or an infinity, in order; one host sync
+    when all are finite (the usual case)."""
+    if bool(torch.stack([torch.isfinite(p).all() for _, p in params]).all()):
+        return []
+    return [n for n, p in params if not torch.isfinite(p).all()]
