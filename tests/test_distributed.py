@@ -39,23 +39,21 @@ def env(**extra):
     return e
 
 
-def jetrl(*args, extra_env=None, background=False):
-    cmd = [sys.executable, "-m", "jetrl_cli", *map(str, args)]
-    if background:
-        return subprocess.Popen(cmd, env=env(**(extra_env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+def _ok(cmd, extra_env=None):
     res = subprocess.run(cmd, env=env(**(extra_env or {})), capture_output=True, text=True, timeout=LIMIT)
     assert res.returncode == 0, res.stdout + res.stderr
     return res
+
+
+def jetrl(*args, extra_env=None):
+    return _ok([sys.executable, "-m", "jetrl_cli", *map(str, args)], extra_env)
 
 
 def torchrun(nproc, *run_args, background=False):
     cmd = torchrun_command(nproc, [str(a) for a in run_args])
     if background:
         return subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    res = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=LIMIT)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return res
+    return _ok(cmd)
 
 
 def metrics(out: Path) -> list[dict]:

@@ -21,13 +21,12 @@ the model is loaded over it (the same fp32 values).
 
 from __future__ import annotations
 
-import shutil
 import warnings
 from pathlib import Path
 
 import torch
 
-from ..rl.checkpoint import load_trainer_state, publish_checkpoint, write_model_files
+from ..rl.checkpoint import checkpoint_dirs, fresh_dir, load_trainer_state, publish_checkpoint, write_model_files
 from .world import World
 
 DCP_DIR = "dcp"
@@ -39,14 +38,9 @@ def save_sharded_checkpoint(out: Path, step: int, trainer, world: World, source_
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-    ckdir = out / "checkpoints"
-    final = ckdir / f"step_{step:06d}"
-    tmp = ckdir / f".tmp-step_{step:06d}"
+    tmp, final = checkpoint_dirs(out, step)
     if world.is_writer:
-        ckdir.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        fresh_dir(tmp)
     world.barrier()
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.opt)
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / DCP_DIR)

@@ -16,11 +16,11 @@ import torch
 
 from ..errors import JetrlError
 from ..models.llama import KVCache, key_width
-from ..precision.gemm import ROW_TILE, native
+from ..precision.gemm import ROW_TILE
 from ..precision.linear import JetLinear, apply_flow
 from .base import Completion, WeightPayload, check_prompts
 from .graphs import width_bucket
-from .sampling import SamplingParams, prompt_seeds, sample, sample_keys, sampling_logprobs
+from .sampling import SamplingParams, invariant_for, prompt_seeds, sample, sample_keys, sampling_logprobs
 
 PLAIN = SamplingParams()  # temperature 1, no top-k / top-p
 
@@ -251,7 +251,7 @@ class EmbeddedEngine:
         done = torch.zeros(b, dtype=torch.bool, device=dev)  # per batch row
         live = b
         check_every = self.check_every
-        invariant = self.model.batch_invariant and native(logits)
+        invariant = invariant_for(self.model, logits)
         # greedy decoding reports logprobs at temperature 1, without truncation: what it samples
         # from already, unless top-k / top-p truncate it
         report_plain = params.greedy and (params.top_k or params.top_p < 1.0)

@@ -59,6 +59,14 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams, invariant: b
     return torch.log_softmax(x, dim=-1)
 
 
+def invariant_for(model, logits: torch.Tensor) -> bool:
+    """Whether ``model``'s logprobs take the batch-invariant log-softmax (``sampling_logprobs``'s
+    ``invariant``): in its batch-invariant mode, on native (GPU) logits."""
+    from ..precision.gemm import native
+
+    return bool(getattr(model, "batch_invariant", False)) and native(logits)
+
+
 _M32, _M64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
 
 

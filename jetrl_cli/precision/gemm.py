@@ -592,14 +592,17 @@ class TritonBackend:
     """jetrl's blockwise FP8 GEMM and quantizers in Triton (``jetrl_cli.kernels.fp8``)."""
 
     name = "triton"
+    runs = "runs FP8 operands"  # what ``unsupported`` says this backend takes
+    dense = False  # whether it also multiplies unscaled (bf16/fp32) operands
 
     def unsupported(self, spec, gemm, device):
-        rows = REDUCTION_ON_ROWS[gemm]
-        for op, r, which in zip((spec.a, spec.b), rows, ("a", "b")):
-            blk = _k_major_block(op, r)
-            if not op.format.is_fp8 or blk.cols != TILE or blk.rows not in (1, TILE):
-                return (f"runs FP8 operands with 1x128 or 128x128 scales along the reduction dim; operand {which} "
-                        f"is {op.short_str()} (use backend: emulated or scaled_mm)")
+        if spec.is_quantized or not self.dense:
+            rows = REDUCTION_ON_ROWS[gemm]
+            for op, r, which in zip((spec.a, spec.b), rows, ("a", "b")):
+                blk = _k_major_block(op, r)
+                if not op.format.is_fp8 or blk.cols != TILE or blk.rows not in (1, TILE):
+                    return (f"{self.runs} with 1x128 or 128x128 scales along the reduction dim; operand "
+                            f"{which} is {op.short_str()} (use backend: emulated or scaled_mm)")
         return None if device is None else _triton_unavailable(device)
 
     def cast(self, x, spec):
@@ -620,22 +623,14 @@ class TritonBackend:
         return _triton_kernels().blockwise_mm(a, b, out_dtype=out_dtype)
 
 
-class InvariantBackend:
+class InvariantBackend(TritonBackend):
     """jetrl's batch-invariant Triton GEMMs (``kernels/invariant.py``): one tile configuration for
     every M and no split-K, so a row's result does not depend on the batch (``precision.batch_invariant``).
-    Dense bf16/fp32 operands and FP8 with 1x128 / 128x128 scales along K."""
+    Dense bf16/fp32 operands and FP8 with 1x128 / 128x128 scales along K; the Triton quantizers."""
 
     name = "invariant"
-
-    def unsupported(self, spec, gemm, device):
-        if spec.is_quantized:
-            why = TritonBackend().unsupported(spec, gemm, None)
-            if why is not None:
-                return why.replace("runs FP8", "runs dense bf16/fp32 operands, or FP8", 1)
-        return None if device is None else _triton_unavailable(device)
-
-    def cast(self, x, spec):
-        return TritonBackend().cast(x, spec) if spec.is_scaled else dense_cast(x, spec.format)
+    runs = "runs dense bf16/fp32 operands, or FP8 operands"
+    dense = True
 
     def shape_unsupported(self, a, b):
         return None
@@ -643,13 +638,10 @@ class InvariantBackend:
     def mm(self, a, b, out=Format.FP32):
         from ..kernels import invariant
 
-        quantized = isinstance(a, QTensor), isinstance(b, QTensor)
-        ref = a.data if quantized[0] else a
+        ref = a.data if isinstance(a, QTensor) else a
         out_dtype = out.torch_dtype() if native(ref) else torch.float32
-        if all(quantized):
+        if isinstance(a, QTensor):  # unsupported() admits 8-bit specs only with both operands FP8
             return invariant.invariant_blockwise_mm(a, b, out_dtype=out_dtype)
-        if any(quantized):
-            a, b = operand_values(a), operand_values(b)
         return invariant.invariant_mm(a, b, out_dtype=out_dtype)
 
 

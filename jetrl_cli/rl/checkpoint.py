@@ -44,14 +44,23 @@ def write_model_files(dst: Path, state: dict, source_dir: Path, tie_word_embeddi
             shutil.copyfile(source_dir / f, dst / f)  # a new file: the umask's mode, like the rest
 
 
-def save_checkpoint(out: Path, step: int, model, optimizer, source_dir: Path, extra: dict, keep: int) -> Path:
+def checkpoint_dirs(out: Path, step: int) -> tuple[Path, Path]:
+    """``(staging, final)`` directories of step ``step``'s checkpoint (nothing is created)."""
     ckdir = out / "checkpoints"
-    ckdir.mkdir(parents=True, exist_ok=True)
-    final = ckdir / f"step_{step:06d}"
-    tmp = ckdir / f".tmp-step_{step:06d}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    return ckdir / f".tmp-step_{step:06d}", ckdir / f"step_{step:06d}"
+
+
+def fresh_dir(path: Path) -> None:
+    """``path`` as a new empty directory (its parents made, an old one removed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir()
+
+
+def save_checkpoint(out: Path, step: int, model, optimizer, source_dir: Path, extra: dict, keep: int) -> Path:
+    tmp, final = checkpoint_dirs(out, step)
+    fresh_dir(tmp)
     write_model_files(tmp, model.state_dict(), source_dir, model.config.tie_word_embeddings)
     torch.save({"step": step, "optimizer": optimizer.state_dict(), **extra}, tmp / "trainer_state.pt")
     return publish_checkpoint(out, tmp, final, keep)

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.sampling import SamplingParams, sampling_logprobs
+from ..engine.sampling import SamplingParams, invariant_for, sampling_logprobs
 from ..models.llama import key_width
-from ..precision.gemm import native
 
 
 def _capture(model):
@@ -80,8 +79,8 @@ def decode_divergence(rollout_model, train_model, prompts: list[list[int]], comp
     lt = full_logits[rows, pos]
     stages.append({"stage": "lm_head (logits)", "max_abs_diff": float((lr - lt).abs().max()),
                    "frac_equal": float((lr == lt).all(-1).double().mean())})
-    inv_r = getattr(rollout_model, "batch_invariant", False) and native(lr)
-    inv_t = getattr(train_model, "batch_invariant", False) and native(lt)
+    inv_r = invariant_for(rollout_model, lr)
+    inv_t = invariant_for(train_model, lt)
     pr = sampling_logprobs(lr.reshape(-1, lr.shape[-1]), sampling, inv_r)
     pt = sampling_logprobs(lt.reshape(-1, lt.shape[-1]), sampling, inv_t)
     stages.append({"stage": "log-softmax (logprobs)", "max_abs_diff": float((pr - pt).nan_to_num(0).abs().max()),

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.sampling import SamplingParams, sampling_logprobs
+from ..engine.sampling import SamplingParams, invariant_for, sampling_logprobs
 from ..errors import JetrlError
-from ..precision.gemm import configure_cuda_numerics, native
+from ..precision.gemm import configure_cuda_numerics
 from ..precision.linear import apply_flow
 
 LOGPROB_CHUNK_ELEMENTS = 1 << 25  # logits held at once: 32M fp32 values (128 MiB), whatever the vocab
@@ -82,7 +82,7 @@ def fold_invariant_scale(model: torch.nn.Module, s: float) -> None:
 
 def _chunk_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     logits = model.logits(h)
-    invariant = getattr(model, "batch_invariant", False) and native(logits)
+    invariant = invariant_for(model, logits)
     return sampling_logprobs(logits, sampling, invariant).gather(-1, targets[:, None])[:, 0]
 
 
