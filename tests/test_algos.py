@@ -77,7 +77,7 @@ def test_kl_penalty_by_hand():
     k3 = sum(math.exp(float(ref[i, t] - LOGP[i, t])) - float(ref[i, t] - LOGP[i, t]) - 1
              for i in range(2) for t in range(3) if MASK[i, t])
     assert float(loss) == pytest.approx(0.1 * k3 / 5, rel=1e-5)
-    assert st["kl_ref"] == pytest.approx(k3 / 5, rel=1e-5)
+    assert float(st["kl_ref"]) == pytest.approx(k3 / 5, rel=1e-5)
 
 
 def test_mismatch_metrics_by_hand_and_zero_when_equal():
@@ -106,3 +106,55 @@ def test_gradient_matches_finite_differences():
         return policy_loss(x, old, adv, mask, imp, EPS_L, EPS_H, float(mask.sum()))[0]
 
     assert torch.autograd.gradcheck(f, (logp,))
+
+
+def _trainer(micro_batch, seed=0):
+    from jetrl_cli.config import TrainConfig
+    from jetrl_cli.engine.sampling import SamplingParams
+    from jetrl_cli.models.shapes import random_model
+    from jetrl_cli.models.tiny import tiny_config
+    from jetrl_cli.precision import named_flow
+    from jetrl_cli.rl.trainer import Trainer
+
+    model = random_model(tiny_config("qwen2", hidden=64, layers=1, vocab=128), seed=seed, std=0.05)
+    return Trainer(model, named_flow("bf16"), TrainConfig(micro_batch=micro_batch, lr=1e-3), CorrectionConfig(),
+                   SamplingParams(), 64)
+
+
+def _update_batch(seed=1):
+    from jetrl_cli.rl.trainer import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    n = 6
+    prompts = [torch.randint(1, 128, (int(torch.randint(2, 6, (), generator=g)),), generator=g).tolist() for _ in range(n)]
+    comps = [torch.randint(1, 128, (int(torch.randint(1, 9, (), generator=g)),), generator=g).tolist() for _ in range(n)]
+    lps = [(-torch.rand(len(c), generator=g)).tolist() for c in comps]
+    b = Batch.build(prompts, comps, lps, [0.0] * n, [i // 3 for i in range(n)])
+    adv = torch.randn(n, generator=g)
+    return b, adv
+
+
+def test_update_adds_micro_batches_as_one_batch_and_stops_on_a_nan_loss():
+    b, adv = _update_batch()
+    stats = []
+    noise = 0.4 * torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(2)) * b.mask
+    for mb in (6, 1, 4):
+        tr = _trainer(mb)
+        old = tr.score(b) + noise  # ratios away from 1: some tokens clip
+        stats.append(tr.update(b, adv, old, None, step=0))
+    assert 0 < stats[0]["clip_frac"] < 1
+    for st in stats[1:]:  # loss terms add up over micro-batches, clip_frac counts the batch's tokens
+        assert st.keys() == stats[0].keys() and {"loss", "pg_loss", "clip_frac", "grad_norm"} <= st.keys()
+        for k in st:
+            assert st[k] == pytest.approx(stats[0][k], rel=1e-4, abs=1e-7), k
+
+    from jetrl_cli.rl.trainer import NonFiniteError
+
+    tr = _trainer(2)
+    old = tr.score(b)
+    old[4, b.mask[4].nonzero()[0, 0]] = float("nan")  # one token of the third micro-batch
+    before = [p.detach().clone() for p in tr.model.parameters()]
+    with pytest.raises(NonFiniteError, match=r"step 3: the loss is nan; stopped before the update"):
+        tr.update(b, adv, old, None, step=3)
+    assert all(torch.equal(p, q) for p, q in zip(tr.model.parameters(), before))
+    assert tr.updates == 0

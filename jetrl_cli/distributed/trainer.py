@@ -27,9 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import JetrlError
-from ..precision.linear import apply_flow
-from ..rl.algos import importance, policy_loss
-from ..rl.trainer import Batch, NonFiniteError, Trainer, nonfinite_parameters, score_logprobs, token_logprobs
+from ..rl.trainer import Batch, NonFiniteError, Trainer, add_minibatch, host_values, nonfinite_parameters, score_logprobs
 from .sharding import quiet_fsdp_view_warning, set_gradient_sync, shard_model
 from .world import World
 
@@ -48,16 +46,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class ShardedTrainer(Trainer):
     def __init__(self, model, flow, tcfg, ccfg, sampling, width, ref_model=None, *, world: World):
-        quiet_fsdp_view_warning()
-        apply_flow(model, flow, "train")  # before sharding: FSDP records each parameter's module
-        shard_model(model, world.exact)
-        if ref_model is not None:
-            apply_flow(ref_model.eval(), flow, "train")
-            for p in ref_model.parameters():
-                p.requires_grad_(False)
-            shard_model(ref_model, world.exact)
         self.world = world
         super().__init__(model, flow, tcfg, ccfg, sampling, width, ref_model)
+
+    def _prepare(self) -> None:
+        quiet_fsdp_view_warning()
+        super()._prepare()  # before sharding: FSDP records each parameter's module
+        shard_model(self.model, self.world.exact)
+        if self.ref is not None:
+            shard_model(self.ref, self.world.exact)
 
     # ---------------------------------------------------------------- scoring
 
@@ -80,10 +77,6 @@ class ShardedTrainer(Trainer):
             model(b.ids[:1, :2].to(self._device))  # FSDP's all-gathers: as many forwards as the busiest rank
         return torch.cat(self.world.all_gather_object(local))
 
-    @property
-    def _device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
     # ---------------------------------------------------------------- update
 
     def update(self, b: Batch, adv: torch.Tensor, old: torch.Tensor, ref_logp: torch.Tensor | None,
@@ -103,58 +96,34 @@ class ShardedTrainer(Trainer):
                          for r in world.shards(len(gs))]
                 mine, rounds = plans[world.rank], max(len(p) for p in plans)
                 self.opt.zero_grad(set_to_none=True)
-                done = []  # (loss, stats, sequences) of this rank's micro-batches
+                parts = []  # this rank's micro-batches: (loss, stats)
                 for k in range(rounds):
                     set_gradient_sync(self.model, k == rounds - 1 or not world.exact)
                     if k < len(mine):
-                        sub = mine[k]
-                        mb = b.select(sub)
-                        t1 = mb.mask.shape[1]
-                        o, r = old[sub, :t1].to(dev), mb.rollout_logp.to(dev)
-                        m = mb.mask.to(dev)
-                        imp = importance(o, r, m, self.ccfg, cfg.clip_high, with_metrics=False)
-                        lp = token_logprobs(self.model, mb, self.sampling)
-                        rl = ref_logp[sub, :t1].to(dev) if ref_logp is not None else None
-                        loss, st = policy_loss(lp, o, adv[sub].to(dev), m, imp, cfg.clip_low, cfg.clip_high,
-                                               denom, rl, cfg.kl_coef)
-                        value = float(loss.detach())
+                        parts.append(self._micro_step(b, mine[k], adv, old, ref_logp, denom))
                     else:
-                        loss, st, value = self.model(b.ids[:1, :2].to(dev)).sum() * 0.0, None, 0.0
-                    bad = [v for v in world.all_gather_object(value) if not torch.isfinite(torch.tensor(v))]
-                    if bad:
-                        raise NonFiniteError(f"step {step}: the loss is {bad[0]}; stopped before the update")
-                    loss.backward()
-                    if st is not None:
-                        done.append((value, st, len(sub)))
-                losses = 0.0
-                for part in world.all_gather_object(done):  # rank order = the global micro-batch order
-                    for value, st, n in part:
-                        losses += value
-                        for key, v in st.items():  # loss terms add up over micro-batches, fractions average
-                            agg[key] = agg.get(key, 0.0) + (v * n / len(idx) if key == "clip_frac" else v)
-                gnorm = self._clip_grads()
-                if not torch.isfinite(torch.tensor(gnorm)):
-                    raise NonFiniteError(f"step {step}: the gradient norm is {gnorm}; stopped before the update")
+                        (self.model(b.ids[:1, :2].to(dev)).sum() * 0.0).backward()
+                values, gnorm = host_values(parts, self._clip_grads())
+                # rank order = the global micro-batch order; every rank raises on the same values
+                add_minibatch(agg, [v for part in world.all_gather_object(values) for v in part], gnorm, step)
                 self.opt.step()
                 self._check_finite_params(step)
-                agg["loss"] = agg.get("loss", 0.0) + losses
-                agg["grad_norm"] = agg.get("grad_norm", 0.0) + gnorm
                 count += 1
         self.updates += count
         return {k: v / count for k, v in agg.items()}
 
-    def _clip_grads(self) -> float:
+    def _clip_grads(self) -> torch.Tensor:
         """``clip_grad_norm_``: with ``World.exact`` on the gradients gathered whole (the same norm,
         bit for bit, as one process computes), else FSDP's sharded norm."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not self.world.exact:
             total = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
-            return float(total.full_tensor() if isinstance(total, DTensor) else total)
+            return total.full_tensor() if isinstance(total, DTensor) else total
         full = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in params]
         total = torch.nn.utils.get_total_norm(full, 2.0)
         del full
         torch.nn.utils.clip_grads_with_norm_(params, self.cfg.grad_clip, total)
-        return float(total)
+        return total
 
     def _check_finite_params(self, step: int) -> None:
         params = list(self.model.named_parameters())

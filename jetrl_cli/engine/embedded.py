@@ -214,10 +214,11 @@ class EmbeddedEngine:
         # the copies hold the same bits a prefill of every row would give).
         distinct: dict[tuple, int] = {}
         which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
-        lengths = torch.tensor([len(p) for p in distinct], device=dev)
-        ids = torch.zeros(len(distinct), int(lengths.max()), dtype=torch.long, device=dev)
+        lens = [len(p) for p in distinct]
+        ids = torch.zeros(len(distinct), max(lens), dtype=torch.long)  # built on the host, copied once
         for i, p in enumerate(distinct):
-            ids[i, :len(p)] = torch.tensor(p, device=dev)
+            ids[i, :len(p)] = torch.tensor(p)
+        ids, lengths = ids.to(dev), torch.tensor(lens, device=dev)
         if self.static:  # prefill the distinct prompts, then fill the engine's one cache buffer
             first = self.model.new_cache(len(distinct), self.width)
             logits = self.model.prefill(ids, lengths, first)

@@ -139,7 +139,8 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
     tokens and divided by ``denom`` (the number of completion tokens in the whole mini-batch).
 
     ``adv``: per sequence ``(N,)`` or per token ``(N, T)``. With ``kl_coef`` the k3 estimate of
-    KL(pi || pi_ref) is added per token."""
+    KL(pi || pi_ref) is added per token. The statistics are 0-dim device tensors (no host sync);
+    the clipped fraction is ``clipped_tokens / loss_tokens``, over as many calls as make a batch."""
     m = mask.bool()
     a = adv[:, None] if adv.dim() == 1 else adv
     ratio = torch.exp(logp - logp_old)
@@ -149,13 +150,14 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
     keep = imp.keep & m
     pg = -(surr * imp.weight * keep).sum() / denom
     loss = pg
-    stats = {"pg_loss": float(pg.detach())}
+    stats = {"pg_loss": pg.detach()}
     with torch.no_grad():
-        stats["clip_frac"] = float(((surr != ratio * a) & keep).sum() / max(int(keep.sum()), 1))
+        stats["clipped_tokens"] = ((surr != ratio * a) & keep).sum()
+        stats["loss_tokens"] = keep.sum()
     if logp_ref is not None and kl_coef > 0:
         dl = logp_ref - logp
         kl = (torch.exp(dl) - dl - 1) * m
         kl_term = kl.sum() / denom
         loss = loss + kl_coef * kl_term
-        stats["kl_ref"] = float(kl_term.detach())
+        stats["kl_ref"] = kl_term.detach()
     return loss, stats

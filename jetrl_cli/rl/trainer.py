@@ -14,6 +14,7 @@ recomputed in the backward instead of kept (``token_logprobs``). Each row goes t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -111,8 +112,8 @@ def token_logprobs(model, b: Batch, sampling: SamplingParams) -> torch.Tensor:
     """``b``'s completion tokens' logprobs under ``model`` and the sampling distribution (0 off the mask)."""
     dev = next(model.parameters()).device
     ids = b.ids.to(dev)
-    mask = b.mask.to(dev)
-    where = mask.nonzero(as_tuple=True)
+    mask = b.mask
+    where = tuple(w.to(dev) for w in mask.nonzero(as_tuple=True))  # indices from the host copy of the mask
     targets = ids[:, 1:][where]
     # inside forward, so module hooks (FSDP's parameter gathering) cover the lm_head too
     lp = model(ids, head=lambda m, h: target_logprobs(m, h[:, :-1][where], targets, sampling))
@@ -146,14 +147,10 @@ class Trainer:
     def __init__(self, model, flow, tcfg, ccfg: CorrectionConfig, sampling: SamplingParams, width: int,
                  ref_model=None):
         self.model = model.train()
-        apply_flow(self.model, flow, "train")
+        self.ref = ref_model
         self.flow, self.cfg, self.ccfg = flow, tcfg, ccfg
         self.sampling, self.width = sampling, width
-        self.ref = ref_model
-        if ref_model is not None:
-            apply_flow(ref_model.eval(), flow, "train")
-            for p in ref_model.parameters():
-                p.requires_grad_(False)
+        self._prepare()
         params = [p for p in self.model.parameters() if p.requires_grad]
         cuda = bool(params) and params[0].is_cuda
         if cuda:
@@ -163,6 +160,18 @@ class Trainer:
             **({"fused": True} if cuda else {"foreach": False}),
         )
         self.updates = 0
+
+    def _prepare(self) -> None:
+        """The training precision on the model, and on the frozen reference model."""
+        apply_flow(self.model, self.flow, "train")
+        if self.ref is not None:
+            apply_flow(self.ref.eval(), self.flow, "train")
+            for p in self.ref.parameters():
+                p.requires_grad_(False)
+
+    @property
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     # ---------------------------------------------------------------- scoring
 
@@ -183,50 +192,76 @@ class Trainer:
         cfg = self.cfg
         for g in self.opt.param_groups:
             g["lr"] = self.lr_at(step)
-        groups = b.group.unique()
-        gsplit = torch.tensor_split(groups, cfg.minibatches)
+        gsplit = torch.tensor_split(b.group.unique(), cfg.minibatches)
         agg: dict[str, float] = {}
         count = 0
-        dev = next(self.model.parameters()).device
         for _ in range(cfg.ppo_epochs):
             for gs in gsplit:
                 idx = torch.isin(b.group, gs).nonzero()[:, 0]
                 denom = float(b.mask[idx].sum().clamp_min(1))
                 self.opt.zero_grad(set_to_none=True)
-                losses = 0.0
-                for s in range(0, len(idx), cfg.micro_batch):
-                    sub = idx[s:s + cfg.micro_batch]
-                    mb = b.select(sub)
-                    t1 = mb.mask.shape[1]
-                    o, r = old[sub, :t1].to(dev), mb.rollout_logp.to(dev)
-                    m = mb.mask.to(dev)
-                    imp = importance(o, r, m, self.ccfg, cfg.clip_high, with_metrics=False)
-                    try:
-                        lp = token_logprobs(self.model, mb, self.sampling)
-                        rl = ref_logp[sub, :t1].to(dev) if ref_logp is not None else None
-                        loss, st = policy_loss(lp, o, adv[sub].to(dev), m, imp, cfg.clip_low, cfg.clip_high, denom,
-                                               rl, cfg.kl_coef)
-                        if not torch.isfinite(loss):
-                            raise NonFiniteError(
-                                f"step {step}: the loss is {float(loss.detach())}; stopped before the update")
-                        loss.backward()
-                    except _OOM as e:
-                        raise _oom(e, "a micro-batch of", len(sub), mb.ids.shape[1]) from None
-                    losses += float(loss.detach())
-                    for k, v in st.items():  # loss terms add up over micro-batches, fractions average
-                        agg[k] = agg.get(k, 0.0) + (v * len(sub) / len(idx) if k == "clip_frac" else v)
+                parts = [self._micro_step(b, idx[s:s + cfg.micro_batch], adv, old, ref_logp, denom)
+                         for s in range(0, len(idx), cfg.micro_batch)]
                 gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-                if not torch.isfinite(gnorm):
-                    raise NonFiniteError(f"step {step}: the gradient norm is {float(gnorm)}; stopped before the update")
+                add_minibatch(agg, *host_values(parts, gnorm), step)
                 self.opt.step()
                 bad = nonfinite_parameters(list(self.model.named_parameters()))
                 if bad:
                     raise NonFiniteError(f"step {step}: parameter {bad[0]} became non-finite after the update")
-                agg["loss"] = agg.get("loss", 0.0) + losses
-                agg["grad_norm"] = agg.get("grad_norm", 0.0) + float(gnorm)
                 count += 1
         self.updates += count
         return {k: v / count for k, v in agg.items()}
+
+    def _micro_step(self, b: Batch, sub: torch.Tensor, adv: torch.Tensor, old: torch.Tensor,
+                    ref_logp: torch.Tensor | None, denom: float) -> tuple:
+        """Forward and backward of sequences ``sub``'s share of the mini-batch loss. Returns
+        ``(loss, stats)`` as device tensors: the host reads them once per mini-batch
+        (``host_values``), so no micro-batch waits for the device."""
+        cfg, dev = self.cfg, self._device
+        mb = b.select(sub)
+        t1 = mb.mask.shape[1]
+        o, r = old[sub, :t1].to(dev), mb.rollout_logp.to(dev)
+        m = mb.mask.to(dev)
+        imp = importance(o, r, m, self.ccfg, cfg.clip_high, with_metrics=False)
+        try:
+            lp = token_logprobs(self.model, mb, self.sampling)
+            rl = ref_logp[sub, :t1].to(dev) if ref_logp is not None else None
+            loss, st = policy_loss(lp, o, adv[sub].to(dev), m, imp, cfg.clip_low, cfg.clip_high, denom, rl, cfg.kl_coef)
+            loss.backward()
+        except _OOM as e:
+            raise _oom(e, "a micro-batch of", len(sub), mb.ids.shape[1]) from None
+        return loss.detach(), st
+
+
+def host_values(parts: list[tuple], gnorm: torch.Tensor) -> tuple[list[tuple[float, dict]], float]:
+    """The micro-batches' ``(loss, stats)`` and the gradient norm as Python numbers, in one
+    device-to-host read."""
+    flat = [t for loss, st in parts for t in (loss, *st.values())]
+    got = torch.stack([t.float() for t in flat] + [gnorm.float()]).tolist()
+    values, i = [], 0
+    for _, st in parts:
+        values.append((got[i], dict(zip(st, got[i + 1:i + 1 + len(st)]))))
+        i += 1 + len(st)
+    return values, got[-1]
+
+
+def add_minibatch(agg: dict, values: list[tuple[float, dict]], gnorm: float, step: int) -> None:
+    """Adds one mini-batch's micro-batch values (in micro-batch order) and gradient norm to ``agg``;
+    a non-finite loss or norm stops the step before the optimizer runs. Loss terms add up over
+    micro-batches; ``clip_frac`` is the mini-batch's clipped tokens over its loss tokens."""
+    losses, sums = 0.0, {}
+    for value, st in values:
+        if not math.isfinite(value):
+            raise NonFiniteError(f"step {step}: the loss is {value}; stopped before the update")
+        losses += value
+        for k, v in st.items():
+            sums[k] = sums.get(k, 0.0) + v
+    if not math.isfinite(gnorm):
+        raise NonFiniteError(f"step {step}: the gradient norm is {gnorm}; stopped before the update")
+    sums["clip_frac"] = sums.pop("clipped_tokens") / max(sums.pop("loss_tokens"), 1.0)
+    sums["loss"], sums["grad_norm"] = losses, gnorm
+    for k, v in sums.items():
+        agg[k] = agg.get(k, 0.0) + v
 
 
 def nonfinite_parameters(params: list[tuple[str, torch.Tensor]]) -> list[str]:

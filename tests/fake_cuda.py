@@ -1,0 +1,222 @@
+"""jetrl's GPU code paths run on *fake* CUDA tensors, on a machine without a GPU.
+
+Run as a script (``python tests/fake_cuda.py``; it patches ``torch.cuda``, so never import it into
+a test process): prints one JSON object. It needs a CUDA build of torch (the GPU machines' torch
+2.11+cu130, say), no GPU and no driver.
+
+``FakeCuda`` is a dispatch mode in which CPU tensors stay real and CUDA tensors are torch's
+``FakeTensor``s: shapes, dtypes, strides and devices are propagated by torch's own meta kernels
+(``scaled_mm``'s layout checks and SDPA included), but nothing is computed. So this checks what a
+CPU run of the same code cannot: that the code placed every tensor on the device it meant to (a
+CPU tensor meeting CUDA ones in an op raises, as on CUDA), and where the host reads
+device values -- ``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero`` -- which on a GPU are
+synchronisations that stall the launch queue. Each such read is recorded with the jetrl source
+line that asked for it, and answered with made-up values (bools: every ``bool_every``-th True;
+ints: ``ints`` queued, then ``fill``; floats 0.5), which keeps data-dependent control flow going
+(rows stop, batches compact) without meaning anything.
+
+What cannot run here: the backward (autograd's engine wants a real CUDA context), CUDA graph
+capture, and Triton kernels (they need real memory); the scenarios use the ``scaled_mm``,
+``emulated`` and torch backends and eager decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCES = tuple(os.path.join(ROOT, d) + os.sep for d in ("jetrl_cli", "kernels"))
+_COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+
+
+def _pretend_hopper() -> None:
+    """What a Hopper machine's torch.cuda answers, without initialising CUDA."""
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda._lazy_init = lambda: None
+    torch._C._ensureCUDADeviceGuardSet()
+    torch._C._set_only_lift_cpu_tensors(True)
+
+
+def _site() -> str:
+    for fr in reversed(traceback.extract_stack()):
+        if fr.filename.startswith(SOURCES):
+            return f"{os.path.relpath(fr.filename, ROOT)}:{fr.lineno} {(fr.line or '').strip()}"
+    return "?"
+
+
+class FakeCuda(TorchDispatchMode):
+    def __init__(self, fill: int = 1, bool_every: int = 5):
+        super().__init__()
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self.fill, self.bool_every = fill, bool_every
+        self.ints: list[int] = []
+        self.reads: dict[str, int] = {}  # source line -> host reads of device values
+        self._bools = 0
+
+    def _read(self) -> None:
+        s = _site()
+        self.reads[s] = self.reads.get(s, 0) + 1
+
+    def _made_up(self, shape, dtype) -> torch.Tensor:
+        if dtype is torch.bool:
+            self._bools += 1
+            return torch.full(shape, self._bools % self.bool_every == 0, dtype=dtype)
+        if dtype.is_floating_point:
+            return torch.full(shape, 0.5, dtype=dtype)
+        return torch.full(shape, self.ints.pop(0) if self.ints else self.fill, dtype=dtype)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = pytree.tree_leaves((args, kwargs))
+        fake_in = any(isinstance(t, FakeTensor) for t in leaves)
+        dev = kwargs.get("device")
+        if not fake_in and not (dev is not None and torch.device(dev).type == "cuda"):
+            return func(*args, **kwargs)  # host work: real
+        if func in _READS:
+            self._read()
+            return self._made_up((), args[0].dtype).item()
+        if func is torch.ops.aten.copy_.default and not isinstance(args[0], FakeTensor):
+            self._read()
+            return args[0].copy_(self._made_up(args[1].shape, args[1].dtype))
+        if func is torch.ops.aten.nonzero.default:
+            self._read()
+            return self._made_up(args[0].shape, torch.bool).nonzero().to("cuda")
+        copying = func in _COPIES or str(func).startswith("aten.to.")
+        def lift(x):  # not as constants: the fake mode would run ops on constants for real, on CUDA
+            return self.fake.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
+
+        args, kwargs = pytree.tree_map(lift, (args, kwargs))
+        with self.fake:
+            out = func(*args, **kwargs)
+        if copying and isinstance(out, FakeTensor) and out.device.type == "cpu":  # device to host
+            self._read()
+            return self._made_up(out.shape, out.dtype)
+        return out
+
+
+# --------------------------------------------------------------------------- scenarios
+
+FLOWS = {  # name -> (base flow, backend of the 8-bit GEMMs or None, rollout KV cache or None)
+    "bf16": ("bf16", None, None),
+    "fp8-rollout": ("fp8-rollout", "scaled_mm", None),
+    "int8-rollout": ("int8-rollout", "scaled_mm", None),
+    "fp8-unified": ("fp8-unified", "scaled_mm", "fp8_e4m3 row"),
+    "fp8-unified-emulated": ("fp8-unified", "emulated", None),
+}
+NEW_TOKENS = 24
+
+
+def _flow(name: str):
+    from jetrl_cli.precision import parse_flow
+
+    base, backend, kv = FLOWS[name]
+    over: dict = {}
+    if backend:
+        over = {"rollout": {"linear": {"backend": backend}},
+                "train": {g: {"backend": backend} for g in ("fprop", "dgrad", "wgrad")}}
+    if kv:
+        over.setdefault("rollout", {})["kv_cache"] = kv
+    return parse_flow({"base": base, **over})
+
+
+def _model():
+    from jetrl_cli.models.shapes import random_model
+    from jetrl_cli.models.tiny import tiny_config
+
+    return random_model(tiny_config("qwen2", hidden=256, layers=2, vocab=512), seed=0, std=0.05)
+
+
+def _rollout(name: str) -> dict:
+    from jetrl_cli.engine.base import make_payload
+    from jetrl_cli.engine.embedded import EmbeddedEngine
+    from jetrl_cli.engine.sampling import SamplingParams
+
+    flow, model = _flow(name), _model()
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    params = SamplingParams(n=2, max_new_tokens=NEW_TOKENS, temperature=1.0, stop_token_ids=(2,))
+    mode = FakeCuda()
+    with mode:
+        model = model.to("cuda")
+        eng = EmbeddedEngine(model, flow, width=64, cuda_graphs=False)
+        sync_reads = dict(mode.reads)
+        for version in (1, 2):  # the trainer's weights arrive twice: the second sync writes in place
+            eng.load_weights(make_payload(model, flow, version))
+        load_reads = {k: v - sync_reads.get(k, 0) for k, v in mode.reads.items() if v != sync_reads.get(k, 0)}
+        before = dict(mode.reads)
+        out = eng.generate(prompts, params, seed=3)
+    return {"completions": [len(g) for g in out], "check_every": eng.check_every, "rows": len(prompts) * params.n,
+            "load_reads": load_reads,
+            "generate_reads": {k: v - before.get(k, 0) for k, v in mode.reads.items() if v != before.get(k, 0)}}
+
+
+def _train_forward(name: str) -> dict:
+    from jetrl_cli.engine.sampling import SamplingParams
+    from jetrl_cli.rl.algos import CorrectionConfig, importance, policy_loss
+    from jetrl_cli.rl.trainer import Batch, host_values, score_logprobs, token_logprobs
+    from jetrl_cli.precision import apply_flow
+
+    flow, model = _flow(name), _model()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 512, (3, 160), generator=g)
+    b = Batch.build(ids[:, :32].tolist(), ids[:, 32:].tolist(), [[0.0] * 128] * 3, [0.0] * 3, list(range(3)))
+    mode = FakeCuda()
+    with mode:
+        model = model.to("cuda").train()
+        apply_flow(model, flow, "train")
+        old = score_logprobs(model, b, SamplingParams(), micro_batch=2, width=160)
+        score_reads = dict(mode.reads)
+        m = b.mask.to("cuda")
+        o, r = old.to("cuda"), b.rollout_logp.to("cuda")
+        imp = importance(o, r, m, CorrectionConfig(type="tis"), 0.28, with_metrics=False)
+        lp = token_logprobs(model, b, SamplingParams())
+        loss, st = policy_loss(lp, o, torch.ones(3, device="cuda"), m, imp, 0.2, 0.28, 384.0)
+        step_reads = {k: v - score_reads.get(k, 0) for k, v in mode.reads.items() if v != score_reads.get(k, 0)}
+        values, gnorm = host_values([(loss.detach(), st)], torch.ones((), device="cuda"))
+        final = {k: v - score_reads.get(k, 0) - step_reads.get(k, 0) for k, v in mode.reads.items()
+                 if v != score_reads.get(k, 0) + step_reads.get(k, 0)}
+    return {"logprobs": [list(lp.shape), str(lp.dtype), str(lp.device)], "score_reads": score_reads,
+            "step_reads": step_reads, "host_values_reads": final, "stats": sorted(values[0][1])}
+
+
+def _control() -> dict:
+    """The detectors on code that does wrong on purpose: a CPU tensor in a CUDA op, a host read."""
+    mode, mixed = FakeCuda(), None
+    with mode:
+        x = torch.ones(4, device="cuda")
+        float(x.sum())
+        try:
+            x + torch.ones(4)
+        except RuntimeError as e:
+            mixed = str(e)
+    return {"reads": sum(mode.reads.values()), "mixed": mixed}
+
+
+def main() -> int:
+    if not torch.backends.cuda.is_built():
+        print(json.dumps({"unsupported": f"this torch ({torch.__version__}) is not built with CUDA"}))
+        return 0
+    _pretend_hopper()
+    report: dict = {"torch": torch.__version__, "control": _control(), "rollout": {}, "train_forward": {},
+                    "failures": {}}
+    for name in FLOWS:
+        for part, fn in (("rollout", _rollout), ("train_forward", _train_forward)):
+            try:
+                report[part][name] = fn(name)
+            except Exception as e:  # noqa: BLE001 - reported, the test fails on it
+                report["failures"][f"{part} {name}"] = "".join(traceback.format_exception(e))[-3000:]
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The GPU code paths on fake CUDA tensors, without a GPU (``tests/fake_cuda.py``, in a subprocess).
+
+A CPU run of the native path (``test_gpu_paths``' forced-native tests) checks the GPU path's dtypes
+and numerics, but every tensor is on the CPU there, so it cannot tell a tensor left on the host by
+mistake, nor where the host waits for the device. Here CUDA tensors are torch's FakeTensors (torch's
+meta kernels give shapes, dtypes and devices; nothing is computed) while host tensors stay real:
+
+- the embedded engine's GPU decoding (one static cache, compaction in place, weights synced twice,
+  in place) and the trainer's forward, scoring and loss run for bf16, FP8 (``scaled_mm``, emulated,
+  FP8 KV cache) and INT8 flows with no CPU tensor meeting a CUDA one (torch's fake mode raises on
+  mixed devices, as CUDA does);
+- the host reads device values only where it means to: rollout at the stop check, every
+  ``check_every`` tokens, and once at the end; the trainer once per scored micro-batch and once
+  per mini-batch (``host_values``), none in a micro-batch's forward and loss.
+
+It needs a CUDA build of torch (a GPU machine's, or torch 2.11+cu130 installed on CPU); a CPU-only
+build cannot create fake CUDA tensors, and the test is skipped there.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "fake_cuda.py")
+
+
+@pytest.fixture(scope="module")
+def report():
+    torch = pytest.importorskip("torch")
+    if not torch.backends.cuda.is_built():
+        pytest.skip(f"this torch ({torch.__version__}) is not built with CUDA: no fake CUDA tensors")
+    proc = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+def test_the_detectors_work(report):
+    assert report["control"]["reads"] == 1
+    assert "cuda:0, cpu" in report["control"]["mixed"]  # torch's fake mode rejects mixed devices, as CUDA does
+
+
+def test_every_scenario_runs(report):
+    assert report["failures"] == {}
+    assert set(report["rollout"]) == set(report["train_forward"]) and len(report["rollout"]) >= 5
+
+
+def test_rollout_stays_on_the_device_and_syncs_only_at_stop_checks(report):
+    for name, r in report["rollout"].items():
+        assert r["load_reads"] == {}, name  # a weight sync never waits for the device
+        assert r["completions"] == [2, 2, 2]
+        reads = r["generate_reads"]
+        stop = [k for k in reads if "done.tolist()" in k]
+        final = [k for k in reads if "_completions(" in k]
+        assert len(stop) == 1 and len(final) == 1 and set(reads) == set(stop + final), (name, reads)
+        # one element read per live row at each check, a check every check_every tokens
+        assert 1 <= reads[stop[0]] <= r["rows"] * math.ceil(24 / r["check_every"]), (name, reads)
+        assert r["check_every"] > 1
+        assert reads[final[0]] == 2  # tokens and logprobs, copied to the host once
+
+
+def test_training_forward_stays_on_the_device_and_reads_once_per_minibatch(report):
+    for name, r in report["train_forward"].items():
+        assert r["logprobs"] == [[3, 159], "torch.float32", "cuda:0"], name
+        assert r["step_reads"] == {}, (name, r["step_reads"])  # forward + loss: no host sync
+        (score,) = r["score_reads"]
+        assert "token_logprobs(model, mb, sampling).float().cpu()" in score and r["score_reads"][score] == 2
+        (values,) = r["host_values_reads"]
+        assert "rl/trainer.py" in values and r["host_values_reads"][values] == 1 + len(r["stats"]) + 1
