@@ -232,10 +232,7 @@ def install_kv_rounding(model: torch.nn.Module, spec: CastSpec) -> int:
     def rnd(t: torch.Tensor) -> torch.Tensor:
         return round_to(t, fmt).to(t.dtype)
 
-    def before(_mod, args, kwargs):
-        if len(args) >= 3:
-            q, k, v = args[:3]
-            return (rnd(q), cast_kv(k, spec), cast_kv(v, spec), *args[3:]), kwargs
+    def before(_mod, args, kwargs):  # query, key, value: positional or by name
         args, kwargs = list(args), dict(kwargs)
         for i, name in enumerate(("query", "key", "value")):
             if i < len(args):

@@ -338,17 +338,13 @@ def exact_dense_mm(a: torch.Tensor, b, fa: Format, fb: Format) -> torch.Tensor:
     result is the same bits whatever else is in the batch, on any CPU, BLAS and thread count. What
     the forward GEMMs of the CPU emulation run (rollout and trainer alike); the backward's GEMMs
     need no invariance."""
-    g = exact_group(DENSE_BITS[fa], DENSE_BITS[fb], a.shape[1])
     if not isinstance(b, ExactOperand):
-        b = dense_exact_operand(b, fb, g)
-    av = on_grid(a if a.dtype is torch.float32 else a.float(), DENSE_BITS[fa], b.group).double()
-    bv = b.values
-    k, g = a.shape[1], b.group
-    if k <= g:
-        return torch.mm(av, bv.t()).float()
+        b = dense_exact_operand(b, fb, exact_group(DENSE_BITS[fa], DENSE_BITS[fb], a.shape[1]))
+    g = b.group
+    av = on_grid(a if a.dtype is torch.float32 else a.float(), DENSE_BITS[fa], g).double()
     acc = None
-    for k0 in range(0, k, g):
-        part = torch.mm(av[:, k0:k0 + g], bv[:, k0:k0 + g].t())
+    for k0 in range(0, a.shape[1], g):
+        part = torch.mm(av[:, k0:k0 + g], b.values[:, k0:k0 + g].t())
         acc = part if acc is None else acc.add_(part)
     return acc.float()
 

@@ -112,12 +112,11 @@ def token_logprobs(model, b: Batch, sampling: SamplingParams) -> torch.Tensor:
     """``b``'s completion tokens' logprobs under ``model`` and the sampling distribution (0 off the mask)."""
     dev = next(model.parameters()).device
     ids = b.ids.to(dev)
-    mask = b.mask
-    where = tuple(w.to(dev) for w in mask.nonzero(as_tuple=True))  # indices from the host copy of the mask
+    where = tuple(w.to(dev) for w in b.mask.nonzero(as_tuple=True))  # indices from the host copy of the mask
     targets = ids[:, 1:][where]
     # inside forward, so module hooks (FSDP's parameter gathering) cover the lm_head too
     lp = model(ids, head=lambda m, h: target_logprobs(m, h[:, :-1][where], targets, sampling))
-    return torch.zeros(mask.shape, dtype=lp.dtype, device=dev).index_put(where, lp)
+    return torch.zeros(b.mask.shape, dtype=lp.dtype, device=dev).index_put(where, lp)
 
 
 def _oom(e: Exception, what: str, n: int, t: int) -> JetrlError:
