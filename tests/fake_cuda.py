@@ -15,9 +15,10 @@ line that asked for it, and answered with made-up values (bools: every ``bool_ev
 ints: ``ints`` queued, then ``fill``; floats 0.5), which keeps data-dependent control flow going
 (rows stop, batches compact) without meaning anything.
 
-What cannot run here: the backward (autograd's engine wants a real CUDA context), CUDA graph
-capture, and Triton kernels (they need real memory); the scenarios use the ``scaled_mm``,
-``emulated`` and torch backends and eager decoding.
+The backward runs too, though autograd's engine wants a real CUDA context: ``loss.backward()`` is
+``py_autograd.backward`` here, which calls the graph's nodes from Python (checked against the engine
+by ``tests/test_py_autograd.py``). What cannot run: CUDA graph capture and Triton kernels (they need
+real memory); the scenarios use the ``scaled_mm``, ``emulated`` and torch backends and eager decoding.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import py_autograd  # noqa: E402 - beside this script
+
 SOURCES = tuple(os.path.join(ROOT, d) + os.sep for d in ("jetrl_cli", "kernels"))
 _COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
 _READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
@@ -188,6 +192,36 @@ def _train_forward(name: str) -> dict:
             "step_reads": step_reads, "host_values_reads": final, "stats": sorted(values[0][1])}
 
 
+def _train_step(name: str) -> dict:
+    """The trainer's whole update (``Trainer.update``: two mini-batches of two micro-batches each,
+    forward, backward, gradient clipping, fused AdamW), the backward run by ``py_autograd``."""
+    from jetrl_cli.engine.sampling import SamplingParams
+    from jetrl_cli.config import TrainConfig
+    from jetrl_cli.rl.algos import CorrectionConfig
+    from jetrl_cli.rl.trainer import Batch, Trainer
+
+    flow, model = _flow(name), _model()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, 512, (8, 160), generator=g)
+    b = Batch.build(ids[:, :32].tolist(), ids[:, 32:].tolist(), [[-1.0] * 128] * 8, [0.0] * 8,
+                    [i // 2 for i in range(8)])
+    mode = FakeCuda(bool_every=1)  # every check answers True: the parameters are finite
+    with mode, py_autograd.recording():
+        model = model.to("cuda")
+        tr = Trainer(model, flow, TrainConfig(micro_batch=2, minibatches=2), CorrectionConfig(type="tis"),
+                     SamplingParams(), width=160)
+        old = tr.score(b)
+        before = dict(mode.reads)
+        stats = tr.update(b, torch.randn(8, generator=g), old, None, step=0)
+        reads = {k: v - before.get(k, 0) for k, v in mode.reads.items() if v != before.get(k, 0)}
+        params = [(n, p) for n, p in tr.model.named_parameters() if p.requires_grad]
+        state = [t for st in tr.opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    return {"update_reads": reads, "stats": sorted(stats), "updates": tr.updates,
+            "no_grad": [n for n, p in params if p.grad is None],
+            "grads": sorted({f"{p.grad.device.type} {p.grad.dtype} of {p.dtype}" for _, p in params if p.grad is not None}),
+            "optimizer_state": sorted({f"{t.device.type} {t.dtype}" for t in state})}
+
+
 def _control() -> dict:
     """The detectors on code that does wrong on purpose: a CPU tensor in a CUDA op, a host read."""
     mode, mixed = FakeCuda(), None
@@ -206,10 +240,11 @@ def main() -> int:
         print(json.dumps({"unsupported": f"this torch ({torch.__version__}) is not built with CUDA"}))
         return 0
     _pretend_hopper()
-    report: dict = {"torch": torch.__version__, "control": _control(), "rollout": {}, "train_forward": {},
+    report: dict = {"torch": torch.__version__, "control": _control(), "rollout": {}, "train_forward": {}, "train_step": {},
                     "failures": {}}
+    torch.Tensor.backward = py_autograd.backward  # autograd's C++ engine wants a CUDA context
     for name in FLOWS:
-        for part, fn in (("rollout", _rollout), ("train_forward", _train_forward)):
+        for part, fn in (("rollout", _rollout), ("train_forward", _train_forward), ("train_step", _train_step)):
             try:
                 report[part][name] = fn(name)
             except Exception as e:  # noqa: BLE001 - reported, the test fails on it

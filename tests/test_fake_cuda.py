@@ -11,7 +11,11 @@ meta kernels give shapes, dtypes and devices; nothing is computed) while host te
   mixed devices, as CUDA does);
 - the host reads device values only where it means to: rollout at the stop check, every
   ``check_every`` tokens, and once at the end; the trainer once per scored micro-batch and once
-  per mini-batch (``host_values``), none in a micro-batch's forward and loss.
+  per mini-batch (``host_values``), none in a micro-batch's forward and loss;
+- the trainer's whole update -- forward, backward (FP8 Dgrad and Wgrad through ``scaled_mm``'s
+  blockwise scale layouts), gradient clipping, fused AdamW -- leaves fp32 gradients and optimizer
+  state on the device and reads the host twice per mini-batch: its values, and the finite check of
+  the updated parameters.
 
 It needs a CUDA build of torch (a GPU machine's, or torch 2.11+cu130 installed on CPU); a CPU-only
 build cannot create fake CUDA tensors, and the test is skipped there.
@@ -46,7 +50,8 @@ def test_the_detectors_work(report):
 
 def test_every_scenario_runs(report):
     assert report["failures"] == {}
-    assert set(report["rollout"]) == set(report["train_forward"]) and len(report["rollout"]) >= 5
+    assert set(report["rollout"]) == set(report["train_forward"]) == set(report["train_step"])
+    assert len(report["rollout"]) >= 5
 
 
 def test_rollout_stays_on_the_device_and_syncs_only_at_stop_checks(report):
@@ -71,3 +76,18 @@ def test_training_forward_stays_on_the_device_and_reads_once_per_minibatch(repor
         assert "token_logprobs(model, mb, sampling).float().cpu()" in score and r["score_reads"][score] == 2
         (values,) = r["host_values_reads"]
         assert "rl/trainer.py" in values and r["host_values_reads"][values] == 1 + len(r["stats"]) + 1
+
+
+def test_training_update_stays_on_the_device_and_reads_twice_per_minibatch(report):
+    for name, r in report["train_step"].items():
+        assert r["updates"] == 2 and r["no_grad"] == [], name
+        assert r["grads"] == ["cuda torch.float32 of torch.float32"], name  # fp32 master weights and grads
+        assert r["optimizer_state"] == ["cuda torch.float32"], name
+        assert r["stats"] == ["clip_frac", "grad_norm", "loss", "pg_loss"], name
+        reads = r["update_reads"]
+        (values,) = [k for k in reads if "torch.stack([t.float() for t in flat]" in k]
+        (finite,) = [k for k in reads if "torch.isfinite(p).all()" in k]
+        assert set(reads) == {values, finite}, (name, reads)  # none in the backward, clipping or AdamW
+        loss_values = 1 + len(report["train_forward"][name]["stats"])
+        assert reads[values] == 2 * (2 * loss_values + 1), (name, reads)  # one element read per value
+        assert reads[finite] == 2, (name, reads)
