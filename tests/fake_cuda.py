@@ -12,20 +12,23 @@ CPU tensor meeting CUDA ones in an op raises, as on CUDA), and where the host re
 device values -- ``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero`` -- which on a GPU are
 synchronisations that stall the launch queue. Each such read is recorded with the jetrl source
 line that asked for it, and answered with made-up values (bools: every ``bool_every``-th True;
-ints: ``ints`` queued, then ``fill``; floats 0.5), which keeps data-dependent control flow going
+ints: ``ints`` queued, then ``fill``; floats ``real``), which keeps data-dependent control flow going
 (rows stop, batches compact) without meaning anything.
 
 The backward runs too, though autograd's engine wants a real CUDA context: ``loss.backward()`` is
 ``py_autograd.backward`` here, which calls the graph's nodes from Python (checked against the engine
 by ``tests/test_py_autograd.py``). What cannot run: CUDA graph capture and Triton kernels (they need
-real memory); the scenarios use the ``scaled_mm``, ``emulated`` and torch backends and eager decoding.
+real memory); the scenarios use the ``scaled_mm``, ``emulated`` and torch backends and eager decoding,
+and ``jetrl bench train --device cuda`` at the 1.5B shape cut to one layer (``auto`` backends).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -59,10 +62,10 @@ def _site() -> str:
 
 
 class FakeCuda(TorchDispatchMode):
-    def __init__(self, fill: int = 1, bool_every: int = 5):
+    def __init__(self, fill: int = 1, bool_every: int = 5, real: float = 0.5):
         super().__init__()
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
-        self.fill, self.bool_every = fill, bool_every
+        self.fill, self.bool_every, self.real = fill, bool_every, real
         self.ints: list[int] = []
         self.reads: dict[str, int] = {}  # source line -> host reads of device values
         self._bools = 0
@@ -76,7 +79,7 @@ class FakeCuda(TorchDispatchMode):
             self._bools += 1
             return torch.full(shape, self._bools % self.bool_every == 0, dtype=dtype)
         if dtype.is_floating_point:
-            return torch.full(shape, 0.5, dtype=dtype)
+            return torch.full(shape, self.real, dtype=dtype)
         return torch.full(shape, self.ints.pop(0) if self.ints else self.fill, dtype=dtype)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -222,6 +225,66 @@ def _train_step(name: str) -> dict:
             "optimizer_state": sorted({f"{t.device.type} {t.dtype}" for t in state})}
 
 
+class _Event:  # torch.cuda.Event's timing on the host clock (fake work takes host time only)
+    def __init__(self, **kwargs):
+        self.t = 0.0
+
+    def record(self, *args) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return (end.t - self.t) * 1e3
+
+
+@contextlib.contextmanager
+def _pretend_bench():
+    """What ``jetrl bench --device cuda`` asks of torch.cuda beyond ``_pretend_hopper``; a CUDA
+    generator (it wants a driver) is a CPU one."""
+    plain = torch.Generator
+
+    class Generator(plain):
+        def __new__(cls, device="cpu"):
+            return plain.__new__(cls)
+
+        def __init__(self, device="cpu"):
+            super().__init__()
+
+    saved = {k: getattr(torch.cuda, k) for k in ("Event", "get_device_name", "max_memory_allocated",
+                                                  "reset_peak_memory_stats", "empty_cache")}
+    torch.cuda.Event, torch.cuda.get_device_name = _Event, lambda *a: "fake H100"
+    torch.cuda.max_memory_allocated = lambda *a: 1 << 30
+    torch.cuda.reset_peak_memory_stats = torch.cuda.empty_cache = lambda *a: None
+    torch.Generator = Generator
+    try:
+        yield
+    finally:
+        torch.Generator = plain
+        for k, v in saved.items():
+            setattr(torch.cuda, k, v)
+
+
+def _bench_train() -> dict:
+    """``jetrl bench train --device cuda`` as ``.ci/gpu train`` runs it (flows bf16, fp8-rollout,
+    fp8-unified, the transformers row; GEMM backends ``auto``), at the 1.5B shape cut to one layer.
+    The probes' relative errors read as 0 (``real=0``), so a backend is rejected only for what it
+    cannot run; Triton's kernels cannot run on fake tensors at all."""
+    from jetrl_cli import bench
+
+    mode = FakeCuda(bool_every=1, real=0.0)
+    with _pretend_bench(), mode, py_autograd.recording():
+        s = bench.Settings(device="cuda", repeats=1, warmup=0, model="qwen2.5-1.5b", layers=1, train_batch=2,
+                           seq=256)
+        rows = bench.run_bench(["train"], s)["results"]["train"]
+    out = {}
+    for r in rows:
+        res = r.get("gemm_backends", {}).get("resolved", [])
+        out[r["flow"]] = {"keys": sorted(r), "resolved": {x["gemm"]: {"backend": x["backend"],
+                                                                     "fallback_order": x["fallback_order"],
+                                                                     "rejected": x.get("rejected", {})} for x in res},
+                          "fallbacks": r.get("gemm_backends", {}).get("fallbacks")}
+    return out
+
+
 def _control() -> dict:
     """The detectors on code that does wrong on purpose: a CPU tensor in a CUDA op, a host read."""
     mode, mixed = FakeCuda(), None
@@ -249,6 +312,10 @@ def main() -> int:
                 report[part][name] = fn(name)
             except Exception as e:  # noqa: BLE001 - reported, the test fails on it
                 report["failures"][f"{part} {name}"] = "".join(traceback.format_exception(e))[-3000:]
+    try:
+        report["bench_train"] = _bench_train()
+    except Exception as e:  # noqa: BLE001 - reported, the test fails on it
+        report["failures"]["bench_train"] = "".join(traceback.format_exception(e))[-3000:]
     print(json.dumps(report, indent=1))
     return 0
 

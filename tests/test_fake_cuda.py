@@ -15,7 +15,10 @@ meta kernels give shapes, dtypes and devices; nothing is computed) while host te
 - the trainer's whole update -- forward, backward (FP8 Dgrad and Wgrad through ``scaled_mm``'s
   blockwise scale layouts), gradient clipping, fused AdamW -- leaves fp32 gradients and optimizer
   state on the device and reads the host twice per mini-batch: its values, and the finite check of
-  the updated parameters.
+  the updated parameters;
+- ``jetrl bench train --device cuda`` (1.5B shape, one layer) runs every row, and ``auto`` keeps
+  blockwise ``scaled_mm`` for Fprop, Dgrad and Wgrad (its probe once cast Wgrad's operands as no
+  kernel takes them, which would have sent a GPU's Wgrad to the emulated path).
 
 It needs a CUDA build of torch (a GPU machine's, or torch 2.11+cu130 installed on CPU); a CPU-only
 build cannot create fake CUDA tensors, and the test is skipped there.
@@ -91,3 +94,16 @@ def test_training_update_stays_on_the_device_and_reads_twice_per_minibatch(repor
         loss_values = 1 + len(report["train_forward"][name]["stats"])
         assert reads[values] == 2 * (2 * loss_values + 1), (name, reads)  # one element read per value
         assert reads[finite] == 2, (name, reads)
+
+
+def test_bench_train_runs_and_auto_keeps_scaled_mm_for_every_fp8_gemm(report):
+    rows = report["bench_train"]
+    assert set(rows) == {"bf16", "fp8-unified", "transformers"}
+    for flow, r in rows.items():
+        assert {"s", "tokens_per_s", "peak_memory_bytes", "saved_activation_bytes", "step_vs_transformers",
+                "peak_vs_transformers"} <= set(r["keys"]), flow
+    fp8 = rows["fp8-unified"]
+    assert set(fp8["resolved"]) == {"fprop", "dgrad", "wgrad"} and fp8["fallbacks"] == []
+    for g, res in fp8["resolved"].items():
+        assert "scaled_mm" not in res["rejected"], (g, res)
+        assert "scaled_mm" in [res["backend"], *res["fallback_order"]], (g, res)

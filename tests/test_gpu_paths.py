@@ -202,6 +202,26 @@ def test_auto_resolves_to_the_emulated_reference_on_cpu_and_says_why():
     gemm.reset_resolutions()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("g", ["fprop", "dgrad", "wgrad"])
+def test_auto_probes_each_gemm_with_operands_cast_as_the_layers_cast_them(g):
+    """``auto``'s probe (and timing) casts a GEMM's operands as the layers do: Wgrad's x^T and dy^T
+    with 128x1 groups along tokens, transposed into K-major operands. Cast as plain K-major operands
+    they are 128x1 scales along K, which no kernel backend takes, and ``auto`` would reject every
+    kernel for Wgrad (what the fake-CUDA bench run found). Not on the forced native path: the
+    interpreter's fp32-to-bf16 cast does not round to nearest, as the GPU's does."""
+    from .triton_interp_fix import fixed_fp8_conversion
+
+    be = gemm.get_backend("triton")
+    spec = getattr(named_flow("fp8-unified").train.linear, g)
+    x = torch.randn(256, 256, generator=gen(3))
+    with fixed_fp8_conversion():
+        assert gemm._probe(be, spec, g, torch.device("cpu")) is None
+        a, b = gemm._operands(be, spec, g, x, x * 0.5)
+    assert be.shape_unsupported(a, b) is None and a.spec.block.name in ("1x128", "128x128")
+
+
 def test_a_shape_the_backend_cannot_run_falls_back_and_is_counted():
     class EvenK(gemm.EmulatedBackend):
         name = "even_k"

@@ -720,13 +720,22 @@ _RESOLVED: dict[tuple, Resolution] = {}
 _FALLBACKS: dict[tuple, int] = {}  # (gemm, spec, from, to, why) -> calls
 
 
-def _probe(backend: GemmBackend, spec, device: torch.device) -> str | None:
+def _operands(backend: GemmBackend, spec, gemm: str, x: torch.Tensor, w: torch.Tensor) -> tuple:
+    """``x`` and ``w`` as ``gemm``'s operands a and b, cast by ``backend`` the way the layers cast
+    them: an operand reduced along its rows (Wgrad's x^T and dy^T, 128x1 groups along tokens) is cast
+    from the token-major tensor and transposed (``cast_pair``), the others directly."""
+    rows_a, rows_b = REDUCTION_ON_ROWS[gemm]
+    return tuple(cast_pair(t, None, c, (backend, backend))[1] if on_rows else cast_operand(t, c, backend)
+                 for t, c, on_rows in ((x, spec.a, rows_a), (w, spec.b, rows_b)))
+
+
+def _probe(backend: GemmBackend, spec, gemm: str, device: torch.device) -> str | None:
     """Run a 256^3 GEMM with random operands through ``backend`` and the emulated reference."""
     g = torch.Generator(device="cpu").manual_seed(1234)
     x = (torch.randn(256, 256, generator=g) * torch.rand(256, 1, generator=g) * 4).to(device)
     w = (torch.randn(256, 256, generator=g) * 0.05).to(device)
     try:
-        a, b = backend.cast(x, spec.a), backend.cast(w, spec.b)
+        a, b = _operands(backend, spec, gemm, x, w)
         why = backend.shape_unsupported(a, b)
         if why is not None:
             return f"probe: {why}"
@@ -734,17 +743,17 @@ def _probe(backend: GemmBackend, spec, device: torch.device) -> str | None:
     except Exception as e:  # a torch build or GPU that cannot run it
         return f"probe failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
     emu = _BACKENDS["emulated"]
-    ref = emu.mm(emu.cast(x, spec.a), emu.cast(w, spec.b), spec.out).float()
+    ref = emu.mm(*_operands(emu, spec, gemm, x, w), spec.out).float()
     err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
     if not err <= KERNEL_TOLERANCE:
         return f"probe: relative error {err:.2e} against emulated exceeds {KERNEL_TOLERANCE:g}"
     return None
 
 
-def _time_ms(backend: GemmBackend, spec, device: torch.device, size: int = 2048) -> float:
+def _time_ms(backend: GemmBackend, spec, gemm: str, device: torch.device, size: int = 2048) -> float:
     g = torch.Generator(device="cpu").manual_seed(99)
-    a = backend.cast(torch.randn(size, size, generator=g).to(device), spec.a)
-    b = backend.cast((torch.randn(size, size, generator=g) * 0.05).to(device), spec.b)
+    x = torch.randn(size, size, generator=g).to(device)
+    a, b = _operands(backend, spec, gemm, x, (torch.randn(size, size, generator=g) * 0.05).to(device))
     backend.mm(a, b, spec.out)
     torch.cuda.synchronize(device)
     t0 = time.perf_counter()
@@ -783,12 +792,12 @@ def resolve(spec, gemm: str, device: torch.device | str) -> Resolution:
         rejected, ok = {}, []
         for name in AUTO_ORDER:
             be = _BACKENDS[name]
-            why = be.unsupported(spec, gemm, device) or (None if name == "emulated" else _probe(be, spec, device))
+            why = be.unsupported(spec, gemm, device) or (None if name == "emulated" else _probe(be, spec, gemm, device))
             if why is None:
                 ok.append(name)
             else:
                 rejected[name] = why
-        timings = {name: _time_ms(_BACKENDS[name], spec, device) for name in ok}
+        timings = {name: _time_ms(_BACKENDS[name], spec, gemm, device) for name in ok}
         order = sorted(ok, key=lambda n: timings[n])
         res = Resolution(gemm, spec.short_str(), dev_str, asked, order[0], order, rejected, timings)
     _RESOLVED[key] = res
