@@ -127,6 +127,25 @@ def test_a_sync_refreshes_weights_in_place_and_the_graphs_stay_valid(model):
     assert eng.graphs.captures == n and eng.graphs.graphs
 
 
+@pytest.mark.parametrize("flow", ["bf16", "fp8-unified"])
+def test_a_sync_after_a_rollout_that_built_the_cached_operands(model, flow):
+    """An engine that rolls out before its first sync builds its GEMM operands inside ``generate``'s
+    inference mode; the sync then writes into them (``jetrl bench rollout``'s task rows did this, and
+    on a GPU stopped with "Inplace update to inference tensor outside InferenceMode")."""
+    f = named_flow(flow)
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, n=2)
+    eng = EmbeddedEngine(model, f, 64, max_batch=32, cuda_graphs=False)
+    eng.static = True
+    _samples(eng, sp)
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.mul_(1.01)
+    eng.load_weights(make_payload(moved, f, version=2))
+    assert _samples(eng, sp) == _samples(_engine(moved, f, static=False), sp)
+    assert eng.weights_version == 2
+
+
 def test_a_graph_that_cannot_be_captured_falls_back_to_eager_and_says_why(model):
     f = named_flow("bf16")
     sp = SamplingParams(max_new_tokens=20, temperature=1.0, n=2)

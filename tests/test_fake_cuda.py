@@ -18,7 +18,10 @@ meta kernels give shapes, dtypes and devices; nothing is computed) while host te
   the updated parameters;
 - ``jetrl bench train --device cuda`` (1.5B shape, one layer) runs every row, and ``auto`` keeps
   blockwise ``scaled_mm`` for Fprop, Dgrad and Wgrad (its probe once cast Wgrad's operands as no
-  kernel takes them, which would have sent a GPU's Wgrad to the emulated path).
+  kernel takes them, which would have sent a GPU's Wgrad to the emulated path);
+- ``jetrl bench rollout --device cuda`` runs every engine row, fixed and task-shaped batches (its
+  task rows once stopped at the weight-sync timing: a sync after a rollout wrote into inference
+  tensors outside inference mode).
 
 It needs a CUDA build of torch (a GPU machine's, or torch 2.11+cu130 installed on CPU); a CPU-only
 build cannot create fake CUDA tensors, and the test is skipped there.
@@ -107,3 +110,12 @@ def test_bench_train_runs_and_auto_keeps_scaled_mm_for_every_fp8_gemm(report):
     for g, res in fp8["resolved"].items():
         assert "scaled_mm" not in res["rejected"], (g, res)
         assert "scaled_mm" in [res["backend"], *res["fallback_order"]], (g, res)
+
+
+def test_bench_rollout_runs_every_engine_row(report):
+    rows = report["bench_rollout"]
+    assert set(rows) == {f"{w} {f}" for w in ("fixed", "task") for f in ("bf16", "fp8-rollout", "int8-rollout")}
+    for name, r in rows.items():
+        assert {"tokens_per_s", "ttft_s", "sync_s", "kv_bytes_per_token", "weight_bytes", "peak_memory_bytes",
+                "vs_bf16"} <= set(r["keys"]), name
+        assert r["cuda_graphs"].startswith("capture failed"), name  # no capture on fake tensors: eager, and said

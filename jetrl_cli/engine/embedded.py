@@ -110,25 +110,28 @@ class EmbeddedEngine:
             buf = self._kv_storage[i] = torch.empty(n, dtype=self.model.cache_dtype(), device=self.device)
         return buf
 
+    @torch.inference_mode()
     def load_weights(self, payload: WeightPayload) -> None:
+        """The trainer's weights, into the engine. In inference mode, as ``generate``: the cached
+        operands a rollout built (inference tensors) take new values in place, which torch allows
+        only there."""
         params = dict(self.model.named_parameters())
         modules = dict(self.model.named_modules())
         replaced = False
-        with torch.no_grad():
-            for name, t in payload.tensors.items():
-                if name not in params:
-                    raise JetrlError(f"weight sync: the rollout model has no parameter {name}")
-                if isinstance(t, torch.Tensor):
-                    params[name].copy_(t)
-                    continue
-                mod = modules.get(name.rsplit(".", 1)[0])
-                if not isinstance(mod, JetLinear):
-                    raise JetrlError(f"weight sync: {name} arrived quantized but is not a quantized layer here")
-                # On a GPU the held operand (or its view into the group's stacked one) takes the new
-                # values in place: nothing is held twice, and captured graphs keep their addresses.
-                held = mod._wfixed
-                mod.load_quantized_weight(t, in_place=self.static)
-                replaced |= mod._wfixed is not held
+        for name, t in payload.tensors.items():
+            if name not in params:
+                raise JetrlError(f"weight sync: the rollout model has no parameter {name}")
+            if isinstance(t, torch.Tensor):
+                params[name].copy_(t)
+                continue
+            mod = modules.get(name.rsplit(".", 1)[0])
+            if not isinstance(mod, JetLinear):
+                raise JetrlError(f"weight sync: {name} arrived quantized but is not a quantized layer here")
+            # On a GPU the held operand (or its view into the group's stacked one) takes the new
+            # values in place: nothing is held twice, and captured graphs keep their addresses.
+            held = mod._wfixed
+            mod.load_quantized_weight(t, in_place=self.static)
+            replaced |= mod._wfixed is not held
         if self.static:
             if replaced:
                 self._hold_weights_once()
