@@ -90,9 +90,9 @@ def is_gemm_layout(q: QTensor) -> bool:
     if not q.data.is_contiguous():
         return False
     s = q.scale
-    if q.spec.block == ROW_GROUP:
-        return tuple(s.shape) == (r, cdiv(k, GROUP)) and (s.stride(0) == 1 or r == 1) and (
-            s.stride(1) == r or s.shape[1] == 1)
+    if q.spec.block == ROW_GROUP:  # torch's own rule: row stride 1 even for one row
+        return tuple(s.shape) == (r, cdiv(k, GROUP)) and s.stride(0) == 1 and (
+            s.stride(1) == r or (s.shape[1] == 1 and s.stride(1) == 1))
     gr, l4 = cdiv(r, GROUP), padded_groups(k)
     room = s.untyped_storage().nbytes() // s.element_size() - s.storage_offset()
     return tuple(s.shape) == (gr, cdiv(k, GROUP)) and (s.stride(1) == 1 or s.shape[1] == 1) and (

@@ -6,20 +6,23 @@ a test process): prints one JSON object. It needs a CUDA build of torch (the GPU
 
 ``FakeCuda`` is a dispatch mode in which CPU tensors stay real and CUDA tensors are torch's
 ``FakeTensor``s: shapes, dtypes, strides and devices are propagated by torch's own meta kernels
-(``scaled_mm``'s layout checks and SDPA included), but nothing is computed. So this checks what a
-CPU run of the same code cannot: that the code placed every tensor on the device it meant to (a
-CPU tensor meeting CUDA ones in an op raises, as on CUDA), and where the host reads
-device values -- ``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero`` -- which on a GPU are
-synchronisations that stall the launch queue. Each such read is recorded with the jetrl source
-line that asked for it, and answered with made-up values (bools: every ``bool_every``-th True;
-ints: ``ints`` queued, then ``fill``; floats ``real``), which keeps data-dependent control flow going
-(rows stop, batches compact) without meaning anything.
+(``scaled_mm``'s layout checks and SDPA included; ``_int_mm``'s CUDA-only rule of more than 16
+rows added here), but nothing is computed. So this checks what a CPU run of the same code cannot:
+that the code placed every tensor on the device it meant to (a CPU tensor meeting CUDA ones in an
+op raises, as on CUDA), and where the host reads device values -- ``.item()``, ``.tolist()``,
+``.cpu()``, ``nonzero`` -- which on a GPU are synchronisations that stall the launch queue. Each
+such read is recorded with the jetrl source line that asked for it, and answered with made-up
+values (bools: every ``bool_every``-th True; ints: ``ints`` queued, then ``fill``; floats
+``real``), which keeps data-dependent control flow going (rows stop, batches compact) without
+meaning anything.
 
 The backward runs too, though autograd's engine wants a real CUDA context: ``loss.backward()`` is
-``py_autograd.backward`` here, which calls the graph's nodes from Python (checked against the engine
-by ``tests/test_py_autograd.py``). What cannot run: CUDA graph capture and Triton kernels (they need
-real memory); the scenarios use the ``scaled_mm``, ``emulated`` and torch backends and eager decoding,
-and ``jetrl bench train`` and ``bench rollout --device cuda`` at the 1.5B shape cut to one layer.
+``py_autograd.backward`` here, which calls the graph's nodes from Python (checked against the
+engine by ``tests/test_py_autograd.py``). What cannot run: CUDA graph capture and Triton kernels
+(they need real memory). The scenarios: the engine's decoding and the trainer's forward and update
+through the ``scaled_mm``, ``emulated`` and torch backends; ``jetrl bench train`` and ``bench
+rollout --device cuda`` at the 1.5B shape cut to one layer; ``jetrl run PRESET --set
+model.device=cuda`` for two steps.
 """
 
 from __future__ import annotations
@@ -89,6 +92,8 @@ class FakeCuda(TorchDispatchMode):
         dev = kwargs.get("device")
         if not fake_in and not (dev is not None and torch.device(dev).type == "cuda"):
             return func(*args, **kwargs)  # host work: real
+        if func is torch.ops.aten._int_mm.default and args[0].shape[0] <= 16:  # CUDA's rule; not in the meta kernel
+            raise RuntimeError(f"self.size(0) needs to be greater than 16, but got {args[0].shape[0]}")
         if func in _READS:
             self._read()
             return self._made_up((), args[0].dtype).item()
@@ -308,6 +313,31 @@ def _bench_rollout() -> dict:
             for r in rows}
 
 
+def _run_loop(preset: str) -> dict:
+    """``jetrl run presets/PRESET.yaml --set model.device=cuda`` for two steps (eval, rollout,
+    scoring, update, weight sync), with torch's "is there a GPU" check and the checkpoint write
+    (fake tensors cannot be pickled) stood in for."""
+    import tempfile
+    from pathlib import Path
+
+    from jetrl_cli.config import load_job_config
+    from jetrl_cli.rl import loop
+
+    saved = loop._device, loop.save_checkpoint
+    loop._device = lambda cfg: torch.device(cfg.model.device)
+    loop.save_checkpoint = lambda out, step, *a, **k: out / f"step-{step}"
+    mode = FakeCuda(bool_every=1, real=0.0)
+    try:
+        with _pretend_bench(), mode, py_autograd.recording(), tempfile.TemporaryDirectory() as d:
+            cfg = load_job_config(preset, ["model.device=cuda", "train.steps=2", "eval.prompts=1",
+                                           "run.save_rollouts=false"])
+            lines = list(loop.run(cfg, Path(d) / "run"))
+    finally:
+        loop._device, loop.save_checkpoint = saved
+    return {"steps": [m["step"] for m in lines], "keys": sorted(set().union(*(m for m in lines if m["step"] > 0))),
+            "reads": mode.reads}
+
+
 def _control() -> dict:
     """The detectors on code that does wrong on purpose: a CPU tensor in a CUDA op, a host read."""
     mode, mixed = FakeCuda(), None
@@ -335,6 +365,12 @@ def main() -> int:
                 report[part][name] = fn(name)
             except Exception as e:  # noqa: BLE001 - reported, the test fails on it
                 report["failures"][f"{part} {name}"] = "".join(traceback.format_exception(e))[-3000:]
+    report["run"] = {}
+    for preset in ("fp8-unified", "bf16", "int8-rollout-tis"):
+        try:
+            report["run"][preset] = _run_loop(preset)
+        except Exception as e:  # noqa: BLE001 - reported, the test fails on it
+            report["failures"][f"run {preset}"] = "".join(traceback.format_exception(e))[-3000:]
     for part, fn in (("bench_train", _bench_train), ("bench_rollout", _bench_rollout)):
         try:
             report[part] = fn()

@@ -21,7 +21,10 @@ meta kernels give shapes, dtypes and devices; nothing is computed) while host te
   kernel takes them, which would have sent a GPU's Wgrad to the emulated path);
 - ``jetrl bench rollout --device cuda`` runs every engine row, fixed and task-shaped batches (its
   task rows once stopped at the weight-sync timing: a sync after a rollout wrote into inference
-  tensors outside inference mode).
+  tensors outside inference mode);
+- ``jetrl run PRESET --set model.device=cuda`` (fp8-unified, bf16, int8-rollout-tis) runs two whole
+  RL steps, reading the host only where the parts above do (its eval once stopped at a one-row
+  decode step: blockwise ``scaled_mm`` wants the scales' row stride 1 even for one row).
 
 It needs a CUDA build of torch (a GPU machine's, or torch 2.11+cu130 installed on CPU); a CPU-only
 build cannot create fake CUDA tensors, and the test is skipped there.
@@ -119,3 +122,15 @@ def test_bench_rollout_runs_every_engine_row(report):
         assert {"tokens_per_s", "ttft_s", "sync_s", "kv_bytes_per_token", "weight_bytes", "peak_memory_bytes",
                 "vs_bf16"} <= set(r["keys"]), name
         assert r["cuda_graphs"].startswith("capture failed"), name  # no capture on fake tensors: eager, and said
+
+
+def test_rl_loop_runs_on_the_device_and_reads_only_where_its_parts_do(report):
+    allowed = ("done.tolist()", "_completions(", "token_logprobs(model, mb, sampling).float().cpu()",
+               "torch.stack([t.float() for t in flat]", "torch.isfinite(p).all()",
+               "err = float((got - ref).norm()")  # the last: auto's probe, once per GEMM spec
+    assert set(report["run"]) == {"fp8-unified", "bf16", "int8-rollout-tis"}
+    for preset, r in report["run"].items():
+        assert r["steps"] == [0, 1, 2], preset  # step 0: the eval before training
+        assert {"mismatch_kl", "frac_bitwise_equal", "loss", "grad_norm", "sync_s", "rollout_s"} <= set(r["keys"])
+        odd = [k for k in r["reads"] if not any(a in k for a in allowed)]
+        assert odd == [], (preset, odd)

@@ -168,13 +168,16 @@ def _blockwise_operands(kind: str, x, w, gy) -> tuple:
     return quantize(gy, CastSpec(e4, "128x1")).t(), quantize(x, CastSpec(e4, "128x1")).t()
 
 
-@pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
-def test_blockwise_operands_pass_torchs_scaled_mm_checks(kind, forced_native):
+@pytest.mark.parametrize("kind,t", [("fprop", 256), ("fprop", 1), ("fprop", 3), ("dgrad", 256), ("dgrad", 1),
+                                    ("wgrad", 256)])
+def test_blockwise_operands_pass_torchs_scaled_mm_checks(kind, t, forced_native):
     """The layouts the scaled_mm backend hands over are the ones torch checks for (shapes and
-    strides), for each GEMM of a linear layer; run on meta tensors, so no GPU is needed."""
+    strides), for each GEMM of a linear layer; run on meta tensors, so no GPU is needed. One row
+    too (a decode step with one live sequence): torch wants the scales' row stride to be 1 even
+    then, which a reference-quantized (1, K/128) scale grid does not have."""
     if gemm._scaled_mm_v2() is None:
         pytest.skip("this torch has no torch.nn.functional.scaled_mm")
-    t, k, n = 256, 384, 640
+    k, n = 384, 640
     a, b = _blockwise_operands(kind, torch.randn(t, k), torch.randn(n, k), torch.randn(t, n))
 
     def meta(q):
@@ -220,6 +223,28 @@ def test_auto_probes_each_gemm_with_operands_cast_as_the_layers_cast_them(g):
         assert gemm._probe(be, spec, g, torch.device("cpu")) is None
         a, b = gemm._operands(be, spec, g, x, x * 0.5)
     assert be.shape_unsupported(a, b) is None and a.spec.block.name in ("1x128", "128x128")
+
+
+def test_int8_gemm_with_few_rows_runs_as_cublas_requires(forced_native, monkeypatch):
+    """torch._int_mm on CUDA takes only more than 16 rows (cuBLAS), and a decode step has fewer: the
+    native path pads rows with zeros (int32 accumulation: exact) and cuts them off. The CUDA rule is
+    imposed here on torch's CPU _int_mm; results must equal the unpadded product."""
+    plain = torch._int_mm
+
+    def cuda_rule(x, w):
+        assert x.shape[0] > 16, f"torch._int_mm: self.size(0) needs to be greater than 16, but got {x.shape[0]}"
+        return plain(x, w)
+
+    be = gemm.ScaledMMBackend()
+    spec = CastSpec("int8", "row")
+    w = be.cast(torch.randn(48, 64, generator=gen(4)), spec)
+    for m in (1, 5, 16, 17, 40):
+        x = be.cast(torch.randn(m, 64, generator=gen(m)), spec)
+        monkeypatch.setattr(torch, "_int_mm", plain)
+        want = (plain(x.data, w.data.t()).float() * x.scale.reshape(m, 1) * w.scale.reshape(1, 48)).to(torch.bfloat16)
+        monkeypatch.setattr(torch, "_int_mm", cuda_rule)
+        got = be.mm(x, w, Format.BF16)
+        assert got.shape == (m, 48) and torch.equal(got, want), m
 
 
 def test_a_shape_the_backend_cannot_run_falls_back_and_is_counted():
