@@ -66,6 +66,8 @@ quantize`` on a GPU.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -187,6 +189,10 @@ def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_wn, s
         tl.store(st_ptr + pk * L4T + GN + pad, ones, mask=pad < tl.where(pn == GN - 1, L4T - GN, 0))
         tl.store(qt_ptr + rk.to(tl.int64)[:, None] * N + rn[None, :], tl.trans(q),
                  mask=(rk < K)[:, None] & (rn < N)[None, :])
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -359,6 +365,7 @@ def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
         a.data, b.data, c, a.scale, b.scale, c, m, n, k,
         a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1), c.stride(0), c.stride(1),
         a.scale.stride(0), a.scale.stride(1), b.scale.stride(0), b.scale.stride(1),
-        SA_ROWS=sa_rows, SB_ROWS=sb_rows, HAS_BIAS=False, OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=False,
+        SA_ROWS=sa_rows, SB_ROWS=sb_rows, HAS_BIAS=False, OUT_BF16=out_dtype == torch.bfloat16,
+        INTERPRET=_interpreting(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=TILE, enable_fp_fusion=FP_FUSION)
     return c

@@ -69,15 +69,13 @@ nearest even (and flush subnormals), so the rounding is done on the bits. Neithe
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from jetrl_cli.precision.quant import QTensor
 
-from .fp8 import FP_FUSION, _blockwise_mm_kernel, _to_bf16
+from .fp8 import FP_FUSION, _blockwise_mm_kernel, _interpreting, _to_bf16
 
 # The one tile configuration of each kernel. Changing a value changes results (it is part of the math).
 MM_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
@@ -86,10 +84,6 @@ ATT_BLOCK_M, ATT_BLOCK_N, ATT_WARPS, ATT_STAGES = 64, 64, 4, 2
 ROW_BLOCK, ROW_WARPS = 1024, 4
 LOG2E = 1.4426950408889634
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _check_device(where: str, *ts: torch.Tensor) -> None:

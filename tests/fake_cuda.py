@@ -33,6 +33,7 @@ import os
 import sys
 import time
 import traceback
+from unittest import mock
 
 import torch
 from torch.utils import _pytree as pytree
@@ -254,18 +255,13 @@ def _pretend_bench():
         def __init__(self, device="cpu"):
             super().__init__()
 
-    saved = {k: getattr(torch.cuda, k) for k in ("Event", "get_device_name", "max_memory_allocated",
-                                                  "reset_peak_memory_stats", "empty_cache")}
-    torch.cuda.Event, torch.cuda.get_device_name = _Event, lambda *a: "fake H100"
-    torch.cuda.max_memory_allocated = lambda *a: 1 << 30
-    torch.cuda.reset_peak_memory_stats = torch.cuda.empty_cache = lambda *a: None
-    torch.Generator = Generator
-    try:
+    fakes = {"Event": _Event, "get_device_name": lambda *a: "fake H100", "max_memory_allocated": lambda *a: 1 << 30,
+             "reset_peak_memory_stats": lambda *a: None, "empty_cache": lambda *a: None}
+    with contextlib.ExitStack() as stack:
+        for name, fake in fakes.items():
+            stack.enter_context(mock.patch.object(torch.cuda, name, fake))
+        stack.enter_context(mock.patch.object(torch, "Generator", Generator))
         yield
-    finally:
-        torch.Generator = plain
-        for k, v in saved.items():
-            setattr(torch.cuda, k, v)
 
 
 def _bench_train() -> dict:
@@ -297,18 +293,11 @@ def _bench_rollout() -> dict:
     decode eagerly and say why."""
     from jetrl_cli import bench
 
-    saved = sys.modules.get("transformers")
-    sys.modules["transformers"] = None  # import fails: the rows users compare against are skipped
-    try:
-        with _pretend_bench(), FakeCuda(bool_every=3, real=0.0):
-            s = bench.Settings(device="cuda", repeats=1, warmup=0, model="qwen2.5-1.5b", layers=1, batch=8,
-                               new_tokens=24, flows=("bf16", "fp8-rollout", "int8-rollout"))
-            rows = bench.run_bench(["rollout"], s)["results"]["rollout"]
-    finally:
-        if saved is None:
-            del sys.modules["transformers"]
-        else:
-            sys.modules["transformers"] = saved
+    # import transformers fails: the rows users compare against are skipped
+    with mock.patch.dict(sys.modules, {"transformers": None}), _pretend_bench(), FakeCuda(bool_every=3, real=0.0):
+        s = bench.Settings(device="cuda", repeats=1, warmup=0, model="qwen2.5-1.5b", layers=1, batch=8,
+                           new_tokens=24, flows=("bf16", "fp8-rollout", "int8-rollout"))
+        rows = bench.run_bench(["rollout"], s)["results"]["rollout"]
     return {f"{r['workload'].split(' ')[0]} {r['flow']}": {"keys": sorted(r), "cuda_graphs": r.get("cuda_graphs")}
             for r in rows}
 
@@ -323,17 +312,13 @@ def _run_loop(preset: str) -> dict:
     from jetrl_cli.config import load_job_config
     from jetrl_cli.rl import loop
 
-    saved = loop._device, loop.save_checkpoint
-    loop._device = lambda cfg: torch.device(cfg.model.device)
-    loop.save_checkpoint = lambda out, step, *a, **k: out / f"step-{step}"
     mode = FakeCuda(bool_every=1, real=0.0)
-    try:
-        with _pretend_bench(), mode, py_autograd.recording(), tempfile.TemporaryDirectory() as d:
-            cfg = load_job_config(preset, ["model.device=cuda", "train.steps=2", "eval.prompts=1",
-                                           "run.save_rollouts=false"])
-            lines = list(loop.run(cfg, Path(d) / "run"))
-    finally:
-        loop._device, loop.save_checkpoint = saved
+    with mock.patch.object(loop, "_device", lambda cfg: torch.device(cfg.model.device)), \
+            mock.patch.object(loop, "save_checkpoint", lambda out, step, *a, **k: out / f"step-{step}"), \
+            _pretend_bench(), mode, py_autograd.recording(), tempfile.TemporaryDirectory() as d:
+        cfg = load_job_config(preset, ["model.device=cuda", "train.steps=2", "eval.prompts=1",
+                                       "run.save_rollouts=false"])
+        lines = list(loop.run(cfg, Path(d) / "run"))
     return {"steps": [m["step"] for m in lines], "keys": sorted(set().union(*(m for m in lines if m["step"] > 0))),
             "reads": mode.reads}
 
@@ -359,23 +344,21 @@ def main() -> int:
     report: dict = {"torch": torch.__version__, "control": _control(), "rollout": {}, "train_forward": {}, "train_step": {},
                     "failures": {}}
     torch.Tensor.backward = py_autograd.backward  # autograd's C++ engine wants a CUDA context
+
+    def attempt(where: dict, key, name: str, fn, *args) -> None:  # a failure is reported: the test fails on it
+        try:
+            where[key] = fn(*args)
+        except Exception as e:  # noqa: BLE001
+            report["failures"][name] = "".join(traceback.format_exception(e))[-3000:]
+
     for name in FLOWS:
         for part, fn in (("rollout", _rollout), ("train_forward", _train_forward), ("train_step", _train_step)):
-            try:
-                report[part][name] = fn(name)
-            except Exception as e:  # noqa: BLE001 - reported, the test fails on it
-                report["failures"][f"{part} {name}"] = "".join(traceback.format_exception(e))[-3000:]
+            attempt(report[part], name, f"{part} {name}", fn, name)
     report["run"] = {}
     for preset in ("fp8-unified", "bf16", "int8-rollout-tis"):
-        try:
-            report["run"][preset] = _run_loop(preset)
-        except Exception as e:  # noqa: BLE001 - reported, the test fails on it
-            report["failures"][f"run {preset}"] = "".join(traceback.format_exception(e))[-3000:]
+        attempt(report["run"], preset, f"run {preset}", _run_loop, preset)
     for part, fn in (("bench_train", _bench_train), ("bench_rollout", _bench_rollout)):
-        try:
-            report[part] = fn()
-        except Exception as e:  # noqa: BLE001 - reported, the test fails on it
-            report["failures"][part] = "".join(traceback.format_exception(e))[-3000:]
+        attempt(report, part, part, fn)
     print(json.dumps(report, indent=1))
     return 0
 

@@ -212,8 +212,7 @@ def test_auto_probes_each_gemm_with_operands_cast_as_the_layers_cast_them(g):
     """``auto``'s probe (and timing) casts a GEMM's operands as the layers do: Wgrad's x^T and dy^T
     with 128x1 groups along tokens, transposed into K-major operands. Cast as plain K-major operands
     they are 128x1 scales along K, which no kernel backend takes, and ``auto`` would reject every
-    kernel for Wgrad (what the fake-CUDA bench run found). Not on the forced native path: the
-    interpreter's fp32-to-bf16 cast does not round to nearest, as the GPU's does."""
+    kernel for Wgrad (what the fake-CUDA bench run found)."""
     from .triton_interp_fix import fixed_fp8_conversion
 
     be = gemm.get_backend("triton")

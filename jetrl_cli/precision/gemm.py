@@ -74,7 +74,7 @@ Operand = Union[QTensor, torch.Tensor]
 KERNEL_TOLERANCE = 1e-3  # relative error of a backend against the emulated GEMM on the same operands
 ROW_TILE = 8
 TILE = 128
-INT_MM_MIN_ROWS = 32  # rows torch._int_mm is given on CUDA (it takes more than 16; decode has fewer)
+INT_MM_PAD_ROWS = 32  # torch._int_mm on CUDA takes more than 16 rows; fewer (decode) are padded to this many
 
 
 _FORCE_NATIVE = False  # tests: run the native (CUDA) code path on CPU tensors, at tiny sizes
@@ -517,8 +517,8 @@ class ScaledMMBackend:
         sb = b.scale.reshape(()) if b.scale.numel() == 1 and n != 1 else b.scale.reshape(-1).reshape(1, n)
         if a.spec.format is Format.INT8:
             x = a.data
-            if native(x) and m < INT_MM_MIN_ROWS:  # cuBLAS' int8 GEMM refuses 16 rows or fewer:
-                x = torch.nn.functional.pad(x, (0, 0, 0, INT_MM_MIN_ROWS - m))  # zero rows, exact
+            if native(x) and m <= 16:  # cuBLAS' int8 GEMM refuses these: zero rows added, exact
+                x = torch.nn.functional.pad(x, (0, 0, 0, INT_MM_PAD_ROWS - m))
             acc = torch._int_mm(x, b.data.t())[:m]
             return (acc.float() * sa * sb).to(out_dtype)
         if sa.dim() != sb.dim():  # _scaled_mm wants both tensor-wise or both row-wise
