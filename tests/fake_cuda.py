@@ -22,7 +22,8 @@ engine by ``tests/test_py_autograd.py``). What cannot run: CUDA graph capture an
 (they need real memory). The scenarios: the engine's decoding and the trainer's forward and update
 through the ``scaled_mm``, ``emulated`` and torch backends; ``jetrl bench train`` and ``bench
 rollout --device cuda`` at the 1.5B shape cut to one layer; ``jetrl run PRESET --set
-model.device=cuda`` for two steps.
+model.device=cuda`` for two steps, the tiny presets and the ``gpu-*`` ones (on a small Hugging Face
+model directory written here).
 """
 
 from __future__ import annotations
@@ -302,7 +303,7 @@ def _bench_rollout() -> dict:
             for r in rows}
 
 
-def _run_loop(preset: str) -> dict:
+def _run_loop(preset: str, *overrides: str) -> dict:
     """``jetrl run presets/PRESET.yaml --set model.device=cuda`` for two steps (eval, rollout,
     scoring, update, weight sync), with torch's "is there a GPU" check and the checkpoint write
     (fake tensors cannot be pickled) stood in for."""
@@ -317,10 +318,37 @@ def _run_loop(preset: str) -> dict:
             mock.patch.object(loop, "save_checkpoint", lambda out, step, *a, **k: out / f"step-{step}"), \
             _pretend_bench(), mode, py_autograd.recording(), tempfile.TemporaryDirectory() as d:
         cfg = load_job_config(preset, ["model.device=cuda", "train.steps=2", "eval.prompts=1",
-                                       "run.save_rollouts=false"])
+                                       "run.save_rollouts=false", *overrides])
         lines = list(loop.run(cfg, Path(d) / "run"))
     return {"steps": [m["step"] for m in lines], "keys": sorted(set().union(*(m for m in lines if m["step"] > 0))),
             "reads": mode.reads}
+
+
+def _gpu_preset(preset: str) -> dict:
+    """A ``gpu-*`` preset (a Hugging Face model directory, GSM8K-style JSONL, the preset's own batch
+    settings) through ``_run_loop``, on a model built here with the real model's traits that matter
+    to the code: Qwen2 with tied embeddings, GQA, head_dim 128, an MLP width of an odd number of
+    128-blocks. Needs transformers (to write the directory)."""
+    import shutil
+    import tempfile
+
+    import transformers
+
+    with tempfile.TemporaryDirectory() as d:
+        cfg = transformers.Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=640, num_hidden_layers=2,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                                       max_position_embeddings=2048, tie_word_embeddings=True, eos_token_id=1,
+                                       pad_token_id=0)
+        transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(f"{d}/model")
+        tiny = os.path.join(ROOT, "jetrl_cli", "assets", "tiny-policy")
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(tiny, name), f"{d}/model/{name}")
+        with open(f"{d}/gsm8k.jsonl", "w") as f:
+            for i in range(8):
+                f.write(json.dumps({"question": f"What is {i} + 7?", "answer": f"{i} + 7 = {i + 7}\n#### {i + 7}"}) + "\n")
+        return _run_loop(preset, f"model.path={d}/model", f"task.file={d}/gsm8k.jsonl",
+                         f"task.eval_file={d}/gsm8k.jsonl", "rollout.prompts_per_step=2", "rollout.n=4",
+                         "rollout.max_new_tokens=16")
 
 
 def _control() -> dict:
@@ -357,6 +385,8 @@ def main() -> int:
     report["run"] = {}
     for preset in ("fp8-unified", "bf16", "int8-rollout-tis"):
         attempt(report["run"], preset, f"run {preset}", _run_loop, preset)
+    for preset in ("gpu-qwen2.5-1.5b-gsm8k-fp8-unified", "gpu-qwen2.5-1.5b-gsm8k-fp8-rollout-tis"):
+        attempt(report["run"], preset, f"run {preset}", _gpu_preset, preset)
     for part, fn in (("bench_train", _bench_train), ("bench_rollout", _bench_rollout)):
         attempt(report, part, part, fn)
     print(json.dumps(report, indent=1))

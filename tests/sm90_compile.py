@@ -48,6 +48,20 @@ def ptx_fp(ptx: str) -> list[str]:
     return [m.group(1) for line in ptx.splitlines() if (m := _PTX_FP.match(line))]
 
 
+_PTX_MMA = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:wgmma\.mma_async|mma)\.[\w.:]*)")
+_PTX_F32_CONST = re.compile(r"\b0f[0-9A-F]{8}\b")
+
+
+def ptx_mma(ptx: str) -> list[str]:
+    """The tensor-core instructions of the PTX (each kind once), integer ones included."""
+    return sorted({m.group(1) for line in ptx.splitlines() if (m := _PTX_MMA.match(line))})
+
+
+def ptx_f32_consts(ptx: str) -> list[str]:
+    """The fp32 immediates of the PTX (``0f4B400000`` is 1.5 * 2^23), each once."""
+    return sorted(set(_PTX_F32_CONST.findall(ptx)))
+
+
 def _cuobjdump(cubin: bytes, flag: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -117,7 +131,9 @@ def _qtensor(rows: int, k: int, block_rows: int):
 
 def cases():
     """(case, group, call): each group holds calls that must compile to the same arithmetic."""
-    from jetrl_cli.kernels import fp8, invariant
+    from jetrl_cli.kernels import fp8, int8, invariant
+    from jetrl_cli.precision.formats import Block, Format
+    from jetrl_cli.precision.quant import CastSpec, QTensor
 
     invariant._check_device = lambda *a, **k: None  # CPU tensors stand in for CUDA ones (never read)
     bf = torch.bfloat16
@@ -131,6 +147,22 @@ def cases():
         out.append((f"quantize_act cols pow2={pow2}", None, lambda x=x, p=pow2: fp8.quantize_act(x, pow2_scale=p, rows=False, pad_tokens_to=128)))
         w = torch.zeros(inter, hidden, dtype=bf)
         out.append((f"quantize_weight pow2={pow2}", None, lambda w=w, p=pow2: fp8.quantize_weight(w, pow2_scale=p, transposed=True)))
+    for pow2 in (False, True):  # INT8 rollout: per-token activations (bf16), per-channel weights (fp32 masters)
+        spec = CastSpec(Format.INT8, Block(1, 0), pow2)
+        for m in (1, 64, 4096):
+            out.append((f"int8 quantize_rows M={m} pow2={pow2}", None, lambda m=m, spec=spec: int8.quantize_rows(
+                torch.zeros(m, hidden, dtype=bf), spec)))
+        out.append((f"int8 quantize_rows weight pow2={pow2}", None, lambda spec=spec: int8.quantize_rows(
+            torch.zeros(hidden, inter), spec)))
+
+    def int8_op(rows, k):
+        return QTensor(torch.zeros(rows, k, dtype=torch.int8), torch.ones(rows, 1), CastSpec(Format.INT8, Block(1, 0)))
+
+    for m in (1, 7, 64, 4096):
+        out.append((f"int8_mm M={m}", None, lambda m=m: int8.int8_mm(int8_op(m, hidden), int8_op(inter, hidden),
+                                                                     out_dtype=bf)))
+    out.append(("int8_mm M=64 N=1536", None, lambda: int8.int8_mm(int8_op(64, inter), int8_op(hidden, inter),
+                                                                  out_dtype=bf)))  # down_proj: narrower tiles
     for m in (1, 7, 64, 4096):  # decode (one row, a few), prefill, training
         out.append((f"blockwise_mm M={m}", "blockwise_mm", lambda m=m: fp8.blockwise_mm(
             _qtensor(m, hidden, 1), _qtensor(inter, hidden, 128), out_dtype=bf)))
@@ -197,7 +229,8 @@ def main() -> dict:
     for case, group, name, k in record:
         kernels.append(dict(case=case, group=group, kernel=name, hash=k.hash, num_warps=k.metadata.num_warps,
                             shared=k.metadata.shared,
-                            **resources(k.asm["cubin"]), ptx_fp=ptx_fp(k.asm["ptx"]), sass_fp=sass_fp(k.asm["cubin"])))
+                            **resources(k.asm["cubin"]), ptx_fp=ptx_fp(k.asm["ptx"]), sass_fp=sass_fp(k.asm["cubin"]),
+                            ptx_mma=ptx_mma(k.asm["ptx"]), ptx_f32_consts=ptx_f32_consts(k.asm["ptx"])))
     return {"triton": triton.__version__, "torch": torch.__version__, "failures": failures, "kernels": kernels}
 
 

@@ -24,7 +24,9 @@ meta kernels give shapes, dtypes and devices; nothing is computed) while host te
   tensors outside inference mode);
 - ``jetrl run PRESET --set model.device=cuda`` (fp8-unified, bf16, int8-rollout-tis) runs two whole
   RL steps, reading the host only where the parts above do (its eval once stopped at a one-row
-  decode step: blockwise ``scaled_mm`` wants the scales' row stride 1 even for one row).
+  decode step: blockwise ``scaled_mm`` wants the scales' row stride 1 even for one row); so do the
+  ``gpu-qwen2.5-1.5b-gsm8k-*`` presets with their own batch settings, on a Hugging Face directory of a
+  small Qwen2 with the real model's traits (tied embeddings, GQA, head_dim 128) and GSM8K-style JSONL.
 
 It needs a CUDA build of torch (a GPU machine's, or torch 2.11+cu130 installed on CPU); a CPU-only
 build cannot create fake CUDA tensors, and the test is skipped there.
@@ -128,7 +130,8 @@ def test_rl_loop_runs_on_the_device_and_reads_only_where_its_parts_do(report):
     allowed = ("done.tolist()", "_completions(", "token_logprobs(model, mb, sampling).float().cpu()",
                "torch.stack([t.float() for t in flat]", "torch.isfinite(p).all()",
                "err = float((got - ref).norm()")  # the last: auto's probe, once per GEMM spec
-    assert set(report["run"]) == {"fp8-unified", "bf16", "int8-rollout-tis"}
+    assert set(report["run"]) == {"fp8-unified", "bf16", "int8-rollout-tis", "gpu-qwen2.5-1.5b-gsm8k-fp8-unified",
+                                  "gpu-qwen2.5-1.5b-gsm8k-fp8-rollout-tis"}
     for preset, r in report["run"].items():
         assert r["steps"] == [0, 1, 2], preset  # step 0: the eval before training
         assert {"mismatch_kl", "frac_bitwise_equal", "loss", "grad_norm", "sync_s", "rollout_s"} <= set(r["keys"])

@@ -246,6 +246,65 @@ def test_int8_gemm_with_few_rows_runs_as_cublas_requires(forced_native, monkeypa
         assert got.shape == (m, 48) and torch.equal(got, want), m
 
 
+class _StandInGraph:
+    """torch.cuda.CUDAGraph's part that ``_time_ms`` uses: capture records the calls, replay runs them."""
+
+    def __init__(self, fail=False):
+        if fail:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        self.calls = []
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        for fn in self.calls:
+            fn()
+
+
+@pytest.mark.parametrize("capturable", [True, False])
+def test_auto_times_device_work_at_the_rows_each_gemm_runs(monkeypatch, capturable):
+    """``auto``'s timing: the rollout's GEMM at a decode step's 64 rows, the trainer's at 2048 (here
+    256), ``TIMED_CALLS`` calls captured in one graph and replayed (device time, as a captured decode
+    step pays it); eagerly when capture fails."""
+    import contextlib
+
+    graphs, rows, capturing = [], [], []
+
+    class Recording(gemm.EmulatedBackend):
+        def mm(self, a, b, out=Format.FP32):
+            rows.append(a.shape[0])
+            if capturing:
+                graphs[-1].calls.append(lambda: rows.append(a.shape[0]))
+                return None
+            return super().mm(a, b, out)
+
+    def new_graph():
+        graphs.append(_StandInGraph(fail=not capturable))
+        return graphs[-1]
+
+    @contextlib.contextmanager
+    def capture(graph):
+        capturing.append(True)
+        try:
+            yield
+        finally:
+            capturing.clear()
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", new_graph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    spec = named_flow("int8-rollout").rollout.linear
+    n = gemm.TIMED_CALLS
+    for g, want in (("rollout.linear", 64), ("fprop", 256)):
+        rows.clear()
+        assert gemm._time_ms(Recording(), spec, g, torch.device("cpu"), size=256) > 0
+        assert set(rows) == {want}
+        if capturable:  # warm-up, capture, then one untimed and three timed replays of the graph
+            assert graphs[-1].replays == 4 and len(graphs[-1].calls) == n and len(rows) == n + n + 4 * n
+        else:
+            assert len(rows) == n + 4 * n  # warm-up, then four eager rounds
+
+
 def test_a_shape_the_backend_cannot_run_falls_back_and_is_counted():
     class EvenK(gemm.EmulatedBackend):
         name = "even_k"

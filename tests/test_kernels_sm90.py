@@ -55,6 +55,19 @@ def test_every_kernel_compiles_for_hopper(report):
         assert any(op.startswith("wgmma") for op in by_case[case]["ptx_fp"]), case
 
 
+def test_int8_kernels_use_the_integer_tensor_cores_and_round_half_to_even(report):
+    by_case = {k["case"]: k for k in report["kernels"]}
+    gemms = [k for c, k in by_case.items() if c.startswith("int8_mm")]
+    assert len(gemms) == 5
+    for k in gemms:  # int8 x int8 -> int32 on the tensor cores at every M (mma.sync for a decode step's rows)
+        assert k["ptx_mma"] and all(".s8.s8" in op for op in k["ptx_mma"]), (k["case"], k["ptx_mma"])
+    assert any(op.startswith("wgmma") for op in by_case["int8_mm M=4096"]["ptx_mma"])
+    quantizers = [k for c, k in by_case.items() if c.startswith("int8 quantize_rows")]
+    assert len(quantizers) == 8
+    for k in quantizers:  # (y + 1.5 * 2^23) - 1.5 * 2^23 survived compilation: not folded into y
+        assert {"0f4B400000", "0fCB400000"} <= set(k["ptx_f32_consts"]), k["case"]
+
+
 def test_fast_paths_do_not_spill_registers(report):
     # The fp32 kernels are for checks (IEEE fp32 dots on the CUDA cores), not speed: the fp32
     # attention spills ~14 KB per thread; the fp32 GEMM 0 bytes with Triton 3.9, 8 with Triton 3.6.

@@ -30,8 +30,9 @@ Backends (for 8-bit GEMMs; an unscaled GEMM always runs ``torch.matmul`` as abov
   (Fprop, Dgrad) and 1x128 x 1x128 (Wgrad, groups along tokens). Blockwise needs the reduction dim
   (and, for 128x128 weights, N) to be a multiple of 128; scales are handed over in the layouts
   torch requires (``jetrl_cli.kernels.layouts``), which jetrl's Triton quantizers write directly.
-- ``triton``: jetrl's blockwise FP8 kernels (``jetrl_cli.kernels``), on a CUDA GPU or in Triton's
-  interpreter (``TRITON_INTERPRET=1``).
+- ``triton``: jetrl's kernels (``jetrl_cli.kernels``): blockwise FP8 (1x128 / 128x128 scales along
+  K) and INT8 with per-row or per-tensor scales (int32 accumulation, the scaling fused into the
+  GEMM), with their quantizers; on a CUDA GPU or in Triton's interpreter (``TRITON_INTERPRET=1``).
 - ``te``: a slot for Transformer Engine; choosing it is a clear error until one registers.
 - ``auto`` (the default): resolved once per GEMM spec and device, by this rule:
 
@@ -41,7 +42,9 @@ Backends (for 8-bit GEMMs; an unscaled GEMM always runs ``torch.matmul`` as abov
      dropped if it cannot run the spec (``unsupported``: formats, granularities, torch version,
      GPU generation) or if a probe GEMM (256 x 256 x 256, random operands and scales) does not
      match ``emulated`` within ``KERNEL_TOLERANCE``. The survivors are timed on one
-     2048 x 2048 x 2048 GEMM and the fastest is chosen.
+     2048 x 2048 x 2048 GEMM -- 64 x 2048 x 2048 for ``rollout.linear``, whose calls are mostly
+     decode steps -- replayed from a CUDA graph (device time, as a captured decode step pays it),
+     and the fastest is chosen.
   3. At call time a shape the chosen backend cannot serve (e.g. a reduction dim that is not a
      multiple of 128 for blockwise ``scaled_mm``) goes to the next surviving candidate. Every such
      fallback is counted (``fallbacks()``) and reported with the resolution (``backend_report``):
@@ -75,6 +78,7 @@ KERNEL_TOLERANCE = 1e-3  # relative error of a backend against the emulated GEMM
 ROW_TILE = 8
 TILE = 128
 INT_MM_PAD_ROWS = 32  # torch._int_mm on CUDA takes more than 16 rows; fewer (decode) are padded to this many
+INT8_K_LIMIT = (2**31 - 1) // 127**2  # the longest INT8 reduction whose int32 sum cannot overflow
 
 
 _FORCE_NATIVE = False  # tests: run the native (CUDA) code path on CPU tensors, at tiny sizes
@@ -471,12 +475,8 @@ class ScaledMMBackend:
     def cast(self, x, spec):
         if not spec.is_scaled:
             return dense_cast(x, spec.format)
-        tri = _triton_kernels(x)
-        if tri is not None and x.is_cuda:
-            q = tri.quantize(x, spec)
-            if q is not None:
-                return q
-        return quantize(x, spec)
+        q = _triton_quantize(x, spec) if x.is_cuda else None
+        return q if q is not None else quantize(x, spec)
 
     def shape_unsupported(self, a, b):
         if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
@@ -489,6 +489,8 @@ class ScaledMMBackend:
                 return f"blockwise scaled_mm needs N to be a multiple of {TILE} for 128x128 scales, got {b.data.shape[0]}"
         elif a.data.is_cuda and (k % 16 or b.data.shape[0] % 16):
             return f"scaled_mm needs K and N to be multiples of 16, got K={k}, N={b.data.shape[0]}"
+        if a.data.dtype is torch.int8 and k > INT8_K_LIMIT:
+            return f"the int32 sum of an INT8 GEMM could overflow for K = {k} > {INT8_K_LIMIT}"
         return None
 
     def mm(self, a, b, out=Format.FP32):
@@ -567,7 +569,7 @@ def cast_weight_pair(w: torch.Tensor, spec: CastSpec, backends) -> tuple | None:
     return tri.quantize_weight(w, spec.format, spec.pow2_scale, spec.amax_floor, transposed=True)
 
 
-def _triton_kernels(x: torch.Tensor | None = None):
+def _triton_kernels():
     """``jetrl_cli.kernels.fp8`` when Triton can run here (a GPU, or the interpreter), else None."""
     from ..kernels import unavailable_reason
 
@@ -576,6 +578,16 @@ def _triton_kernels(x: torch.Tensor | None = None):
     from ..kernels import fp8
 
     return fp8
+
+
+def _triton_quantize(x: torch.Tensor, spec: CastSpec) -> QTensor | None:
+    """jetrl's Triton quantizer for ``spec`` (FP8 1x128 / 128x1 / 128x128, INT8 rows) on ``x`` when
+    Triton can run here and has one, else None (the caller uses the reference: same values)."""
+    if x.dim() != 2 or _triton_kernels() is None:
+        return None
+    from .. import kernels
+
+    return kernels.quantize(x, spec)
 
 
 def _triton_unavailable(device: torch.device) -> str | None:
@@ -589,37 +601,50 @@ def _triton_unavailable(device: torch.device) -> str | None:
 
 
 class TritonBackend:
-    """jetrl's blockwise FP8 GEMM and quantizers in Triton (``jetrl_cli.kernels.fp8``)."""
+    """jetrl's GEMMs and quantizers in Triton: blockwise FP8 (``jetrl_cli.kernels.fp8``) and INT8
+    with per-row or per-tensor scales (``jetrl_cli.kernels.int8``)."""
 
     name = "triton"
-    runs = "runs FP8 operands"  # what ``unsupported`` says this backend takes
+    runs = "runs FP8 operands with 1x128 or 128x128 scales along the reduction dim, or INT8 with per-row scales"
     dense = False  # whether it also multiplies unscaled (bf16/fp32) operands
+    int8 = True  # whether it multiplies INT8 operands
 
     def unsupported(self, spec, gemm, device):
         if spec.is_quantized or not self.dense:
             rows = REDUCTION_ON_ROWS[gemm]
-            for op, r, which in zip((spec.a, spec.b), rows, ("a", "b")):
-                blk = _k_major_block(op, r)
-                if not op.format.is_fp8 or blk.cols != TILE or blk.rows not in (1, TILE):
-                    return (f"{self.runs} with 1x128 or 128x128 scales along the reduction dim; operand "
-                            f"{which} is {op.short_str()} (use backend: emulated or scaled_mm)")
+            blocks = [_k_major_block(op, r) for op, r in zip((spec.a, spec.b), rows)]
+            int8 = self.int8 and spec.a.format is Format.INT8 and spec.b.format is Format.INT8
+            for op, blk, which in zip((spec.a, spec.b), blocks, ("a", "b")):
+                if int8:
+                    ok = blk.cols == 0 and blk.rows in (0, 1)  # one scale per row (or in all) across K
+                else:
+                    ok = op.format.is_fp8 and blk.cols == TILE and blk.rows in (1, TILE)
+                if not ok:
+                    return (f"{self.runs}; operand {which} is {op.short_str()}, i.e. {blk.name} along the "
+                            f"reduction dim (use backend: emulated or scaled_mm)")
         return None if device is None else _triton_unavailable(device)
 
     def cast(self, x, spec):
         if not spec.is_scaled:
             return dense_cast(x, spec.format)
-        q = _triton_kernels().quantize(x, spec) if x.dim() == 2 else None
+        q = _triton_quantize(x, spec)
         return q if q is not None else quantize(x, spec)
 
     def shape_unsupported(self, a, b):
         if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
             return "an operand is not 8-bit"
+        if a.data.dtype is torch.int8 and a.data.shape[1] > INT8_K_LIMIT:
+            return f"the int32 sum of an INT8 GEMM could overflow for K = {a.data.shape[1]} > {INT8_K_LIMIT}"
         return None
 
     def mm(self, a, b, out=Format.FP32):
         if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
             return EmulatedBackend().mm(a, b, out)
         out_dtype = out.torch_dtype() if native(a.data) else torch.float32
+        if a.data.dtype is torch.int8:
+            from ..kernels import int8
+
+            return int8.int8_mm(a, b, out_dtype=out_dtype)
         return _triton_kernels().blockwise_mm(a, b, out_dtype=out_dtype)
 
 
@@ -629,8 +654,9 @@ class InvariantBackend(TritonBackend):
     Dense bf16/fp32 operands and FP8 with 1x128 / 128x128 scales along K; the Triton quantizers."""
 
     name = "invariant"
-    runs = "runs dense bf16/fp32 operands, or FP8 operands"
+    runs = "runs dense bf16/fp32 operands, or FP8 operands with 1x128 or 128x128 scales along the reduction dim"
     dense = True
+    int8 = False
 
     def shape_unsupported(self, a, b):
         return None
@@ -754,17 +780,40 @@ def _probe(backend: GemmBackend, spec, gemm: str, device: torch.device) -> str |
     return None
 
 
+TIMING_ROWS = {"rollout.linear": 64}  # a rollout's GEMM calls are mostly decode steps of a few rows
+TIMED_CALLS = 10
+
+
 def _time_ms(backend: GemmBackend, spec, gemm: str, device: torch.device, size: int = 2048) -> float:
+    """Milliseconds of one ``size`` x ``size`` x ``size`` GEMM (``TIMING_ROWS[gemm]`` rows for the
+    rollout's), device time: ``TIMED_CALLS`` calls captured in one CUDA graph and replayed, as the
+    engine replays its decode steps (host overhead is not what a captured step pays); launched
+    eagerly if the backend's calls cannot be captured."""
     g = torch.Generator(device="cpu").manual_seed(99)
-    x = torch.randn(size, size, generator=g).to(device)
+    x = torch.randn(TIMING_ROWS.get(gemm, size), size, generator=g).to(device)
     a, b = _operands(backend, spec, gemm, x, (torch.randn(size, size, generator=g) * 0.05).to(device))
-    backend.mm(a, b, spec.out)
+
+    def calls():
+        for _ in range(TIMED_CALLS):
+            backend.mm(a, b, spec.out)
+
+    calls()  # warm-up: compiles Triton kernels, picks cuBLAS algorithms
+    torch.cuda.synchronize(device)
+    run = calls
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            calls()
+        run = graph.replay
+    except Exception:  # noqa: BLE001 - not capturable (a host read, a torch build): timed eagerly
+        torch.cuda.synchronize(device)
+    run()
     torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     for _ in range(3):
-        backend.mm(a, b, spec.out)
+        run()
     torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) / 3 * 1e3
+    return (time.perf_counter() - t0) / (3 * TIMED_CALLS) * 1e3
 
 
 def resolve(spec, gemm: str, device: torch.device | str) -> Resolution:

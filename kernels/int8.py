@@ -1,0 +1,175 @@
+"""Triton kernels of the INT8 (W8A8) rollout flow, each the twin of a pure-torch reference:
+
+- ``quantize_rows(x)``: ``precision.quant.quantize(x, int8 row)`` -- one scale per row (per token for
+  activations, per output channel for weights), ``scale = max(amax, amax_floor) / 127`` (optionally
+  rounded up to a power of two; NaN for a row holding a NaN or an infinity), data
+  ``round(clamp(x / scale, -127, 127))``, half to even, NaN -> 0. One program owns a few rows: a
+  first pass over K finds each row's amax (an integer max over the bits of |x|, as in ``fp8.py``),
+  a second quantizes and stores; the second pass reads what the first just read, from L2.
+- ``int8_mm(a, b)``: ``a @ b.T`` for INT8 operands with per-row (or per-tensor) scales: int8 x int8
+  products summed in int32 (exact, in any order, while K * 127^2 < 2^31), then the scaled-GEMM
+  backend's epilogue ``(float(acc) * scale_a) * scale_b`` in fp32, rounded to bf16 or kept fp32 --
+  one kernel where ``torch._int_mm`` plus its epilogue is four, and no 17-row minimum. The result is
+  bit for bit that of ``backend: scaled_mm`` (``_int_mm``), whatever the tile shape: the int32 sum is
+  exact and the epilogue is elementwise.
+
+Rounding to an integer is ``(y + 1.5 * 2^23) - 1.5 * 2^23`` in fp32: for |y| <= 127 the sum lies in
+[2^23, 2^24), where the spacing of fp32 is 1, so the add rounds y to an integer, half to even (what
+``torch.round`` does), and the subtraction is exact. It is two additions with no multiply, so no
+FMA contraction applies, and no compiler reassociates them without fast-math (the sm_90a compile
+check looks for the constant in the PTX). ``libdevice.rint`` would do the same in one instruction,
+but Triton's interpreter, where the CPU tests run these kernels, lacks it.
+
+Tile shapes are chosen per call from M (``_mm_config``): small-M decode steps get narrow tiles so that
+more programs stream the weight; none of this changes a result bit. No speed is claimed here: the
+kernels run on CPU in Triton's interpreter for the tests, and ``jetrl bench gemm`` / ``bench
+rollout`` time them on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from jetrl_cli.precision.formats import Block, Format
+from jetrl_cli.precision.gemm import INT8_K_LIMIT as K_LIMIT
+from jetrl_cli.precision.quant import CastSpec, QTensor
+
+from .fp8 import FP_FUSION, _abs_bits, _divisor, _group_scale, _interpreting, _scaled, _to_bf16
+
+QMAX = tl.constexpr(127.0)  # Format.INT8.max
+ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding it rounds |y| <= 2^22 to an integer, half to even
+_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk,
+                      FLOOR: tl.constexpr, POW2: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rm < M
+    x_row = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    amax = tl.zeros((ROWS,), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + rk[None, :] * stride_xk, mask=row_ok[:, None] & (rk < K)[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.max(_abs_bits(x.to(tl.float32)), 1))
+    s = _group_scale(amax.to(tl.float32, bitcast=True), QMAX, FLOOR, POW2)
+    tl.store(s_ptr + rm, s, mask=row_ok)
+    d = _divisor(s, POW2)[:, None]
+    q_row = q_ptr + rm.to(tl.int64)[:, None] * K
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        inb = row_ok[:, None] & (rk < K)[None, :]
+        x = tl.load(x_row + rk[None, :] * stride_xk, mask=inb, other=0.0).to(tl.float32)
+        y = _scaled(x, d, QMAX, POW2)
+        r = (y + ROUND) - ROUND
+        tl.store(q_row + rk[None, :], tl.where(r == r, r, 0.0).to(tl.int8), mask=inb)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int8_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
+                    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn, stride_sa, stride_sb,
+                    OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) tile of ``a @ b.T``: int8 x int8 summed in int32, then scaled."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
+    b_cols = b_ptr + rn.to(tl.int64)[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        a = tl.load(a_rows + k[None, :] * stride_ak, mask=(rm < M)[:, None] & (k < K)[None, :], other=0)
+        b = tl.load(b_cols + k[:, None] * stride_bk, mask=(k < K)[:, None] & (rn < N)[None, :], other=0)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+    sa = tl.load(sa_ptr + rm * stride_sa, mask=rm < M, other=0.0)
+    sb = tl.load(sb_ptr + rn * stride_sb, mask=rn < N, other=0.0)
+    out = acc.to(tl.float32) * sa[:, None] * sb[None, :]
+    out = _to_bf16(out, INTERPRET) if OUT_BF16 else out
+    tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn, out,
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def unsupported(x: torch.Tensor, spec: CastSpec) -> str | None:
+    """Why ``quantize_rows`` cannot quantize ``x`` under ``spec``, or None."""
+    if spec.format is not Format.INT8 or spec.block != Block(1, 0):
+        return f"the Triton INT8 quantizer takes int8 with one scale per row, not {spec.short_str()}"
+    if x.dim() != 2 or x.shape[1] == 0:
+        return f"the Triton INT8 quantizer takes a 2-D tensor with rows, got shape {tuple(x.shape)}"
+    if x.dtype not in _INPUTS:
+        return f"the Triton INT8 quantizer takes bfloat16, float16 or float32 input, not {x.dtype}"
+    if not spec.amax_floor >= QMAX.value * 2.0**-126:  # keeps every scale a normal fp32 number
+        return f"the Triton INT8 quantizer needs amax_floor >= {QMAX.value * 2.0**-126:.3g}, got {spec.amax_floor}"
+    return None
+
+
+def quantize_rows(x: torch.Tensor, spec: CastSpec) -> QTensor:
+    """``precision.quant.quantize(x, spec)`` for int8 with one scale per row: data (M, K) int8
+    row-major, scale (M, 1) fp32."""
+    why = unsupported(x, spec)
+    if why is not None:
+        raise ValueError(f"quantize_rows: {why}")
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        block_k = min(triton.next_power_of_2(k), 1024)
+        rows = max(1, min(16, 4096 // block_k))
+        _row_quant_kernel[(triton.cdiv(m, rows),)](
+            x, q, s, m, k, x.stride(0), x.stride(1), FLOOR=spec.amax_floor, POW2=spec.pow2_scale, ROWS=rows,
+            BLOCK_K=block_k, num_warps=4, enable_fp_fusion=FP_FUSION)
+    return QTensor(q, s, spec)
+
+
+def quantize(x: torch.Tensor, spec: CastSpec) -> QTensor | None:
+    """The Triton quantizer for ``spec`` (same values as the reference), or None when there is none."""
+    return None if unsupported(x, spec) is not None else quantize_rows(x, spec)
+
+
+def _scale_stride(op: QTensor, rows: int, where: str) -> int:
+    """The stride to a row's scale: 1 per row (an (M, 1) grid), 0 for one scale for all."""
+    if op.scale.numel() == 1:
+        return 0
+    if op.spec.block.cols != 0 or op.scale.numel() != rows:
+        raise ValueError(f"{where}: int8_mm takes one scale per row or one in all, not {op.spec.block.name} "
+                         f"scales ({tuple(op.scale.shape)})")
+    return op.scale.reshape(-1).stride(0)
+
+
+def _mm_config(m: int, n: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). A decode step (M <= 64) reads the whole weight for a
+    few rows: its tile is just as tall, and narrow (64 columns; 32 for N <= 4096, e.g. a 1.5B model's
+    o_proj and down_proj: 48 programs instead of 24 then share the weight's bytes across the SMs).
+    Prefill- and training-sized M get 128 x 128 tiles. Untuned guesses until ``jetrl bench gemm``
+    (its decode rows) has been run on a GPU; no choice here changes a result bit."""
+    if m <= 64:
+        return max(16, triton.next_power_of_2(m)), 32 if n <= 4096 else 64, 4, 4
+    return 128, 128, 8, 3
+
+
+def int8_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``a @ b.T`` (a: M x K, b: N x K, INT8 with per-row or per-tensor scales), int32 accumulation."""
+    if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(f"int8_mm: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)} do not match as a @ b.T")
+    if a.data.dtype is not torch.int8 or b.data.dtype is not torch.int8:
+        raise ValueError(f"int8_mm takes int8 operands, got {a.data.dtype} and {b.data.dtype}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"int8_mm writes float32 or bfloat16, not {out_dtype}")
+    m, k = a.data.shape
+    n = b.data.shape[0]
+    if k > K_LIMIT:
+        raise ValueError(f"int8_mm: K = {k} could overflow the int32 sum (at most {K_LIMIT})")
+    ssa, ssb = _scale_stride(a, m, "operand a"), _scale_stride(b, n, "operand b")
+    c = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
+    if m == 0 or n == 0:
+        return c
+    block_m, block_n, warps, stages = _mm_config(m, n)
+    _int8_mm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        a.data, b.data, c, a.scale, b.scale, m, n, k,
+        a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1), c.stride(0), c.stride(1), ssa, ssb,
+        OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=_interpreting(),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, num_stages=stages,
+        enable_fp_fusion=FP_FUSION)
+    return c

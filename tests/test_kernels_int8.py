@@ -1,0 +1,234 @@
+"""The INT8 Triton kernels (kernels/int8.py) and the ``triton`` backend's INT8 path.
+
+The quantizer is bit for bit the pure-torch reference (data bytes and scales, pow2 or not, bf16 /
+fp16 / fp32 input, NaN / inf / all-zero rows, exact ties); the GEMM is bit for bit what ``backend:
+scaled_mm`` computes (``torch._int_mm`` and its epilogue) and close to the float64 product. On CPU
+they run in Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest when there is no GPU);
+``tests/test_kernels_sm90.py`` compiles them for Hopper. Random inputs are drawn fresh each run;
+the seed is in the assertion message.
+"""
+
+import os
+
+import pytest
+import torch
+
+from jetrl_cli.engine.base import make_payload
+from jetrl_cli.engine.embedded import EmbeddedEngine
+from jetrl_cli.engine.sampling import SamplingParams
+from jetrl_cli.models.shapes import random_model
+from jetrl_cli.models.tiny import tiny_config
+from jetrl_cli.precision import gemm, parse_flow
+from jetrl_cli.precision.formats import Block, Format
+from jetrl_cli.precision.quant import CastSpec, QTensor, dequantize, error_stats, quantize
+
+ROW, TENSOR = Block(1, 0), Block(0, 0)
+
+
+def _triton_runs() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+pytestmark = pytest.mark.skipif(not _triton_runs(), reason="needs Triton (and a GPU or TRITON_INTERPRET=1)")
+
+
+@pytest.fixture
+def int8():
+    from jetrl_cli.kernels import int8 as module
+
+    return module
+
+
+@pytest.fixture
+def seed():
+    return torch.seed() % 2**31
+
+
+def dev():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def spread(m, k, seed, dtype=torch.float32):
+    """Rows of very different magnitudes (one all zero when there are three or more)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.exp(torch.randn(m, 1, generator=g) * 3)
+    if m >= 3:
+        x[2] = 0.0
+    return x.to(dev(), dtype)
+
+
+def same(q: QTensor, ref: QTensor) -> bool:
+    return torch.equal(q.data.cpu(), ref.data.cpu()) and torch.equal(q.scale.cpu().nan_to_num(-1.0),
+                                                                     ref.scale.cpu().nan_to_num(-1.0))
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (5, 300), (33, 1536), (70, 130), (3, 2100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_row_quantizer_is_the_reference(int8, shape, dtype, pow2, seed):
+    spec = CastSpec(Format.INT8, ROW, pow2)
+    x = spread(*shape, seed, dtype)
+    q = int8.quantize_rows(x, spec)
+    assert q.data.dtype is torch.int8 and q.data.shape == shape and q.scale.shape == (shape[0], 1)
+    assert same(q, quantize(x, spec)), f"seed {seed}"
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_non_finite_rows_zero_rows_and_ties(int8, pow2):
+    spec = CastSpec(Format.INT8, ROW, pow2)
+    x = torch.randn(6, 256)
+    x[0, 3] = float("nan")
+    x[1, 7] = float("inf")
+    x[2, 9] = -float("inf")
+    x[3] = 0.0
+    x[4] = 3e38  # near fp32's largest: the scale is finite, every element is +-127
+    x[4, ::2] *= -1
+    # row 5: exact ties once scaled -- with amax 127 * 2 the scale is 2 (a power of two either way), and
+    # k + 0.5 steps must round half to even: 0.5 -> 0, 1.5 -> 2, 2.5 -> 2, -0.5 -> -0, -2.5 -> -2
+    x[5] = 0.0
+    x[5, 0] = 254.0
+    x[5, 1:6] = torch.tensor([1.0, 3.0, 5.0, -1.0, -5.0])
+    x = x.to(dev())
+    q, ref = int8.quantize_rows(x, spec), quantize(x, spec)
+    assert same(q, ref)
+    s, d = q.scale.cpu().flatten(), q.data.cpu()
+    assert s[:3].isnan().all() and (d[:3] == 0).all()  # a non-finite row: NaN scale, zero data
+    assert s[3] == spec.amax_floor / 127 or pow2  # all zero: the floor's scale
+    assert (d[3] == 0).all() and (d[4].abs() == (113 if pow2 else 127)).all()  # pow2: 3e38 / 2^121 = 113
+    assert s[5] == 2.0 and d[5, :6].tolist() == [127, 0, 2, 2, 0, -2]
+
+
+def test_quantizer_refuses_what_it_cannot_do(int8):
+    assert int8.quantize(torch.ones(4, 8), CastSpec(Format.FP8_E4M3, Block(1, 128))) is None
+    assert int8.quantize(torch.ones(4, 8), CastSpec(Format.INT8, Block(1, 128))) is None
+    assert int8.quantize(torch.ones(2, 4, 8), CastSpec(Format.INT8, ROW)) is None
+    assert int8.quantize(torch.ones(4, 8, dtype=torch.float64), CastSpec(Format.INT8, ROW)) is None
+    assert int8.quantize(torch.ones(4, 8), CastSpec(Format.INT8, ROW, amax_floor=1e-40)) is None  # subnormal scales
+    with pytest.raises(ValueError, match="quantize_rows: the Triton INT8 quantizer takes int8 with one scale per row"):
+        int8.quantize_rows(torch.ones(4, 8), CastSpec(Format.INT8, TENSOR))
+
+
+def _scaled_mm_reference(a: QTensor, b: QTensor, out_dtype):
+    """What ``backend: scaled_mm`` computes: the int32 product (``_int_mm``), then (acc * sa) * sb."""
+    acc = a.data.cpu().int() @ b.data.cpu().int().t()
+    sa = a.scale.cpu().reshape(()) if a.scale.numel() == 1 else a.scale.cpu().reshape(-1, 1)
+    sb = b.scale.cpu().reshape(()) if b.scale.numel() == 1 else b.scale.cpu().reshape(1, -1)
+    return (acc.float() * sa * sb).to(out_dtype)
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 64, 65, 200])
+@pytest.mark.parametrize("n,k", [(64, 128), (130, 300), (48, 1536)])
+def test_int8_gemm_is_the_scaled_mm_backend_bit_for_bit(int8, m, n, k, seed):
+    spec = CastSpec(Format.INT8, ROW)
+    a, b = quantize(spread(m, k, seed), spec), quantize(spread(n, k, seed + 1) * 0.05, spec)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = int8.int8_mm(a, b, out_dtype)
+        assert got.dtype is out_dtype and got.shape == (m, n)
+        assert torch.equal(got.cpu(), _scaled_mm_reference(a, b, out_dtype)), f"seed {seed}, {out_dtype}"
+    ref = dequantize(a).double() @ dequantize(b).double().t()
+    finite = ref.isfinite().all(dim=1)
+    assert error_stats(ref[finite], int8.int8_mm(a, b).cpu().double()[finite])["rel_err"] < 1e-6, f"seed {seed}"
+
+
+def test_int8_gemm_with_per_tensor_scales_and_strided_operands(int8, seed):
+    t = CastSpec(Format.INT8, TENSOR)
+    a, b = quantize(spread(20, 256, seed), t), quantize(spread(72, 256, seed + 1), t)
+    assert a.scale.numel() == b.scale.numel() == 1
+    assert torch.equal(int8.int8_mm(a, b).cpu(), _scaled_mm_reference(a, b, torch.float32))
+    # a row-sliced view of a bigger operand (the engine's live rows), b transposed twice (strides (1, K))
+    r = CastSpec(Format.INT8, ROW)
+    big = quantize(spread(40, 256, seed + 2), r)
+    view = QTensor(big.data[5:25], big.scale[5:25], r)
+    wt = quantize(spread(72, 256, seed + 3), r)
+    wt = QTensor(wt.data.t().contiguous().t(), wt.scale, r)
+    assert wt.data.stride() == (1, 72)
+    assert torch.equal(int8.int8_mm(view, wt).cpu(), _scaled_mm_reference(view, wt, torch.float32))
+
+
+def test_int8_gemm_refuses_what_it_cannot_do(int8):
+    r = CastSpec(Format.INT8, ROW)
+    a, b = quantize(torch.randn(4, 64), r), quantize(torch.randn(8, 32), r)
+    with pytest.raises(ValueError, match=r"shapes \(4, 64\) and \(8, 32\) do not match"):
+        int8.int8_mm(a, b)
+    with pytest.raises(ValueError, match="int8_mm writes float32 or bfloat16"):
+        int8.int8_mm(a, quantize(torch.randn(8, 64), r), torch.float16)
+    grouped = quantize(torch.randn(8, 256), CastSpec(Format.INT8, Block(1, 128)))
+    with pytest.raises(ValueError, match="operand b: int8_mm takes one scale per row"):
+        int8.int8_mm(quantize(torch.randn(4, 256), r), grouped)
+    fp8 = quantize(torch.randn(8, 64), CastSpec(Format.FP8_E4M3, ROW))
+    with pytest.raises(ValueError, match="int8_mm takes int8 operands"):
+        int8.int8_mm(a, fp8)
+
+
+# --------------------------------------------------------------------------- the triton backend
+
+
+def test_the_triton_backend_takes_int8_rows_and_the_invariant_one_does_not():
+    flow = parse_flow("int8-rollout")
+    spec = flow.rollout.linear
+    dev_ = torch.device(dev())
+    assert gemm.get_backend("triton").unsupported(spec, "rollout.linear", dev_) is None
+    assert "FP8 operands" in gemm.get_backend("invariant").unsupported(spec, "rollout.linear", dev_)
+    grouped = type(spec)(CastSpec(Format.INT8, Block(1, 128)), CastSpec(Format.INT8, ROW), spec.out, "triton")
+    why = gemm.get_backend("triton").unsupported(grouped, "rollout.linear", dev_)
+    assert "INT8 with per-row scales; operand a is int8[1x128], i.e. 1x128 along the reduction dim" in why
+    # Dgrad of per-channel weights: the weight's scales run along the reduction, no kernel takes that
+    dgrad = type(spec)(CastSpec(Format.INT8, ROW), CastSpec(Format.INT8, ROW), spec.out, "triton")
+    assert "operand b" in gemm.get_backend("triton").unsupported(dgrad, "dgrad", dev_)
+
+
+def test_triton_backend_casts_and_multiplies_as_scaled_mm_does(forced_native, seed):
+    tri, smm = gemm.get_backend("triton"), gemm.ScaledMMBackend()
+    spec = CastSpec(Format.INT8, ROW)
+    x = spread(24, 384, seed, torch.bfloat16)
+    w = spread(96, 384, seed + 1) * 0.05
+    xa, wb = tri.cast(x, spec), tri.cast(w, spec)
+    assert same(xa, quantize(x, spec)) and same(wb, quantize(w, spec))
+    assert tri.shape_unsupported(xa, wb) is None
+    got = tri.mm(xa, wb, Format.BF16)
+    assert got.dtype is torch.bfloat16 and torch.equal(got, smm.mm(xa, wb, Format.BF16)), f"seed {seed}"
+    long_k = QTensor(torch.zeros(1, gemm.INT8_K_LIMIT + 1, dtype=torch.int8), torch.ones(1, 1), spec)
+    assert "could overflow" in tri.shape_unsupported(long_k, long_k)
+    assert "could overflow" in smm.shape_unsupported(long_k, long_k)
+
+
+@pytest.fixture
+def forced_native():
+    gemm.set_force_native(True)
+    gemm.reset_resolutions()
+    yield
+    gemm.set_force_native(False)
+    gemm.reset_resolutions()
+
+
+def test_int8_rollout_through_triton_samples_what_scaled_mm_samples(forced_native, int8, monkeypatch):
+    """The embedded engine's native INT8 rollout (bf16 activations, weights held as INT8 once per
+    sync): the same tokens and logprobs through the Triton kernels as through ``_int_mm``."""
+    calls = {"int8_mm": 0, "quantize_rows": 0}
+    for name in calls:
+        fn = getattr(int8, name)
+
+        def counted(*a, _fn=fn, _n=name, **k):
+            calls[_n] += 1
+            return _fn(*a, **k)
+
+        monkeypatch.setattr(int8, name, counted)
+    model = random_model(tiny_config("qwen2", hidden=128, layers=1, vocab=128), seed=5, std=0.05).to(dev())
+    prompts = [[5, 9, 3], [7, 2, 11, 4, 8]]
+    params = SamplingParams(n=2, max_new_tokens=5, temperature=1.0)
+    outs = {}
+    for backend in ("triton", "scaled_mm"):
+        flow = parse_flow({"base": "int8-rollout", "rollout": {"linear": {"backend": backend}}})
+        eng = EmbeddedEngine(model, flow, 32, max_batch=4, cuda_graphs=False)
+        eng.load_weights(make_payload(model, flow))
+        outs[backend] = [(c.tokens, c.logprobs) for g in eng.generate(prompts, params, seed=4) for c in g]
+        if backend == "triton":
+            assert calls["int8_mm"] > 0 and calls["quantize_rows"] > calls["int8_mm"], calls  # + the weights
+            gemms = calls["int8_mm"]
+    assert calls["int8_mm"] == gemms  # scaled_mm: torch._int_mm (its quantizer is this one on a GPU)
+    assert outs["triton"] == outs["scaled_mm"]
+    assert sum(len(t) for t, _ in outs["triton"]) > 8
