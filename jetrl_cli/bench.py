@@ -96,6 +96,7 @@ class Settings:
     e2e_steps: int = 3
     task_preset: str | None = "fp8-unified"  # rollout: also an RL-shaped batch from this preset's task
     task_overrides: list[str] = field(default_factory=list)  # key=value for that preset (its batch shape)
+    profile_dir: str | None = None  # rollout/train: one more run of each row under torch.profiler
     progress: object = None
 
     def say(self, msg: str) -> None:
@@ -166,6 +167,42 @@ def measure(fn, s: Settings) -> dict:
     for _ in range(s.warmup):
         fn()
     return _stats([_timed(fn, s.device == "cuda")[0] for _ in range(s.repeats)])
+
+
+PROFILE_ROWS = 40  # ops in a profile's table
+
+
+def profile_once(fn, s: Settings, name: str) -> dict:
+    """With ``s.profile_dir``: one more ``fn()`` under ``torch.profiler``, its ops by self time (device
+    time on a GPU, host time on CPU) written to ``DIR/NAME.txt``; returns the row's ``profile`` (that
+    path) and, on a GPU, ``device_kernels``: the kernels the run launched (a decode step's count is
+    what CUDA graphs and fusion are about). Without it: nothing."""
+    if not s.profile_dir:
+        return {}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = s.device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    ops = prof.key_averages()
+    table = ops.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=PROFILE_ROWS)
+    out = {"profile": os.path.join(s.profile_dir, _file_name(name) + ".txt")}
+    if cuda:
+        out["device_kernels"] = sum(e.count for e in ops if e.device_type == DeviceType.CUDA)
+    os.makedirs(s.profile_dir, exist_ok=True)
+    tmp = out["profile"] + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{name}: one run under torch.profiler ({s.device})\n{table}\n")
+    os.replace(tmp, out["profile"])
+    return out
+
+
+def _file_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_.+" else "-" for c in name).strip("-")
 
 
 def measure_interleaved(fns: dict, s: Settings) -> dict:
@@ -482,6 +519,8 @@ def bench_rollout(s: Settings) -> list[dict]:
         fns[name] = run_ours
     s.say("rollout: timing the engines in turn")
     timed = measure_interleaved(fns, s)
+    for key, fn in fns.items():
+        timed[key].update(profile_once(fn, s, f"rollout-fixed-{key}"))
     for name, eng in engines.items():
         details[name] = engine_details(eng, model, _flow(name), plist, sp, s)
     fns.clear()  # frees the engines and transformers' model
@@ -643,6 +682,8 @@ def _rollout_task_rows(s: Settings, model, path, model_label: str, transformers,
         fns[name] = run_ours
     s.say(f"rollout: {label}: timing the engines in turn")
     timed = measure_interleaved(fns, s)
+    for key, fn in fns.items():
+        timed[key].update(profile_once(fn, s, f"rollout-task-{key}"))
     details = {name: engine_details(eng, model, _flow(name), prompts, sp, s) for name, eng in engines.items()}
     engines.clear()
     fns.clear()
@@ -750,6 +791,7 @@ def bench_train(s: Settings) -> list[dict]:
             tr.update(batch, adv, old, None, step[0])
 
         tm = measure(one, s)
+        tm.update(profile_once(one, s, f"train-{name}"))
         saved, _ = _saved_bytes(lambda: token_logprobs(tr.model, batch, sp).sum())
         row = {"flow": name, "train": flow.train.linear.fprop.short_str(), "emulated": s.device == "cpu",
                **tm, "tokens_per_s": n * t / tm["s"], "saved_activation_bytes": saved, **common,
@@ -807,6 +849,7 @@ def _transformers_train_row(s: Settings, make, batch, adv, dev, common: dict) ->
         opt.zero_grad(set_to_none=True)
 
     tm = measure(one, s)
+    tm.update(profile_once(one, s, f"train-{TRANSFORMERS_FLOW}"))
     saved, _ = _saved_bytes(lambda: logp().sum())
     n, t = common["batch"], common["seq"]
     row = {"flow": TRANSFORMERS_FLOW, "train": "bf16 autocast" if cuda else "fp32", "emulated": False, **tm,

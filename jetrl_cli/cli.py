@@ -530,6 +530,7 @@ def bench_cmd(
     out: Annotated[Optional[Path], typer.Option("--out", help="Also write the results to this JSON file.")] = None,
     history: Annotated[Path, typer.Option("--history", help="JSONL file every run is appended to.")] = Path("runs/bench/history.jsonl"),
     no_history: Annotated[bool, typer.Option("--no-history", metavar="", help="Do not append to the history file.")] = False,
+    profile: Annotated[Optional[Path], typer.Option("--profile", help="rollout/train: run each row once more under torch.profiler and write its ops by self time (device time on a GPU) to DIR/ROW.txt.")] = None,
 ):
     """Throughput per flow next to BF16: GEMMs, quantizers, rollout (vs generate()), training step, end to end."""
     from . import bench
@@ -548,7 +549,10 @@ def bench_cmd(
         raise JetrlError(f"--layers must be > 0, got {layers}")
     s = bench.Settings(device=device, repeats=repeats, warmup=warmup, model=model, layers=layers, batch=batch,
                        new_tokens=new_tokens, train_batch=train_batch, seq=seq, e2e_steps=steps,
-                       task_preset=_bench_task_preset(task_preset, model), task_overrides=list(task_set or []))
+                       task_preset=_bench_task_preset(task_preset, model), task_overrides=list(task_set or []),
+                       profile_dir=None if profile is None else str(profile))
+    if profile is not None and not set(modes) & {"rollout", "train"}:
+        raise JetrlError("--profile applies to the rollout and train modes")
     if flows:
         s.flows = tuple(f.strip() for f in flows.split(",") if f.strip())
         for f in s.flows:

@@ -144,6 +144,24 @@ def test_train_bench_keeps_the_first_layers():
     assert res.exit_code == 2 and "--layers 9: the model has 4 decoder layers (allowed: 1..4)" in res.output
 
 
+def test_profile_writes_each_rows_ops_by_self_time(tmp_path):
+    d = tmp_path / "prof"
+    out = bench("train", "--train-batch", 2, "--seq", 8, "--flows", "bf16", "--layers", 1, "--profile", d, *FAST)
+    rows = out["results"]["train"]
+    assert [r["profile"] for r in rows] == [str(d / "train-bf16.txt"), str(d / "train-transformers.txt")]
+    for r in rows:  # CPU: no device kernels to count
+        text = (d / f"train-{r['flow']}.txt").read_text()
+        assert text.startswith(f"train-{r['flow']}: one run under torch.profiler (cpu)") and "device_kernels" not in r
+        assert "Self CPU" in text and "aten::mm" in text
+    assert "_LinearGroupFnBackward" in (d / "train-bf16.txt").read_text()  # jetrl's own backward ran
+    out = bench("rollout", "--batch", 2, "--new-tokens", 4, "--flows", "bf16", "--task-preset", "none",
+                "--profile", d, *FAST)
+    assert {r["profile"] for r in out["results"]["rollout"]} == {
+        str(d / f"rollout-fixed-{k}.txt") for k in ("hf", "fp32", "bf16")}
+    assert sorted(p.name for p in d.iterdir()) == ["rollout-fixed-bf16.txt", "rollout-fixed-fp32.txt",
+                                                   "rollout-fixed-hf.txt", "train-bf16.txt", "train-transformers.txt"]
+
+
 def test_model_shapes_are_real_configs_and_their_transformers_twin_matches():
     from jetrl_cli.models.shapes import SHAPES, random_model, with_layers
     from jetrl_cli.models.transformers_ref import hf_config_dict, transformers_twin
@@ -217,6 +235,7 @@ def test_task_shaped_rollout_batch_is_opt_in_for_a_users_model(given, model, wan
     (["rollout", "--flows", "fp9"], "unknown flow 'fp9'"),
     (["gemm", "--device", "tpu"], "--device 'tpu': allowed cpu, cuda"),
     (["train", "--seq", "1"], "--seq must be >= 2"),
+    (["gemm", "--profile", "p"], "--profile applies to the rollout and train modes"),
 ])
 def test_bad_input_is_one_line(args, msg):
     res = runner.invoke(app, ["bench", *args, "--no-history"])
