@@ -566,6 +566,10 @@ def engine_details(eng, model, flow, prompts, sp, s: Settings) -> dict:
            "weight_bytes": eng.weight_nbytes()}
     if eng.graphs is not None:
         out["cuda_graphs"] = eng.graphs.disabled or f"{eng.graphs.captures} captured"
+    from .precision.fuse import report as fuse_report
+
+    if fuse_report() is not None:
+        out["fused"] = fuse_report()
     if s.device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

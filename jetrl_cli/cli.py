@@ -531,6 +531,7 @@ def bench_cmd(
     history: Annotated[Path, typer.Option("--history", help="JSONL file every run is appended to.")] = Path("runs/bench/history.jsonl"),
     no_history: Annotated[bool, typer.Option("--no-history", metavar="", help="Do not append to the history file.")] = False,
     profile: Annotated[Optional[Path], typer.Option("--profile", help="rollout/train: run each row once more under torch.profiler and write its ops by self time (device time on a GPU) to DIR/ROW.txt.")] = None,
+    no_fuse: Annotated[bool, typer.Option("--no-fuse", metavar="", help="On a GPU: run RMSNorm, SwiGLU and RoPE op by op (model.fuse: false), to measure what fusing them gives.")] = False,
 ):
     """Throughput per flow next to BF16: GEMMs, quantizers, rollout (vs generate()), training step, end to end."""
     from . import bench
@@ -553,6 +554,10 @@ def bench_cmd(
                        profile_dir=None if profile is None else str(profile))
     if profile is not None and not set(modes) & {"rollout", "train"}:
         raise JetrlError("--profile applies to the rollout and train modes")
+    if no_fuse:
+        from .precision import fuse
+
+        fuse.set_enabled(False)
     if flows:
         s.flows = tuple(f.strip() for f in flows.split(",") if f.strip())
         for f in s.flows:

@@ -24,6 +24,7 @@ LOGGERS = ("jsonl", "tensorboard")  # run.loggers; jetrl_cli.rl.loggers writes t
 class ModelConfig:
     path: str = "tiny"  # a Hugging Face model directory, or "tiny": the policy shipped with jetrl
     device: str = "cpu"  # cpu | cuda
+    fuse: bool = True  # on a GPU: RMSNorm, SwiGLU and RoPE as one compiled kernel each (precision/fuse.py)
 
 
 @dataclass(frozen=True)

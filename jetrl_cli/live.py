@@ -47,6 +47,10 @@ def backend_lines(report: dict | None) -> list[str]:
         out.append(f"gemm {r['gemm']} {r['spec']} on {r['device']}: {r['backend']}{why}")
     for f in report.get("fallbacks", []):
         out.append(f"gemm fallback {f['gemm']} {f['spec']}: {f['from']} -> {f['to']} ({f['why']}; {f['calls']} calls)")
+    fused = report.get("fused")
+    if fused:
+        out.append(f"fused (torch.compile): {', '.join(fused['fused'])}" if "fused" in fused
+                   else f"fusion off, eager: {fused['disabled']}")
     return out
 
 

@@ -372,6 +372,9 @@ def main() -> int:
     report: dict = {"torch": torch.__version__, "control": _control(), "rollout": {}, "train_forward": {}, "train_step": {},
                     "failures": {}}
     torch.Tensor.backward = py_autograd.backward  # autograd's C++ engine wants a CUDA context
+    from jetrl_cli.precision import fuse
+
+    fuse.set_enabled(False)  # compiled code cannot run on fake tensors: the op-by-op path is checked
 
     def attempt(where: dict, key, name: str, fn, *args) -> None:  # a failure is reported: the test fails on it
         try:

@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..precision.flow import LinearPrecision
+from ..precision import fuse
+from ..precision.fuse import fused
 from ..precision.formats import Format
 from ..precision.gemm import F64_BITS, fixed_point, native
 from ..precision.linear import JetLinear, group_weight, linear_group, swiglu_down
@@ -92,9 +94,11 @@ class RMSNorm(nn.Module):
         return _rms_norm(x, self.weight, self.eps)[0]
 
 
+@fused
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``x * rsqrt(mean(x^2) + eps) * w`` in fp32 (mean as a sum, then a division: F.rms_norm's own
-    ops, without its dtype checks and copies); returns the output and rsqrt."""
+    ops, without its dtype checks and copies); returns the output and rsqrt. One kernel on a GPU
+    (``precision.fuse``)."""
     xf, r = _rms_rsqrt(x, eps)
     wf = w if w.dtype in _WIDE else w.float()
     y = xf * r * wf
@@ -129,12 +133,31 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x, w, r = ctx.saved_tensors
-        xf, gyf, wf = (t.to(r.dtype) for t in (x, gy, w))
-        xhat = xf * r
-        gw = (gyf * xhat).reshape(-1, x.shape[-1]).sum(0).to(w.dtype) if ctx.needs_input_grad[1] else None
-        gxhat = gyf * wf
-        gx = r * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))
-        return gx.to(x.dtype), gw, None, None
+        if ctx.needs_input_grad[1]:
+            gx, gw = _rms_norm_grads(x, w, r, gy)
+        else:
+            gx, gw = _rms_norm_grad_x(x, w, r, gy), None
+        return gx, gw, None, None
+
+
+def _rms_norm_grad_x_math(x, w, r, gy):
+    xf, gyf, wf = (t.to(r.dtype) for t in (x, gy, w))
+    xhat = xf * r
+    gxhat = gyf * wf
+    return (r * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))).to(x.dtype), xhat, gyf
+
+
+@fused
+def _rms_norm_grad_x(x, w, r, gy):
+    """RMSNorm's input gradient from its input, weight, per-row rsqrt and output gradient."""
+    return _rms_norm_grad_x_math(x, w, r, gy)[0]
+
+
+@fused
+def _rms_norm_grads(x, w, r, gy):
+    """RMSNorm's input and weight gradients."""
+    gx, xhat, gyf = _rms_norm_grad_x_math(x, w, r, gy)
+    return gx, (gyf * xhat).reshape(-1, x.shape[-1]).sum(0).to(w.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -156,6 +179,12 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin``; ``sin`` comes with the sign of rotate_half folded in."""
     return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin  # roll by half: [x2, x1]
+
+
+@fused
+def _rope_f32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` on ``x`` in fp32 (queries and keys in one pass)."""
+    return apply_rope(_as(x, torch.float32), cos, sin)
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -505,7 +534,7 @@ class Attention(nn.Module):
         qkv = linear_group((self.q_proj, self.k_proj, self.v_proj), x, self)
         # RoPE on queries and keys in one pass (elementwise: the same bits as two passes), in fp32
         qkv = qkv.reshape(b, t, h + 2 * hk, c.head_dim).transpose(1, 2)
-        qk = apply_rope(_as(qkv[:, :h + hk], torch.float32), cos, sin)
+        qk = _rope_f32(qkv[:, :h + hk], cos, sin)
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hk:]
         width = mask.width
         if cache is None:
@@ -672,10 +701,11 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self._cos_sin(pos, width)  # every position is < width
         mask = Masking(q_index, key_keep, width, causal_from_zero)
         mask.invariant = self.batch_invariant
-        x = self.model.embed_tokens(input_ids)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, mask, cache, i)
-        return self.model.norm(x)
+        with fuse.suspended(self.batch_invariant):  # its forward op by op (see precision.fuse)
+            x = self.model.embed_tokens(input_ids)
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin, mask, cache, i)
+            return self.model.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits of hidden states (any leading dims): the lm_head in the flow's precision."""

@@ -889,9 +889,15 @@ def fallbacks() -> list[dict]:
 
 
 def backend_report() -> dict:
-    """Every resolution made so far in this process and every call-time fallback."""
-    return {"resolved": [r.to_dict() for r in _RESOLVED.values() if r.backend != "torch"],
-            "fallbacks": fallbacks()}
+    """Every resolution made so far in this process and every call-time fallback; ``fused``: the
+    elementwise chains compiled on a GPU, or why they are not (``precision.fuse``), when any ran."""
+    from .fuse import report as fuse_report
+
+    out = {"resolved": [r.to_dict() for r in _RESOLVED.values() if r.backend != "torch"], "fallbacks": fallbacks()}
+    fused = fuse_report()
+    if fused is not None:
+        out["fused"] = fused
+    return out
 
 
 def reset_resolutions() -> None:

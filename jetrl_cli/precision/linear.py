@@ -34,6 +34,7 @@ from torch import nn
 
 from .flow import GemmSpec, LinearPrecision, PrecisionFlow
 from .formats import Block, Format
+from .fuse import fused
 from .gemm import (
     ExactOperand,
     Operand,
@@ -431,6 +432,7 @@ class _LinearGroupFn(torch.autograd.Function):
 # --------------------------------------------------------------------------- swiglu
 
 
+@fused
 def _swiglu_math(gu: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``g / (1 + exp(-g)) * u`` in fp32, returned in ``out_dtype`` (default ``gu``'s). torch's fused
     silu rounds its scalar tail differently from its vector body on CPU; this form keeps a row's
@@ -442,6 +444,7 @@ def _swiglu_math(gu: torch.Tensor, out_dtype: torch.dtype | None = None) -> torc
     return y if y.dtype is dt else y.to(dt)
 
 
+@fused
 def _swiglu_grad(gu: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:
     """d(silu(g) * u) for ``gu = [g, u]`` (fp32 math)."""
     dt = torch.float64 if gu.dtype is torch.float64 else torch.float32

@@ -29,6 +29,7 @@ from ..engine.sampling import SamplingParams
 from ..errors import JetrlError
 from ..models.hf import load_model
 from ..models.tokenizer import Tokenizer
+from ..precision import fuse
 from ..precision.gemm import backend_report, reset_resolutions
 from ..tasks import PromptSource, build_task
 from .algos import CorrectionConfig, group_advantages, importance
@@ -54,8 +55,10 @@ def resolve_model_dir(path: str) -> Path:
 
 
 def _device(cfg: JobConfig) -> torch.device:
+    """The job's device; also applies ``model.fuse`` (compiled elementwise chains on a GPU)."""
     if cfg.model.device == "cuda" and not torch.cuda.is_available():
         raise JetrlError("model.device: cuda, but torch sees no CUDA device (use model.device=cpu)")
+    fuse.set_enabled(cfg.model.fuse)
     return torch.device(cfg.model.device)
 
 
@@ -330,7 +333,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
             if on_eval and writer:
                 on_eval(ev)
         report = backend_report()
-        if report != last_report and (report["resolved"] or report["fallbacks"]):
+        if report != last_report and (report["resolved"] or report["fallbacks"] or "fused" in report):
             m["gemm_backends"] = report  # which backend runs each 8-bit GEMM (this process), and any fallbacks
             last_report = report
         emit(m)  # before the checkpoint: a resume truncates metrics back to its checkpoint's step

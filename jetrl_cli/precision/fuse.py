@@ -1,0 +1,111 @@
+"""Elementwise chains as one kernel each on a GPU: RMSNorm, SwiGLU, RoPE (``torch.compile``).
+
+In eager PyTorch every op of a chain is a kernel that reads and writes a whole tensor: an RMSNorm
+is about seven kernels, a SwiGLU seven, RoPE on the queries and keys five, their backward passes
+more. A rollout's decode step of a few rows is made of such small kernels -- about 50 per decoder
+layer, 1400 per step for a 28-layer model (count them with ``jetrl bench rollout --profile``) --
+and pays a launch for each even inside a CUDA graph; training pays their memory traffic over
+activations of ``tokens x 2 x intermediate`` fp32 values. ``fused(fn)`` runs ``fn`` through
+``torch.compile`` (Inductor: one generated Triton kernel per chain; dynamic shapes, so one
+compilation serves every batch size) when its first tensor is on a GPU. The GEMMs, attention and
+jetrl's quantizers are not in these functions and do not change.
+
+What this keeps: the rollout and the trainer call the same compiled functions, so they compute the
+same values as each other as before. Bitwise equality on a GPU is ``precision.batch_invariant``'s
+job: a model in that mode runs its forward op by op (``suspended``), since a compiled forward and
+its autograd twin (the trainer's) need not contract the same multiply-adds. What it changes: the last bits of
+these functions on a GPU (a fused kernel may contract ``a * b + c`` into one FMA); the CPU path
+is untouched -- it stays op by op, as the bitwise CPU emulation needs.
+
+If compiling fails (a torch build whose Inductor cannot generate code here, say), the functions run
+eagerly from then on, and why is kept in ``disabled`` and reported with the GEMM backends
+(``metrics.jsonl``'s ``gemm_backends``, bench rows). ``set_enabled(False)`` (``model.fuse: false``)
+turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import torch
+
+BACKEND = "inductor"  # tests use "aot_eager": dynamo's tracing and autograd without code generation
+_enabled = True
+_force = False  # tests: fuse CPU tensors too
+disabled: str | None = None  # why fusion stopped (a compilation failed), or None
+_compiled: dict = {}
+_used: set = set()  # names of the functions that ran compiled
+_local = threading.local()  # .off: this thread's forward runs op by op (``suspended``)
+
+
+def set_enabled(on: bool) -> None:
+    global _enabled
+    _enabled = bool(on)
+
+
+def set_force(on: bool, backend: str = "inductor") -> None:
+    """Tests: fuse CPU tensors too, compiling with ``backend``; resets what was compiled."""
+    global _force, BACKEND, disabled
+    _force, BACKEND, disabled = bool(on), backend, None
+    _compiled.clear()
+    _used.clear()
+    torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def suspended(on: bool = True):
+    """Within: the fused functions run op by op on this thread (a batch-invariant forward). The
+    backward, which autograd runs after the block (on another thread on a GPU), is not affected."""
+    before = getattr(_local, "off", False)
+    _local.off = before or on
+    try:
+        yield
+    finally:
+        _local.off = before
+
+
+def report() -> dict | None:
+    """What ran fused in this process (``{"fused": [names]}``), or why it stopped; None if nothing did."""
+    if disabled is not None:
+        return {"disabled": disabled}
+    return {"fused": sorted(_used)} if _used else None
+
+
+def fused(fn):
+    """``fn`` (pure, tensors in and out) compiled when its first argument is a CUDA tensor."""
+
+    name = fn.__name__.lstrip("_")
+
+    @functools.wraps(fn)
+    def call(*args):
+        if disabled is None and _enabled and (args[0].is_cuda or _force) and not getattr(_local, "off", False):
+            compiled = _compiled.get(fn)
+            if compiled is None:
+                compiled = _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True, backend=BACKEND)
+            try:
+                out = compiled(*args)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a compilation that fails: eager from now on, and said
+                _disable(f"{name}: {_why(e)}")
+            else:
+                _used.add(name)
+                return out
+        return fn(*args)
+
+    call.eager = fn
+    return call
+
+
+def _why(e: Exception) -> str:
+    """One line: the exception, and what caused it (dynamo wraps a backend's error)."""
+    cause = getattr(e, "inner_exception", None) or e.__cause__
+    text = f"{type(e).__name__}" + (f": {type(cause).__name__}: {cause}" if cause is not None else f": {e}")
+    return " ".join(text.split())[:300]
+
+
+def _disable(why: str) -> None:
+    global disabled
+    disabled = why

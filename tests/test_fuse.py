@@ -1,0 +1,126 @@
+"""Fused elementwise chains (``precision.fuse``): on a GPU, RMSNorm, SwiGLU and RoPE (and their
+backward passes) run through ``torch.compile``.
+
+Checked on CPU with fusion forced on CPU tensors and the native (GPU) code path forced: dynamo traces
+every fused function whole (``fullgraph``: a graph break would be an error, and fusion would stop),
+for training (autograd) and decoding alike, and with the ``aot_eager`` backend (dynamo and
+AOTAutograd, no code generation) a training step and a rollout are bit for bit the op-by-op ones;
+a slow test compiles with Inductor itself. A compilation that fails turns fusion off and says why;
+the CPU emulation and a batch-invariant forward never run fused.
+"""
+
+import pytest
+import torch
+
+from jetrl_cli.engine.base import make_payload
+from jetrl_cli.engine.embedded import EmbeddedEngine
+from jetrl_cli.engine.sampling import SamplingParams
+from jetrl_cli.live import backend_lines
+from jetrl_cli.models.shapes import random_model
+from jetrl_cli.models.tiny import tiny_config
+from jetrl_cli.precision import apply_flow, fuse, gemm, named_flow, parse_flow
+from jetrl_cli.rl.trainer import Batch, token_logprobs
+
+ALL = ["rms_norm", "rms_norm_grads", "rope_f32", "swiglu_grad", "swiglu_math"]
+
+
+@pytest.fixture
+def native():
+    gemm.set_force_native(True)
+    gemm.reset_resolutions()
+    yield
+    gemm.set_force_native(False)
+    gemm.reset_resolutions()
+    fuse.set_force(False)
+
+
+def _model(seed=0):
+    return random_model(tiny_config("qwen2", hidden=128, layers=2, vocab=256), seed=seed, std=0.05)
+
+
+def _step(flow_name, seed):
+    """Token logprobs of a batch and the gradients of their sum, in the flow's training precision."""
+    m = _model()
+    apply_flow(m, named_flow(flow_name), "train")
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 256, (3, 24), generator=g)
+    b = Batch.build(ids[:, :8].tolist(), ids[:, 8:].tolist(), [[0.0] * 16] * 3, [0.0] * 3, [0, 1, 2])
+    lp = token_logprobs(m, b, SamplingParams())
+    lp.sum().backward()
+    return lp.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("flow", ["bf16", "fp8-unified"])
+def test_fused_training_step_is_the_op_by_op_one(native, flow):
+    seed = torch.seed() % 2**31
+    lp, grads = _step(flow, seed)
+    assert fuse.report() is None  # CPU tensors: op by op unless forced
+    fuse.set_force(True, "aot_eager")
+    lp_f, grads_f = _step(flow, seed)
+    assert fuse.report() == {"fused": ALL}  # every function traced whole, forward and backward
+    assert torch.equal(lp, lp_f), f"seed {seed}"
+    assert grads.keys() == grads_f.keys() and all(torch.equal(grads[k], grads_f[k]) for k in grads), f"seed {seed}"
+
+
+def test_fused_decoding_samples_what_op_by_op_decoding_samples(native):
+    model = _model(seed=3)
+    flow = parse_flow("fp8-rollout")
+    prompts = [[5, 9, 3], [7, 2, 11, 4, 8]]
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0)
+    outs = []
+    for force in (False, True):
+        fuse.set_force(force, "aot_eager")
+        eng = EmbeddedEngine(model, flow, 32, max_batch=4, cuda_graphs=False)
+        eng.load_weights(make_payload(model, flow))
+        outs.append([(c.tokens, c.logprobs) for g in eng.generate(prompts, params, seed=4) for c in g])
+    assert fuse.report() == {"fused": ["rms_norm", "rope_f32", "swiglu_math"]}
+    assert outs[0] == outs[1]
+
+
+def test_a_failed_compilation_runs_op_by_op_and_says_why(native):
+    def broken(gm, example_inputs):
+        raise RuntimeError("no C compiler here")
+
+    seed = torch.seed() % 2**31
+    lp, _ = _step("bf16", seed)
+    fuse.set_force(True, broken)
+    lp_f, _ = _step("bf16", seed)
+    assert torch.equal(lp, lp_f)
+    why = fuse.report()["disabled"]
+    assert why.startswith("rms_norm: BackendCompilerFailed") and "no C compiler here" in why
+    assert backend_lines({"resolved": [], "fallbacks": [], "fused": fuse.report()}) == [f"fusion off, eager: {why}"]
+
+
+def test_batch_invariant_forward_runs_op_by_op(native):
+    """A batch-invariant model's forward is not fused (a compiled forward and the trainer's autograd
+    twin need not round alike); its backward may be."""
+    fuse.set_force(True, "aot_eager")
+    m = _model()
+    apply_flow(m, parse_flow({"base": "bf16", "batch_invariant": True}, source="<test>"), "train")
+    assert m.batch_invariant
+    ids = torch.randint(1, 256, (2, 12))
+    with torch.no_grad():
+        m.hidden(ids)
+    assert fuse.report() is None
+    m.hidden(ids).sum().backward()
+    assert fuse.report() == {"fused": ["rms_norm_grads", "swiglu_grad"]}
+
+
+def test_report_lines():
+    assert backend_lines({"resolved": [], "fallbacks": [], "fused": {"fused": ["rms_norm", "swiglu_math"]}}) == [
+        "fused (torch.compile): rms_norm, swiglu_math"]
+    assert backend_lines({"resolved": [], "fallbacks": []}) == []
+
+
+@pytest.mark.slow
+def test_inductor_compiles_every_fused_function(native):
+    """Inductor itself (C++ on CPU; Triton on a GPU): the same functions compile, and a step agrees
+    with the op-by-op one to fp32 rounding (a fused kernel may contract a * b + c into one FMA)."""
+    seed = torch.seed() % 2**31
+    lp, grads = _step("fp8-unified", seed)
+    fuse.set_force(True, "inductor")
+    lp_f, grads_f = _step("fp8-unified", seed)
+    assert fuse.report() == {"fused": ALL}
+    assert torch.allclose(lp, lp_f, rtol=1e-5, atol=1e-5), f"seed {seed}"
+    for k in grads:
+        assert torch.allclose(grads[k], grads_f[k], rtol=1e-3, atol=1e-5), (k, seed)
