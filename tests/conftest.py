@@ -1,5 +1,6 @@
 """Test set-up: Triton kernels run in Triton's interpreter on machines without a GPU; every test
-starts from seeded random generators, so a failure reproduces when the test is run again."""
+starts from seeded random generators, so a failure reproduces when the test is run again. Shared
+helpers: ``triton_runs`` and the ``forced_native`` fixture (the GPU code path on CPU tensors)."""
 
 import os
 import random
@@ -28,3 +29,27 @@ def seeded_generators(request):
     np.random.seed(seed)
     random.seed(seed)
     yield
+
+
+def triton_runs(*also: str) -> bool:
+    """Whether Triton kernels can run here (a GPU, or the interpreter) and the modules ``also`` import."""
+    import importlib
+
+    try:
+        for name in ("triton", *also):
+            importlib.import_module(name)
+    except ImportError:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture
+def forced_native():
+    """The native (GPU) code path -- bf16 tensors, real low-precision GEMMs -- forced on CPU tensors."""
+    from jetrl_cli.precision import gemm
+
+    gemm.set_force_native(True)
+    gemm.reset_resolutions()
+    yield
+    gemm.set_force_native(False)
+    gemm.reset_resolutions()

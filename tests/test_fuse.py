@@ -18,19 +18,15 @@ from jetrl_cli.engine.sampling import SamplingParams
 from jetrl_cli.live import backend_lines
 from jetrl_cli.models.shapes import random_model
 from jetrl_cli.models.tiny import tiny_config
-from jetrl_cli.precision import apply_flow, fuse, gemm, named_flow, parse_flow
+from jetrl_cli.precision import apply_flow, fuse, named_flow, parse_flow
 from jetrl_cli.rl.trainer import Batch, token_logprobs
 
 ALL = ["rms_norm", "rms_norm_grads", "rope_f32", "swiglu_grad", "swiglu_math"]
 
 
 @pytest.fixture
-def native():
-    gemm.set_force_native(True)
-    gemm.reset_resolutions()
+def native(forced_native):
     yield
-    gemm.set_force_native(False)
-    gemm.reset_resolutions()
     fuse.set_force(False)
 
 

@@ -33,15 +33,6 @@ def gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.fixture
-def forced_native():
-    gemm.set_force_native(True)
-    gemm.reset_resolutions()
-    yield
-    gemm.set_force_native(False)
-    gemm.reset_resolutions()
-
-
 def _model(seed=0, hidden=128, layers=2, vocab=256):
     return random_model(tiny_config("qwen2", hidden=hidden, layers=layers, vocab=vocab), seed=seed, std=0.05)
 

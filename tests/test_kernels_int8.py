@@ -8,8 +8,6 @@ they run in Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest when t
 the seed is in the assertion message.
 """
 
-import os
-
 import pytest
 import torch
 
@@ -22,18 +20,12 @@ from jetrl_cli.precision import gemm, parse_flow
 from jetrl_cli.precision.formats import Block, Format
 from jetrl_cli.precision.quant import CastSpec, QTensor, dequantize, error_stats, quantize
 
+from .conftest import triton_runs
+
 ROW, TENSOR = Block(1, 0), Block(0, 0)
 
 
-def _triton_runs() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-pytestmark = pytest.mark.skipif(not _triton_runs(), reason="needs Triton (and a GPU or TRITON_INTERPRET=1)")
+pytestmark = pytest.mark.skipif(not triton_runs(), reason="needs Triton (and a GPU or TRITON_INTERPRET=1)")
 
 
 @pytest.fixture
@@ -194,15 +186,6 @@ def test_triton_backend_casts_and_multiplies_as_scaled_mm_does(forced_native, se
     long_k = QTensor(torch.zeros(1, gemm.INT8_K_LIMIT + 1, dtype=torch.int8), torch.ones(1, 1), spec)
     assert "could overflow" in tri.shape_unsupported(long_k, long_k)
     assert "could overflow" in smm.shape_unsupported(long_k, long_k)
-
-
-@pytest.fixture
-def forced_native():
-    gemm.set_force_native(True)
-    gemm.reset_resolutions()
-    yield
-    gemm.set_force_native(False)
-    gemm.reset_resolutions()
 
 
 def test_int8_rollout_through_triton_samples_what_scaled_mm_samples(forced_native, int8, monkeypatch):

@@ -7,8 +7,6 @@ Triton outputs, and torch's own shape/stride checks of ``scaled_mm`` (run on met
 needed) accept the operands of all three GEMMs of a linear layer.
 """
 
-import os
-
 import pytest
 import torch
 
@@ -16,20 +14,14 @@ from jetrl_cli.kernels import layouts
 from jetrl_cli.precision.formats import Block, Format
 from jetrl_cli.precision.quant import CastSpec, QTensor, dequantize, quantize
 
+from .conftest import triton_runs
+
 E4, E5 = Format.FP8_E4M3, Format.FP8_E5M2
 B1x128, B128x1, B128 = Block(1, 128), Block(128, 1), Block(128, 128)
 
 
-def _triton_runs() -> bool:
-    try:
-        import ml_dtypes  # noqa: F401  (the interpreter fix)
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-needs_triton = pytest.mark.skipif(not _triton_runs(), reason="needs Triton (and a GPU or TRITON_INTERPRET=1)")
+needs_triton = pytest.mark.skipif(not triton_runs("ml_dtypes"),  # ml_dtypes: the interpreter fix
+                                  reason="needs Triton and ml_dtypes (and a GPU or TRITON_INTERPRET=1)")
 
 
 def dev():
