@@ -111,13 +111,17 @@ def test_report_lines():
 
 @pytest.mark.slow
 def test_inductor_compiles_every_fused_function(native):
-    """Inductor itself (C++ on CPU; Triton on a GPU): the same functions compile, and a step agrees
-    with the op-by-op one to fp32 rounding (a fused kernel may contract a * b + c into one FMA)."""
+    """Inductor itself (C++ on CPU; Triton on a GPU) compiles the same functions. In the bf16 flow a
+    step agrees with the op-by-op one to fp32 rounding (a fused kernel may contract a * b + c into
+    one FMA). In an FP8 flow such a last-bit difference can move a value across an FP8 rounding
+    boundary (steps of 2^-3 relative), so there only the order of magnitude is checked."""
     seed = torch.seed() % 2**31
-    lp, grads = _step("fp8-unified", seed)
-    fuse.set_force(True, "inductor")
-    lp_f, grads_f = _step("fp8-unified", seed)
-    assert fuse.report() == {"fused": ALL}
-    assert torch.allclose(lp, lp_f, rtol=1e-5, atol=1e-5), f"seed {seed}"
-    for k in grads:
-        assert torch.allclose(grads[k], grads_f[k], rtol=1e-3, atol=1e-5), (k, seed)
+    for flow, lp_tol, grad_tol in (("bf16", 1e-5, 1e-5), ("fp8-unified", 0.1, 0.2)):
+        fuse.set_force(False)
+        lp, grads = _step(flow, seed)
+        fuse.set_force(True, "inductor")
+        lp_f, grads_f = _step(flow, seed)
+        assert fuse.report() == {"fused": ALL}
+        assert (lp - lp_f).abs().max() <= lp_tol, (flow, seed)
+        for k in grads:
+            assert (grads[k] - grads_f[k]).norm() <= grad_tol * grads[k].norm(), (flow, k, seed)
