@@ -489,9 +489,7 @@ class ScaledMMBackend:
                 return f"blockwise scaled_mm needs N to be a multiple of {TILE} for 128x128 scales, got {b.data.shape[0]}"
         elif a.data.is_cuda and (k % 16 or b.data.shape[0] % 16):
             return f"scaled_mm needs K and N to be multiples of 16, got K={k}, N={b.data.shape[0]}"
-        if a.data.dtype is torch.int8 and k > INT8_K_LIMIT:
-            return f"the int32 sum of an INT8 GEMM could overflow for K = {k} > {INT8_K_LIMIT}"
-        return None
+        return _int8_overflow(a)
 
     def mm(self, a, b, out=Format.FP32):
         if not isinstance(a, QTensor):
@@ -580,6 +578,14 @@ def _triton_kernels():
     return fp8
 
 
+def _int8_overflow(a: QTensor) -> str | None:
+    """Why an INT8 GEMM with operand ``a`` could overflow its int32 sum, or None."""
+    k = a.data.shape[1]
+    if a.data.dtype is torch.int8 and k > INT8_K_LIMIT:
+        return f"the int32 sum of an INT8 GEMM could overflow for K = {k} > {INT8_K_LIMIT}"
+    return None
+
+
 def _triton_quantize(x: torch.Tensor, spec: CastSpec) -> QTensor | None:
     """jetrl's Triton quantizer for ``spec`` (FP8 1x128 / 128x1 / 128x128, INT8 rows) on ``x`` when
     Triton can run here and has one, else None (the caller uses the reference: same values)."""
@@ -633,9 +639,7 @@ class TritonBackend:
     def shape_unsupported(self, a, b):
         if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
             return "an operand is not 8-bit"
-        if a.data.dtype is torch.int8 and a.data.shape[1] > INT8_K_LIMIT:
-            return f"the int32 sum of an INT8 GEMM could overflow for K = {a.data.shape[1]} > {INT8_K_LIMIT}"
-        return None
+        return _int8_overflow(a)
 
     def mm(self, a, b, out=Format.FP32):
         if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
