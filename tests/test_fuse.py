@@ -19,6 +19,7 @@ from jetrl_cli.live import backend_lines
 from jetrl_cli.models.shapes import random_model
 from jetrl_cli.models.tiny import tiny_config
 from jetrl_cli.precision import apply_flow, fuse, named_flow, parse_flow
+from jetrl_cli.rl.mismatch import reference_flow
 from jetrl_cli.rl.trainer import Batch, token_logprobs
 
 ALL = ["rms_norm", "rms_norm_grads", "rope_f32", "swiglu_grad", "swiglu_math"]
@@ -38,7 +39,7 @@ def _model(seed=0):
 def _step(flow_name, seed):
     """Token logprobs of a batch and the gradients of their sum, in the flow's training precision."""
     m = _model()
-    apply_flow(m, named_flow(flow_name), "train")
+    apply_flow(m, reference_flow() if flow_name == "fp32" else named_flow(flow_name), "train")
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, 256, (3, 24), generator=g)
     b = Batch.build(ids[:, :8].tolist(), ids[:, 8:].tolist(), [[0.0] * 16] * 3, [0.0] * 3, [0, 1, 2])
@@ -111,17 +112,18 @@ def test_report_lines():
 
 @pytest.mark.slow
 def test_inductor_compiles_every_fused_function(native):
-    """Inductor itself (C++ on CPU; Triton on a GPU) compiles the same functions. In the bf16 flow a
-    step agrees with the op-by-op one to fp32 rounding (a fused kernel may contract a * b + c into
-    one FMA). In an FP8 flow such a last-bit difference can move a value across an FP8 rounding
-    boundary (steps of 2^-3 relative), so there only the order of magnitude is checked."""
+    """Inductor itself (C++ on CPU; Triton on a GPU) compiles the same functions, and a training step
+    agrees with the op-by-op one. Not bit for bit: a fused kernel may contract a * b + c into one
+    FMA, and a last-bit difference can move a value across a rounding boundary of the flow's
+    formats (bf16: 2^-8 relative, E4M3: 2^-3), which the next layers carry on; so agreement is
+    checked at the scale of each flow's coarsest format. A wrong kernel would be off by O(1)."""
     seed = torch.seed() % 2**31
-    for flow, lp_tol, grad_tol in (("bf16", 1e-5, 1e-5), ("fp8-unified", 0.1, 0.2)):
+    for flow, tol in (("fp32", 1e-3), ("bf16", 2**-4), ("fp8-unified", 0.25)):
         fuse.set_force(False)
         lp, grads = _step(flow, seed)
         fuse.set_force(True, "inductor")
         lp_f, grads_f = _step(flow, seed)
         assert fuse.report() == {"fused": ALL}
-        assert (lp - lp_f).abs().max() <= lp_tol, (flow, seed)
+        assert (lp - lp_f).abs().max() <= tol, (flow, seed)
         for k in grads:
-            assert (grads[k] - grads_f[k]).norm() <= grad_tol * grads[k].norm(), (flow, k, seed)
+            assert (grads[k] - grads_f[k]).norm() <= tol * grads[k].norm(), (flow, k, seed)
