@@ -568,8 +568,9 @@ def engine_details(eng, model, flow, prompts, sp, s: Settings) -> dict:
         out["cuda_graphs"] = eng.graphs.disabled or f"{eng.graphs.captures} captured"
     from .precision.fuse import report as fuse_report
 
-    if fuse_report() is not None:
-        out["fused"] = fuse_report()
+    fused = fuse_report()
+    if fused is not None:
+        out["fused"] = fused
     if s.device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -39,10 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..precision.flow import LinearPrecision
 from ..precision import fuse
-from ..precision.fuse import fused
+from ..precision.flow import LinearPrecision
 from ..precision.formats import Format
+from ..precision.fuse import fused
 from ..precision.gemm import F64_BITS, fixed_point, native
 from ..precision.linear import JetLinear, group_weight, linear_group, swiglu_down
 from ..precision.quant import CastSpec, dequantize, fake_quantize, quantize, round_to, to_float
@@ -133,31 +133,20 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x, w, r = ctx.saved_tensors
-        if ctx.needs_input_grad[1]:
-            gx, gw = _rms_norm_grads(x, w, r, gy)
-        else:
-            gx, gw = _rms_norm_grad_x(x, w, r, gy), None
+        gx, gw = _rms_norm_grads(x, w, r, gy, ctx.needs_input_grad[1])
         return gx, gw, None, None
 
 
-def _rms_norm_grad_x_math(x, w, r, gy):
+@fused
+def _rms_norm_grads(x, w, r, gy, with_weight: bool):
+    """RMSNorm's input gradient, and its weight gradient when ``with_weight`` (else None), from its
+    input, weight, per-row rsqrt and output gradient."""
     xf, gyf, wf = (t.to(r.dtype) for t in (x, gy, w))
     xhat = xf * r
+    gw = (gyf * xhat).reshape(-1, x.shape[-1]).sum(0).to(w.dtype) if with_weight else None
     gxhat = gyf * wf
-    return (r * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))).to(x.dtype), xhat, gyf
-
-
-@fused
-def _rms_norm_grad_x(x, w, r, gy):
-    """RMSNorm's input gradient from its input, weight, per-row rsqrt and output gradient."""
-    return _rms_norm_grad_x_math(x, w, r, gy)[0]
-
-
-@fused
-def _rms_norm_grads(x, w, r, gy):
-    """RMSNorm's input and weight gradients."""
-    gx, xhat, gyf = _rms_norm_grad_x_math(x, w, r, gy)
-    return gx, (gyf * xhat).reshape(-1, x.shape[-1]).sum(0).to(w.dtype)
+    gx = r * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))
+    return gx.to(x.dtype), gw
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -80,6 +80,7 @@ def fused(fn):
 
     @functools.wraps(fn)
     def call(*args):
+        global disabled
         if disabled is None and _enabled and (args[0].is_cuda or _force) and not getattr(_local, "off", False):
             compiled = _compiled.get(fn)
             if compiled is None:
@@ -89,13 +90,12 @@ def fused(fn):
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:  # noqa: BLE001 - a compilation that fails: eager from now on, and said
-                _disable(f"{name}: {_why(e)}")
+                disabled = f"{name}: {_why(e)}"
             else:
                 _used.add(name)
                 return out
         return fn(*args)
 
-    call.eager = fn
     return call
 
 
@@ -104,8 +104,3 @@ def _why(e: Exception) -> str:
     cause = getattr(e, "inner_exception", None) or e.__cause__
     text = f"{type(e).__name__}" + (f": {type(cause).__name__}: {cause}" if cause is not None else f": {e}")
     return " ".join(text.split())[:300]
-
-
-def _disable(why: str) -> None:
-    global disabled
-    disabled = why

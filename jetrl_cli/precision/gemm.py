@@ -70,6 +70,7 @@ from ..errors import JetrlError
 from ..choices import GEMM_BACKENDS
 from .flow import OPERANDS, REDUCTION_ON_ROWS
 from .formats import Block, Format
+from .fuse import report as fuse_report
 from .quant import CastSpec, QTensor, quantize, round_to, to_float
 
 Operand = Union[QTensor, torch.Tensor]
@@ -895,8 +896,6 @@ def fallbacks() -> list[dict]:
 def backend_report() -> dict:
     """Every resolution made so far in this process and every call-time fallback; ``fused``: the
     elementwise chains compiled on a GPU, or why they are not (``precision.fuse``), when any ran."""
-    from .fuse import report as fuse_report
-
     out = {"resolved": [r.to_dict() for r in _RESOLVED.values() if r.backend != "torch"], "fallbacks": fallbacks()}
     fused = fuse_report()
     if fused is not None:
