@@ -11,6 +11,7 @@ the CPU emulation and a batch-invariant forward never run fused.
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from jetrl_cli.engine.base import make_payload
 from jetrl_cli.engine.embedded import EmbeddedEngine
@@ -22,7 +23,7 @@ from jetrl_cli.precision import apply_flow, fuse, named_flow, parse_flow
 from jetrl_cli.rl.mismatch import reference_flow
 from jetrl_cli.rl.trainer import Batch, token_logprobs
 
-ALL = ["rms_norm", "rms_norm_grads", "rope_f32", "swiglu_grad", "swiglu_math"]
+ALL = ["rms_norm", "rms_norm_grads", "rope", "swiglu_grad", "swiglu_math"]
 
 
 @pytest.fixture
@@ -60,9 +61,12 @@ def test_fused_training_step_is_the_op_by_op_one(native, flow):
     assert grads.keys() == grads_f.keys() and all(torch.equal(grads[k], grads_f[k]) for k in grads), f"seed {seed}"
 
 
-def test_fused_decoding_samples_what_op_by_op_decoding_samples(native):
+@pytest.mark.parametrize("flow_name", ["bf16", "fp8-rollout"])
+def test_fused_decoding_samples_what_op_by_op_decoding_samples(native, flow_name):
+    """bf16: norms write the GEMMs' bf16 inputs and RoPE the bf16 queries and keys themselves;
+    fp8-rollout: the quantizers read the norms' fp32 outputs."""
     model = _model(seed=3)
-    flow = parse_flow("fp8-rollout")
+    flow = parse_flow(flow_name)
     prompts = [[5, 9, 3], [7, 2, 11, 4, 8]]
     params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0)
     outs = []
@@ -71,8 +75,68 @@ def test_fused_decoding_samples_what_op_by_op_decoding_samples(native):
         eng = EmbeddedEngine(model, flow, 32, max_batch=4, cuda_graphs=False)
         eng.load_weights(make_payload(model, flow))
         outs.append([(c.tokens, c.logprobs) for g in eng.generate(prompts, params, seed=4) for c in g])
-    assert fuse.report() == {"fused": ["rms_norm", "rope_f32", "swiglu_math"]}
+    assert fuse.report() == {"fused": ["add_rms_norm", "rms_norm", "rope", "swiglu_math"]}
     assert outs[0] == outs[1]
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the ops that launch a kernel on a GPU (views and allocations aside); a fused
+    function counts as one."""
+
+    FREE = {"view", "_unsafe_view", "reshape", "transpose", "t", "slice", "select", "expand", "as_strided",
+            "detach", "alias", "unsqueeze", "squeeze", "permute", "split", "unbind", "empty", "empty_strided"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.inside = [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        copied = not (name == "to" and out is args[0])
+        if not self.inside and name not in self.FREE and copied:
+            self.ops.append(name)
+        return out
+
+    def fused(self, fn):
+        def run(*args):
+            self.ops.append(fn.__name__)
+            self.inside = True
+            try:
+                return fn(*args)
+            finally:
+                self.inside = False
+        return run
+
+
+def test_a_bf16_decode_layer_is_twelve_kernels(native, monkeypatch):
+    """What a captured decode step launches per decoder layer on a GPU (bf16, a model with qkv bias):
+    norm+cast, qkv GEMM with its bias, RoPE, two cache writes, attention, o_proj, residual+norm+cast,
+    gate/up GEMM, SwiGLU, down GEMM, residual. (Op by op it was 19; each extra one is a launch per
+    layer per token.)"""
+    from jetrl_cli.models.llama import _add_rms_norm, _rms_norm, _rope
+    from jetrl_cli.precision.linear import _swiglu_math
+
+    counter = _Ops()
+    fuse.set_force(True, "eager")
+    for f in (_add_rms_norm, _rms_norm, _rope, _swiglu_math):
+        monkeypatch.setitem(fuse._compiled, f.__wrapped__, counter.fused(f.__wrapped__))
+    flow = named_flow("bf16")
+    ops = {}
+    for layers in (2, 3):  # the difference is one layer's ops
+        model = random_model(tiny_config("qwen2", hidden=128, layers=layers, vocab=256), seed=1, std=0.05)
+        eng = EmbeddedEngine(model, flow, 32, max_batch=4, cuda_graphs=False)
+        eng.load_weights(make_payload(model, flow))
+        m = eng.model
+        cache = m.new_cache(2, 32)
+        with torch.inference_mode():  # as the engine decodes
+            m.prefill(torch.tensor([[5, 9, 3], [7, 2, 0]]), torch.tensor([3, 2]), cache)
+            tokens = torch.tensor([4, 6])
+            counter.ops = []
+            with counter:
+                m.decode(tokens, cache, 16)
+        ops[layers], counter.ops = counter.ops, []
+    assert len(ops[3]) - len(ops[2]) == 12, ops[3]
 
 
 def test_a_failed_compilation_runs_op_by_op_and_says_why(native):
@@ -127,3 +191,20 @@ def test_inductor_compiles_every_fused_function(native):
         assert (lp - lp_f).abs().max() <= tol, (flow, seed)
         for k in grads:
             assert (grads[k] - grads_f[k]).norm() <= tol * grads[k].norm(), (flow, k, seed)
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_decoding_functions(native):
+    """The rollout's fused functions (residual + norm + cast, RoPE writing bf16) through Inductor:
+    a no-grad forward agrees with the op-by-op one at bf16's scale."""
+    seed = torch.seed() % 2**31
+    ids = torch.randint(1, 256, (3, 20), generator=torch.Generator().manual_seed(seed))
+    outs = []
+    for force in (False, True):
+        fuse.set_force(force, "inductor")
+        m = _model()
+        apply_flow(m, named_flow("bf16"), "rollout")
+        with torch.inference_mode():
+            outs.append(m(ids))
+    assert fuse.report() == {"fused": ["add_rms_norm", "rms_norm", "rope", "swiglu_math"]}
+    assert (outs[0] - outs[1]).abs().max() <= 2**-4 * outs[0].abs().max(), seed

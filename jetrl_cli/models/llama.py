@@ -44,7 +44,7 @@ from ..precision.flow import LinearPrecision
 from ..precision.formats import Format
 from ..precision.fuse import fused
 from ..precision.gemm import F64_BITS, fixed_point, native
-from ..precision.linear import JetLinear, group_weight, linear_group, swiglu_down
+from ..precision.linear import JetLinear, group_weight, input_dtype, linear_group, swiglu_down
 from ..precision.quant import CastSpec, dequantize, fake_quantize, quantize, round_to, to_float
 
 
@@ -93,16 +93,41 @@ class RMSNorm(nn.Module):
             return invariant_rms_norm(x, self.weight, self.eps)
         return _rms_norm(x, self.weight, self.eps)[0]
 
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None, out: torch.dtype | None) -> tuple:
+        """``(s, norm(s))`` with ``s = x + delta`` (a residual connection, then this norm; ``s = x``
+        without ``delta``), the norm's output in ``out`` if given: the dtype its consumer casts it to
+        (``input_dtype``). Without autograd one function, so on a GPU one kernel in place of three
+        (add, norm, cast), with the values of ``forward(x + delta).to(out)``, the trainer's ops."""
+        grad = torch.is_grad_enabled() and (
+            x.requires_grad or self.weight.requires_grad or delta is not None and delta.requires_grad)
+        if grad or self.invariant and native(x):
+            s = x if delta is None else x + delta
+            return s, self.forward(s)
+        return _add_rms_norm(x, delta, self.weight, self.eps, out or x.dtype)
+
+
+def _rms_norm_math(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    xf, r = _rms_rsqrt(x, eps)
+    wf = w if w.dtype in _WIDE else w.float()
+    y = xf * r * wf
+    return (y if y.dtype is x.dtype else y.to(x.dtype)), r
+
 
 @fused
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``x * rsqrt(mean(x^2) + eps) * w`` in fp32 (mean as a sum, then a division: F.rms_norm's own
     ops, without its dtype checks and copies); returns the output and rsqrt. One kernel on a GPU
     (``precision.fuse``)."""
-    xf, r = _rms_rsqrt(x, eps)
-    wf = w if w.dtype in _WIDE else w.float()
-    y = xf * r * wf
-    return (y if y.dtype is x.dtype else y.to(x.dtype)), r
+    return _rms_norm_math(x, w, eps)
+
+
+@fused
+def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float,
+                  out: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + delta`` and ``_rms_norm(s)`` rounded to ``out`` (what a consumer that casts its
+    input to ``out`` would make of it: the same bits, with no cast of its own)."""
+    s = x if delta is None else x + delta
+    return s, _as(_rms_norm_math(s, w, eps)[0], out)
 
 
 _WIDE = (torch.float32, torch.float64)  # fp64 only in gradient checks
@@ -171,9 +196,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 @fused
-def _rope_f32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rope`` on ``x`` in fp32 (queries and keys in one pass)."""
-    return apply_rope(_as(x, torch.float32), cos, sin)
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``apply_rope`` on ``x`` in fp32 (queries and keys in one pass), returned in ``dtype``: bf16
+    when attention and the KV cache read bf16, so on a GPU the rounding is in the same kernel, not
+    two more (the same bits: rounding an fp32 value to bf16 is one operation wherever it runs)."""
+    return _as(apply_rope(_as(x, torch.float32), cos, sin), dtype)
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -523,7 +550,7 @@ class Attention(nn.Module):
         qkv = linear_group((self.q_proj, self.k_proj, self.v_proj), x, self)
         # RoPE on queries and keys in one pass (elementwise: the same bits as two passes), in fp32
         qkv = qkv.reshape(b, t, h + 2 * hk, c.head_dim).transpose(1, 2)
-        qk = _rope_f32(qkv[:, :h + hk], cos, sin)
+        qk = _rope(qkv[:, :h + hk], cos, sin, self._rope_dtype(x))
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hk:]
         width = mask.width
         if cache is None:
@@ -560,6 +587,15 @@ class Attention(nn.Module):
 
     def attention_format(self) -> Format:
         return attention_format(self.kv_spec)
+
+    def _rope_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """What RoPE returns queries and keys in: bf16 on the native path when attention reads bf16
+        and keys are kept as bf16 (what ``cast_kv`` and ``_native_attention`` would round them
+        to); fp32 otherwise (the CPU emulation, or keys an 8-bit cache quantizes from fp32)."""
+        spec = self.kv_spec
+        if native(x) and spec is not None and spec.format is Format.BF16 and not spec.is_scaled:
+            return torch.bfloat16
+        return torch.float32
 
 
 def attention_format(kv_spec: CastSpec | None) -> Format:
@@ -628,8 +664,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, mask: Masking, cache=None, layer=0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a, m = self.self_attn, self.mlp
+        _, h = self.input_layernorm.add_forward(x, None, input_dtype((a.q_proj, a.k_proj, a.v_proj), x))
+        x, h = self.post_attention_layernorm.add_forward(
+            x, a(h, cos, sin, mask, cache, layer), input_dtype((m.gate_proj, m.up_proj), x))
+        return x + m(h)
 
 
 class DecoderModel(nn.Module):

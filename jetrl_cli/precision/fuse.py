@@ -8,7 +8,9 @@ and pays a launch for each even inside a CUDA graph; training pays their memory 
 activations of ``tokens x 2 x intermediate`` fp32 values. ``fused(fn)`` runs ``fn`` through
 ``torch.compile`` (Inductor: one generated Triton kernel per chain; dynamic shapes, so one
 compilation serves every batch size) when its first tensor is on a GPU. The GEMMs, attention and
-jetrl's quantizers are not in these functions and do not change.
+jetrl's quantizers are not in these functions and do not change. Without autograd (the rollout) a
+chain also takes in its neighbours: the residual add before an RMSNorm and the cast to the next
+GEMM's input after it, RoPE's cast to what attention reads -- 12 kernels per bf16 decode layer.
 
 What this keeps: the rollout and the trainer call the same compiled functions, so they compute the
 same values as each other as before. Bitwise equality on a GPU is ``precision.batch_invariant``'s

@@ -145,14 +145,28 @@ def dense_cast(x: torch.Tensor, fmt: Format) -> torch.Tensor:
 _MM_OUT_DTYPE: dict = {}  # device type -> whether torch.mm(..., out_dtype=) runs there
 
 
-def dense_mm(a: torch.Tensor, b: torch.Tensor, out: Format) -> torch.Tensor:
-    """``a @ b.T`` for unscaled operands, written in ``out`` (native) or fp32 (emulated: the caller
-    rounds). Native bf16 x bf16 -> fp32 uses ``torch.mm(out_dtype=)`` where torch has it."""
+def dense_mm(a: torch.Tensor, b: torch.Tensor, out: Format, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` for unscaled operands, written in ``out`` (native) or fp32 (emulated: the
+    caller rounds). Native bf16 x bf16 -> fp32 uses ``torch.mm(out_dtype=)`` where torch has it; a
+    bias in the output dtype is added in the GEMM's epilogue (``addmm``: one kernel, and the sum is
+    rounded once, as the emulation rounds fp32 ``acc + bias`` once)."""
     if not native(a):
-        return row_invariant_mm(operand_values(a), operand_values(b))
+        return add_bias(row_invariant_mm(operand_values(a), operand_values(b)), bias)
     dt = out.torch_dtype()
     if a.dtype == dt:
-        return torch.mm(a, b.t())
+        if bias is not None and bias.dtype is dt:
+            return torch.addmm(bias, a, b.t())
+        return add_bias(torch.mm(a, b.t()), bias)
+    return add_bias(_mm_to(a, b, dt), bias)
+
+
+def add_bias(acc: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is None:
+        return acc
+    return acc + (bias if bias.dtype is acc.dtype else bias.to(acc.dtype))
+
+
+def _mm_to(a: torch.Tensor, b: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     key = a.device.type
     if _MM_OUT_DTYPE.get(key, True):
         try:
@@ -867,23 +881,26 @@ def backend_for(spec, gemm: str, device: torch.device) -> GemmBackend:
     return _BACKENDS["emulated"] if res.backend == "torch" else _BACKENDS[res.backend]
 
 
-def run_gemm(a: Operand, b: Operand, spec, gemm: str, device: torch.device) -> torch.Tensor:
-    """``a @ b.T`` on the resolved backend, falling back (and counting it) when the shapes do not fit."""
+def run_gemm(a: Operand, b: Operand, spec, gemm: str, device: torch.device,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` on the resolved backend, falling back (and counting it) when the shapes
+    do not fit. The bias is added to the product before it is rounded to ``spec.out`` where the
+    GEMM allows it (emulated; native dense: ``addmm``), else to the GEMM's output."""
     res = resolve(spec, gemm, device)
     if res.backend == "torch":
         if isinstance(b, ExactOperand) or exact_dense_spec(spec, gemm, device):
-            return exact_dense_mm(operand_values(a), b, spec.a.format, spec.b.format)
-        return dense_mm(a, b, spec.out)
+            return add_bias(exact_dense_mm(operand_values(a), b, spec.a.format, spec.b.format), bias)
+        return dense_mm(a, b, spec.out, bias)
     first = _BACKENDS[res.backend]
     why = first.shape_unsupported(a, b)
     if why is None:
-        return first.mm(a, b, spec.out)
+        return add_bias(first.mm(a, b, spec.out), bias)
     for name in res.candidates[1:]:
         be = _BACKENDS[name]
         if be.shape_unsupported(a, b) is None:
             k = (gemm, res.spec_str, res.backend, name, why)
             _FALLBACKS[k] = _FALLBACKS.get(k, 0) + 1
-            return be.mm(a, b, spec.out)  # every backend reads jetrl's QTensors, whatever their strides
+            return add_bias(be.mm(a, b, spec.out), bias)  # every backend reads jetrl's QTensors, whatever their strides
     raise JetrlError(f"precision.{gemm}: no backend can run {res.spec_str} on shapes "
                      f"{tuple(a.shape)} x {tuple(b.shape)} ({res.backend}: {why})")
 

@@ -38,6 +38,7 @@ from .fuse import fused
 from .gemm import (
     ExactOperand,
     Operand,
+    add_bias,
     backend_for,
     cast_operand,
     cast_pair,
@@ -73,11 +74,9 @@ def linear_forward(x: torch.Tensor, weight: Operand | list, bias: torch.Tensor |
     dev = x2.device
     xa = x_op if x_op is not None else cast_operand(x2, spec.a, backend_for(spec, gemm, dev))
     if isinstance(weight, list):
-        acc = torch.cat([run_gemm(xa, w, spec, gemm, dev) for w in weight], dim=-1)
+        acc = add_bias(torch.cat([run_gemm(xa, w, spec, gemm, dev) for w in weight], dim=-1), bias)
     else:
-        acc = run_gemm(xa, weight, spec, gemm, dev)
-    if bias is not None:
-        acc = acc + (bias if bias.dtype is acc.dtype else bias.to(acc.dtype))
+        acc = run_gemm(xa, weight, spec, gemm, dev, bias)
     y = finish(acc, spec.out, x.dtype)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -247,8 +246,9 @@ def group_weight(mods, owner: nn.Module):
         with torch.no_grad():
             w = concat_operands([m.quantized_weight() for m in mods], spec, dev)
             b = None
-            if mods[0].bias is not None:
-                b = torch.cat([m.bias.detach() for m in mods]).float()
+            if mods[0].bias is not None:  # natively in the GEMM's output dtype (no cast per call)
+                b = torch.cat([m.bias.detach() for m in mods])
+                b = b.to(spec.out.torch_dtype() if native(b) else torch.float32)
             if hit is not None and copy_operand_(hit[1], w) and copy_operand_(hit[2], b):
                 w, b = hit[1], hit[2]
         hit = (key, w, b)
@@ -303,6 +303,16 @@ def separate_linears():
         yield
     finally:
         _SEPARATE = before
+
+
+def input_dtype(mods: Sequence["JetLinear"], x: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``linear_group(mods, x)`` casts ``x`` to when that cast is a plain conversion (the
+    native path, an unscaled input format): a producer may write ``x`` in it directly, saving a
+    kernel. None otherwise (8-bit inputs are quantized from the high-precision values)."""
+    a = mods[0].precision.fprop.a
+    if not native(x) or a.is_scaled or any(m.precision.fprop.a != a for m in mods[1:]):
+        return None
+    return a.format.torch_dtype()
 
 
 def linear_group(mods: Sequence["JetLinear"], x: torch.Tensor, owner: nn.Module, input_kept: bool = False) -> torch.Tensor:
