@@ -149,7 +149,8 @@ def dense_mm(a: torch.Tensor, b: torch.Tensor, out: Format, bias: torch.Tensor |
     """``a @ b.T (+ bias)`` for unscaled operands, written in ``out`` (native) or fp32 (emulated: the
     caller rounds). Native bf16 x bf16 -> fp32 uses ``torch.mm(out_dtype=)`` where torch has it; a
     bias in the output dtype is added in the GEMM's epilogue (``addmm``: one kernel, and the sum is
-    rounded once, as the emulation rounds fp32 ``acc + bias`` once)."""
+    rounded once, as the emulation rounds fp32 ``acc + bias`` once; the bias itself is bf16 there,
+    as before, and fp32 in the emulation)."""
     if not native(a):
         return add_bias(row_invariant_mm(operand_values(a), operand_values(b)), bias)
     dt = out.torch_dtype()
