@@ -563,3 +563,24 @@ def test_batch_invariant_gpu_run_is_bitwise_on_policy_at_every_step(preset, tmp_
     lines = [m for m in run(cfg, tmp_path / "r") if m["step"] > 0]
     assert len(lines) == 4
     assert all(m["mismatch_kl"] == 0.0 and m["frac_bitwise_equal"] == 1.0 for m in lines), lines
+
+
+def test_native_bf16_linear_rounds_product_plus_bias_once(forced_native):
+    """A native bf16 linear adds its bias before the one rounding to bf16 (``addmm``'s epilogue),
+    as the emulation does. Operands and bias are bf16 values and the bias nearly cancels the
+    product, so a product rounded to bf16 before the add would be off by up to half a bf16 ulp of
+    the product, far more than one of the result."""
+    from jetrl_cli.precision.linear import linear_forward, weight_operand
+
+    spec = named_flow("bf16").rollout.linear
+    m, k, n = 9, 256, 40
+    x = torch.randn(m, k).bfloat16()
+    w = torch.randn(n, k).bfloat16()
+    exact = x.double() @ w.double().T
+    bias = (-exact[0] + torch.rand(n, dtype=torch.float64) * 1e-2).bfloat16()  # cancels row 0
+    y = linear_forward(x, weight_operand(w.float(), spec), bias, spec)
+    assert y.dtype == torch.bfloat16
+    ref = exact + bias.double()
+    ulp = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(ref.abs().clamp_min(2**-126)))
+    acc_err = k * 2**-23 * (x.double().abs() @ w.double().abs().T)  # fp32 accumulation, generously
+    assert ((y.double() - ref).abs() <= ulp / 2 + acc_err).all()
