@@ -381,6 +381,7 @@ def quantizers() -> list[tuple[str, object]]:
 
 
 def bench_quantize(s: Settings) -> list[dict]:
+    from .kernels import quantize as triton_quantize  # light: imports Triton only when called
     from .precision.quant import dequantize, error_stats, quantize
 
     dev = torch.device(s.device)
@@ -396,8 +397,6 @@ def bench_quantize(s: Settings) -> list[dict]:
         rows.append({"shape": f"{m}x{k}", "quantizer": "copy (ceiling)", "dtype": str(dtype).replace("torch.", ""),
                      **t, "bytes": copy_bytes, "gb_per_s": copy_bw / 1e9, "vs_copy": 1.0})
         kernels = _triton_quantizers(s.device)
-        if kernels is not None:
-            from .kernels import quantize as triton_quantize
         for name, spec in quantizers():
             if spec.block.rows > m or spec.block.cols > k:
                 continue
