@@ -274,7 +274,8 @@ def gemm_variants(device: str) -> list[GemmVariant]:
     e4 = Format.FP8_E4M3
     blk_a, blk_w = CastSpec(e4, Block(1, 128)), CastSpec(e4, Block(128, 128))
     out = []
-    for backend in ("emulated", "scaled_mm", "triton"):
+    # invariant: the batch-invariant mode's GEMM (one tile for every M), whose price shows against triton
+    for backend in ("emulated", "scaled_mm", "triton", "invariant"):
         out.append(GemmVariant("fp8 1x128 x 128x128", blk_a, blk_w, backend))
     for backend in ("scaled_mm", "triton"):  # Wgrad: 1x128 groups along the reduction (tokens) on both sides
         out.append(GemmVariant("fp8 1x128 x 1x128 (wgrad)", blk_a, blk_a, backend, "wgrad"))
@@ -949,7 +950,7 @@ def _gpu_targets(results: dict) -> list[dict]:
         out.append({"target": name, "value": value, "met": met})
 
     gemm = [r for r in results.get("gemm", []) if "vs_bf16" in r and r.get("accuracy_ok", True)
-            and r["backend"] != "torch" and r["M"] >= 4096 and _big_shape(r["shape"])]
+            and r["backend"] not in ("torch", "invariant") and r["M"] >= 4096 and _big_shape(r["shape"])]
     for variant, key, what in (("fp8 1x128 x 128x128", "gemm_blockwise_vs_bf16", "blockwise FP8 GEMM (Fprop/Dgrad)"),
                                ("fp8 1x128 x 1x128 (wgrad)", "gemm_wgrad_vs_bf16", "blockwise FP8 Wgrad GEMM")):
         best: dict[str, float] = {}  # shape -> its fastest backend (what `auto` picks)

@@ -49,8 +49,12 @@ def backend_lines(report: dict | None) -> list[str]:
         out.append(f"gemm fallback {f['gemm']} {f['spec']}: {f['from']} -> {f['to']} ({f['why']}; {f['calls']} calls)")
     fused = report.get("fused")
     if fused:
-        out.append(f"fused (torch.compile): {', '.join(fused['fused'])}" if "fused" in fused
-                   else f"fusion off, eager: {fused['disabled']}")
+        if "fused" in fused:
+            limited = fused.get("eager_variants")
+            out.append(f"fused (torch.compile): {', '.join(fused['fused'])}"
+                       + (f"; some calls eager past the recompile limit: {', '.join(limited)}" if limited else ""))
+        else:
+            out.append(f"fusion off, eager: {fused['disabled']}")
     return out
 
 

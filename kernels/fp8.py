@@ -10,7 +10,9 @@ GEMM consumes (``kernels/layouts.py`` describes them and why each exists):
   Dgrad; scales in the padded (ceil(N/128), round_up(ceil(K/128), 4)) buffers the GEMM reads.
 - ``blockwise_mm``: ``a @ b.T`` for FP8 operands with 1x128 or 128x128 scales along K, fp32
   accumulation per 128-wide K block, scales applied to each block's partial sum before it is added
-  (DeepSeek-V3's promotion rule), fp32 or bf16 output; it reads any scale strides.
+  (DeepSeek-V3's promotion rule), fp32 or bf16 output; it reads any scale strides. A decode step's
+  few rows get narrow tiles (``decode_tiles``, shared with the INT8 GEMM), so more SMs stream the
+  weight; prefill and training get 64 x 128.
 
 Numerics (bit for bit the reference's): ``amax`` over the finite values of a group, floored at
 ``amax_floor``; ``scale = amax / fmt_max`` (optionally rounded up to a power of two), NaN when the
@@ -214,8 +216,8 @@ def _blockwise_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                          OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile of ``a @ b.T``: fp8 x fp8 -> fp32 per 128-wide K block, each
-    block's partial product scaled and added in K order (no split-K: with a tile shape that does not
-    depend on M, a row's result does not depend on M -- what ``kernels.invariant`` relies on)."""
+    block's partial product scaled and added in K order (no split-K: called with a tile shape that
+    does not depend on M, a row's result does not depend on M -- what ``kernels.invariant`` does)."""
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -349,9 +351,34 @@ def _scale_rows(op: QTensor, where: str) -> int:
     return blk.rows
 
 
+DECODE_ROWS = 64  # a GEMM of at most this many rows is a decode step's: it gets decode_tiles
+
+
+def decode_tiles(m: int, n: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a decode step's GEMM (M <= ``DECODE_ROWS``), FP8 or
+    INT8. It reads the whole weight for a few rows, so it is bound by the weight's bytes and by how
+    many SMs stream them: the tile is as tall as M (16 rows at least, the smallest MMA), and narrow
+    -- 32 columns for N <= 4096, so that a 1.5B model's o_proj and down_proj (N = 1536) run 48
+    programs instead of 12 at 128 columns, 64 above -- with a deeper pipeline over K. Untuned
+    guesses until ``jetrl bench gemm`` (its decode rows) has been run on a GPU."""
+    return max(16, triton.next_power_of_2(m)), 32 if n <= 4096 else 64, 4, 4
+
+
+def _mm_config(m: int, n: int) -> tuple[int, int, int, int]:
+    """The Triton FP8 GEMM's tiles: ``decode_tiles`` for a decode step, 64 x 128 (4 warps, 3 stages)
+    for prefill- and training-sized M. On a GPU the tile shape can change the last bits of a result
+    (the MMA instruction, and so the order of the sums within a 128-wide K block, differs): a row's
+    result may differ between a decode step and the trainer's forward, as with cuBLAS. The
+    batch-invariant twin (``kernels.invariant``) pins one configuration for every M."""
+    if m <= DECODE_ROWS:
+        return decode_tiles(m, n)
+    return 64, 128, 4, 3
+
+
 def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
-                 block_m: int = 64, block_n: int = 128) -> torch.Tensor:
-    """``a @ b.T`` (a: M x K, b: N x K, FP8 with 1x128 or 128x128 scales), fp32 accumulation per K block."""
+                 tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """``a @ b.T`` (a: M x K, b: N x K, FP8 with 1x128 or 128x128 scales), fp32 accumulation per K block.
+    ``tiles``: (BLOCK_M, BLOCK_N, num_warps, num_stages), by default chosen from M and N (``_mm_config``)."""
     if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"blockwise_mm: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)} do not match as a @ b.T")
     sa_rows, sb_rows = _scale_rows(a, "operand a"), _scale_rows(b, "operand b")
@@ -360,6 +387,7 @@ def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"blockwise_mm writes float32 or bfloat16, not {out_dtype}")
     c = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
+    block_m, block_n, warps, stages = tiles or _mm_config(m, n)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _blockwise_mm_kernel[grid](
         a.data, b.data, c, a.scale, b.scale, c, m, n, k,
@@ -367,5 +395,6 @@ def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
         a.scale.stride(0), a.scale.stride(1), b.scale.stride(0), b.scale.stride(1),
         SA_ROWS=sa_rows, SB_ROWS=sb_rows, HAS_BIAS=False, OUT_BF16=out_dtype == torch.bfloat16,
         INTERPRET=_interpreting(),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=TILE, enable_fp_fusion=FP_FUSION)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=TILE, num_warps=warps, num_stages=stages,
+        enable_fp_fusion=FP_FUSION)
     return c

@@ -36,7 +36,7 @@ from jetrl_cli.precision.formats import Block, Format
 from jetrl_cli.precision.gemm import INT8_K_LIMIT as K_LIMIT
 from jetrl_cli.precision.quant import CastSpec, QTensor
 
-from .fp8 import FP_FUSION, _abs_bits, _divisor, _group_scale, _interpreting, _scaled, _to_bf16
+from .fp8 import DECODE_ROWS, FP_FUSION, _abs_bits, _divisor, _group_scale, _interpreting, _scaled, _to_bf16, decode_tiles
 
 QMAX = tl.constexpr(127.0)  # Format.INT8.max
 ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding it rounds |y| <= 2^22 to an integer, half to even
@@ -139,13 +139,11 @@ def _scale_stride(op: QTensor, rows: int, where: str) -> int:
 
 
 def _mm_config(m: int, n: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). A decode step (M <= 64) reads the whole weight for a
-    few rows: its tile is just as tall, and narrow (64 columns; 32 for N <= 4096, e.g. a 1.5B model's
-    o_proj and down_proj: 48 programs instead of 24 then share the weight's bytes across the SMs).
-    Prefill- and training-sized M get 128 x 128 tiles. Untuned guesses until ``jetrl bench gemm``
-    (its decode rows) has been run on a GPU; no choice here changes a result bit."""
-    if m <= 64:
-        return max(16, triton.next_power_of_2(m)), 32 if n <= 4096 else 64, 4, 4
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): a decode step gets ``fp8.decode_tiles`` (narrow
+    tiles, so more programs stream the weight); prefill- and training-sized M get 128 x 128. Untuned
+    guesses until ``jetrl bench gemm`` has been run on a GPU; no choice here changes a result bit."""
+    if m <= DECODE_ROWS:
+        return decode_tiles(m, n)
     return 128, 128, 8, 3
 
 

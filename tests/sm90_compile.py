@@ -163,8 +163,10 @@ def cases():
                                                                      out_dtype=bf)))
     out.append(("int8_mm M=64 N=1536", None, lambda: int8.int8_mm(int8_op(64, inter), int8_op(hidden, inter),
                                                                   out_dtype=bf)))  # down_proj: narrower tiles
+    out.append(("blockwise_mm M=64 N=1536", None, lambda: fp8.blockwise_mm(  # down_proj: narrower tiles
+        _qtensor(64, inter, 1), _qtensor(hidden, inter, 128), out_dtype=bf)))
     for m in (1, 7, 64, 4096):  # decode (one row, a few), prefill, training
-        out.append((f"blockwise_mm M={m}", "blockwise_mm", lambda m=m: fp8.blockwise_mm(
+        out.append((f"blockwise_mm M={m}", None, lambda m=m: fp8.blockwise_mm(
             _qtensor(m, hidden, 1), _qtensor(inter, hidden, 128), out_dtype=bf)))
         out.append((f"invariant_blockwise_mm M={m}", "invariant_blockwise_mm", lambda m=m: invariant.invariant_blockwise_mm(
             _qtensor(m, hidden, 1), _qtensor(inter, hidden, 128), out_dtype=bf)))

@@ -2,8 +2,8 @@
 replayed from captured graphs, weights refreshed in place at each sync.
 
 CUDA graphs cannot be captured on CPU; ``FakeGraphs`` stands in for torch.cuda's capture API with
-the same contract (capturing runs nothing; each replay recomputes the step and writes its result
-into the one output tensor capture returned). The engine's plumbing around it -- static buffers,
+the same contract (capturing runs nothing; capture returns the step's output tensor, and each
+replay recomputes the step and writes its result into that tensor). The engine's plumbing around it -- static buffers,
 graph keys, bucketing, the eager check of every new graph, the fallback -- is what runs here, and
 its samples must be exactly the plain engine's. The real capture is exercised by the ``gpu`` test.
 """
@@ -56,7 +56,7 @@ class FakeGraphs:
         graph.fn = fn
         snap = _lengths_of(fn)
         before = snap.clone()
-        graph.out = fn().clone()
+        graph.out = fn()  # the tensor the step writes its output into, as a capture returns it
         snap.copy_(before)  # capturing leaves the state as it was
         return graph.out
 
@@ -111,6 +111,39 @@ def test_static_cache_and_replayed_graphs_sample_what_the_plain_engine_samples(m
     assert _samples(eng, sp) == plain and eng.graphs.captures == n
 
 
+def test_graphs_of_one_batch_size_share_one_logits_buffer(model, monkeypatch):
+    """A captured graph's output stays allocated as long as the graph: one buffer per batch size
+    keeps that to a few batch x vocabulary buffers, however many widths are captured."""
+    from jetrl_cli.engine import graphs
+
+    monkeypatch.setattr(graphs, "WIDTH_BUCKET", 16)
+    f = named_flow("bf16")
+    sp = SamplingParams(max_new_tokens=40, temperature=1.0, n=4, stop_token_ids=tuple(range(0, 256, 11)))
+    plain = _samples(_engine(model, f, static=False), sp)
+    fake = FakeGraphs()
+    eng = _engine(model, f, graphs=fake)
+    assert _samples(eng, sp) == plain
+    keys = list(eng.graphs.graphs)
+    sizes = {k[0] for k in keys}
+    assert len({k[1] for k in keys}) >= 3 and len(keys) > len(sizes)  # several widths per batch size
+    for b in sizes:
+        outs = {eng.graphs.graphs[k].logits.data_ptr() for k in keys if k[0] == b}
+        assert outs == {eng.graphs.outputs[b].data_ptr()}, b
+
+
+def test_a_rebuilt_rope_table_is_captured_again(model):
+    """Past max_position_embeddings the model rebuilds its RoPE table larger; a graph captured on
+    the old table must not be replayed (it would read freed memory on a GPU)."""
+    f = named_flow("bf16")
+    sp = SamplingParams(max_new_tokens=8, temperature=1.0, n=2)
+    eng = _engine(model, f, graphs=FakeGraphs())
+    first = _samples(eng, sp)
+    n = eng.graphs.captures
+    cos, sin = eng.model._rope
+    eng.model._rope = (cos.clone(), sin.clone())  # what a rebuild does: a new table, same values
+    assert _samples(eng, sp) == first and eng.graphs.captures > n
+
+
 def test_a_sync_refreshes_weights_in_place_and_the_graphs_stay_valid(model):
     f = named_flow("fp8-unified")
     sp = SamplingParams(max_new_tokens=16, temperature=1.0, n=2)
@@ -144,6 +177,22 @@ def test_a_sync_after_a_rollout_that_built_the_cached_operands(model, flow):
     eng.load_weights(make_payload(moved, f, version=2))
     assert _samples(eng, sp) == _samples(_engine(moved, f, static=False), sp)
     assert eng.weights_version == 2
+
+
+def test_a_sync_that_replaces_weight_operands_drops_the_graphs(model):
+    """Graphs captured before the first sync read the operands the rollout built from the master
+    weights; the sync replaces them (the engine then holds the synced FP8 weights once), so those
+    graphs must be captured again, even though the layers' group caches are rebuilt in the same call."""
+    f = named_flow("fp8-unified")
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, n=2)
+    eng = EmbeddedEngine(model, f, 64, max_batch=32, cuda_graphs=False)
+    eng.static = True
+    eng.graphs = DecodeGraphs(eng.model, graph_api=FakeGraphs())
+    _samples(eng, sp)
+    assert eng.graphs.graphs
+    eng.load_weights(make_payload(model, f, version=2))
+    assert not eng.graphs.graphs  # dropped: captured again at the next rollout
+    assert _samples(eng, sp) == _samples(_engine(model, f, static=False), sp)
 
 
 def test_a_graph_that_cannot_be_captured_falls_back_to_eager_and_says_why(model):

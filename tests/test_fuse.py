@@ -153,6 +153,67 @@ def test_a_failed_compilation_runs_op_by_op_and_says_why(native):
     assert backend_lines({"resolved": [], "fallbacks": [], "fused": fuse.report()}) == [f"fusion off, eager: {why}"]
 
 
+def _rl_variants(flow_name):
+    """One flow's calls of the fused functions in an RL step: prefill and decode under inference mode,
+    batches shrinking to one row, a one-prompt rollout, a training step and a no-grad scoring of
+    one sequence (each None-ness, dtype, grad mode and size-1 dimension is its own compilation)."""
+    model = _model(seed=3)
+    flow = parse_flow(flow_name)
+    eng = EmbeddedEngine(model, flow, 64, max_batch=8, cuda_graphs=False)
+    eng.load_weights(make_payload(model, flow))
+    done = SamplingParams(n=4, max_new_tokens=12, temperature=1.0, stop_token_ids=[3, 7, 9])
+    eng.generate([[5, 9, 3], [7, 2, 11, 4, 8]], done, seed=4)
+    eng.generate([[5, 9, 3]], SamplingParams(n=1, max_new_tokens=4), seed=4)
+    _step(flow_name, 0)
+    m = _model()
+    apply_flow(m, named_flow(flow_name), "train")
+    ids = torch.randint(1, 256, (1, 24))
+    with torch.no_grad():
+        token_logprobs(m, Batch.build(ids[:, :8].tolist(), ids[:, 8:].tolist(), [[0.0] * 16], [0.0], [0]),
+                       SamplingParams())
+
+
+def test_an_rl_step_compiles_every_variant_it_needs(native):
+    """12 variants of add_rms_norm in one flow's RL step (bf16), more with several flows in one
+    process: over dynamo's default limit of 8, which with fullgraph=True is an error that turned
+    fusion off for the whole process before the limit was raised."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from jetrl_cli.models import llama
+
+    fuse.set_force(True, "aot_eager")
+    for flow_name in ("bf16", "fp8-rollout"):
+        _rl_variants(flow_name)
+    assert len(_debug_get_cache_entry_list(llama._add_rms_norm.__wrapped__.__code__)) > 8
+    assert fuse.report() == {"fused": ["add_rms_norm", "rms_norm", "rms_norm_grads", "rope", "swiglu_grad",
+                                       "swiglu_math"]}
+
+
+def test_a_variant_past_the_recompile_limit_runs_eagerly(native, monkeypatch):
+    """Past the limit, that call runs op by op and is reported; fusion stays on for the rest."""
+    monkeypatch.setattr(fuse, "RECOMPILE_LIMIT", 2)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        _fused_and_eager_decoding_agree()
+    rep = fuse.report()
+    assert "add_rms_norm" in rep["fused"] and "add_rms_norm" in rep["eager_variants"]
+    line = backend_lines({"resolved": [], "fallbacks": [], "fused": rep})[0]
+    assert line.startswith("fused (torch.compile): ") and "eager past the recompile limit: add_rms_norm" in line
+
+
+def _fused_and_eager_decoding_agree():
+    model = _model(seed=3)
+    flow = parse_flow("bf16")
+    prompts = [[5, 9, 3], [7, 2, 11, 4, 8]]
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0)
+    outs = []
+    for force in (False, True):
+        fuse.set_force(force, "aot_eager")
+        eng = EmbeddedEngine(model, flow, 32, max_batch=4, cuda_graphs=False)
+        eng.load_weights(make_payload(model, flow))
+        outs.append([(c.tokens, c.logprobs) for g in eng.generate(prompts, params, seed=4) for c in g])
+    assert outs[0] == outs[1]
+
+
 def test_batch_invariant_forward_runs_op_by_op(native):
     """A batch-invariant model's forward is not fused (a compiled forward and the trainer's autograd
     twin need not round alike); its backward may be."""

@@ -565,6 +565,32 @@ def test_batch_invariant_gpu_run_is_bitwise_on_policy_at_every_step(preset, tmp_
     assert all(m["mismatch_kl"] == 0.0 and m["frac_bitwise_equal"] == 1.0 for m in lines), lines
 
 
+@pytest.mark.parametrize("t,left_pad", [(1, False), (5, True), (5, False)])
+def test_masked_gqa_attention_folds_query_heads_onto_their_kv_head(t, left_pad):
+    """Decode steps and left-padded prefills attend with a mask, where torch's fused kernels take no
+    GQA (before 2026): the query heads that share a KV head are folded into query rows of it. Each
+    output row is attention over its own visible keys, checked against float64 attention with the
+    KV heads repeated per query head (heads i*rep .. i*rep+rep-1 read KV head i)."""
+    from jetrl_cli.models.llama import Masking, _native_attention
+    from jetrl_cli.precision.formats import Format
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    b, hk, rep, d, width = 3, 2, 3, 16, 12
+    h = hk * rep
+    q = torch.randn(b, h, t, d, generator=g)
+    k, v = torch.randn(b, hk, width, d, generator=g), torch.randn(b, hk, width, d, generator=g)
+    q_index = torch.tensor([[4], [9], [11]]) + torch.arange(t) - (t - 1)  # rows at different lengths
+    keep = (torch.rand(b, width, generator=g) > 0.3) if left_pad else None
+    mask = Masking(q_index, keep, width, causal_from_zero=False)
+    got = _native_attention(q, k, v, mask, rep, Format.FP32)
+    kr, vr = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    scores = (q.double() @ kr.transpose(-1, -2)) / d ** 0.5
+    scores = scores.masked_fill(~mask.visible(), float("-inf"))
+    want = (scores.softmax(-1) @ vr).transpose(1, 2).reshape(b, t, h * d)
+    assert got.shape == (b, t, h * d)
+    assert (got.double() - want).abs().max() < 1e-5
+
+
 def test_native_bf16_linear_rounds_product_plus_bias_once(forced_native):
     """A native bf16 linear adds its bias before the one rounding to bf16 (``addmm``'s epilogue),
     as the emulation does. Operands and bias are bf16 values and the bias nearly cancels the

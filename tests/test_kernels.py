@@ -94,6 +94,36 @@ def test_blockwise_gemm_against_reference(m, n, k, b_block):
     assert o16.dtype == torch.bfloat16 and error_stats(emu, o16.float())["rel_err"] < 1e-2
 
 
+@pytest.mark.parametrize("m", [1, 7, 33, 64])
+@pytest.mark.parametrize("b_block", [Block(128, 128), Block(1, 128)])
+def test_blockwise_gemm_decode_tiles_against_reference(m, b_block):
+    """A decode step's few rows get narrow tiles (16-64 x 32 here); their masks and their scale reads
+    must give the reference's result as the 64 x 128 tiles do."""
+    from jetrl_cli.kernels import fp8
+
+    n, k = 200, 384
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x, w = torch.randn(m, k, generator=g).to(dev()), (torch.randn(n, k, generator=g) * 0.02).to(dev())
+    a, b = quantize(x, CastSpec(E4, Block(1, 128))), quantize(w, CastSpec(E4, b_block))
+    tiles = fp8._mm_config(m, n)
+    assert tiles[:2] == (max(16, 1 << (m - 1).bit_length()), 32)
+    emu = EmulatedBackend().mm(a, b)
+    tol = 2.0 ** -11 if torch.cuda.is_available() else 1e-5  # as in the test above
+    assert error_stats(emu, fp8.blockwise_mm(a, b))["rel_err"] < tol
+    wide = fp8.blockwise_mm(a, b, tiles=(64, 128, 4, 3))  # the prefill/training tiles, same operands
+    assert error_stats(wide, fp8.blockwise_mm(a, b, tiles=tiles))["rel_err"] < tol
+
+
+def test_gemm_tiles_by_rows_and_width():
+    from jetrl_cli.kernels import fp8, int8
+
+    assert fp8._mm_config(1, 1536) == (16, 32, 4, 4)  # decode, 1.5B o_proj / down_proj: 48 programs
+    assert fp8._mm_config(64, 17920) == (64, 64, 4, 4)  # decode, 1.5B gate_up_proj
+    assert fp8._mm_config(65, 1536) == fp8._mm_config(4096, 1536) == (64, 128, 4, 3)  # prefill, training
+    assert int8._mm_config(8, 8960) == fp8.decode_tiles(8, 8960) == (16, 64, 4, 4)
+    assert int8._mm_config(4096, 8960) == (128, 128, 8, 3)
+
+
 def test_gemm_rejects_unsupported_scales():
     from jetrl_cli.kernels import fp8
 

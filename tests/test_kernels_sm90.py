@@ -78,9 +78,25 @@ def test_fast_paths_do_not_spill_registers(report):
         assert k["shared"] <= 227 * 1024, k["case"]  # an H100 block's shared memory
 
 
+def test_fp8_gemm_runs_on_the_tensor_cores_at_every_tile(report):
+    """The plain FP8 GEMM's decode tiles (16-64 rows x 32-64 columns) and its 64 x 128 tiles: from 64
+    rows ``wgmma`` on e4m3 operands; a 16-row tile is ``mma.sync`` on f16 operands converted from e4m3
+    (exact: every e4m3 and e5m2 value is an f16 value), with fp32 accumulation either way."""
+    by_case = {k["case"]: k for k in report["kernels"]}
+    gemms = {c: k for c, k in by_case.items() if c.startswith("blockwise_mm")}
+    assert len(gemms) == 5
+    for case in ("blockwise_mm M=64", "blockwise_mm M=64 N=1536", "blockwise_mm M=4096"):
+        (op,) = gemms[case]["ptx_mma"]
+        assert op.startswith("wgmma") and op.endswith(".f32.e4m3.e4m3"), (case, op)
+    for case in ("blockwise_mm M=1", "blockwise_mm M=7"):
+        (op,) = gemms[case]["ptx_mma"]
+        assert op.startswith("mma.sync") and ".f32.f16.f16.f32" in op, (case, op)
+        assert "cvt.rn.f16x2.e4m3x2" in gemms[case]["ptx_fp"], case
+
+
 @pytest.mark.parametrize("group", ["invariant_mm bf16", "invariant_mm fp32", "invariant_blockwise_mm",
                                    "invariant_attention bf16", "invariant_attention fp32", "invariant_rms_norm",
-                                   "invariant_log_softmax", "blockwise_mm"])
+                                   "invariant_log_softmax"])
 def test_invariant_kernels_compile_to_one_arithmetic(report, group):
     """Decode (M = 1, 7; one query over a key width of 1, 300 or 1024), prefill and training calls:
     the same floating-point instructions in the same program order in the PTX, and the same ones in

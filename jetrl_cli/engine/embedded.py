@@ -133,9 +133,10 @@ class EmbeddedEngine:
             mod.load_quantized_weight(t, in_place=self.static)
             replaced |= mod._wfixed is not held
         if self.static:
-            if replaced:
+            if replaced:  # an operand took a new tensor: the graphs read the old one
                 self._hold_weights_once()
-            if not self.model.refresh_weights() and self.graphs is not None:
+            in_place = self.model.refresh_weights()  # (after _hold_weights_once, which rebuilds group caches)
+            if (replaced or not in_place) and self.graphs is not None:
                 self.graphs.reset()  # a weight moved: capture again
         self.weights_version = payload.version
 
@@ -265,7 +266,7 @@ class EmbeddedEngine:
             nxt = sample(logp, params, keys=keys, position=step)
             out_tok[step].index_copy_(0, rows_t, nxt)
             out_lp[step].index_copy_(0, rows_t, logp_report.gather(-1, nxt[:, None])[:, 0])
-            done |= torch.isin(nxt, stop_ids)
+            done |= (nxt[:, None] == stop_ids).any(-1)  # not isin: with many stop ids it sorts, and syncs
             if step == new - 1:
                 break
             if step % check_every == check_every - 1:

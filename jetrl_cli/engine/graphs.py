@@ -9,6 +9,8 @@ What makes replay correct is that everything the captured kernels read stays at 
 - the KV cache, its FP8 scales and the sequence lengths live in ``StaticCacheStorage``, allocated
   once per engine; a batch shrinks in place (``KVCache.compact_``);
 - the tokens fed to a step are copied into the graph's own input tensor;
+- the RoPE table is the model's one (a graph is keyed by its address: a table rebuilt larger is
+  captured again);
 - the weights are refreshed in place at each sync (``LlamaForCausalLM.refresh_weights``), and when a
   refresh cannot be in place (a new shape) the graphs are dropped and captured again.
 
@@ -20,7 +22,10 @@ differs, graphs are switched off for the engine with the reason kept in ``disabl
 
 Batch sizes and widths are bucketed (``width_bucket``, and the engine compacts to power-of-two
 batch sizes on a GPU) so a rollout captures a handful of graphs, reused while weights keep their
-shapes. Nothing here runs on CPU except under a test's stand-in for the capture API.
+shapes. The graphs of one batch size write their logits into one buffer (``outputs``): a step's
+logits are read before the next step runs, and a graph's own output tensor would keep
+batch x vocabulary fp32 values alive per graph (311 MB at 512 rows of a 152K vocabulary, times
+the widths captured). Nothing here runs on CPU except under a test's stand-in for the capture API.
 """
 
 from __future__ import annotations
@@ -55,17 +60,20 @@ class DecodeGraphs:
         self.disabled: str | None = None
         self.captures = 0
         self.pool = None
+        self.outputs: dict[int, torch.Tensor] = {}  # batch size -> the logits buffer its graphs write
 
     def reset(self) -> None:
         """Drop every graph (the weights moved)."""
         self.graphs.clear()
+        self.outputs.clear()
         self.pool = None
 
     def decode(self, tokens: torch.Tensor, cache, width: int) -> torch.Tensor:
         if self.disabled is not None:
             return self.model.decode(tokens, cache, width)
+        rope = getattr(self.model, "_rope", None)  # the RoPE table, rebuilt larger past max_position_embeddings
         key = (tokens.shape[0], width, cache.kv.data_ptr(), cache.kv.stride(0), cache.lengths.data_ptr(),
-               None if cache.scales is None else cache.scales.data_ptr())
+               None if cache.scales is None else cache.scales.data_ptr(), None if rope is None else rope[0].data_ptr())
         hit = self.graphs.get(key)
         if hit is None:
             return self._capture(key, tokens, cache, width)
@@ -84,7 +92,10 @@ class DecodeGraphs:
                 self.pool = self.api.pool()
             graph = self.api.new_graph()
             frozen = copy.copy(cache)  # the cache's tensors as captured (later compaction rebinds `cache`)
-            logits = self.api.record(graph, self.pool, lambda: self.model.decode(static_tokens, frozen, width))
+            out = self.outputs.get(eager.shape[0])
+            if out is None:  # allocated outside the capture: it outlives every graph of this batch size
+                out = self.outputs[eager.shape[0]] = torch.empty_like(eager)
+            logits = self.api.record(graph, self.pool, lambda: self.model.decode(static_tokens, frozen, width, out))
             graph.replay()  # performs the step again: same KV writes, lengths + 1
             self.captures += 1
         except Exception as e:  # a kernel that cannot be captured on this GPU / torch

@@ -458,9 +458,9 @@ class KVCache:
         place (a prompt prefilled once, copied to each sample of its group)."""
         raw = self.kv.view(torch.uint8) if self.spec is not None else self.kv
         src_raw = src.kv.view(torch.uint8) if src.spec is not None else src.kv
-        raw.copy_(src_raw.index_select(1, rows))
+        _gather_rows(raw, src_raw, rows)
         if self.scales is not None:
-            self.scales.copy_(src.scales.index_select(1, rows))
+            _gather_rows(self.scales, src.scales, rows)
         self.lengths.copy_(src.lengths.index_select(0, rows))
         self._index = None
 
@@ -469,14 +469,22 @@ class KVCache:
         becomes its first ``len(rows)`` sequences, at unchanged addresses."""
         n = rows.numel()
         raw = self.kv.view(torch.uint8) if self.spec is not None else self.kv
-        raw[:, :n] = raw.index_select(1, rows)
+        _gather_rows(raw[:, :n], raw, rows)
         self.kv = self.kv[:, :n]
         if self.scales is not None:
-            self.scales[:, :n] = self.scales.index_select(1, rows)
+            _gather_rows(self.scales[:, :n], self.scales, rows)
             self.scales = self.scales[:, :n]
         self.lengths[:n] = self.lengths.index_select(0, rows)
         self.lengths = self.lengths[:n]
         self._index = None
+
+
+def _gather_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
+    """``dst[j] = src[j, rows]`` for each layer slot j (dim 0), one slot at a time: the temporary is
+    one slot's rows, not the whole cache's (a GPU engine's static cache can be tens of GB). ``dst``
+    may be a view of ``src``: each slot's rows are gathered before any is written."""
+    for j in range(dst.shape[0]):
+        dst[j] = src[j].index_select(0, rows)
 
 
 class StaticCacheStorage:
@@ -620,15 +628,25 @@ def _native_attention(q, keys, values, mask: Masking, rep: int, fmt: Format) -> 
 
         out, _ = invariant_attention(qn, kn, vn, mask.q_index, check_positions=False)
         return out.transpose(1, 2).reshape(b, t, h * d)
-    if rep > 1 and not _SDPA_GQA:
-        kn, vn = kn.repeat_interleave(rep, 1), vn.repeat_interleave(rep, 1)
-    kw = {"enable_gqa": True} if rep > 1 and _SDPA_GQA else {}
-    if mask.causal and t == kn.shape[2]:
+    if mask.causal and t == kn.shape[2]:  # training, prefill: flash attention, which reads GQA's shared heads
+        if rep > 1 and not _SDPA_GQA:
+            kn, vn = kn.repeat_interleave(rep, 1), vn.repeat_interleave(rep, 1)
+        kw = {"enable_gqa": True} if rep > 1 and _SDPA_GQA else {}
         out = F.scaled_dot_product_attention(qn, kn, vn, is_causal=True, **kw)
-    else:
-        vis = mask.visible()[..., :kn.shape[2]]
-        out = F.scaled_dot_product_attention(qn, kn, vn, attn_mask=vis, **kw)
-    return out.transpose(1, 2).reshape(b, t, h * d)
+        return out.transpose(1, 2).reshape(b, t, h * d)
+    # A mask (decode steps, left padding): flash attention takes none, and the memory-efficient kernel
+    # takes no GQA before torch's 2026 change (pytorch/pytorch#191085; not in the H100 machine's
+    # 2.11), so enable_gqa with a mask runs the math kernel, which repeats K and V per query head and
+    # computes in fp32. Instead the rep query heads that share a KV head become rep x t query rows of
+    # that head -- each row is attended alone, so only the layout changes -- and the kernel reads each
+    # KV head once.
+    vis = mask.visible()[..., :kn.shape[2]]  # (b, 1, t, width)
+    if rep > 1:
+        qn = qn.reshape(b, h // rep, rep * t, d)
+        vis = vis.expand(b, 1, rep, kn.shape[2]) if t == 1 else vis[:, :, None].expand(-1, -1, rep, -1, -1).reshape(
+            b, 1, rep * t, kn.shape[2])
+    out = F.scaled_dot_product_attention(qn, kn, vn, attn_mask=vis)
+    return out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)
 
 
 def _sdpa_has_gqa() -> bool:
@@ -735,9 +753,11 @@ class LlamaForCausalLM(nn.Module):
                 x = layer(x, cos, sin, mask, cache, i)
             return self.model.norm(x)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of hidden states (any leading dims): the lm_head in the flow's precision."""
-        return linear_group((self.lm_head,), h, self.lm_head).float()
+    def logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits of hidden states (any leading dims): the lm_head in the flow's precision;
+        written into ``out`` (fp32, of their shape) when given."""
+        y = linear_group((self.lm_head,), h, self.lm_head)
+        return y.float() if out is None else out.copy_(y)
 
     # -- full sequences (training, scoring) -----------------------------------------------
 
@@ -820,8 +840,10 @@ class LlamaForCausalLM(nn.Module):
         last = h[torch.arange(b, device=h.device), lengths - 1]
         return self.logits(last)
 
-    def decode(self, tokens: torch.Tensor, cache: KVCache, width: int | None = None) -> torch.Tensor:
-        """Append one token per sequence at its own length; logits (fp32) for the next token.
+    def decode(self, tokens: torch.Tensor, cache: KVCache, width: int | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Append one token per sequence at its own length; logits (fp32) for the next token, in
+        ``out`` when given (a captured step writes them into a buffer its engine keeps).
         ``width``: the key width (a multiple of ``KEY_CHUNK`` above every sequence's new length),
         when the caller knows it; otherwise it is read from the lengths (a host sync)."""
         idx = cache.lengths[:, None]
@@ -834,4 +856,4 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"KV cache full ({cache.width} positions, width {width} asked)")
         h = self._trunk(tokens[:, None], idx, idx, None, width, cache)
         cache.lengths.add_(1)
-        return self.logits(h[:, 0])
+        return self.logits(h[:, 0], out)
