@@ -153,6 +153,23 @@ def test_a_failed_compilation_runs_op_by_op_and_says_why(native):
     assert backend_lines({"resolved": [], "fallbacks": [], "fused": fuse.report()}) == [f"fusion off, eager: {why}"]
 
 
+def test_fused_decoding_from_an_fp8_kv_cache_samples_what_op_by_op_decoding_samples(native):
+    """The FP8 cache's keys and values, times their scales, cast to what attention reads: one fused
+    function (on a GPU, one kernel reading the cache's bytes) with the op-by-op bits."""
+    model = _model(seed=5)
+    flow = parse_flow({"base": "bf16", "rollout": {"kv_cache": "fp8_e4m3 row"}}, source="<test>")
+    prompts = [[5, 9, 3], [7, 2, 11, 4, 8]]
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0)
+    outs = []
+    for force in (False, True):
+        fuse.set_force(force, "aot_eager")
+        eng = EmbeddedEngine(model, flow, 32, max_batch=4, cuda_graphs=False)
+        eng.load_weights(make_payload(model, flow))
+        outs.append([(c.tokens, c.logprobs) for g in eng.generate(prompts, params, seed=4) for c in g])
+    assert "kv_values" in fuse.report()["fused"]
+    assert outs[0] == outs[1]
+
+
 def _rl_variants(flow_name):
     """One flow's calls of the fused functions in an RL step: prefill and decode under inference mode,
     batches shrinking to one row, a one-prompt rollout, a training step and a no-grad scoring of
