@@ -487,9 +487,33 @@ def _log_softmax_kernel(x_ptr, y_ptr, N, stride_x, stride_y, BLOCK: tl.constexpr
         tl.store(y_ptr + row * stride_y + c0 + cols, x - lse, mask=ok)
 
 
+class _InvariantLogSoftmax(torch.autograd.Function):
+    """The trainer's logprobs in the batch-invariant mode: the kernel's forward, and log-softmax's
+    usual backward ``g - exp(y) * sum(g)`` (the backward need not be batch-invariant)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = _log_softmax_rows(x)
+        ctx.save_for_backward(y)
+        ctx.in_dtype = x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return (g - y.exp() * g.sum(-1, keepdim=True)).to(ctx.in_dtype)
+
+
 def invariant_log_softmax(x: torch.Tensor) -> torch.Tensor:
     """``log_softmax(x, dim=-1)`` in fp32 (x bf16 or fp32; -inf entries, e.g. top-k/top-p masks, give
-    -inf), one program per row: a row's logprobs do not depend on the other rows. Returns fp32."""
+    -inf), one program per row: a row's logprobs do not depend on the other rows. Returns fp32.
+    Differentiable (``_InvariantLogSoftmax``) when x requires grad."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _InvariantLogSoftmax.apply(x)
+    return _log_softmax_rows(x)
+
+
+def _log_softmax_rows(x: torch.Tensor) -> torch.Tensor:
     where = "invariant_log_softmax"
     x2 = _rows(where, x)
     _check_device(where, x2)

@@ -55,6 +55,7 @@ def _pretend_hopper() -> None:
     torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda._lazy_init = lambda: None
+    torch.Tensor.pin_memory = lambda self, *a, **k: self  # page-locking is the driver's: nothing to fake
     torch._C._ensureCUDADeviceGuardSet()
     torch._C._set_only_lift_cpu_tensors(True)
 
@@ -73,6 +74,7 @@ class FakeCuda(TorchDispatchMode):
         self.fill, self.bool_every, self.real = fill, bool_every, real
         self.ints: list[int] = []
         self.reads: dict[str, int] = {}  # source line -> host reads of device values
+        self.blocking_h2d: dict[str, int] = {}  # source line -> blocking host-to-device copies
         self._bools = 0
 
     def _read(self) -> None:
@@ -106,6 +108,10 @@ class FakeCuda(TorchDispatchMode):
             self._read()
             return self._made_up(args[0].shape, torch.bool).nonzero().to("cuda")
         copying = func in _COPIES or str(func).startswith("aten.to.")
+        if copying and not kwargs.get("non_blocking") and _host_to_device(func, args, kwargs):
+            s = _site()  # a blocking copy from the host waits for the stream's queued work
+            self.blocking_h2d[s] = self.blocking_h2d.get(s, 0) + 1
+
         def lift(x):  # not as constants: the fake mode would run ops on constants for real, on CUDA
             return self.fake.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
 
@@ -116,6 +122,16 @@ class FakeCuda(TorchDispatchMode):
             self._read()
             return self._made_up(out.shape, out.dtype)
         return out
+
+
+def _host_to_device(func, args, kwargs) -> bool:
+    """A copy of a real host tensor to CUDA (``x.to("cuda")`` or ``cuda_tensor.copy_(x)``)."""
+    if func is torch.ops.aten.copy_.default:
+        return isinstance(args[0], FakeTensor) and not isinstance(args[1], FakeTensor) and args[1].device.type == "cpu"
+    src = args[0] if args else None
+    dev = kwargs.get("device")
+    return (isinstance(src, torch.Tensor) and not isinstance(src, FakeTensor) and src.device.type == "cpu"
+            and dev is not None and torch.device(dev).type == "cuda")
 
 
 # --------------------------------------------------------------------------- scenarios
@@ -221,12 +237,13 @@ def _train_step(name: str) -> dict:
         tr = Trainer(model, flow, TrainConfig(micro_batch=2, minibatches=2), CorrectionConfig(type="tis"),
                      SamplingParams(), width=160)
         old = tr.score(b)
-        before = dict(mode.reads)
+        before, h2d = dict(mode.reads), dict(mode.blocking_h2d)
         stats = tr.update(b, torch.randn(8, generator=g), old, None, step=0)
         reads = {k: v - before.get(k, 0) for k, v in mode.reads.items() if v != before.get(k, 0)}
+        h2d = {k: v - h2d.get(k, 0) for k, v in mode.blocking_h2d.items() if v != h2d.get(k, 0)}
         params = [(n, p) for n, p in tr.model.named_parameters() if p.requires_grad]
         state = [t for st in tr.opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-    return {"update_reads": reads, "stats": sorted(stats), "updates": tr.updates,
+    return {"update_reads": reads, "update_blocking_h2d": h2d, "stats": sorted(stats), "updates": tr.updates,
             "no_grad": [n for n, p in params if p.grad is None],
             "grads": sorted({f"{p.grad.device.type} {p.grad.dtype} of {p.dtype}" for _, p in params if p.grad is not None}),
             "optimizer_state": sorted({f"{t.device.type} {t.dtype}" for t in state})}
@@ -352,7 +369,8 @@ def _gpu_preset(preset: str) -> dict:
 
 
 def _control() -> dict:
-    """The detectors on code that does wrong on purpose: a CPU tensor in a CUDA op, a host read."""
+    """The detectors on code that does wrong on purpose: a CPU tensor in a CUDA op, a host read, a
+    blocking host-to-device copy (and one that does not block)."""
     mode, mixed = FakeCuda(), None
     with mode:
         x = torch.ones(4, device="cuda")
@@ -361,7 +379,9 @@ def _control() -> dict:
             x + torch.ones(4)
         except RuntimeError as e:
             mixed = str(e)
-    return {"reads": sum(mode.reads.values()), "mixed": mixed}
+        torch.arange(3).to("cuda")
+        torch.arange(3).to("cuda", non_blocking=True)
+    return {"reads": sum(mode.reads.values()), "mixed": mixed, "blocking_h2d": sum(mode.blocking_h2d.values())}
 
 
 def main() -> int:

@@ -134,6 +134,26 @@ def _update_batch(seed=1):
     return b, adv
 
 
+def test_an_update_with_fused_adamw_refreshes_the_cached_weights(monkeypatch):
+    """Fused AdamW (the trainer's on CUDA) writes the weights in place without bumping their
+    version; the linear layers' cached GEMM operands are keyed on it, so without a new version the
+    next forward would still multiply by the weights of before the step."""
+    from jetrl_cli.rl import trainer
+
+    monkeypatch.setattr(trainer, "adamw_kind", lambda cuda: {"fused": True})  # CPU has fused AdamW too
+    b, adv = _update_batch()
+    tr = _trainer(6)
+    assert tr.opt.defaults["fused"]
+    lin = tr.model.model.layers[0].mlp.down_proj
+    old = tr.score(b)  # builds the caches
+    before = lin.weight.detach().clone()
+    tr.update(b, adv, old, None, step=0)
+    assert not torch.equal(before, lin.weight)
+    fresh = _trainer(6)
+    fresh.model.load_state_dict(tr.model.state_dict())
+    assert torch.equal(tr.score(b), fresh.score(b))  # the trained weights, not the cached old ones
+
+
 def test_update_adds_micro_batches_as_one_batch_and_stops_on_a_nan_loss():
     b, adv = _update_batch()
     stats = []

@@ -15,7 +15,8 @@ meta kernels give shapes, dtypes and devices; nothing is computed) while host te
 - the trainer's whole update -- forward, backward (FP8 Dgrad and Wgrad through ``scaled_mm``'s
   blockwise scale layouts), gradient clipping, fused AdamW -- leaves fp32 gradients and optimizer
   state on the device and reads the host twice per mini-batch: its values, and the finite check of
-  the updated parameters;
+  the updated parameters; its micro-batches' inputs go to the device without a blocking copy (one
+  would wait for the work queued before it);
 - ``jetrl bench train --device cuda`` (1.5B shape, one layer) runs every row, and ``auto`` keeps
   blockwise ``scaled_mm`` for Fprop, Dgrad and Wgrad (its probe once cast Wgrad's operands as no
   kernel takes them, which would have sent a GPU's Wgrad to the emulated path);
@@ -56,6 +57,7 @@ def report():
 
 def test_the_detectors_work(report):
     assert report["control"]["reads"] == 1
+    assert report["control"]["blocking_h2d"] == 1
     assert "cuda:0, cpu" in report["control"]["mixed"]  # torch's fake mode rejects mixed devices, as CUDA does
 
 
@@ -102,6 +104,8 @@ def test_training_update_stays_on_the_device_and_reads_twice_per_minibatch(repor
         loss_values = 1 + len(report["train_forward"][name]["stats"])
         assert reads[values] == 2 * (2 * loss_values + 1), (name, reads)  # one element read per value
         assert reads[finite] == 2, (name, reads)
+        # the micro-batches' inputs go to the device without waiting for it (pinned, non-blocking)
+        assert r["update_blocking_h2d"] == {}, (name, r["update_blocking_h2d"])
 
 
 def test_bench_train_runs_and_auto_keeps_scaled_mm_for_every_fp8_gemm(report):

@@ -350,6 +350,23 @@ def test_log_softmax_within_bound(inv, dtype, rows, n):
     assert ok, f"error {worst:.2f}x the bound"
 
 
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_log_softmax_gradient_is_log_softmaxs(inv, dtype):
+    """The trainer differentiates the batch-invariant logprobs: log-softmax's own backward, on the
+    kernel's outputs, against torch's on the same input (masked entries included)."""
+    g = gen(torch.seed() % 2**31)
+    x = randn(5, 300, g=g, scale=3.0, dtype=dtype)
+    x[1, ::5] = -math.inf
+    up = randn(5, 300, g=g)
+    a = x.clone().requires_grad_()
+    (inv.invariant_log_softmax(a) * up).sum().backward()
+    b = x.clone().requires_grad_()
+    (torch.log_softmax(b.float(), -1) * up).sum().backward()
+    assert a.grad.dtype == dtype
+    tol = 1e-2 if dtype == BF16 else 1e-5
+    assert (a.grad.float() - b.grad.float()).abs().max() <= tol * up.abs().max()
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, on -inf - -inf in the interpreter
 def test_log_softmax_all_masked_row_is_nan_like_torch(inv):
     x = torch.randn(3, 40).to(DEV)

@@ -117,6 +117,14 @@ def concat_operands(ops: Sequence[Operand], spec: GemmSpec, device: torch.device
 # --------------------------------------------------------------------------- layers
 
 
+def mark_updated(params) -> None:
+    """Give each of ``params`` a new in-place version, after an optimizer step wrote into them: the
+    cached GEMM operands (``JetLinear.weight_key``) are keyed on it, and fused AdamW (the trainer's
+    on CUDA, ``torch._fused_adamw_``) writes without bumping it. No kernel runs; the bits stay."""
+    for p in params:
+        torch.autograd.graph.increment_version(p)
+
+
 class JetLinear(nn.Module):
     """Drop-in ``nn.Linear`` running the flow's precision; shares the original's parameters."""
 

@@ -22,9 +22,13 @@ import torch
 from ..engine.sampling import SamplingParams, invariant_for, sampling_logprobs
 from ..errors import JetrlError
 from ..precision.gemm import configure_cuda_numerics
-from ..precision.linear import apply_flow
+from ..precision.linear import apply_flow, mark_updated
 
-LOGPROB_CHUNK_ELEMENTS = 1 << 25  # logits held at once: 32M fp32 values (128 MiB), whatever the vocab
+# Logits held at once: 128M fp32 values (512 MiB), whatever the vocab. Each chunk's backward also
+# writes a whole lm_head weight gradient (vocab x hidden fp32: 933 MB for Qwen2.5-1.5B) and adds it
+# to the accumulated one, so chunks are few and large: 768 rows at a 152K vocabulary (11 chunks for
+# 8192 tokens; 1 << 25 made it 220 rows and 38 chunks), a multiple of 128 rows for the GEMMs.
+LOGPROB_CHUNK_ELEMENTS = 1 << 27
 _OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 from .algos import CorrectionConfig, importance, policy_loss
 
@@ -93,6 +97,7 @@ def target_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: Sam
     rather than kept (one extra lm_head forward per update, instead of vocab-sized activations)."""
     n = h.shape[0]
     step = max(1, LOGPROB_CHUNK_ELEMENTS // model.config.vocab_size)
+    step = step // 128 * 128 or step
     grad = torch.is_grad_enabled() and h.requires_grad
     if n <= step and not grad:
         return _chunk_logprobs(model, h, targets, sampling)
@@ -108,11 +113,20 @@ def target_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: Sam
     return torch.cat(parts)
 
 
+def _to(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """``t`` on ``dev``. A host tensor goes to a GPU from pinned memory, asynchronously: a blocking
+    copy (or one from pageable memory) may wait for all the work queued on the stream. torch's
+    caching host allocator keeps the pinned block until the copy has run."""
+    if t.device.type == "cpu" and dev.type == "cuda":
+        return t.pin_memory().to(dev, non_blocking=True)
+    return t.to(dev)
+
+
 def token_logprobs(model, b: Batch, sampling: SamplingParams) -> torch.Tensor:
     """``b``'s completion tokens' logprobs under ``model`` and the sampling distribution (0 off the mask)."""
     dev = next(model.parameters()).device
-    ids = b.ids.to(dev)
-    where = tuple(w.to(dev) for w in b.mask.nonzero(as_tuple=True))  # indices from the host copy of the mask
+    ids = _to(b.ids, dev)
+    where = tuple(_to(w, dev) for w in b.mask.nonzero(as_tuple=True))  # indices from the host copy of the mask
     targets = ids[:, 1:][where]
     # inside forward, so module hooks (FSDP's parameter gathering) cover the lm_head too
     lp = model(ids, head=lambda m, h: target_logprobs(m, h[:, :-1][where], targets, sampling))
@@ -142,6 +156,12 @@ def score_logprobs(model, b: Batch, sampling: SamplingParams, micro_batch: int, 
     return out
 
 
+def adamw_kind(cuda: bool) -> dict:
+    """AdamW's implementation: fused on CUDA (one kernel for all parameters), one parameter at a
+    time on CPU."""
+    return {"fused": True} if cuda else {"foreach": False}
+
+
 class Trainer:
     def __init__(self, model, flow, tcfg, ccfg: CorrectionConfig, sampling: SamplingParams, width: int,
                  ref_model=None):
@@ -150,13 +170,13 @@ class Trainer:
         self.flow, self.cfg, self.ccfg = flow, tcfg, ccfg
         self.sampling, self.width = sampling, width
         self._prepare()
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = params = [p for p in self.model.parameters() if p.requires_grad]
         cuda = bool(params) and params[0].is_cuda
         if cuda:
             configure_cuda_numerics()
         self.opt = torch.optim.AdamW(
             params, lr=tcfg.lr, betas=tuple(tcfg.betas), eps=tcfg.adam_eps, weight_decay=tcfg.weight_decay,
-            **({"fused": True} if cuda else {"foreach": False}),
+            **adamw_kind(cuda),
         )
         self.updates = 0
 
@@ -204,6 +224,7 @@ class Trainer:
                 gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
                 add_minibatch(agg, *host_values(parts, gnorm), step)
                 self.opt.step()
+                mark_updated(self.params)  # fused AdamW keeps versions: the weight caches would go stale
                 bad = nonfinite_parameters(list(self.model.named_parameters()))
                 if bad:
                     raise NonFiniteError(f"step {step}: parameter {bad[0]} became non-finite after the update")
@@ -219,13 +240,15 @@ class Trainer:
         cfg, dev = self.cfg, self._device
         mb = b.select(sub)
         t1 = mb.mask.shape[1]
-        o, r = old[sub, :t1].to(dev), mb.rollout_logp.to(dev)
-        m = mb.mask.to(dev)
+        # host -> device copies without waiting for the device (a blocking one from pageable memory
+        # waits for all queued work: the previous micro-batch's backward, or this one's forward)
+        o, r = _to(old[sub, :t1], dev), _to(mb.rollout_logp, dev)
+        m, a = _to(mb.mask, dev), _to(adv[sub], dev)
+        rl = _to(ref_logp[sub, :t1], dev) if ref_logp is not None else None
         imp = importance(o, r, m, self.ccfg, cfg.clip_high, with_metrics=False)
         try:
             lp = token_logprobs(self.model, mb, self.sampling)
-            rl = ref_logp[sub, :t1].to(dev) if ref_logp is not None else None
-            loss, st = policy_loss(lp, o, adv[sub].to(dev), m, imp, cfg.clip_low, cfg.clip_high, denom, rl, cfg.kl_coef)
+            loss, st = policy_loss(lp, o, a, m, imp, cfg.clip_low, cfg.clip_high, denom, rl, cfg.kl_coef)
             loss.backward()
         except _OOM as e:
             raise _oom(e, "a micro-batch of", len(sub), mb.ids.shape[1]) from None
