@@ -226,7 +226,7 @@ def _blockwise_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k = kb * BLOCK_K + rk
-        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :] * stride_ak,
+        a = tl.load(a_ptr + rm.to(tl.int64)[:, None] * stride_am + k[None, :] * stride_ak,
                     mask=(rm < M)[:, None] & (k < K)[None, :], other=0.0)
         b = tl.load(b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn,  # (BLOCK_K, BLOCK_N): K-major B
                     mask=(k < K)[:, None] & (rn < N)[None, :], other=0.0)
@@ -237,7 +237,7 @@ def _blockwise_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     out = _to_bf16(acc, INTERPRET) if OUT_BF16 else acc
-    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, out,
+    tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn, out,
              mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 

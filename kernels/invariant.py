@@ -107,7 +107,7 @@ def _mm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, str
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # one fixed order over K, no split
         k = k0 + rk
-        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :] * stride_ak,
+        a = tl.load(a_ptr + rm.to(tl.int64)[:, None] * stride_am + k[None, :] * stride_ak,
                     mask=(rm < M)[:, None] & (k < K)[None, :], other=0.0)
         b = tl.load(b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn,
                     mask=(k < K)[:, None] & (rn < N)[None, :], other=0.0)
@@ -118,7 +118,7 @@ def _mm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, str
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     out = _to_bf16(acc, INTERPRET) if OUT_BF16 else acc
-    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, out,
+    tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn, out,
              mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 

@@ -595,6 +595,19 @@ def test_masked_gqa_attention_folds_query_heads_onto_their_kv_head(t, left_pad):
     assert (got.double() - want).abs().max() < 1e-5
 
 
+def test_native_bf16_dgrad_reads_the_forward_weight_not_a_transposed_copy(forced_native):
+    """A bf16 trainer layer's Dgrad weight W^T is a view of the forward's bf16 W: a contiguous copy
+    would hold a second bf16 copy of every weight (2 bytes per parameter) for the whole run."""
+    m = _model()
+    apply_flow(m, named_flow("bf16"), "train")
+    b = _batch(256, n=2, t=16)
+    token_logprobs(m, b, SamplingParams()).sum().backward()
+    lin = m.model.layers[0].mlp.down_proj
+    w, wt = lin.quantized_weight(), lin.dgrad_weight()
+    assert w.dtype is torch.bfloat16 and torch.equal(wt, w.t())
+    assert wt.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+
+
 def test_native_bf16_linear_rounds_product_plus_bias_once(forced_native):
     """A native bf16 linear adds its bias before the one rounding to bf16 (``addmm``'s epilogue),
     as the emulation does. Operands and bias are bf16 values and the bias nearly cancels the

@@ -125,10 +125,12 @@ def operand_values(op: Operand) -> torch.Tensor:
 
 
 def transpose_operand(op: Operand) -> Operand:
-    """The operand of the transposed matrix (data and scale grid transposed, contiguous)."""
+    """The operand of the transposed matrix (data and scale grid transposed, contiguous). A native
+    dense (bf16/fp32) operand is transposed as a view: cuBLAS reads either layout at the same speed,
+    and a contiguous copy of a weight's transpose would keep a second bf16 copy of every weight."""
     if isinstance(op, QTensor):
         return op.t()
-    return op.t().contiguous()
+    return op.t() if native(op) else op.t().contiguous()
 
 
 # --------------------------------------------------------------------------- dense GEMMs
