@@ -595,6 +595,28 @@ def test_masked_gqa_attention_folds_query_heads_onto_their_kv_head(t, left_pad):
     assert (got.double() - want).abs().max() < 1e-5
 
 
+def test_attention_saves_its_values_not_the_whole_qkv_projection(forced_native):
+    """SDPA keeps v for its backward; a view of the q/k/v projection's output would keep all of it
+    alive (8x v's bytes for Qwen2.5-1.5B's 12 query and 2 KV heads)."""
+    m = _model()
+    apply_flow(m, named_flow("bf16"), "train")
+    b = _batch(256, n=2, t=16)
+    a = m.model.layers[0].self_attn
+    cfg = m.config
+    qkv_bytes = b.ids.numel() * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim * 2
+    heads = []  # saved (batch, heads, tokens, head_dim) tensors: their storage's bytes
+
+    def pack(t):
+        if t.dim() == 4 and t.shape[-1] == cfg.head_dim and t.dtype is torch.bfloat16:
+            heads.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        token_logprobs(m, b, SamplingParams())
+    assert heads and a.q_proj.weight.requires_grad
+    assert qkv_bytes not in heads, heads
+
+
 def test_native_bf16_dgrad_reads_the_forward_weight_not_a_transposed_copy(forced_native):
     """A bf16 trainer layer's Dgrad weight W^T is a view of the forward's bf16 W: a contiguous copy
     would hold a second bf16 copy of every weight (2 bytes per parameter) for the whole run."""

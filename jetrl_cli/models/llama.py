@@ -569,6 +569,8 @@ class Attention(nn.Module):
         qkv = qkv.reshape(b, t, h + 2 * hk, c.head_dim).transpose(1, 2)
         qk = _rope(qkv[:, :h + hk], cos, sin, self._rope_dtype(x))
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hk:]
+        if native(x) and v.requires_grad:  # attention saves v: a view would keep all of q/k/v (8x at 1.5B)
+            v = v.contiguous()
         width = mask.width
         if cache is None:
             keys, values = cast_kv(k, self.kv_spec), cast_kv(v, self.kv_spec)
