@@ -617,9 +617,10 @@ def test_attention_saves_its_values_not_the_whole_qkv_projection(forced_native):
     assert qkv_bytes not in heads, heads
 
 
-def test_native_bf16_dgrad_reads_the_forward_weight_not_a_transposed_copy(forced_native):
-    """A bf16 trainer layer's Dgrad weight W^T is a view of the forward's bf16 W: a contiguous copy
-    would hold a second bf16 copy of every weight (2 bytes per parameter) for the whole run."""
+def test_native_bf16_weights_are_held_once(forced_native):
+    """A bf16 trainer layer's Dgrad weight W^T is a view of the forward's bf16 W (a contiguous copy
+    would hold a second bf16 copy of every weight for the whole run), and a fused group's layers
+    view the group's stacked weight."""
     m = _model()
     apply_flow(m, named_flow("bf16"), "train")
     b = _batch(256, n=2, t=16)
@@ -628,6 +629,20 @@ def test_native_bf16_dgrad_reads_the_forward_weight_not_a_transposed_copy(forced
     w, wt = lin.quantized_weight(), lin.dgrad_weight()
     assert w.dtype is torch.bfloat16 and torch.equal(wt, w.t())
     assert wt.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+    # a fused group (q/k/v, gate/up): each layer's weight is its rows of the stacked one, held once
+    from jetrl_cli.precision.linear import group_weight
+
+    a = m.model.layers[0].self_attn
+    for step in range(2):  # and after an update (in place: the stacked weight keeps its address)
+        stacked = group_weight((a.q_proj, a.k_proj, a.v_proj), a)[0]
+        for lin in (a.q_proj, a.k_proj, a.v_proj):
+            for op in (lin.quantized_weight(), lin.dgrad_weight()):
+                assert op.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
+            assert torch.equal(lin.quantized_weight(), lin.weight.detach().to(torch.bfloat16))
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+        token_logprobs(m, b, SamplingParams()).sum().backward()
 
 
 def test_native_bf16_linear_rounds_product_plus_bias_once(forced_native):

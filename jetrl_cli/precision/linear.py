@@ -259,9 +259,22 @@ def group_weight(mods, owner: nn.Module):
                 b = b.to(spec.out.torch_dtype() if native(b) else torch.float32)
             if hit is not None and copy_operand_(hit[1], w) and copy_operand_(hit[2], b):
                 w, b = hit[1], hit[2]
+            if len(mods) > 1 and isinstance(w, torch.Tensor) and native(w):
+                _view_into_stack(mods, w)
         hit = (key, w, b)
         owner.__dict__["_jet_group_cache"] = hit
     return hit[1], hit[2]
+
+
+def _view_into_stack(mods, w: torch.Tensor) -> None:
+    """Each layer's cached bf16 (or fp32) weight becomes its rows of the group's stacked one, so a
+    weight is held once, not twice (the layer's Dgrad reads its rows through a view, too)."""
+    start = 0
+    for m in mods:
+        n = m.out_features
+        m._cache["fprop"] = (m.weight_key(), w[start:start + n])
+        m._cache.pop("dgrad", None)
+        start += n
 
 
 def copy_operand_(dst, src) -> bool:
