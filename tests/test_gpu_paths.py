@@ -645,6 +645,28 @@ def test_native_bf16_weights_are_held_once(forced_native):
         token_logprobs(m, b, SamplingParams()).sum().backward()
 
 
+def test_native_bf16_group_input_gradient_is_one_gemm(forced_native, monkeypatch):
+    """A fused group's (q/k/v, gate/up) input gradient: one GEMM against the stacked weight, summed
+    in fp32, where per-layer GEMMs would add bf16 partial results. Checked against float64."""
+    from jetrl_cli.precision import linear
+
+    calls = []
+    real = linear.run_gemm
+    monkeypatch.setattr(linear, "run_gemm", lambda a, b, spec, gemm, *r, **k: calls.append(gemm) or real(
+        a, b, spec, gemm, *r, **k))
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    prec = named_flow("bf16").train.linear
+    mods = [JetLinear(torch.nn.Parameter(torch.randn(n, 64, generator=g) * 0.05), None, prec) for n in (128, 32, 32)]
+    owner = torch.nn.Module()
+    x = torch.randn(48, 64, generator=g).to(torch.bfloat16).requires_grad_()
+    gy = torch.randn(48, 192, generator=g)
+    linear.linear_group(mods, x, owner).backward(gy.to(torch.bfloat16))
+    assert calls.count("dgrad") == 1
+    w = torch.cat([m.weight.detach().to(torch.bfloat16) for m in mods]).double()
+    want = gy.to(torch.bfloat16).double() @ w
+    assert error_stats(want, x.grad.double())["rel_err"] < 2.0 ** -8
+
+
 def test_native_bf16_linear_rounds_product_plus_bias_once(forced_native):
     """A native bf16 linear adds its bias before the one rounding to bf16 (``addmm``'s epilogue),
     as the emulation does. Operands and bias are bf16 values and the bias nearly cancels the

@@ -394,7 +394,11 @@ def _linear_backward(ctx, mods: tuple, gy2: torch.Tensor, x_dtype, need_x: bool,
     if len(mods) == 1:  # dy's Dgrad and Wgrad operands from one read of dy
         gy_rows, gy_t = cast_pair(gy2, dg.a if need_x else None, wg.a if any(need_w) else None, (be_d, be_w))
     gx = None
-    if need_x:
+    stacked = getattr(ctx, "stacked_weight", None)
+    if need_x and stacked is not None and dg.b == prec.fprop.b and not dg.is_quantized:  # one GEMM, fp32 sums
+        a = cast_operand(gy2, dg.a, be_d)
+        gx = finish(run_gemm(a, transpose_operand(stacked), dg, "dgrad", dev), dg.out, x_dtype)
+    elif need_x:
         for m, g in zip(mods, parts):
             a = gy_rows if gy_rows is not None else cast_operand(g.contiguous(), dg.a, be_d)
             part = finish(run_gemm(a, m.dgrad_weight(), dg, "dgrad", dev), dg.out, x_dtype)
@@ -431,6 +435,8 @@ class _LinearGroupFn(torch.autograd.Function):
         prec: LinearPrecision = mods[0].precision
         x2 = x.reshape(-1, x.shape[-1])
         ctx.mods, ctx.x_shape, ctx.x_dtype = mods, x.shape, x.dtype
+        w = group.weight  # a native dense group's stacked weight: its Dgrad is one GEMM
+        ctx.stacked_weight = w if len(mods) > 1 and isinstance(w, torch.Tensor) and native(w) else None
         ctx.fp8_saved = prec.save_fp8_activations and not group.input_kept
         if ctx.fp8_saved:  # Fprop's operand and the saved FP8 x^T (groups along tokens), from one read of x
             dev = x2.device
