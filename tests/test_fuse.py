@@ -65,8 +65,13 @@ def test_fused_training_step_is_the_op_by_op_one(native, flow):
 def test_fused_decoding_samples_what_op_by_op_decoding_samples(native, flow_name):
     """bf16: norms write the GEMMs' bf16 inputs and RoPE the bf16 queries and keys themselves;
     fp8-rollout: the quantizers read the norms' fp32 outputs."""
-    model = _model(seed=3)
-    flow = parse_flow(flow_name)
+    _decode_op_by_op_and_fused(parse_flow(flow_name))
+    assert fuse.report() == {"fused": ["add_rms_norm", "rms_norm", "rope", "swiglu_math"]}
+
+
+def _decode_op_by_op_and_fused(flow, seed=3):
+    """A rollout op by op, then with the fused functions (aot_eager): the same samples and logprobs."""
+    model = _model(seed=seed)
     prompts = [[5, 9, 3], [7, 2, 11, 4, 8]]
     params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0)
     outs = []
@@ -75,7 +80,6 @@ def test_fused_decoding_samples_what_op_by_op_decoding_samples(native, flow_name
         eng = EmbeddedEngine(model, flow, 32, max_batch=4, cuda_graphs=False)
         eng.load_weights(make_payload(model, flow))
         outs.append([(c.tokens, c.logprobs) for g in eng.generate(prompts, params, seed=4) for c in g])
-    assert fuse.report() == {"fused": ["add_rms_norm", "rms_norm", "rope", "swiglu_math"]}
     assert outs[0] == outs[1]
 
 
@@ -156,18 +160,8 @@ def test_a_failed_compilation_runs_op_by_op_and_says_why(native):
 def test_fused_decoding_from_an_fp8_kv_cache_samples_what_op_by_op_decoding_samples(native):
     """The FP8 cache's keys and values, times their scales, cast to what attention reads: one fused
     function (on a GPU, one kernel reading the cache's bytes) with the op-by-op bits."""
-    model = _model(seed=5)
-    flow = parse_flow({"base": "bf16", "rollout": {"kv_cache": "fp8_e4m3 row"}}, source="<test>")
-    prompts = [[5, 9, 3], [7, 2, 11, 4, 8]]
-    params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0)
-    outs = []
-    for force in (False, True):
-        fuse.set_force(force, "aot_eager")
-        eng = EmbeddedEngine(model, flow, 32, max_batch=4, cuda_graphs=False)
-        eng.load_weights(make_payload(model, flow))
-        outs.append([(c.tokens, c.logprobs) for g in eng.generate(prompts, params, seed=4) for c in g])
+    _decode_op_by_op_and_fused(parse_flow({"base": "bf16", "rollout": {"kv_cache": "fp8_e4m3 row"}}, source="<test>"), 5)
     assert "kv_values" in fuse.report()["fused"]
-    assert outs[0] == outs[1]
 
 
 def _rl_variants(flow_name):
@@ -210,25 +204,11 @@ def test_a_variant_past_the_recompile_limit_runs_eagerly(native, monkeypatch):
     """Past the limit, that call runs op by op and is reported; fusion stays on for the rest."""
     monkeypatch.setattr(fuse, "RECOMPILE_LIMIT", 2)
     with torch._dynamo.config.patch(recompile_limit=2):
-        _fused_and_eager_decoding_agree()
+        _decode_op_by_op_and_fused(parse_flow("bf16"))
     rep = fuse.report()
     assert "add_rms_norm" in rep["fused"] and "add_rms_norm" in rep["eager_variants"]
     line = backend_lines({"resolved": [], "fallbacks": [], "fused": rep})[0]
     assert line.startswith("fused (torch.compile): ") and "eager past the recompile limit: add_rms_norm" in line
-
-
-def _fused_and_eager_decoding_agree():
-    model = _model(seed=3)
-    flow = parse_flow("bf16")
-    prompts = [[5, 9, 3], [7, 2, 11, 4, 8]]
-    params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0)
-    outs = []
-    for force in (False, True):
-        fuse.set_force(force, "aot_eager")
-        eng = EmbeddedEngine(model, flow, 32, max_batch=4, cuda_graphs=False)
-        eng.load_weights(make_payload(model, flow))
-        outs.append([(c.tokens, c.logprobs) for g in eng.generate(prompts, params, seed=4) for c in g])
-    assert outs[0] == outs[1]
 
 
 def test_batch_invariant_forward_runs_op_by_op(native):
