@@ -654,8 +654,7 @@ def _native_attention(q, keys, values, mask: Masking, rep: int, fmt: Format) -> 
     vis = mask.visible()[..., :kn.shape[2]]  # (b, 1, t, width)
     if rep > 1:
         qn = qn.reshape(b, h // rep, rep * t, d)
-        vis = vis.expand(b, 1, rep, kn.shape[2]) if t == 1 else vis[:, :, None].expand(-1, -1, rep, -1, -1).reshape(
-            b, 1, rep * t, kn.shape[2])
+        vis = vis[:, :, None].expand(-1, -1, rep, -1, -1).reshape(b, 1, rep * t, kn.shape[2])  # a view at t = 1
     out = F.scaled_dot_product_attention(qn, kn, vn, attn_mask=vis)
     return out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)
 

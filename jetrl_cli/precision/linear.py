@@ -259,11 +259,16 @@ def group_weight(mods, owner: nn.Module):
                 b = b.to(spec.out.torch_dtype() if native(b) else torch.float32)
             if hit is not None and copy_operand_(hit[1], w) and copy_operand_(hit[2], b):
                 w, b = hit[1], hit[2]
-            if len(mods) > 1 and isinstance(w, torch.Tensor) and native(w):
+            if _native_stack(mods, w):
                 _view_into_stack(mods, w)
         hit = (key, w, b)
         owner.__dict__["_jet_group_cache"] = hit
     return hit[1], hit[2]
+
+
+def _native_stack(mods, w) -> bool:
+    """Whether ``w`` is a group's stacked native dense (bf16/fp32) weight."""
+    return len(mods) > 1 and isinstance(w, torch.Tensor) and native(w)
 
 
 def _view_into_stack(mods, w: torch.Tensor) -> None:
@@ -436,7 +441,7 @@ class _LinearGroupFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         ctx.mods, ctx.x_shape, ctx.x_dtype = mods, x.shape, x.dtype
         w = group.weight  # a native dense group's stacked weight: its Dgrad is one GEMM
-        ctx.stacked_weight = w if len(mods) > 1 and isinstance(w, torch.Tensor) and native(w) else None
+        ctx.stacked_weight = w if _native_stack(mods, w) else None
         ctx.fp8_saved = prec.save_fp8_activations and not group.input_kept
         if ctx.fp8_saved:  # Fprop's operand and the saved FP8 x^T (groups along tokens), from one read of x
             dev = x2.device
