@@ -7,6 +7,11 @@ Modes:
   unquantized operands (quantization error) and against the emulated reference on the same
   quantized operands (kernel error: a broken backend fails this, not the first).
 - ``quantize``: each quantizer's bandwidth next to a plain copy of the same bytes.
+- ``attention``: one decode step's attention over a KV cache (the model's heads, batch x key width):
+  a bf16 cache through SDPA (the engine's bf16 path), an FP8 cache dequantized then SDPA (its
+  fallback), an FP8 cache read as stored by ``kernels.attention`` (its GPU path), and the
+  batch-invariant kernel over either; time, the cache's bytes per second, and the error against
+  float64 attention over the values each variant reads.
 - ``rollout``: tokens/s of the embedded engine per flow, and ``transformers`` ``generate()`` on the
   same model and batch when transformers is installed.
 - ``train``: one GRPO update (forward, backward, AdamW) per flow: step time, tokens/s, the bytes of
@@ -36,7 +41,7 @@ import torch
 
 from .errors import JetrlError
 
-MODES = ("gemm", "quantize", "rollout", "train", "e2e")
+MODES = ("gemm", "quantize", "attention", "rollout", "train", "e2e")
 DEFAULT_FLOWS = ("bf16", "fp8-rollout", "fp8-unified")
 
 # (model, layer, N, K) for the linear layers of two real 7-8B models.
@@ -60,6 +65,11 @@ DECODE_SHAPES = (
     ("qwen2.5-1.5b", "down_proj", 1536, 8960),
 )
 DECODE_ROWS = (8, 64, 512)
+# A decode step's attention: (sequences, key width) -- RL batches at 1K and 4K contexts, and a small batch
+ATTENTION_SHAPES = ((64, 1024), (256, 1024), (64, 4096), (8, 4096))
+# relative error (norm) of a decode attention against float64 over the values it reads: bf16 output
+# rounding is ~2^-9 per element, ~2e-3 in norm; an error of 1% is a wrong kernel
+ATTENTION_TOLERANCE = 1e-2
 # Targets from the project brief, reported against (never asserted in tests).
 CPU_TARGETS = {"train_fp8_vs_bf16_step": 1.5, "rollout_vs_generate": 2.0}
 GPU_TARGETS = {  # the GPU issues' targets (docs/benchmarks.md), checked on CUDA rows only
@@ -86,6 +96,7 @@ class Settings:
     flows: tuple[str, ...] = DEFAULT_FLOWS
     gemm_shapes: list[tuple[str, int, int, int]] = field(default_factory=list)  # (label, M, N, K)
     quant_shapes: list[tuple[int, int]] = field(default_factory=list)
+    attention_shapes: list[tuple[int, int]] = field(default_factory=list)  # (batch, key width)
     model: str = "tiny"  # "tiny", a HF model directory, or a shape name (models/shapes.py: random weights)
     layers: int | None = None  # keep the first N decoder layers (7-8B layer shapes on one GPU)
     batch: int = 64
@@ -115,9 +126,10 @@ def parse_modes(mode: str) -> list[str]:
     return [mode]
 
 
-def parse_shapes(text: str, dims: int) -> list[tuple[int, ...]]:
-    """``"MxNxK,..."`` (gemm, dims=3) or ``"MxK,..."`` (quantize, dims=2)."""
-    want = "x".join("MNK" if dims == 3 else "MK")
+def parse_shapes(text: str, dims: int, want: str | None = None) -> list[tuple[int, ...]]:
+    """``"MxNxK,..."`` (gemm, dims=3), ``"MxK,..."`` (quantize, dims=2) or ``want``'s form."""
+    want = want or "x".join("MNK" if dims == 3 else "MK")
+    example = {"MxNxK": "4096x4096x4096", "MxK": "4096x4096"}.get(want, "x".join(["64", "1024", "128"][:dims]))
     out = []
     for part in text.split(","):
         bits = part.strip().lower().split("x")
@@ -126,8 +138,7 @@ def parse_shapes(text: str, dims: int) -> list[tuple[int, ...]]:
         except ValueError:
             vals = ()
         if len(vals) != dims or any(v <= 0 for v in vals):
-            raise JetrlError(f"--shapes: {part.strip()!r} is not {want} with positive integers (e.g. "
-                             f"{'4096x4096x4096' if dims == 3 else '4096x4096'})")
+            raise JetrlError(f"--shapes: {part.strip()!r} is not {want} with positive integers (e.g. {example})")
         out.append(vals)
     return out
 
@@ -427,6 +438,84 @@ def bench_quantize(s: Settings) -> list[dict]:
     return rows
 
 
+# --------------------------------------------------------------------------- attention
+
+
+def bench_attention(s: Settings) -> list[dict]:
+    from .models.llama import Masking, _kv_values, _native_attention
+    from .models.shapes import load_bench_model
+    from .precision.formats import Block, Format
+    from .precision.quant import CastSpec, quantize
+
+    _, cfg, label = load_bench_model(s.model, s.layers)
+    h, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    dev = torch.device(s.device)
+    bf = torch.bfloat16
+    spec = CastSpec(Format.FP8_E4M3, Block.parse("row"))  # what `kv_cache: fp8_e4m3 row` stores
+    why = _triton_unavailable(s.device)
+    rows = []
+    for b, w in s.attention_shapes:
+        s.say(f"attention {b}x{w} ({label})")
+        g = torch.Generator().manual_seed(torch.seed() % 2**31)
+        q = torch.randn(b, h, 1, d, generator=g).to(dev, bf)
+        kv = [torch.randn(b, hk, w, d, generator=g).to(dev) for _ in range(2)]
+        k8, v8 = (quantize(x.reshape(-1, d), spec) for x in kv)
+        kd, vd = k8.data.reshape(b, hk, w, d), v8.data.reshape(b, hk, w, d)
+        ks, vs = k8.scale.reshape(b, hk, w).float(), v8.scale.reshape(b, hk, w).float()
+        kb, vb = (x.to(bf) for x in kv)
+        kq, vq = _kv_values.__wrapped__(kd, ks, bf), _kv_values.__wrapped__(vd, vs, bf)  # what the FP8 cache holds
+        del kv, k8, v8
+        pos = torch.full((b,), w - 1, device=dev)  # every sequence at the end of the cache: w keys read
+        mask = Masking(pos[:, None], None, w, causal_from_zero=False)
+        bf16_bytes, fp8_bytes = 2 * b * hk * w * d * 2, 2 * b * hk * w * (d + 4)
+        variants = [  # (name, cache, kernel, the values it reads, bytes of cache it reads, fn)
+            ("bf16 cache, SDPA", "bf16", "sdpa", (kb, vb), bf16_bytes,
+             lambda: _native_attention(q, kb, vb, mask, h // hk, Format.BF16)),
+            ("fp8 cache, dequantize + SDPA", "fp8_e4m3", "sdpa", (kq, vq), fp8_bytes,
+             lambda: _native_attention(q, _kv_values(kd, ks, bf), _kv_values(vd, vs, bf), mask, h // hk, Format.BF16)),
+        ]
+        if why is None:
+            from .kernels.attention import decode_attention
+            from .kernels.invariant import invariant_attention
+
+            p2 = pos[:, None]
+            variants += [
+                ("fp8 cache, read as stored", "fp8_e4m3", "triton", (kq, vq), fp8_bytes,
+                 lambda: decode_attention(q, kd, vd, pos, kv_scales=(ks, vs))),
+                ("bf16 cache, triton", "bf16", "triton", (kb, vb), bf16_bytes, lambda: decode_attention(q, kb, vb, pos)),
+                ("fp8 cache, batch-invariant", "fp8_e4m3", "invariant", (kq, vq), fp8_bytes,
+                 lambda: invariant_attention(q, kd, vd, p2, check_positions=False, kv_scales=(ks, vs))[0]),
+                ("bf16 cache, batch-invariant", "bf16", "invariant", (kb, vb), bf16_bytes,
+                 lambda: invariant_attention(q, kb, vb, p2, check_positions=False)[0]),
+            ]
+        else:
+            rows.append({"shape": f"{b}x{w}", "variant": "triton kernels", "skipped": why})
+        from .kernels.attention import decode_attention_reference
+
+        timed = measure_interleaved({name: fn for name, *_, fn in variants}, s)
+        base = timed["bf16 cache, SDPA"]["s"]
+        for name, cache, kernel, (kr, vr), nbytes, fn in variants:
+            ref = decode_attention_reference(q, kr, vr, pos)[:, :, 0]
+            got = fn().reshape(b, h, d) if kernel == "sdpa" else fn()[:, :, 0]
+            err = float((got.double() - ref).norm() / ref.norm())
+            rows.append({"shape": f"{b}x{w}", "model": label, "batch": b, "width": w, "heads": h, "kv_heads": hk,
+                         "head_dim": d, "variant": name, "cache": cache, "kernel": kernel,
+                         "emulated": s.device == "cpu", **timed[name], "kv_bytes": nbytes,
+                         "gb_per_s": nbytes / timed[name]["s"] / 1e9, "vs_sdpa_bf16": base / timed[name]["s"],
+                         "rel_err": err, "accuracy_ok": err < ATTENTION_TOLERANCE})
+    return rows
+
+
+def _triton_unavailable(device: str) -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed: pip install triton"
+    if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "they run on CUDA tensors (or in Triton's interpreter with TRITON_INTERPRET=1)"
+    return None
+
+
 def _triton_quantizers(device: str):
     """``jetrl_cli.kernels.fp8`` when its kernels can run on ``device``'s tensors (a GPU, or CPU
     tensors in Triton's interpreter), else None."""
@@ -442,6 +531,10 @@ def _triton_quantizers(device: str):
 # --------------------------------------------------------------------------- rollout
 
 
+FLOW_MODIFIERS = {"invariant": {"batch_invariant": True},  # NAME+MOD[+MOD]: a named flow with these set
+                  "fp8kv": {"rollout": {"kv_cache": "fp8_e4m3 row"}}}
+
+
 def _flow(name: str):
     from .precision.flow import NAMED_FLOWS, parse_flow
 
@@ -449,12 +542,15 @@ def _flow(name: str):
         from .rl.mismatch import reference_flow
 
         return reference_flow()
-    base, plus, mode = name.partition("+")
-    if base not in NAMED_FLOWS or (plus and mode != "invariant"):
+    base, *mods = name.split("+")
+    if base not in NAMED_FLOWS or any(m not in FLOW_MODIFIERS for m in mods) or len(set(mods)) < len(mods):
         raise JetrlError(f"--flows: unknown flow {name!r} (allowed: fp32, {', '.join(NAMED_FLOWS)}; a flow name "
-                         "+invariant for its batch-invariant mode)")
-    if plus:
-        return parse_flow({"base": base, "batch_invariant": True}, source="--flows", name=name)
+                         "+invariant for its batch-invariant mode, +fp8kv for an FP8 KV cache)")
+    if mods:
+        over: dict = {"base": base}
+        for m in mods:  # each sets its own top-level key
+            over.update(FLOW_MODIFIERS[m])
+        return parse_flow(over, source="--flows", name=name)
     return parse_flow(name, source="--flows")
 
 
@@ -901,8 +997,8 @@ def bench_e2e(s: Settings) -> list[dict]:
 # --------------------------------------------------------------------------- driver
 
 
-RUNNERS = {"gemm": bench_gemm, "quantize": bench_quantize, "rollout": bench_rollout, "train": bench_train,
-           "e2e": bench_e2e}
+RUNNERS = {"gemm": bench_gemm, "quantize": bench_quantize, "attention": bench_attention, "rollout": bench_rollout,
+           "train": bench_train, "e2e": bench_e2e}
 
 
 def run_bench(modes: list[str], s: Settings) -> dict:
@@ -1068,6 +1164,22 @@ def render(res: dict, console) -> None:
             t.add_row(x["shape"], x["quantizer"] + (" @ triton" if x.get("backend") == "triton" else ""), x["dtype"], f"{1e3 * x['s']:.3f}", f"{x['gb_per_s']:.1f}",
                       f"{x['vs_copy']:.2f}", _f(x.get("sqnr_db"), "{:.1f}"))
         print_table(console, t, keep=2)
+    if "attention" in r:
+        xs = [x for x in r["attention"] if "skipped" not in x]
+        if xs:
+            x0 = xs[0]
+            t = Table(title=escape(f"attention: one decode step, one layer, {x0['model']} ({x0['heads']} heads, "
+                                   f"{x0['kv_heads']} KV heads, d={x0['head_dim']}); batch x key width"),
+                      title_justify="left")
+            for c in ("shape", "variant", "ms", "cache GB/s", "vs bf16 SDPA", "rel err", "ok"):
+                t.add_column(c, justify="left" if c in ("shape", "variant") else "right", no_wrap=c == "variant")
+            for x in xs:
+                t.add_row(x["shape"], x["variant"] + (" (CPU)" if x["emulated"] else ""), f"{1e3 * x['s']:.3f}",
+                          f"{x['gb_per_s']:.1f}", f"{x['vs_sdpa_bf16']:.2f}x", f"{x['rel_err']:.1e}",
+                          _f(x["accuracy_ok"]))
+            print_table(console, t, keep=2)
+        for why in dict.fromkeys(x["skipped"] for x in r["attention"] if "skipped" in x):
+            console.print(escape(f"not run: the Triton attention kernels: {why}"), highlight=False)
     if "rollout" in r:
         for wl in dict.fromkeys(x["workload"] for x in r["rollout"]):
             xs = [x for x in r["rollout"] if x["workload"] == wl]

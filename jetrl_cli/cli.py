@@ -511,11 +511,11 @@ def run_cmd(
 @app.command("bench")
 @user_errors
 def bench_cmd(
-    mode: Annotated[str, typer.Argument(help="gemm, quantize, rollout, train, e2e or all.")] = "all",
-    flows: Annotated[Optional[str], typer.Option("--flows", help="Comma-separated flows for rollout/train/e2e (default bf16,fp8-rollout,fp8-unified); NAME+invariant for a flow's batch-invariant mode.")] = None,
-    shapes: Annotated[Optional[str], typer.Option("--shapes", help="gemm: MxNxK,... ; quantize: MxK,... (default: Llama-3-8B and Qwen2.5-7B layers).")] = None,
+    mode: Annotated[str, typer.Argument(help="gemm, quantize, attention, rollout, train, e2e or all.")] = "all",
+    flows: Annotated[Optional[str], typer.Option("--flows", help="Comma-separated flows for rollout/train/e2e (default bf16,fp8-rollout,fp8-unified); NAME+invariant for a flow's batch-invariant mode, NAME+fp8kv for it with an FP8 KV cache.")] = None,
+    shapes: Annotated[Optional[str], typer.Option("--shapes", help="gemm: MxNxK,... ; quantize: MxK,... (default: Llama-3-8B and Qwen2.5-7B layers); attention: BATCHxWIDTH,... (sequences x key width).")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
-    model: Annotated[str, typer.Option("--model", help="rollout/train/e2e model: 'tiny', a local HF directory, or a shape with random weights: qwen2.5-1.5b, qwen2.5-7b, llama-3-8b.")] = "tiny",
+    model: Annotated[str, typer.Option("--model", help="attention/rollout/train/e2e model: 'tiny', a local HF directory, or a shape with random weights: qwen2.5-1.5b, qwen2.5-7b, llama-3-8b.")] = "tiny",
     layers: Annotated[Optional[int], typer.Option("--layers", help="rollout/train: keep the first N decoder layers (7-8B layer shapes on one GPU).")] = None,
     batch: Annotated[int, typer.Option("--batch", help="rollout: sequences decoded together.")] = 64,
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="rollout: new tokens per sequence (stop tokens off).")] = 64,
@@ -562,14 +562,17 @@ def bench_cmd(
         s.flows = tuple(f.strip() for f in flows.split(",") if f.strip())
         for f in s.flows:
             bench._flow(f)  # unknown names fail before anything runs
-    if shapes and not set(modes) & {"gemm", "quantize"}:
-        raise JetrlError("--shapes applies to the gemm and quantize modes")
-    if shapes and set(modes) >= {"gemm", "quantize"}:
-        raise JetrlError("--shapes: give one mode (gemm takes MxNxK, quantize takes MxK)")
+    shaped = set(modes) & {"gemm", "quantize", "attention"}
+    if shapes and not shaped:
+        raise JetrlError("--shapes applies to the gemm, quantize and attention modes")
+    if shapes and len(shaped) > 1:
+        raise JetrlError("--shapes: give one mode (gemm takes MxNxK, quantize MxK, attention BATCHxWIDTH)")
     s.gemm_shapes = ([(f"{m}x{n}x{k}", m, n, k) for m, n, k in bench.parse_shapes(shapes, 3)]
                      if shapes and "gemm" in modes else bench.default_gemm_shapes(device))
     s.quant_shapes = (bench.parse_shapes(shapes, 2) if shapes and "quantize" in modes
                       else [(8192, 8192)] if device == "cuda" else [(1024, 4096)])
+    s.attention_shapes = (bench.parse_shapes(shapes, 2, "BATCHxWIDTH") if shapes and "attention" in modes
+                          else list(bench.ATTENTION_SHAPES) if device == "cuda" else [(4, 256)])
     if not as_json:
         s.progress = lambda msg: err_console.print(Text(msg, style="dim"))
     res = bench.run_bench(modes, s)

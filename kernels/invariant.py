@@ -75,6 +75,7 @@ import triton.language as tl
 
 from jetrl_cli.precision.quant import QTensor
 
+from .attention import check_kv_scales, dequant_kv
 from .fp8 import FP_FUSION, _blockwise_mm_kernel, _interpreting, _to_bf16
 
 # The one tile configuration of each kernel. Changing a value changes results (it is part of the math).
@@ -241,9 +242,10 @@ def blockwise_mm_reference(a: QTensor, b: QTensor, bias: torch.Tensor | None = N
 # --- causal GQA attention (forward) -----------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["T"])
-def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, lse_ptr, H, REP, T, W, D, qk_scale,
-                      sqb, sqh, sqt, sqd, skb, skh, skw, skd, svb, svh, svw, svd, spb, spt,
-                      sob, soh, sot, sod, slb, slh, slt,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, H, REP, T, W, D, qk_scale,
+                      sqb, sqh, sqt, sqd, skb, skh, skw, skd, svb, svh, svw, svd,
+                      sksb, sksh, sksw, svsb, svsh, svsw, spb, spt,
+                      sob, soh, sot, sod, slb, slh, slt, SCALED: tl.constexpr,
                       F32_DOT: tl.constexpr, P_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
                       INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr):
@@ -269,6 +271,9 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, lse_ptr, H, REP, T, W
         kv_ok = (kn < hi) & (kn < W)  # keys past the last position are never read
         k = tl.load(k_ptr + seq * skb + kvh * skh + kn[None, :] * skw + rd[:, None] * skd,
                     mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+        if SCALED:  # an FP8 cache: the bf16 values the trainer's keys are rounded to (kernels.attention)
+            ks = tl.load(ks_ptr + seq * sksb + kvh * sksh + kn * sksw, mask=kv_ok, other=0.0)
+            k = dequant_kv(k, ks[None, :], P_BF16, INTERPRET)
         if F32_DOT:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
@@ -281,6 +286,9 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, lse_ptr, H, REP, T, W
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + seq * svb + kvh * svh + kn[:, None] * svw + rd[None, :] * svd,
                     mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        if SCALED:
+            vs = tl.load(vs_ptr + seq * svsb + kvh * svsh + kn * svsw, mask=kv_ok, other=0.0)
+            v = dequant_kv(v, vs[:, None], P_BF16, INTERPRET)
         if P_BF16:
             p = _to_bf16(p, INTERPRET)  # the p @ v operand, as FlashAttention rounds it
         if F32_DOT:
@@ -297,7 +305,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, lse_ptr, H, REP, T, W
     tl.store(lse_ptr + seq * slb + head * slh + rm * slt, lse, mask=row_ok)
 
 
-def _attention_args(q, k, v, q_pos, scale, check_positions):
+def _attention_args(q, k, v, q_pos, scale, check_positions, kv_scales=None):
     where = "invariant_attention"
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"{where}: q must be (b, heads, t, d) and k, v (b, kv_heads, w, d) alike, got "
@@ -307,8 +315,7 @@ def _attention_args(q, k, v, q_pos, scale, check_positions):
     if k.shape[0] != b or k.shape[3] != d or hk == 0 or h % hk:
         raise ValueError(f"{where}: k/v {tuple(k.shape)} do not fit q {tuple(q.shape)} (same b and d, "
                          f"heads a multiple of kv_heads)")
-    if q.dtype not in (torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"{where}: q, k, v must all be bfloat16 or all float32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_kv_scales(where, q, k, v, kv_scales)
     if q_pos is None:
         if t > w:
             raise ValueError(f"{where}: without q_pos query i sits at key i, but t={t} > key width {w}")
@@ -319,11 +326,11 @@ def _attention_args(q, k, v, q_pos, scale, check_positions):
     elif check_positions and q_pos.numel() and (int(q_pos.min()) < 0 or int(q_pos.max()) >= w):
         raise ValueError(f"{where}: q_pos must lie in [0, {w}) (key indices), got "
                          f"[{int(q_pos.min())}, {int(q_pos.max())}]")
-    _check_device(where, q, k, v, q_pos)
+    _check_device(where, q, k, v, q_pos, *(kv_scales or ()))
     return q_pos, (d ** -0.5 if scale is None else float(scale))
 
 
-def _attention_forward(q, k, v, q_pos, scale):
+def _attention_forward(q, k, v, q_pos, scale, kv_scales=None):
     b, h, t, d = q.shape
     hk, w = k.shape[1], k.shape[2]
     out = torch.empty((b, h, t, d), dtype=q.dtype, device=q.device)
@@ -333,10 +340,12 @@ def _attention_forward(q, k, v, q_pos, scale):
     interp = _interpreting()
     bf16 = q.dtype == torch.bfloat16
     grid = (triton.cdiv(t, ATT_BLOCK_M), b * h)
+    ks, vs = kv_scales if kv_scales is not None else (q, q)  # unread when unscaled
     _attention_kernel[grid](
-        q, k, v, q_pos, out, lse, h, h // hk, t, w, d, scale * LOG2E,
-        *q.stride(), *k.stride(), *v.stride(), *q_pos.stride(), *out.stride(), *lse.stride(),
-        F32_DOT=interp or not bf16, P_BF16=bf16, OUT_BF16=bf16, INTERPRET=interp,
+        q, k, v, ks, vs, q_pos, out, lse, h, h // hk, t, w, d, scale * LOG2E,
+        *q.stride(), *k.stride(), *v.stride(), *(ks.stride() if kv_scales is not None else (0, 0, 0)),
+        *(vs.stride() if kv_scales is not None else (0, 0, 0)), *q_pos.stride(), *out.stride(), *lse.stride(),
+        SCALED=kv_scales is not None, F32_DOT=interp or not bf16, P_BF16=bf16, OUT_BF16=bf16, INTERPRET=interp,
         BLOCK_M=ATT_BLOCK_M, BLOCK_N=ATT_BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(d)),
         num_warps=ATT_WARPS, num_stages=ATT_STAGES, enable_fp_fusion=FP_FUSION)
     return out, lse
@@ -366,7 +375,8 @@ class _InvariantAttention(torch.autograd.Function):
 
 
 def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor | None = None,
-                        scale: float | None = None, check_positions: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                        scale: float | None = None, check_positions: bool = True,
+                        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal GQA attention whose result for a (sequence, query position) does not depend on the batch,
     on t, on the key width, or on which other queries came in the same call.
 
@@ -379,21 +389,28 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos
     passes ``lengths[:, None]`` (the new token's key already written at index ``lengths``).
     ``check_positions`` checks 0 <= q_pos < w (one host sync; pass False in a hot loop).
     scale: the softmax scale, ``d ** -0.5`` when None.
+    kv_scales: an FP8 cache read as stored -- k, v FP8 (e4m3 / e5m2) and (k_scale, v_scale) fp32
+    (b, kv_heads, w), one per token and KV head; each key and value is dequantized in the kernel to
+    q's dtype exactly as ``(data.float() * scale).to(q.dtype)`` (``kernels.attention.dequant_kv``),
+    so the result has the bits of a call on those dequantized tensors. Forward only.
 
     Returns ``(out, lse)``: out (b, heads, t, d) in q's dtype; lse (b, heads, t) fp32, the natural-log
     log-sum-exp of the scaled scores over the visible keys. Differentiable in q, k, v (backward by
     recomputation in plain torch, see ``_InvariantAttention``); lse carries no gradient.
     """
-    q_pos, scale = _attention_args(q, k, v, q_pos, scale, check_positions)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    q_pos, scale = _attention_args(q, k, v, q_pos, scale, check_positions, kv_scales)
+    if kv_scales is None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _InvariantAttention.apply(q, k, v, q_pos, scale)
-    return _attention_forward(q, k, v, q_pos, scale)
+    return _attention_forward(q, k, v, q_pos, scale, kv_scales)
 
 
-def attention_reference(q, k, v, q_pos=None, scale=None, compute_dtype=torch.float32):
+def attention_reference(q, k, v, q_pos=None, scale=None, compute_dtype=torch.float32, kv_scales=None):
     """The math of ``invariant_attention`` in plain torch, in ``compute_dtype``: softmax of
     ``scale * q.k`` over keys 0..q_pos, times v. Returns (out in compute_dtype, lse). Keys past a
-    sequence's last query position are zeroed first, so unwritten cache slots cannot leak NaN."""
+    sequence's last query position are zeroed first, so unwritten cache slots cannot leak NaN.
+    With ``kv_scales`` FP8 keys and values are first dequantized to q's dtype, as the kernel does."""
+    if kv_scales is not None:
+        k, v = ((x.float() * s[..., None]).to(q.dtype) for x, s in ((k, kv_scales[0]), (v, kv_scales[1])))
     b, h, t, d = q.shape
     hk, w = k.shape[1], k.shape[2]
     if q_pos is None:

@@ -384,6 +384,20 @@ def _control() -> dict:
     return {"reads": sum(mode.reads.values()), "mixed": mixed, "blocking_h2d": sum(mode.blocking_h2d.values())}
 
 
+class _NoLaunch:
+    """A Triton kernel's launch, stood in: the wrapper around it runs (argument checks, outputs
+    allocated on the device), the kernel itself does not -- Triton cannot run on fake tensors.
+    Counts the launches, so a scenario shows that its path reached the kernel."""
+
+    def __init__(self, name: str, counts: dict):
+        self.name, self.counts = name, counts
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.counts[self.name] = self.counts.get(self.name, 0) + 1
+        return launch
+
+
 def main() -> int:
     if not torch.backends.cuda.is_built():
         print(json.dumps({"unsupported": f"this torch ({torch.__version__}) is not built with CUDA"}))
@@ -395,6 +409,10 @@ def main() -> int:
     from jetrl_cli.precision import fuse
 
     fuse.set_enabled(False)  # compiled code cannot run on fake tensors: the op-by-op path is checked
+    from jetrl_cli.kernels import attention
+
+    report["triton_launches"] = {}
+    attention._decode_kernel = _NoLaunch("decode_attention", report["triton_launches"])  # FP8 KV-cache decode
 
     def attempt(where: dict, key, name: str, fn, *args) -> None:  # a failure is reported: the test fails on it
         try:

@@ -131,11 +131,12 @@ def _qtensor(rows: int, k: int, block_rows: int):
 
 def cases():
     """(case, group, call): each group holds calls that must compile to the same arithmetic."""
-    from jetrl_cli.kernels import fp8, int8, invariant
+    from jetrl_cli.kernels import attention, fp8, int8, invariant
     from jetrl_cli.precision.formats import Block, Format
     from jetrl_cli.precision.quant import CastSpec, QTensor
 
     invariant._check_device = lambda *a, **k: None  # CPU tensors stand in for CUDA ones (never read)
+    attention._check_device = lambda *a, **k: None
     bf = torch.bfloat16
     hidden, inter, vocab = 1536, 8960, 151936  # Qwen2.5-1.5B
     b, heads, kv_heads, d = 4, 12, 2, 128
@@ -193,6 +194,18 @@ def cases():
     for width in (300, 1024, 1):
         out.append((f"invariant_attention decode w={width}", "invariant_attention bf16", att(1, width)))
     out.append(("invariant_attention decode contiguous q", "invariant_attention bf16", att(1, 300, contiguous=True)))
+    cache8 = torch.zeros(b, kv_heads, 1024, d, dtype=torch.float8_e4m3fn)  # an FP8 cache and its scales
+    scales8 = torch.ones(b, kv_heads, 1024)
+    for width in (300, 1024, 1):  # decode steps over an FP8 cache read as stored
+        q1 = torch.zeros(b, 1, heads, d, dtype=bf).transpose(1, 2)
+        kv8, s8 = cache8[:, :, :width], scales8[:, :, :width]
+        out.append((f"invariant_attention fp8 cache decode w={width}", "invariant_attention fp8 cache",
+                    lambda q1=q1, kv8=kv8, s8=s8, w=width: invariant.invariant_attention(
+                        q1, kv8, kv8, torch.full((b, 1), w - 1), check_positions=False, kv_scales=(s8, s8))))
+        out.append((f"decode_attention fp8 cache w={width}", None, lambda q1=q1, kv8=kv8, s8=s8, w=width:
+                    attention.decode_attention(q1, kv8, kv8, torch.full((b,), w - 1), kv_scales=(s8, s8))))
+        out.append((f"decode_attention bf16 cache w={width}", None, lambda q1=q1, w=width:
+                    attention.decode_attention(q1, cache[:, :, :w], cache[:, :, :w], torch.full((b,), w - 1))))
     out.append(("invariant_attention fp32 t=512", "invariant_attention fp32", att(512, 512, dtype=torch.float32)))
     for width in (300, 1024):
         out.append((f"invariant_attention fp32 decode w={width}", "invariant_attention fp32", att(1, width, dtype=torch.float32)))

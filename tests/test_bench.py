@@ -7,6 +7,7 @@ import torch
 from typer.testing import CliRunner
 
 from jetrl_cli.cli import app
+from jetrl_cli.errors import JetrlError
 from jetrl_cli.precision import gemm as gemm_mod
 from jetrl_cli.precision.flow import GemmSpec
 from jetrl_cli.precision.quant import CastSpec
@@ -92,6 +93,38 @@ def test_quantize_catches_a_wrong_triton_quantizer():
     rows = bench("quantize", "--shapes", "128x256", *FAST)["results"]["quantize"]
     tri = [r for r in rows if r.get("backend") == "triton" and r["matches_reference"] is not None]
     assert tri and not all(r["matches_reference"] for r in tri)
+
+
+def test_attention_rows_time_every_decode_attention_with_its_error():
+    """One decode step's attention over a bf16 and an FP8 cache; the Triton rows (interpreter on CPU)
+    are there when the kernels can run, and each row's error is against float64 attention."""
+    import os
+
+    out = bench("attention", "--shapes", "3x48", *FAST)
+    rows = [r for r in out["results"]["attention"] if "skipped" not in r]
+    names = [r["variant"] for r in rows]
+    assert names[:2] == ["bf16 cache, SDPA", "fp8 cache, dequantize + SDPA"] and rows[0]["vs_sdpa_bf16"] == 1.0
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        assert set(names) >= {"fp8 cache, read as stored", "bf16 cache, triton", "fp8 cache, batch-invariant",
+                              "bf16 cache, batch-invariant"}
+    for r in rows:
+        assert r["s"] > 0 and r["gb_per_s"] > 0 and r["accuracy_ok"] and 0 < r["rel_err"] < 1e-2, r
+        d = r["head_dim"]
+        per_value = (d + 4) / d if r["cache"] == "fp8_e4m3" else 2  # FP8 bytes plus one fp32 scale per row
+        assert r["kv_bytes"] == pytest.approx(2 * 3 * r["kv_heads"] * 48 * d * per_value)
+
+
+def test_a_wrong_attention_kernel_is_caught(monkeypatch):
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    from jetrl_cli.kernels import attention
+
+    right = attention.decode_attention
+    monkeypatch.setattr(attention, "decode_attention", lambda *a, **k: right(*a, **k) * 1.02)
+    rows = [r for r in bench("attention", "--shapes", "2x32", *FAST)["results"]["attention"] if "skipped" not in r]
+    assert {r["variant"] for r in rows if not r["accuracy_ok"]} == {"fp8 cache, read as stored", "bf16 cache, triton"}
 
 
 def test_rollout_train_and_e2e_modes():
@@ -232,6 +265,8 @@ def test_task_shaped_rollout_batch_is_opt_in_for_a_users_model(given, model, wan
     (["gemm", "--shapes", "12x12"], "--shapes: '12x12' is not MxNxK"),
     (["gemm", "--shapes", "4xax4"], "--shapes: '4xax4' is not MxNxK"),
     (["quantize", "--shapes", "0x128"], "--shapes: '0x128' is not MxK"),
+    (["attention", "--shapes", "64"], "--shapes: '64' is not BATCHxWIDTH with positive integers (e.g. 64x1024)"),
+    (["rollout", "--shapes", "64x64"], "--shapes applies to the gemm, quantize and attention modes"),
     (["rollout", "--flows", "fp9"], "unknown flow 'fp9'"),
     (["gemm", "--device", "tpu"], "--device 'tpu': allowed cpu, cuda"),
     (["train", "--seq", "1"], "--seq must be >= 2"),
@@ -274,6 +309,13 @@ def test_invariant_flow_names_in_bench():
     assert not bench_mod._flow("fp8-unified").batch_invariant
     res = runner.invoke(app, ["bench", "train", "--flows", "bf16+fast", *FAST])
     assert res.exit_code == 2 and "+invariant for its batch-invariant mode" in res.output
+    kv = bench_mod._flow("fp8-rollout+fp8kv")
+    assert kv.rollout.kv_cache.format.value == "fp8_e4m3" and not kv.batch_invariant
+    both = bench_mod._flow("fp8-unified+fp8kv+invariant")
+    assert both.batch_invariant and both.kv_cast("train") == both.kv_cast("rollout") == kv.kv_cast("rollout")
+    for bad in ("bf16+fp8kv+fp8kv", "bf16+kv8"):
+        with pytest.raises(JetrlError, match="unknown flow"):
+            bench_mod._flow(bad)
     out = bench("train", "--train-batch", 2, "--seq", 8, "--flows", "bf16,bf16+invariant", *FAST)
     assert [r["flow"] for r in out["results"]["train"]][:2] == ["bf16", "bf16+invariant"]
 

@@ -92,9 +92,16 @@ def _samples(eng, sp, seed=3):
     return [[(c.tokens, c.logprobs, c.finish_reason) for c in gr] for gr in eng.generate(_prompts(), sp, seed)]
 
 
-@pytest.mark.parametrize("flow", ["bf16", "fp8-unified"])
-def test_static_cache_and_replayed_graphs_sample_what_the_plain_engine_samples(model, flow):
-    f = named_flow(flow)
+@pytest.mark.parametrize("flow", ["bf16", "fp8-unified",  # the interpreted kernel: ~75 s
+                                  pytest.param("fp8 KV cache read as stored", marks=pytest.mark.slow)])
+def test_static_cache_and_replayed_graphs_sample_what_the_plain_engine_samples(model, flow, request):
+    if flow == "fp8 KV cache read as stored":  # natively: decode attention reads the cache's FP8 bytes and scales
+        if not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+        request.getfixturevalue("forced_native")
+        f = parse_flow({"base": "bf16", "rollout": {"kv_cache": "fp8_e4m3 row"}, "unified": True}, source="<test>")
+    else:
+        f = named_flow(flow)
     sp = SamplingParams(max_new_tokens=40, temperature=1.0, n=4, stop_token_ids=tuple(range(0, 256, 11)))
     plain = _samples(_engine(model, f, static=False), sp)
     fake = FakeGraphs()

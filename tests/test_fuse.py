@@ -157,9 +157,13 @@ def test_a_failed_compilation_runs_op_by_op_and_says_why(native):
     assert backend_lines({"resolved": [], "fallbacks": [], "fused": fuse.report()}) == [f"fusion off, eager: {why}"]
 
 
-def test_fused_decoding_from_an_fp8_kv_cache_samples_what_op_by_op_decoding_samples(native):
-    """The FP8 cache's keys and values, times their scales, cast to what attention reads: one fused
-    function (on a GPU, one kernel reading the cache's bytes) with the op-by-op bits."""
+def test_fused_decoding_from_an_fp8_kv_cache_samples_what_op_by_op_decoding_samples(native, monkeypatch):
+    """Where attention cannot read an FP8 cache as stored (no Triton kernel: a CPU-only native run),
+    its keys and values, times their scales, cast to what attention reads: one fused function with
+    the op-by-op bits."""
+    from jetrl_cli.models import llama
+
+    monkeypatch.setattr(llama, "_reads_cache_as_stored", lambda *a: False)
     _decode_op_by_op_and_fused(parse_flow({"base": "bf16", "rollout": {"kv_cache": "fp8_e4m3 row"}}, source="<test>"), 5)
     assert "kv_values" in fuse.report()["fused"]
 

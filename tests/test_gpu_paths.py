@@ -499,11 +499,12 @@ def test_native_training_step_on_gpu_matches_cpu_emulation(flow):
 # --------------------------------------------------------------------------- batch-invariant mode
 
 
-@pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified"])
-def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernels(flow_name, forced_native, monkeypatch):
+@pytest.mark.parametrize("flow_name,kv", [("bf16", None), ("fp8-unified", None), ("fp8-unified", "fp8_e4m3 row")])
+def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernels(flow_name, kv, forced_native, monkeypatch):
     """``precision.batch_invariant`` on the native (GPU) path, run here with Triton's interpreter:
     GEMMs, attention, RMSNorm and the log-softmax go through kernels/invariant.py, and the rollout
-    (prefill, then decode steps of a few rows) gives the trainer's logprobs bit for bit."""
+    (prefill, then decode steps of a few rows) gives the trainer's logprobs bit for bit. With an FP8
+    KV cache the decode steps' attention reads the FP8 bytes and scales as stored (``kv_scales``)."""
     import os
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -518,7 +519,10 @@ def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernel
 
     from .triton_interp_fix import fixed_fp8_conversion
 
-    flow = parse_flow({"base": flow_name, "batch_invariant": True}, source="<test>")
+    over = {"base": flow_name, "batch_invariant": True}
+    if kv is not None:
+        over.update(rollout={"kv_cache": kv}, unified=True)
+    flow = parse_flow(over, source="<test>")
     assert flow.rollout.linear.backend == flow.train.linear.fprop.backend == "invariant"
     assert flow.skipped_linear().fprop.backend == "invariant" and "batch-invariant" in flow.short_str()
     calls = {}
@@ -528,6 +532,8 @@ def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernel
 
         def counted(*a, _fn=fn, _n=name, **k):
             calls[_n] = calls.get(_n, 0) + 1
+            if k.get("kv_scales") is not None:
+                calls["fp8 cache read as stored"] = calls.get("fp8 cache read as stored", 0) + 1
             return _fn(*a, **k)
 
         monkeypatch.setattr(invariant, name, counted)
@@ -550,7 +556,61 @@ def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernel
     want = {"invariant_mm", "invariant_attention", "invariant_rms_norm", "invariant_log_softmax"}
     if flow_name == "fp8-unified":
         want.add("invariant_blockwise_mm")
+    if kv is not None:
+        want.add("fp8 cache read as stored")
     assert want <= set(calls), calls
+
+
+def test_decode_steps_read_an_fp8_kv_cache_as_stored(forced_native, monkeypatch):
+    """Natively (a GPU; here Triton's interpreter) a decode step's attention reads the FP8 cache's
+    bytes and scales (``kernels.attention.decode_attention``), never a dequantized copy of the cache
+    (``_kv_values``, which the fallback path without a Triton kernel calls). Not batch-invariant:
+    the trainer's attention adds in another order, so the rollout's logprobs are within bf16
+    attention's rounding of the trainer's."""
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    from jetrl_cli.config import TrainConfig
+    from jetrl_cli.engine.base import make_payload
+    from jetrl_cli.engine.embedded import EmbeddedEngine
+    from jetrl_cli.kernels import attention
+    from jetrl_cli.models import llama
+    from jetrl_cli.precision import parse_flow
+    from jetrl_cli.rl.algos import CorrectionConfig
+    from jetrl_cli.rl.trainer import Trainer
+
+    flow = parse_flow({"base": "bf16", "rollout": {"kv_cache": "fp8_e4m3 row"}, "unified": True}, source="<test>")
+    calls = {"decode_attention": 0, "kv_values": 0}
+    for mod, name, key in ((attention, "decode_attention", "decode_attention"), (llama, "_kv_values", "kv_values")):
+        fn = getattr(mod, name)
+
+        def counted(*a, _fn=fn, _k=key, **k):
+            calls[_k] += 1
+            return _fn(*a, **k)
+
+        monkeypatch.setattr(mod, name, counted)
+    m = _model(seed=4, hidden=128, layers=2, vocab=128)
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0, n=2)
+    prompts = [[5, 9, 3], [7, 2, 11, 4, 8], [1]]
+    logps = {}
+    for stored in (True, False):
+        if not stored:  # the dequantizing path, for comparison
+            monkeypatch.setattr(llama, "_reads_cache_as_stored", lambda *a: False)
+        eng = EmbeddedEngine(m, flow, 32, max_batch=4, cuda_graphs=False)
+        eng.load_weights(make_payload(m, flow))
+        out = eng.generate(prompts, sp, seed=2)
+        flat = [(p, c) for p, g in zip(prompts, out) for c in g]
+        b = Batch.build([p for p, _ in flat], [c.tokens for _, c in flat], [c.logprobs for _, c in flat],
+                        [0.0] * len(flat), [i // 2 for i in range(len(flat))])
+        tr = Trainer(copy.deepcopy(m), flow, TrainConfig(micro_batch=6), CorrectionConfig(), sp, 32)
+        logps[stored] = (b.rollout_logp[b.mask], tr.score(b)[b.mask], [c.tokens for _, c in flat])
+        if stored:
+            assert calls["decode_attention"] >= 2 * 5 and calls["kv_values"] == 0, calls  # 2 layers x 5 steps or more
+    assert calls["kv_values"] > 0
+    rollout, trainer, tokens = logps[True]
+    assert (rollout - trainer).abs().max() < 2e-2  # bf16 attention, summed in another order
+    assert len(set(map(tuple, tokens))) > 1
 
 
 @gpu

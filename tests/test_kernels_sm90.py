@@ -96,7 +96,7 @@ def test_fp8_gemm_runs_on_the_tensor_cores_at_every_tile(report):
 
 @pytest.mark.parametrize("group", ["invariant_mm bf16", "invariant_mm fp32", "invariant_blockwise_mm",
                                    "invariant_attention bf16", "invariant_attention fp32", "invariant_rms_norm",
-                                   "invariant_log_softmax"])
+                                   "invariant_log_softmax", "invariant_attention fp8 cache"])
 def test_invariant_kernels_compile_to_one_arithmetic(report, group):
     """Decode (M = 1, 7; one query over a key width of 1, 300 or 1024), prefill and training calls:
     the same floating-point instructions in the same program order in the PTX, and the same ones in
@@ -117,3 +117,35 @@ def test_the_comparison_sees_another_summation_order(report):
     shipped = _by_group(report)["invariant_attention bf16"][0]
     (control,) = _by_group(report)["control"]
     assert control["ptx_fp"] != shipped["ptx_fp"] and control["sass_fp"] != shipped["sass_fp"]
+
+
+def test_reading_an_fp8_cache_adds_only_its_dequantization(report):
+    """Batch-invariant decode over an FP8 cache against the trainer's attention over bf16 keys and
+    values: the bf16 kernel's floating-point instructions, in order, are a subsequence of the FP8
+    one's, and what the FP8 one adds is the dequantization alone -- e4m3 -> f16 -> f32 (exact), one
+    multiply by the scale, one round to bf16 -- so the bits match the trainer's where the values do
+    (the interpreter tests check the values)."""
+    by_case = {k["case"]: k for k in report["kernels"]}
+    bf16, fp8 = by_case["invariant_attention decode w=300"]["ptx_fp"], by_case["invariant_attention fp8 cache decode w=300"]["ptx_fp"]
+    extras, i = [], 0
+    for op in bf16:
+        while i < len(fp8) and fp8[i] != op:
+            extras.append(fp8[i])
+            i += 1
+        assert i < len(fp8), f"{op} of the bf16 kernel is missing from the FP8-cache one, in order"
+        i += 1
+    extras += fp8[i:]
+    assert extras and set(extras) == {"cvt.rn.f16x2.e4m3x2", "cvt.f32.f16", "mul.f32", "cvt.rn.bf16x2.f32"}, \
+        collections.Counter(extras)
+
+
+def test_decode_attention_runs_on_the_tensor_cores_without_spills(report):
+    """The decode kernel (GQA heads packed into 16 rows): mma.sync on bf16 with fp32 accumulation,
+    over a bf16 cache and an FP8 one (dequantized in registers), at every key width."""
+    kernels = [k for k in report["kernels"] if k["case"].startswith("decode_attention")]
+    assert len(kernels) == 6
+    for k in kernels:
+        assert k["ptx_mma"] == ["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"], (k["case"], k["ptx_mma"])
+        assert k["stack"] == 0 and k["shared"] <= 227 * 1024, k["case"]
+        if "fp8" in k["case"]:
+            assert "cvt.rn.f16x2.e4m3x2" in k["ptx_fp"], k["case"]

@@ -27,12 +27,15 @@ equal the trainer's bit for bit when both run the same precision (``tests/test_i
 On CUDA it runs natively: the residual stream, norms and RoPE in fp32 (as under bf16 autocast),
 GEMMs on bf16 (or FP8) operands writing bf16, attention through
 ``scaled_dot_product_attention`` (flash for training and prefill) on bf16 queries, keys and
-values, and a bf16 KV cache. The formats are the flow's on both devices.
+values, and a bf16 KV cache. An FP8 KV cache is read as stored by decode steps (FP8 bytes and
+per-token scales, ``kernels.attention``): it saves bandwidth as well as memory. The formats are the
+flow's on both devices.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -394,10 +397,11 @@ class KVCache:
         self._index = (q_index, idx)
         return idx
 
-    def store(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple | None:
+    def store(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor, values: bool = True) -> tuple | None:
         """Write keys and values (b, kv_heads, t, head_dim) at the rows ``idx`` (``write_index``).
         With an 8-bit cache they are quantized here (per token and head) and their dequantized
-        values -- what attention reads back -- are returned; else None (the caller rounded them)."""
+        values -- what attention reads back -- are returned (unless ``values`` is False: attention
+        reads the cache as stored); else None (the caller rounded them)."""
         d = self.kv.shape[-1]
         out = []
         for j, t in ((2 * layer, k), (2 * layer + 1, v)):
@@ -414,7 +418,8 @@ class KVCache:
             q = quantize(rows, self.spec)  # FP8 bytes move as uint8 (CPU's index_copy_ skips float8)
             flat.view(torch.uint8).index_copy_(0, idx, q.data.view(torch.uint8))
             self.scales[j].view(-1).index_copy_(0, idx, q.scale.reshape(-1))
-            out.append(dequantize(q).reshape(t.shape))
+            if values:
+                out.append(dequantize(q).reshape(t.shape))
         return tuple(out) if out else None
 
     def read(self, layer: int, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -576,12 +581,18 @@ class Attention(nn.Module):
             keys, values = cast_kv(k, self.kv_spec), cast_kv(v, self.kv_spec)
         else:
             idx = cache.write_index(mask.q_index)
+            in_kernel = _reads_cache_as_stored(x, cache, mask)
             if cache.spec is not None:  # an 8-bit cache quantizes (what cast_kv rounds to) as it stores
-                k, v = cache.store(layer, idx, k, v)
+                k, v = cache.store(layer, idx, k, v, values=not in_kernel) or (None, None)
             else:
                 k, v = cast_kv(k, self.kv_spec), cast_kv(v, self.kv_spec)
                 cache.store(layer, idx, k, v)
-            keys, values = (k, v) if mask.causal or cache.exact else cache.read(layer, width, k.dtype)
+            if in_kernel:
+                out = _cache_attention(q, cache, layer, width, mask, self.attention_format())
+                return linear_group((self.o_proj,), out, self.o_proj, input_kept=True)
+            # natively straight in the dtype attention reads (the same bits as through fp32)
+            dt = self.attention_format().torch_dtype() if native(x) else k.dtype
+            keys, values = (k, v) if mask.causal or cache.exact else cache.read(layer, width, dt)
         if native(x):
             out = _native_attention(q, keys, values, mask, h // hk, self.attention_format())
             # SDPA keeps its output for its backward; o_proj's backward reads the same tensor
@@ -657,6 +668,34 @@ def _native_attention(q, keys, values, mask: Masking, rep: int, fmt: Format) -> 
         vis = vis[:, :, None].expand(-1, -1, rep, -1, -1).reshape(b, 1, rep * t, kn.shape[2])  # a view at t = 1
     out = F.scaled_dot_product_attention(qn, kn, vn, attn_mask=vis)
     return out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)
+
+
+def _reads_cache_as_stored(x: torch.Tensor, cache: KVCache, mask: Masking) -> bool:
+    """Whether a decode step's attention reads an 8-bit cache as stored (FP8 bytes and scales, in a
+    Triton kernel) instead of a dequantized copy: natively, on a GPU (or Triton's interpreter)."""
+    return (cache.spec is not None and cache.kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+            and not mask.causal and mask.key_keep is None and mask.q_index.shape[1] == 1 and native(x)
+            and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
+
+
+def _cache_attention(q, cache: KVCache, layer: int, width: int, mask: Masking, fmt: Format) -> torch.Tensor:
+    """A decode step's attention over an FP8 cache, read as stored (``kernels.attention``): each key
+    and value is read as 1 byte plus its row's scale and dequantized in registers to exactly the bf16
+    value ``_kv_values`` would give; the batch-invariant mode reads it through the invariant kernel.
+    Returns (b, 1, heads * d) in ``fmt``."""
+    b, h, t, d = q.shape
+    qn = q.to(fmt.torch_dtype())
+    k, v = cache.kv[2 * layer, :, :, :width], cache.kv[2 * layer + 1, :, :, :width]
+    scales = (cache.scales[2 * layer, :, :, :width], cache.scales[2 * layer + 1, :, :, :width])
+    if mask.invariant:
+        from ..kernels.invariant import invariant_attention
+
+        out, _ = invariant_attention(qn, k, v, mask.q_index, check_positions=False, kv_scales=scales)
+    else:
+        from ..kernels.attention import decode_attention
+
+        out = decode_attention(qn, k, v, mask.q_index, kv_scales=scales)
+    return out.transpose(1, 2).reshape(b, t, h * d)
 
 
 def _sdpa_has_gqa() -> bool:
