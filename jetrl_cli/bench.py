@@ -662,6 +662,12 @@ def engine_details(eng, model, flow, prompts, sp, s: Settings) -> dict:
            "weight_bytes": eng.weight_nbytes()}
     if eng.graphs is not None:
         out["cuda_graphs"] = eng.graphs.disabled or f"{eng.graphs.captures} captured"
+    from .models.llama import KV_READ
+    from .precision.gemm import kernel_choice
+
+    kv = kernel_choice(KV_READ, eng.model.lm_head.weight.device) if flow.rollout.kv_cache.format.is_fp8 else None
+    if kv is not None:  # which attention read the FP8 cache (decided at the first decode step)
+        out["kv_attention"] = kv["kernel"] + (f" ({kv['why']})" if kv.get("why") else "")
     from .precision.fuse import report as fuse_report
 
     fused = fuse_report()
@@ -1201,6 +1207,10 @@ def render(res: dict, console) -> None:
                           _f(x.get("peak_memory_bytes") and x["peak_memory_bytes"] / 2**20, "{:.0f}"),
                           x.get("cuda_graphs", "-"))
             print_table(console, t, keep=2)
+            for x in xs:
+                if x.get("kv_attention"):
+                    console.print(escape(f"{x['flow']}: attention over the FP8 KV cache: {x['kv_attention']}"),
+                                  highlight=False)
     if "train" in r:
         x0 = r["train"][0]
         t = Table(title=escape(f"train: one GRPO update, {x0['model']}, {x0['batch']} x {x0['seq']} tokens"),

@@ -55,6 +55,8 @@ def backend_lines(report: dict | None) -> list[str]:
                        + (f"; some calls eager past the recompile limit: {', '.join(limited)}" if limited else ""))
         else:
             out.append(f"fusion off, eager: {fused['disabled']}")
+    for k in report.get("kernels", []):
+        out.append(f"{k['op']} on {k['device']}: {k['kernel']}" + (f" ({k['why']})" if k.get("why") else ""))
     return out
 
 

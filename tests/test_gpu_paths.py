@@ -611,6 +611,43 @@ def test_decode_steps_read_an_fp8_kv_cache_as_stored(forced_native, monkeypatch)
     rollout, trainer, tokens = logps[True]
     assert (rollout - trainer).abs().max() < 2e-2  # bf16 attention, summed in another order
     assert len(set(map(tuple, tokens))) > 1
+    (choice,) = gemm.backend_report()["kernels"]
+    assert choice == {"op": llama.KV_READ, "device": "cpu", "kernel": "triton, read as stored"}
+
+
+def test_a_kernel_that_cannot_read_the_fp8_cache_falls_back_and_says_why(forced_native, monkeypatch):
+    """Checked once per device before the first decode step: where the FP8-reading kernel cannot
+    compile or launch (or the GPU predates FP8 conversions), decode steps dequantize the cache for
+    SDPA instead, and the run's backend report (metrics.jsonl, bench rows, the live display) says so."""
+    from jetrl_cli.engine.base import make_payload
+    from jetrl_cli.engine.embedded import EmbeddedEngine
+    from jetrl_cli.kernels import attention
+    from jetrl_cli.live import backend_lines
+    from jetrl_cli.models import llama
+    from jetrl_cli.precision import parse_flow
+
+    launches = []
+
+    def broken(*a, **k):
+        launches.append(1)
+        raise RuntimeError("PassManager::run failed\nmore detail")
+
+    monkeypatch.setattr(attention, "decode_attention", broken)
+    kv_values = llama._kv_values
+    dequantized = []
+    monkeypatch.setattr(llama, "_kv_values", lambda *a: dequantized.append(1) or kv_values(*a))
+    flow = parse_flow({"base": "bf16", "rollout": {"kv_cache": "fp8_e4m3 row"}}, source="<test>")
+    m = _model(seed=5, hidden=128, layers=2, vocab=128)
+    eng = EmbeddedEngine(m, flow, 32, max_batch=4, cuda_graphs=False)
+    eng.load_weights(make_payload(m, flow))
+    out = eng.generate([[5, 9, 3], [7, 2]], SamplingParams(max_new_tokens=5, temperature=1.0, n=2), seed=1)
+    assert all(len(c.tokens) == 5 for g in out for c in g) and dequantized
+    assert len(launches) == 1  # the check's call; decode steps never tried the kernel again
+    (choice,) = gemm.backend_report()["kernels"]
+    assert choice["kernel"] == "dequantized, then SDPA" and choice["why"] == (
+        "the kernel failed: RuntimeError: PassManager::run failed")
+    assert backend_lines(gemm.backend_report())[-1] == (
+        f"{llama.KV_READ} on cpu: dequantized, then SDPA (the kernel failed: RuntimeError: PassManager::run failed)")
 
 
 @gpu

@@ -46,7 +46,7 @@ from ..precision import fuse
 from ..precision.flow import LinearPrecision
 from ..precision.formats import Format
 from ..precision.fuse import fused
-from ..precision.gemm import F64_BITS, fixed_point, native
+from ..precision.gemm import F64_BITS, fixed_point, kernel_choice, native, note_kernel
 from ..precision.linear import JetLinear, group_weight, input_dtype, linear_group, swiglu_down
 from ..precision.quant import CastSpec, dequantize, fake_quantize, quantize, round_to
 
@@ -670,12 +670,42 @@ def _native_attention(q, keys, values, mask: Masking, rep: int, fmt: Format) -> 
     return out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)
 
 
+KV_READ = "attention over the FP8 KV cache"  # the operation's name in backend_report()["kernels"]
+
+
 def _reads_cache_as_stored(x: torch.Tensor, cache: KVCache, mask: Masking) -> bool:
     """Whether a decode step's attention reads an 8-bit cache as stored (FP8 bytes and scales, in a
-    Triton kernel) instead of a dequantized copy: natively, on a GPU (or Triton's interpreter)."""
-    return (cache.spec is not None and cache.kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-            and not mask.causal and mask.key_keep is None and mask.q_index.shape[1] == 1 and native(x)
-            and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
+    Triton kernel) instead of a dequantized copy: natively, where the kernel runs (checked once per
+    device, and reported)."""
+    if not (cache.spec is not None and cache.kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+            and not mask.causal and mask.key_keep is None and mask.q_index.shape[1] == 1 and native(x)):
+        return False
+    choice = kernel_choice(KV_READ, x.device)
+    if choice is None:
+        why = _kv_read_unavailable(x.device, cache.kv.dtype)
+        choice = note_kernel(KV_READ, x.device, "dequantized, then SDPA" if why else "triton, read as stored", why)
+    return choice["kernel"].startswith("triton")
+
+
+def _kv_read_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the FP8-reading decode attention cannot run on ``device`` (None: it can): Triton's FP8
+    conversions need compute capability 8.9 (Ada, Hopper); a tiny call must compile and launch. Runs
+    before any CUDA graph is captured (a graph's capture follows an eager step)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "Triton kernels need a CUDA GPU"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        return f"Triton's FP8 conversions need compute capability 8.9 or later (this GPU: {cap})"
+    try:
+        from ..kernels.attention import decode_attention
+
+        q = torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16, device=device)
+        kv = torch.zeros(1, 1, 16, 16, dtype=dtype, device=device)
+        s = torch.ones(1, 1, 16, device=device)
+        decode_attention(q, kv, kv, torch.zeros(1, dtype=torch.long, device=device), kv_scales=(s, s))
+    except Exception as e:  # noqa: BLE001 - a kernel that cannot compile or launch here: the fallback runs
+        return f"the kernel failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    return None
 
 
 def _cache_attention(q, cache: KVCache, layer: int, width: int, mask: Masking, fmt: Format) -> torch.Tensor:

@@ -913,19 +913,39 @@ def fallbacks() -> list[dict]:
             for (g, s, f, t, w), n in _FALLBACKS.items()]
 
 
+_KERNELS: dict[tuple[str, str], dict] = {}  # (operation, device) -> which kernel serves it, and why
+
+
+def kernel_choice(op: str, device: torch.device) -> dict | None:
+    """What ``note_kernel`` recorded for ``op`` on ``device`` in this process, or None."""
+    return _KERNELS.get((op, str(device)))
+
+
+def note_kernel(op: str, device: torch.device, kernel: str, why: str | None = None) -> dict:
+    """Record which kernel serves a non-GEMM operation (decided once per device; ``backend_report``
+    lists it, so runs and benches say what ran)."""
+    info = {"op": op, "device": str(device), "kernel": kernel, **({"why": why} if why else {})}
+    _KERNELS[(op, str(device))] = info
+    return info
+
+
 def backend_report() -> dict:
     """Every resolution made so far in this process and every call-time fallback; ``fused``: the
-    elementwise chains compiled on a GPU, or why they are not (``precision.fuse``), when any ran."""
+    elementwise chains compiled on a GPU, or why they are not (``precision.fuse``), when any ran;
+    ``kernels``: the kernels chosen for other operations (``note_kernel``), when any was."""
     out = {"resolved": [r.to_dict() for r in _RESOLVED.values() if r.backend != "torch"], "fallbacks": fallbacks()}
     fused = fuse_report()
     if fused is not None:
         out["fused"] = fused
+    if _KERNELS:
+        out["kernels"] = list(_KERNELS.values())
     return out
 
 
 def reset_resolutions() -> None:
     _RESOLVED.clear()
     _FALLBACKS.clear()
+    _KERNELS.clear()
 
 
 def cast_operand(x: torch.Tensor, spec: CastSpec, backend: GemmBackend | str = "emulated") -> Operand:

@@ -333,7 +333,8 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
             if on_eval and writer:
                 on_eval(ev)
         report = backend_report()
-        if report != last_report and (report["resolved"] or report["fallbacks"] or "fused" in report):
+        if report != last_report and (report["resolved"] or report["fallbacks"] or "fused" in report
+                                      or "kernels" in report):
             m["gemm_backends"] = report  # which backend runs each 8-bit GEMM (this process), and any fallbacks
             last_report = report
         emit(m)  # before the checkpoint: a resume truncates metrics back to its checkpoint's step
