@@ -1,5 +1,6 @@
 """Decode attention that reads the KV cache as it is stored: bf16, or FP8 with a scale per token and
-head, dequantized in registers (the rollout engine's decode steps on a GPU).
+head, dequantized in registers (the rollout engine's decode steps on a GPU); and ``kv_store``, which
+quantizes a step's new keys and values and writes them into the FP8 cache in one kernel.
 
 **Why.** An FP8 KV cache halves the cache's memory, but attention can only save bandwidth too if it
 reads the FP8 bytes. Handing it a dequantized copy (``_kv_values`` then ``scaled_dot_product_attention``)
@@ -38,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import FP_FUSION, _interpreting, _to_bf16
+from .fp8 import _TL_FP8, FP_FUSION, _abs_bits, _amax, _divisor, _group_scale, _interpreting, _scaled, _to_bf16
 
 DEC_BLOCK_M, DEC_BLOCK_N, DEC_WARPS, DEC_STAGES = 16, 64, 4, 3
 LOG2E = 1.4426950408889634
@@ -202,3 +203,60 @@ def decode_attention_reference(q, k, v, q_pos, kv_scales=None, compute_dtype=tor
     s = (q.to(compute_dtype) @ kf.transpose(-1, -2)) * d ** -0.5
     s = s.masked_fill(unseen[:, None, None], float("-inf"))
     return s.softmax(-1) @ vf
+
+
+# --- storing keys and values into an FP8 cache ----------------------------------------------------------
+
+STORE_ROWS, STORE_WARPS = 16, 4
+
+
+@triton.jit
+def _kv_store_kernel(x_ptr, idx_ptr, data_ptr, scale_ptr, R, HK, T, D, sxb, sxh, sxt, sxd,
+                     FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows in (batch, kv head, t) order
+    rd = tl.arange(0, BLOCK_D)
+    ok = r < R
+    d_ok = rd < D
+    src = (r // (HK * T)).to(tl.int64) * sxb + ((r // T) % HK) * sxh + (r % T) * sxt
+    x = tl.load(x_ptr + src[:, None] + rd[None, :] * sxd, mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    s = _group_scale(_amax(_abs_bits(x), 1), FMAX, FLOOR, POW2)
+    q = _scaled(x, _divisor(s, POW2)[:, None], FMAX, POW2).to(OUT)
+    dst = tl.load(idx_ptr + r, mask=ok, other=0).to(tl.int64)
+    tl.store(data_ptr + dst[:, None] * D + rd[None, :], q, mask=ok[:, None] & d_ok[None, :])
+    tl.store(scale_ptr + dst, s, mask=ok)
+
+
+def kv_store(x: torch.Tensor, idx: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, spec) -> None:
+    """Quantize keys or values ``x`` (b, kv_heads, t, d), any strides, fp32 or bf16, one scale per row
+    of d (a token's head) under ``spec`` (the cache's ``fp8 row`` CastSpec), and write them straight
+    into an FP8 cache: row i (in (b, kv_heads, t) order) to ``data[idx[i]]`` and ``scales[idx[i]]``.
+    ``data``: (rows, d) FP8, contiguous; ``scales``: (rows,) fp32. One kernel, where the reference
+    (``quantize``, then two ``index_copy_``) is about ten; bit for bit the reference's data and scales
+    (the rules of ``kernels.fp8``: NaN-propagating amax, IEEE division, NaN kept by the clamp)."""
+    where = "kv_store"
+    from jetrl_cli.precision.formats import Format
+
+    if x.dim() != 4 or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{where}: x must be a float32 or bfloat16 (b, kv_heads, t, d) tensor, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    b, hk, t, d = x.shape
+    fmt = spec.format
+    if fmt not in (Format.FP8_E4M3, Format.FP8_E5M2) or spec.block.name != "row":
+        raise ValueError(f"{where}: the cache's spec must be fp8_e4m3 or fp8_e5m2 with row scales, got {spec}")
+    if data.dtype != fmt.torch_dtype() or data.dim() != 2 or data.shape[1] != d or not data.is_contiguous():
+        raise ValueError(f"{where}: data must be a contiguous ({'rows'}, {d}) {fmt.torch_dtype()} tensor, got "
+                         f"{data.dtype} {tuple(data.shape)}")
+    if scales.dtype != torch.float32 or scales.shape != data.shape[:1] or not scales.is_contiguous():
+        raise ValueError(f"{where}: scales must be contiguous float32 of shape {tuple(data.shape[:1])}, got "
+                         f"{scales.dtype} {tuple(scales.shape)}")
+    if idx.shape != (b * hk * t,) or idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{where}: idx must be an int32/int64 ({b * hk * t},) tensor, got {idx.dtype} {tuple(idx.shape)}")
+    _check_device(where, x, idx, data, scales)
+    n = b * hk * t
+    if n == 0:
+        return
+    _kv_store_kernel[(triton.cdiv(n, STORE_ROWS),)](
+        x, idx, data, scales, n, hk, t, d, *x.stride(), FMAX=fmt.max, FLOOR=spec.amax_floor,
+        POW2=spec.pow2_scale, OUT=_TL_FP8[fmt], BLOCK_R=STORE_ROWS, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        num_warps=STORE_WARPS, enable_fp_fusion=FP_FUSION)

@@ -413,6 +413,7 @@ def main() -> int:
 
     report["triton_launches"] = {}
     attention._decode_kernel = _NoLaunch("decode_attention", report["triton_launches"])  # FP8 KV-cache decode
+    attention._kv_store_kernel = _NoLaunch("kv_store", report["triton_launches"])
 
     def attempt(where: dict, key, name: str, fn, *args) -> None:  # a failure is reported: the test fails on it
         try:

@@ -206,6 +206,12 @@ def cases():
                     attention.decode_attention(q1, kv8, kv8, torch.full((b,), w - 1), kv_scales=(s8, s8))))
         out.append((f"decode_attention bf16 cache w={width}", None, lambda q1=q1, w=width:
                     attention.decode_attention(q1, cache[:, :, :w], cache[:, :, :w], torch.full((b,), w - 1))))
+    kv_spec = CastSpec(Format.FP8_E4M3, Block.parse("row"))
+    for dtype in (torch.float32, bf):  # a decode step's keys (RoPE's fp32) and values (the GEMM's bf16) into the cache
+        x = torch.zeros(b, 1, kv_heads, d, dtype=dtype).transpose(1, 2)
+        out.append((f"kv_store {str(dtype)[6:]}", None, lambda x=x: attention.kv_store(
+            x, torch.arange(b * kv_heads), cache8[:, :, :2].reshape(-1, d)[:b * kv_heads * 2].contiguous(),
+            torch.ones(b * kv_heads * 2), kv_spec)))
     out.append(("invariant_attention fp32 t=512", "invariant_attention fp32", att(512, 512, dtype=torch.float32)))
     for width in (300, 1024):
         out.append((f"invariant_attention fp32 decode w={width}", "invariant_attention fp32", att(1, width, dtype=torch.float32)))

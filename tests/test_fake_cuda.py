@@ -66,7 +66,7 @@ def test_every_scenario_runs(report):
     assert set(report["rollout"]) == set(report["train_forward"]) == set(report["train_step"])
     assert len(report["rollout"]) >= 5
     # the fp8-unified scenario's FP8 KV cache is read as stored (the kernel's launch stood in)
-    assert report["triton_launches"].get("decode_attention", 0) > 0
+    assert report["triton_launches"].get("decode_attention", 0) > 0 and report["triton_launches"].get("kv_store", 0) > 0
 
 
 def test_rollout_stays_on_the_device_and_syncs_only_at_stop_checks(report):

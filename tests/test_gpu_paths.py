@@ -8,6 +8,7 @@ blockwise ``scaled_mm`` backend against the emulated reference, ``auto`` picking
 and a native training step against the CPU emulation.
 """
 
+import contextlib
 import copy
 import math
 
@@ -564,7 +565,8 @@ def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernel
 def test_decode_steps_read_an_fp8_kv_cache_as_stored(forced_native, monkeypatch):
     """Natively (a GPU; here Triton's interpreter) a decode step's attention reads the FP8 cache's
     bytes and scales (``kernels.attention.decode_attention``), never a dequantized copy of the cache
-    (``_kv_values``, which the fallback path without a Triton kernel calls). Not batch-invariant:
+    (``_kv_values``, which the fallback path without a Triton kernel calls); the step's new keys and
+    values are quantized into the cache by one kernel each (``kv_store``). Not batch-invariant:
     the trainer's attention adds in another order, so the rollout's logprobs are within bf16
     attention's rounding of the trainer's."""
     import os
@@ -581,8 +583,9 @@ def test_decode_steps_read_an_fp8_kv_cache_as_stored(forced_native, monkeypatch)
     from jetrl_cli.rl.trainer import Trainer
 
     flow = parse_flow({"base": "bf16", "rollout": {"kv_cache": "fp8_e4m3 row"}, "unified": True}, source="<test>")
-    calls = {"decode_attention": 0, "kv_values": 0}
-    for mod, name, key in ((attention, "decode_attention", "decode_attention"), (llama, "_kv_values", "kv_values")):
+    calls = {"decode_attention": 0, "kv_values": 0, "kv_store": 0}
+    for mod, name, key in ((attention, "decode_attention", "decode_attention"), (llama, "_kv_values", "kv_values"),
+                           (attention, "kv_store", "kv_store")):
         fn = getattr(mod, name)
 
         def counted(*a, _fn=fn, _k=key, **k):
@@ -590,10 +593,14 @@ def test_decode_steps_read_an_fp8_kv_cache_as_stored(forced_native, monkeypatch)
             return _fn(*a, **k)
 
         monkeypatch.setattr(mod, name, counted)
+    from .triton_interp_fix import fixed_fp8_conversion
+
     m = _model(seed=4, hidden=128, layers=2, vocab=128)
     sp = SamplingParams(max_new_tokens=6, temperature=1.0, n=2)
     prompts = [[5, 9, 3], [7, 2, 11, 4, 8], [1]]
     logps = {}
+    stack = contextlib.ExitStack()
+    stack.enter_context(fixed_fp8_conversion())  # the interpreter's fp32 -> fp8 cast (kv_store) rounds wrongly
     for stored in (True, False):
         if not stored:  # the dequantizing path, for comparison
             monkeypatch.setattr(llama, "_reads_cache_as_stored", lambda *a: False)
@@ -607,6 +614,9 @@ def test_decode_steps_read_an_fp8_kv_cache_as_stored(forced_native, monkeypatch)
         logps[stored] = (b.rollout_logp[b.mask], tr.score(b)[b.mask], [c.tokens for _, c in flat])
         if stored:
             assert calls["decode_attention"] >= 2 * 5 and calls["kv_values"] == 0, calls  # 2 layers x 5 steps or more
+            # keys and values, one kernel each per layer and step (the device check calls each once)
+            assert calls["kv_store"] - 1 == 2 * (calls["decode_attention"] - 1), calls
+    stack.close()
     assert calls["kv_values"] > 0
     rollout, trainer, tokens = logps[True]
     assert (rollout - trainer).abs().max() < 2e-2  # bf16 attention, summed in another order

@@ -127,3 +127,56 @@ def test_attention_over_an_fp8_cache_rejects_bad_input(att):
         att.decode_attention(torch.randn(2, 4, 3, 16, device=DEV).bfloat16(), kd, kd, pos, kv_scales=(ks, ks))
     with pytest.raises(ValueError, match="q_pos must be an int32/int64"):
         att.decode_attention(q, kd, kd, pos.float(), kv_scales=(ks, ks))
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_kv_store_writes_the_reference_quantization_into_the_cache(att, fp8, dtype):
+    """Keys (b, kv_heads, t, d) from a strided view, quantized per token and head and scattered to
+    their cache rows in one kernel: bit for bit ``quantize`` + ``index_copy_`` (the reference path),
+    with a zero row, a row holding NaN, one holding inf, and values past the format's range among them.
+    Rows not written keep their bytes."""
+    from jetrl_cli.precision.formats import Block, Format
+    from jetrl_cli.precision.quant import CastSpec, quantize
+
+    from .triton_interp_fix import fixed_fp8_conversion
+
+    g = gen(13)
+    b, hk, t, d, rows = 3, 2, 5, 40, 64
+    spec = CastSpec(Format.FP8_E4M3 if fp8 == torch.float8_e4m3fn else Format.FP8_E5M2, Block.parse("row"))
+    x = (randn(b, t, hk, d, g=g, scale=4.0) * torch.rand(b, t, hk, 1, generator=g).to(DEV) ** 4 * 3e5).to(dtype)
+    x = x.transpose(1, 2)  # (b, hk, t, d) with t strided, as RoPE's keys are
+    x[0, 1, 2] = 0
+    x[1, 0, 3, 7] = float("nan")
+    x[2, 1, 0, 5] = float("inf")
+    idx = torch.randperm(rows, generator=g)[:b * hk * t].to(DEV)
+    data = torch.randint(0, 100, (rows, d), generator=g, dtype=torch.uint8).to(DEV).view(fp8)
+    scales = torch.rand(rows, generator=g).to(DEV)
+    want_d, want_s = data.view(torch.uint8).clone(), scales.clone()
+    q = quantize(x.reshape(-1, d), spec)
+    want_d.index_copy_(0, idx, q.data.view(torch.uint8))
+    want_s.index_copy_(0, idx, q.scale.reshape(-1))
+    with fixed_fp8_conversion():
+        att.kv_store(x, idx, data, scales, spec)
+    # equal bytes where finite, NaN at the same places (a NaN's encoding is not specified)
+    got_nan, want_nan = data.float().isnan(), want_d.view(fp8).float().isnan()
+    assert torch.equal(got_nan, want_nan) and got_nan.sum() == 2 * d  # the rows holding NaN and inf
+    assert torch.equal(data.view(torch.uint8)[~got_nan], want_d[~want_nan])
+    assert torch.equal(scales.nan_to_num(-1.0), want_s.nan_to_num(-1.0)) and scales.isnan().sum() == 2
+
+
+def test_kv_store_rejects_bad_input(att):
+    from jetrl_cli.precision.formats import Block, Format
+    from jetrl_cli.precision.quant import CastSpec
+
+    spec = CastSpec(Format.FP8_E4M3, Block.parse("row"))
+    x = torch.randn(1, 2, 3, 16, device=DEV)
+    data, scales, idx = torch.zeros(8, 16, dtype=torch.float8_e4m3fn, device=DEV), torch.zeros(8, device=DEV), torch.arange(6, device=DEV)
+    with pytest.raises(ValueError, match="with row scales"):
+        att.kv_store(x, idx, data, scales, CastSpec(Format.FP8_E4M3, Block.parse("tensor")))
+    with pytest.raises(ValueError, match=r"data must be a contiguous"):
+        att.kv_store(x, idx, data.view(torch.float8_e5m2), scales, spec)
+    with pytest.raises(ValueError, match=r"idx must be an int32/int64 \(6,\)"):
+        att.kv_store(x, idx[:5], data, scales, spec)
+    with pytest.raises(ValueError, match="scales must be contiguous float32"):
+        att.kv_store(x, idx, data, scales.double(), spec)

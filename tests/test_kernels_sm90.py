@@ -149,3 +149,16 @@ def test_decode_attention_runs_on_the_tensor_cores_without_spills(report):
         assert k["stack"] == 0 and k["shared"] <= 227 * 1024, k["case"]
         if "fp8" in k["case"]:
             assert "cvt.rn.f16x2.e4m3x2" in k["ptx_fp"], k["case"]
+
+
+def test_kv_store_quantizes_with_the_references_rounding(report):
+    """Keys and values into an FP8 cache: IEEE division (``div.rn``, never the approximate
+    ``div.full``), the NaN-keeping clamp, and a round-to-nearest-even cast that saturates, from fp32
+    keys and bf16 values alike."""
+    kernels = [k for k in report["kernels"] if k["case"].startswith("kv_store")]
+    assert len(kernels) == 2
+    for k in kernels:
+        ops = set(k["ptx_fp"])
+        assert {"div.rn.f32", "min.NaN.xorsign.abs.f32", "cvt.rn.satfinite.e4m3x2.f32"} <= ops, (k["case"], ops)
+        assert not any(op.startswith("div.full") or op.startswith("div.approx") for op in ops), k["case"]
+        assert k["stack"] == 0, k["case"]

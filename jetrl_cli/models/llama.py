@@ -44,7 +44,7 @@ from torch import nn
 
 from ..precision import fuse
 from ..precision.flow import LinearPrecision
-from ..precision.formats import Format
+from ..precision.formats import Block, Format
 from ..precision.fuse import fused
 from ..precision.gemm import F64_BITS, fixed_point, kernel_choice, native, note_kernel
 from ..precision.linear import JetLinear, group_weight, input_dtype, linear_group, swiglu_down
@@ -400,12 +400,19 @@ class KVCache:
     def store(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor, values: bool = True) -> tuple | None:
         """Write keys and values (b, kv_heads, t, head_dim) at the rows ``idx`` (``write_index``).
         With an 8-bit cache they are quantized here (per token and head) and their dequantized
-        values -- what attention reads back -- are returned (unless ``values`` is False: attention
-        reads the cache as stored); else None (the caller rounded them)."""
+        values -- what attention reads back -- are returned; else None (the caller rounded them).
+        ``values=False`` (a decode step whose attention reads the cache as stored): nothing is
+        returned, and one Triton kernel per tensor quantizes and writes the rows (``kv_store``, the
+        reference's bits)."""
         d = self.kv.shape[-1]
         out = []
         for j, t in ((2 * layer, k), (2 * layer + 1, v)):
             flat = self.kv[j].view(-1, d)  # the slot's first `batch` sequences are contiguous
+            if not values and self.spec is not None:
+                from ..kernels.attention import kv_store
+
+                kv_store(t, idx, flat, self.scales[j].view(-1), self.spec)
+                continue
             rows = t.reshape(-1, d)
             if self.exact:
                 ints, scale = kv_fixed(rows)
@@ -697,12 +704,14 @@ def _kv_read_unavailable(device: torch.device, dtype: torch.dtype) -> str | None
         cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
         return f"Triton's FP8 conversions need compute capability 8.9 or later (this GPU: {cap})"
     try:
-        from ..kernels.attention import decode_attention
+        from ..kernels.attention import decode_attention, kv_store
 
         q = torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16, device=device)
         kv = torch.zeros(1, 1, 16, 16, dtype=dtype, device=device)
         s = torch.ones(1, 1, 16, device=device)
         decode_attention(q, kv, kv, torch.zeros(1, dtype=torch.long, device=device), kv_scales=(s, s))
+        spec = CastSpec(Format.FP8_E4M3 if dtype == torch.float8_e4m3fn else Format.FP8_E5M2, Block.parse("row"))
+        kv_store(q.float(), torch.zeros(1, dtype=torch.long, device=device), kv.view(-1, 16), s.view(-1), spec)
     except Exception as e:  # noqa: BLE001 - a kernel that cannot compile or launch here: the fallback runs
         return f"the kernel failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     return None
