@@ -8,6 +8,7 @@ graph keys, bucketing, the eager check of every new graph, the fallback -- is wh
 its samples must be exactly the plain engine's. The real capture is exercised by the ``gpu`` test.
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -44,6 +45,12 @@ class FakeGraphs:
 
     def pool(self):
         return object()
+
+    def prepare(self):
+        pass
+
+    def warmup(self, fn):
+        return fn()
 
     def new_graph(self):
         g = FakeGraph()
@@ -211,6 +218,49 @@ def test_a_graph_that_cannot_be_captured_falls_back_to_eager_and_says_why(model)
     assert eng.graphs.disabled.startswith("capture failed: RuntimeError: operation not permitted")
 
 
+def test_the_warm_up_and_the_capture_run_on_one_side_stream(monkeypatch):
+    """torch's recipe for CUDA graphs: the eager warm-up runs on a side stream, ordered after the
+    current stream's work and before its next (each waits for the other), and the capture uses that
+    same stream -- so what is lazily set up per stream (a cuBLAS workspace) exists before capturing.
+    torch.cuda is stood in: this checks the order of calls, not a GPU."""
+    from jetrl_cli.engine import graphs as graphs_mod
+
+    log, streams = [], []
+
+    class Stream:
+        def __init__(self, name=None):
+            self.name = name or f"side{len(streams)}"
+            streams.append(self)
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits {other.name}")
+
+    main = Stream("main")
+
+    @contextlib.contextmanager
+    def on(stream):
+        log.append(f"on {stream.name}")
+        yield
+        log.append(f"off {stream.name}")
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None):
+        log.append(f"capture on {stream.name}")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: main)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    api = graphs_mod._CudaGraphAPI()
+    assert api.warmup(lambda: log.append("step") or 7) == 7
+    api.record(object(), None, lambda: log.append("captured step"))
+    api.warmup(lambda: log.append("step"))
+    assert log == ["side1 waits main", "on side1", "step", "off side1", "main waits side1",
+                   "capture on side1", "captured step",
+                   "side1 waits main", "on side1", "step", "off side1", "main waits side1"]
+
+
 def _cached_bytes(mod) -> int:
     from jetrl_cli.precision.gemm import ExactOperand
 
@@ -282,3 +332,18 @@ def test_real_cuda_graphs_sample_what_eager_decoding_samples(flow):
     assert runs[True][1].captures >= 1
     # the same kernels in the same order: the same samples (both non-invariant, but identically so)
     assert runs[True][0] == runs[False][0]
+
+
+def test_no_capture_stream_means_eager_decoding_said_why(model):
+    """Where the capture's side stream cannot be made (no usable driver), the engine decodes eagerly
+    with the reason kept, as for a failed capture."""
+    class NoStream(FakeGraphs):
+        def prepare(self):
+            raise RuntimeError("CUDA driver version is insufficient for CUDA runtime version")
+
+    f = named_flow("bf16")
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, n=2)
+    eng = _engine(model, f, graphs=NoStream())
+    assert _samples(eng, sp) == _samples(_engine(model, f, static=False), sp)
+    assert eng.graphs.disabled == "capture failed: RuntimeError: CUDA driver version is insufficient for CUDA runtime version"
+    assert eng.graphs.captures == 0

@@ -14,9 +14,11 @@ What makes replay correct is that everything the captured kernels read stays at 
 - the weights are refreshed in place at each sync (``LlamaForCausalLM.refresh_weights``), and when a
   refresh cannot be in place (a new shape) the graphs are dropped and captured again.
 
-Capture follows torch's recipe: one eager step first (the step's real result; lengths are then
-reset so the capture sees the same state), then the capture, then a replay -- which performs the
-step -- whose logits must equal the eager step's bit for bit. If capture fails or the replay
+Capture follows torch's recipe: one eager step first, on the side stream the capture will use (the
+step's real result; lazily initialised state -- a cuBLAS workspace for that stream, a Triton
+kernel's first launch -- is set up there, before the capture, not during it; lengths are then reset
+so the capture sees the same state), then the capture, then a replay -- which performs the step --
+whose logits must equal the eager step's bit for bit. If capture fails or the replay
 differs, graphs are switched off for the engine with the reason kept in ``disabled`` (reported by
 ``jetrl bench``), and decoding goes on eagerly: a graph never silently changes a sample.
 
@@ -84,8 +86,13 @@ class DecodeGraphs:
     def _capture(self, key, tokens, cache, width) -> torch.Tensor:
         static_tokens = tokens.clone()
         before = cache.lengths.clone()
-        eager = self.model.decode(static_tokens, cache, width)  # the step itself (and the warm-up)
-        eager = eager.clone()
+        try:
+            self.api.prepare()  # the capture's stream
+        except Exception as e:  # no stream here (a machine without a usable driver): decode eagerly
+            self.disabled = _why(e)
+            return self.model.decode(tokens, cache, width)
+        # the step itself, and the warm-up: on the capture's stream
+        eager = self.api.warmup(lambda: self.model.decode(static_tokens, cache, width).clone())
         cache.lengths.copy_(before)
         try:
             if self.pool is None:
@@ -99,7 +106,7 @@ class DecodeGraphs:
             graph.replay()  # performs the step again: same KV writes, lengths + 1
             self.captures += 1
         except Exception as e:  # a kernel that cannot be captured on this GPU / torch
-            self.disabled = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            self.disabled = _why(e)
             cache.lengths.copy_(before + 1)
             return eager
         if not torch.equal(logits, eager):
@@ -109,15 +116,39 @@ class DecodeGraphs:
         return logits
 
 
+def _why(e: Exception) -> str:
+    return f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+
+
 class _CudaGraphAPI:
+    def __init__(self):
+        self.stream = None  # the side stream every warm-up and capture of this engine runs on
+
+    def prepare(self) -> None:
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+
     def pool(self):
         return torch.cuda.graph_pool_handle()
 
     def new_graph(self):
         return torch.cuda.CUDAGraph()
 
+    def warmup(self, fn):
+        """Run ``fn`` eagerly on the capture stream, after the work queued so far on the current
+        stream and before what is queued next (both streams wait for each other). Memory it
+        allocates is used on the current stream only after that wait."""
+        self.prepare()
+        current = torch.cuda.current_stream()
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            out = fn()
+        current.wait_stream(self.stream)
+        return out
+
     def record(self, graph, pool, fn):
-        """Capture ``fn`` into ``graph`` (nothing runs); returns its output tensor, which every
-        ``graph.replay()`` rewrites."""
-        with torch.cuda.graph(graph, pool=pool):
+        """Capture ``fn`` into ``graph`` on the warm-up's stream (nothing runs; torch synchronizes the
+        device first); returns its output tensor, which every ``graph.replay()`` rewrites."""
+        self.prepare()
+        with torch.cuda.graph(graph, pool=pool, stream=self.stream):
             return fn()
