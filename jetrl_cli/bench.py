@@ -503,7 +503,53 @@ def bench_attention(s: Settings) -> list[dict]:
                          "emulated": s.device == "cpu", **timed[name], "kv_bytes": nbytes,
                          "gb_per_s": nbytes / timed[name]["s"] / 1e9, "vs_sdpa_bf16": base / timed[name]["s"],
                          "rel_err": err, "accuracy_ok": err < ATTENTION_TOLERANCE})
+        rows += _kv_store_rows(s, b, hk, w, d, spec, why is None)
     return rows
+
+
+def _kv_store_rows(s: Settings, b: int, hk: int, w: int, d: int, spec, triton_ok: bool) -> list[dict]:
+    """A decode step's new keys (one token per sequence, fp32 from RoPE, strided) written into the
+    cache of one layer: into a bf16 cache (a cast and an ``index_copy_``), into an FP8 cache by the
+    reference (``quantize`` and two ``index_copy_``) and by ``kv_store``; whether the FP8 bytes and
+    scales equal the reference's."""
+    from .precision.quant import quantize
+
+    dev = torch.device(s.device)
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x = torch.randn(b, 1, hk, d, generator=g).to(dev).transpose(1, 2)  # (b, hk, 1, d), as RoPE writes keys
+    idx = (torch.arange(b * hk, device=dev) * w + (w - 1))  # each sequence's last slot
+    flat_bf16 = torch.zeros(b * hk * w, d, dtype=torch.bfloat16, device=dev)
+    data = torch.zeros(b * hk * w, d, dtype=spec.format.torch_dtype(), device=dev)
+    scales = torch.zeros(b * hk * w, device=dev)
+    ref_data, ref_scales = data.clone(), scales.clone()
+
+    def bf16_store():
+        flat_bf16.index_copy_(0, idx, x.reshape(-1, d).to(torch.bfloat16))
+
+    def reference(dst=ref_data, dst_s=ref_scales):
+        q = quantize(x.reshape(-1, d), spec)
+        dst.view(torch.uint8).index_copy_(0, idx, q.data.view(torch.uint8))
+        dst_s.index_copy_(0, idx, q.scale.reshape(-1))
+
+    fns = {"bf16: cast, index_copy_": bf16_store, "fp8: quantize, 2 index_copy_": reference}
+    if triton_ok:
+        from .kernels.attention import kv_store
+
+        fns["fp8: kv_store"] = lambda: kv_store(x, idx, data, scales, spec)
+    timed = measure_interleaved(fns, s)
+    base = timed["bf16: cast, index_copy_"]["s"]
+    out = []
+    for name, fn in fns.items():
+        same = None
+        if "kv_store" in name:
+            fn()
+            reference()
+            same = bool(torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
+                        and torch.equal(scales, ref_scales))
+        out.append({"shape": f"{b}x{w}", "batch": b, "width": w, "kv_heads": hk, "head_dim": d, "kind": "store",
+                    "variant": name, "emulated": s.device == "cpu", **timed[name], "vs_bf16_store": base / timed[name]["s"],
+                    "matches_reference": same})
+    return out
 
 
 def _triton_unavailable(device: str) -> str | None:
@@ -1171,7 +1217,8 @@ def render(res: dict, console) -> None:
                       f"{x['vs_copy']:.2f}", _f(x.get("sqnr_db"), "{:.1f}"))
         print_table(console, t, keep=2)
     if "attention" in r:
-        xs = [x for x in r["attention"] if "skipped" not in x]
+        stores = [x for x in r["attention"] if x.get("kind") == "store"]
+        xs = [x for x in r["attention"] if "skipped" not in x and x.get("kind") != "store"]
         if xs:
             x0 = xs[0]
             t = Table(title=escape(f"attention: one decode step, one layer, {x0['model']} ({x0['heads']} heads, "
@@ -1183,6 +1230,15 @@ def render(res: dict, console) -> None:
                 t.add_row(x["shape"], x["variant"] + (" (CPU)" if x["emulated"] else ""), f"{1e3 * x['s']:.3f}",
                           f"{x['gb_per_s']:.1f}", f"{x['vs_sdpa_bf16']:.2f}x", f"{x['rel_err']:.1e}",
                           _f(x["accuracy_ok"]))
+            print_table(console, t, keep=2)
+        if stores:
+            t = Table(title="kv store: one decode step's new keys into one layer's cache (per tensor)",
+                      title_justify="left")
+            for c in ("shape", "variant", "ms", "vs bf16 store", "= reference"):
+                t.add_column(c, justify="left" if c in ("shape", "variant") else "right", no_wrap=c == "variant")
+            for x in stores:
+                t.add_row(x["shape"], x["variant"] + (" (CPU)" if x["emulated"] else ""), f"{1e3 * x['s']:.3f}",
+                          f"{x['vs_bf16_store']:.2f}x", _f(x["matches_reference"]))
             print_table(console, t, keep=2)
         for why in dict.fromkeys(x["skipped"] for x in r["attention"] if "skipped" in x):
             console.print(escape(f"not run: the Triton attention kernels: {why}"), highlight=False)

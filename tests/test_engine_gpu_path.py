@@ -318,9 +318,10 @@ def test_power_of_two_compaction():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("flow", ["bf16", "fp8-unified"])
+@pytest.mark.parametrize("flow", ["bf16", "fp8-unified", "fp8-unified+fp8kv"])
 def test_real_cuda_graphs_sample_what_eager_decoding_samples(flow):
-    f = named_flow(flow)
+    base, _, kv = flow.partition("+")
+    f = parse_flow({"base": base, "rollout": {"kv_cache": "fp8_e4m3 row"}}, source="<test>") if kv else named_flow(flow)
     m = random_model(tiny_config("qwen2", hidden=256, layers=2, vocab=512), seed=SEED, std=0.05).cuda()
     sp = SamplingParams(max_new_tokens=48, temperature=1.0, n=4, stop_token_ids=tuple(range(0, 512, 13)))
     runs = {}
@@ -332,6 +333,11 @@ def test_real_cuda_graphs_sample_what_eager_decoding_samples(flow):
     assert runs[True][1].captures >= 1
     # the same kernels in the same order: the same samples (both non-invariant, but identically so)
     assert runs[True][0] == runs[False][0]
+    if kv:  # the FP8 cache was read as stored, inside the graphs
+        from jetrl_cli.models.llama import KV_READ
+        from jetrl_cli.precision.gemm import kernel_choice
+
+        assert kernel_choice(KV_READ, torch.device("cuda", torch.cuda.current_device()))["kernel"].startswith("triton")
 
 
 def test_no_capture_stream_means_eager_decoding_said_why(model):
