@@ -388,8 +388,8 @@ def test_rollout_rows_say_which_attention_read_the_fp8_kv_cache(forced_native):
         pytest.skip("needs a GPU or TRITON_INTERPRET=1")
     from jetrl_cli import bench as bench_mod
 
-    s = bench_mod.Settings(device="cpu", repeats=1, warmup=0, batch=2, new_tokens=3, task_preset=None,
-                           flows=("bf16", "bf16+fp8kv"))
+    s = bench_mod.Settings(device="cuda" if torch.cuda.is_available() else "cpu", repeats=1, warmup=0, batch=2,
+                           new_tokens=3, task_preset=None, flows=("bf16", "bf16+fp8kv"))
     rows = {r["flow"]: r for r in bench_mod.bench_rollout(s) if r["engine"] == "jetrl embedded"}
     assert rows["bf16+fp8kv"]["kv_attention"] == "triton, read as stored" and "kv_attention" not in rows["bf16"]
     assert rows["bf16+fp8kv"]["kv_bytes_per_token"] < 0.6 * rows["bf16"]["kv_bytes_per_token"]

@@ -106,6 +106,7 @@ def test_static_cache_and_replayed_graphs_sample_what_the_plain_engine_samples(m
         if not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("needs a GPU or TRITON_INTERPRET=1")
         request.getfixturevalue("forced_native")
+        model = copy.deepcopy(model).to("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the interpreter
         f = parse_flow({"base": "bf16", "rollout": {"kv_cache": "fp8_e4m3 row"}, "unified": True}, source="<test>")
     else:
         f = named_flow(flow)
@@ -284,7 +285,7 @@ def test_an_fp8_engine_holds_its_weights_once(model):
     from tests.triton_interp_fix import fixed_fp8_conversion
 
     cfg = tiny_config("qwen2", hidden=256, layers=2, vocab=256)
-    m = random_model(cfg, seed=1)
+    m = random_model(cfg, seed=1).to("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the interpreter
     tri = {"base": "fp8-unified", "rollout": {"linear": {"input": "fp8_e4m3 1x128", "weight": "fp8_e4m3 128x128",
                                                        "out": "bf16", "backend": "triton"}},
            "train": {"fprop": {"input": "fp8_e4m3 1x128", "weight": "fp8_e4m3 128x128", "out": "bf16",

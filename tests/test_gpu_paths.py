@@ -39,6 +39,11 @@ def _model(seed=0, hidden=128, layers=2, vocab=256):
     return random_model(tiny_config("qwen2", hidden=hidden, layers=layers, vocab=vocab), seed=seed, std=0.05)
 
 
+# Where the Triton kernels run: on a GPU machine its GPU (natively), else CPU tensors in Triton's
+# interpreter (tests/conftest.py sets TRITON_INTERPRET=1 there) with the native path forced.
+TRITON_DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _batch(vocab, n=3, t=24, seed=1):
     g = gen(seed)
     ids = torch.randint(1, vocab, (n, t), generator=g)
@@ -539,7 +544,7 @@ def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernel
 
         monkeypatch.setattr(invariant, name, counted)
     with fixed_fp8_conversion():
-        m = _model(seed=9, hidden=128, layers=1, vocab=128)
+        m = _model(seed=9, hidden=128, layers=1, vocab=128).to(TRITON_DEV)
         sp = SamplingParams(max_new_tokens=6, temperature=1.0, n=2)
         eng = EmbeddedEngine(m, flow, 32, max_batch=4, cuda_graphs=False)
         eng.load_weights(make_payload(m, flow))
@@ -595,7 +600,7 @@ def test_decode_steps_read_an_fp8_kv_cache_as_stored(forced_native, monkeypatch)
         monkeypatch.setattr(mod, name, counted)
     from .triton_interp_fix import fixed_fp8_conversion
 
-    m = _model(seed=4, hidden=128, layers=2, vocab=128)
+    m = _model(seed=4, hidden=128, layers=2, vocab=128).to(TRITON_DEV)
     sp = SamplingParams(max_new_tokens=6, temperature=1.0, n=2)
     prompts = [[5, 9, 3], [7, 2, 11, 4, 8], [1]]
     logps = {}
@@ -611,7 +616,7 @@ def test_decode_steps_read_an_fp8_kv_cache_as_stored(forced_native, monkeypatch)
         b = Batch.build([p for p, _ in flat], [c.tokens for _, c in flat], [c.logprobs for _, c in flat],
                         [0.0] * len(flat), [i // 2 for i in range(len(flat))])
         tr = Trainer(copy.deepcopy(m), flow, TrainConfig(micro_batch=6), CorrectionConfig(), sp, 32)
-        logps[stored] = (b.rollout_logp[b.mask], tr.score(b)[b.mask], [c.tokens for _, c in flat])
+        logps[stored] = (b.rollout_logp[b.mask], tr.score(b)[b.mask].cpu(), [c.tokens for _, c in flat])
         if stored:
             assert calls["decode_attention"] >= 2 * 5 and calls["kv_values"] == 0, calls  # 2 layers x 5 steps or more
             # keys and values, one kernel each per layer and step (the device check calls each once)
@@ -622,13 +627,17 @@ def test_decode_steps_read_an_fp8_kv_cache_as_stored(forced_native, monkeypatch)
     assert (rollout - trainer).abs().max() < 2e-2  # bf16 attention, summed in another order
     assert len(set(map(tuple, tokens))) > 1
     (choice,) = gemm.backend_report()["kernels"]
-    assert choice == {"op": llama.KV_READ, "device": "cpu", "kernel": "triton, read as stored"}
+    assert choice == {"op": llama.KV_READ, "device": str(m.lm_head.weight.device), "kernel": "triton, read as stored"}
 
 
 def test_a_kernel_that_cannot_read_the_fp8_cache_falls_back_and_says_why(forced_native, monkeypatch):
     """Checked once per device before the first decode step: where the FP8-reading kernel cannot
     compile or launch (or the GPU predates FP8 conversions), decode steps dequantize the cache for
     SDPA instead, and the run's backend report (metrics.jsonl, bench rows, the live display) says so."""
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
     from jetrl_cli.engine.base import make_payload
     from jetrl_cli.engine.embedded import EmbeddedEngine
     from jetrl_cli.kernels import attention
@@ -647,7 +656,7 @@ def test_a_kernel_that_cannot_read_the_fp8_cache_falls_back_and_says_why(forced_
     dequantized = []
     monkeypatch.setattr(llama, "_kv_values", lambda *a: dequantized.append(1) or kv_values(*a))
     flow = parse_flow({"base": "bf16", "rollout": {"kv_cache": "fp8_e4m3 row"}}, source="<test>")
-    m = _model(seed=5, hidden=128, layers=2, vocab=128)
+    m = _model(seed=5, hidden=128, layers=2, vocab=128).to(TRITON_DEV)
     eng = EmbeddedEngine(m, flow, 32, max_batch=4, cuda_graphs=False)
     eng.load_weights(make_payload(m, flow))
     out = eng.generate([[5, 9, 3], [7, 2]], SamplingParams(max_new_tokens=5, temperature=1.0, n=2), seed=1)
@@ -656,8 +665,8 @@ def test_a_kernel_that_cannot_read_the_fp8_cache_falls_back_and_says_why(forced_
     (choice,) = gemm.backend_report()["kernels"]
     assert choice["kernel"] == "dequantized, then SDPA" and choice["why"] == (
         "the kernel failed: RuntimeError: PassManager::run failed")
-    assert backend_lines(gemm.backend_report())[-1] == (
-        f"{llama.KV_READ} on cpu: dequantized, then SDPA (the kernel failed: RuntimeError: PassManager::run failed)")
+    assert backend_lines(gemm.backend_report())[-1] == (f"{llama.KV_READ} on {m.lm_head.weight.device}: dequantized, "
+                                                        "then SDPA (the kernel failed: RuntimeError: PassManager::run failed)")
 
 
 @gpu
