@@ -58,6 +58,17 @@ def dequant_kv(x, s, TO_BF16: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def pv_accumulate(p, v, acc, alpha, BF16: tl.constexpr, F32_DOT: tl.constexpr, INTERPRET: tl.constexpr):
+    """The online softmax's update ``acc * alpha + p @ v`` with fp32 accumulation; with bf16 inputs
+    the weights p are rounded to bf16 first, as FlashAttention rounds the p @ v operand."""
+    if BF16:
+        p = _to_bf16(p, INTERPRET)
+    if F32_DOT:
+        return tl.dot(p.to(tl.float32), v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+    return tl.dot(p, v, acc * alpha[:, None])
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, REP, D, qk_scale,
                    sqb, sqh, sqd, skb, skh, skw, skd, svb, svh, svw, svd,
                    sksb, sksh, sksw, svsb, svsh, svsw, spb, sob, soh, sod,
@@ -101,12 +112,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, REP, D, 
         v = tl.load(v_base + kn[:, None] * svw + rd[None, :] * svd, mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
         if SCALED:
             v = dequant_kv(v, tl.load(vs_base + kn * svsw, mask=kv_ok, other=0.0)[:, None], BF16, INTERPRET)
-        if BF16:
-            p = _to_bf16(p, INTERPRET)  # the p @ v operand, as FlashAttention rounds it
-        if F32_DOT:
-            acc = tl.dot(p.to(tl.float32), v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p, v, acc * alpha[:, None])
+        acc = pv_accumulate(p, v, acc, alpha, BF16, F32_DOT, INTERPRET)
         m_i = m_new
     out = tl.math.div_rn(acc, l_i[:, None])
     out = _to_bf16(out, INTERPRET) if BF16 else out

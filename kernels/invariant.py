@@ -75,7 +75,7 @@ import triton.language as tl
 
 from jetrl_cli.precision.quant import QTensor
 
-from .attention import check_kv_scales, dequant_kv
+from .attention import check_kv_scales, dequant_kv, pv_accumulate
 from .fp8 import FP_FUSION, _blockwise_mm_kernel, _interpreting, _to_bf16
 
 # The one tile configuration of each kernel. Changing a value changes results (it is part of the math).
@@ -289,12 +289,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_p
         if SCALED:
             vs = tl.load(vs_ptr + seq * svsb + kvh * svsh + kn * svsw, mask=kv_ok, other=0.0)
             v = dequant_kv(v, vs[:, None], P_BF16, INTERPRET)
-        if P_BF16:
-            p = _to_bf16(p, INTERPRET)  # the p @ v operand, as FlashAttention rounds it
-        if F32_DOT:
-            acc = tl.dot(p.to(tl.float32), v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p, v, acc * alpha[:, None])
+        acc = pv_accumulate(p, v, acc, alpha, P_BF16, F32_DOT, INTERPRET)
         m_i = m_new
     l_i = tl.where(row_ok, l_i, 1.0)  # rows past t (not stored): no 0 / 0
     out = tl.math.div_rn(acc, l_i[:, None])
