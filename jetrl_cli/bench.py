@@ -713,7 +713,8 @@ def engine_details(eng, model, flow, prompts, sp, s: Settings) -> dict:
 
     kv = kernel_choice(KV_READ, eng.model.lm_head.weight.device) if flow.rollout.kv_cache.format.is_fp8 else None
     if kv is not None:  # which attention read the FP8 cache (decided at the first decode step)
-        out["kv_attention"] = kv["kernel"] + (f" ({kv['why']})" if kv.get("why") else "")
+        kernel = "triton, read as stored" if flow.batch_invariant and kv["runs"] else kv["kernel"]
+        out["kv_attention"] = kernel + (f" ({kv['why']})" if kv.get("why") else "")
     from .precision.fuse import report as fuse_report
 
     fused = fuse_report()

@@ -627,7 +627,8 @@ def test_decode_steps_read_an_fp8_kv_cache_as_stored(forced_native, monkeypatch)
     assert (rollout - trainer).abs().max() < 2e-2  # bf16 attention, summed in another order
     assert len(set(map(tuple, tokens))) > 1
     (choice,) = gemm.backend_report()["kernels"]
-    assert choice == {"op": llama.KV_READ, "device": str(m.lm_head.weight.device), "kernel": "triton, read as stored"}
+    assert {k: choice[k] for k in ("op", "device", "kernel", "runs")} == {
+        "op": llama.KV_READ, "device": str(m.lm_head.weight.device), "kernel": "triton, read as stored", "runs": True}
 
 
 def test_a_kernel_that_cannot_read_the_fp8_cache_falls_back_and_says_why(forced_native, monkeypatch):
@@ -667,6 +668,92 @@ def test_a_kernel_that_cannot_read_the_fp8_cache_falls_back_and_says_why(forced_
         "the kernel failed: RuntimeError: PassManager::run failed")
     assert backend_lines(gemm.backend_report())[-1] == (f"{llama.KV_READ} on {m.lm_head.weight.device}: dequantized, "
                                                         "then SDPA (the kernel failed: RuntimeError: PassManager::run failed)")
+
+
+@pytest.mark.parametrize("faster", ["triton", "sdpa"])
+def test_the_faster_way_to_read_the_fp8_cache_is_timed_once_and_kept(faster, forced_native, monkeypatch):
+    """On a GPU the first decode step times the FP8-reading kernel against dequantize-then-SDPA at
+    the cache's full width and keeps the faster, saying so; the batch-invariant mode reads the FP8
+    bytes whenever the kernel runs (the same bits as through a dequantized copy). ``_time_kv_reads``
+    runs here with CUDA events stood in by the wall clock."""
+    import os
+    import time
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    from jetrl_cli.engine.base import make_payload
+    from jetrl_cli.engine.embedded import EmbeddedEngine
+    from jetrl_cli.kernels import attention
+    from jetrl_cli.models import llama
+    from jetrl_cli.precision import parse_flow
+
+    from .triton_interp_fix import fixed_fp8_conversion
+
+    class Event:  # torch.cuda.Event, by the wall clock
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 1e3 * (end.t - self.t)
+
+    timed = []
+
+    def time_reads(cache, heads):
+        n0 = calls["decode_attention"]
+        with monkeypatch.context() as mp:
+            mp.setattr(torch.cuda, "Event", Event)
+            real = llama.__dict__["_time_kv_reads"].__wrapped__(cache, heads, reps=1)
+        calls["deciding"] += 1 + calls["decode_attention"] - n0  # the device check's call, and the timing's
+        assert set(real) == {"triton", "sdpa"} and all(v > 0 for v in real.values())
+        timed.append(cache.kv.shape)
+        return {"triton": 1.0, "sdpa": 2.0} if faster == "triton" else {"triton": 2.0, "sdpa": 1.0}
+
+    time_reads.__wrapped__ = llama._time_kv_reads
+    monkeypatch.setattr(llama, "_time_kv_reads", time_reads)
+    monkeypatch.setattr(llama, "_can_time", lambda device: True)
+    calls = {"decode_attention": 0, "deciding": 0}
+    real_decode = attention.decode_attention
+
+    def counted(*a, **k):
+        calls["decode_attention"] += 1
+        return real_decode(*a, **k)
+
+    monkeypatch.setattr(attention, "decode_attention", counted)
+    from jetrl_cli.kernels import invariant as inv
+
+    calls["invariant fp8 reads"] = 0
+    real_inv = inv.invariant_attention
+
+    def counted_inv(*a, **k):
+        calls["invariant fp8 reads"] += k.get("kv_scales") is not None
+        return real_inv(*a, **k)
+
+    monkeypatch.setattr(inv, "invariant_attention", counted_inv)
+    m = _model(seed=6, hidden=128, layers=2, vocab=128).to(TRITON_DEV)
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0, n=2)
+    with fixed_fp8_conversion():
+        for invariant in (False, True):
+            flow = parse_flow({"base": "bf16", "rollout": {"kv_cache": "fp8_e4m3 row"}, "batch_invariant": invariant},
+                              source="<test>")
+            eng = EmbeddedEngine(m, flow, 32, max_batch=4, cuda_graphs=False)
+            eng.load_weights(make_payload(m, flow))
+            before = calls["decode_attention"]
+            out = eng.generate([[5, 9, 3], [7, 2]], sp, seed=1)
+            assert all(len(c.tokens) == 4 for g in out for c in g)
+            if not invariant:
+                decoding = calls["decode_attention"] - before - calls["deciding"]
+                assert (decoding > 0) == (faster == "triton"), (decoding, calls)
+    assert len(timed) == 1  # timed once per device, at the engine's first decode step
+    (choice,) = gemm.backend_report()["kernels"]
+    assert choice["kernel"] == ("triton, read as stored" if faster == "triton" else "dequantized, then SDPA")
+    assert choice["runs"] and choice["why"].startswith("timed at 4 sequences x 32 keys x 2 KV heads: triton ")
+    assert calls["invariant fp8 reads"] > 0  # the invariant mode read the FP8 bytes, whichever was faster
 
 
 @gpu

@@ -588,7 +588,7 @@ class Attention(nn.Module):
             keys, values = cast_kv(k, self.kv_spec), cast_kv(v, self.kv_spec)
         else:
             idx = cache.write_index(mask.q_index)
-            in_kernel = _reads_cache_as_stored(x, cache, mask)
+            in_kernel = _reads_cache_as_stored(x, cache, mask, h)
             if cache.spec is not None:  # an 8-bit cache quantizes (what cast_kv rounds to) as it stores
                 k, v = cache.store(layer, idx, k, v, values=not in_kernel) or (None, None)
             else:
@@ -680,18 +680,70 @@ def _native_attention(q, keys, values, mask: Masking, rep: int, fmt: Format) -> 
 KV_READ = "attention over the FP8 KV cache"  # the operation's name in backend_report()["kernels"]
 
 
-def _reads_cache_as_stored(x: torch.Tensor, cache: KVCache, mask: Masking) -> bool:
+def _reads_cache_as_stored(x: torch.Tensor, cache: KVCache, mask: Masking, heads: int) -> bool:
     """Whether a decode step's attention reads an 8-bit cache as stored (FP8 bytes and scales, in a
-    Triton kernel) instead of a dequantized copy: natively, where the kernel runs (checked once per
-    device, and reported)."""
+    Triton kernel) instead of a dequantized copy: natively, where the kernel runs, and (outside the
+    batch-invariant mode, whose kernel gives the same bits either way) where it is the faster of
+    the two. Decided once per device, at the first decode step, and reported."""
     if not (cache.spec is not None and cache.kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
             and not mask.causal and mask.key_keep is None and mask.q_index.shape[1] == 1 and native(x)):
         return False
     choice = kernel_choice(KV_READ, x.device)
     if choice is None:
-        why = _kv_read_unavailable(x.device, cache.kv.dtype)
-        choice = note_kernel(KV_READ, x.device, "dequantized, then SDPA" if why else "triton, read as stored", why)
-    return choice["kernel"].startswith("triton")
+        choice = _choose_kv_read(x.device, cache, heads)
+    return choice["runs"] if mask.invariant else choice["kernel"] == KV_KERNELS[0]
+
+
+KV_KERNELS = ("triton, read as stored", "dequantized, then SDPA")
+
+
+def _choose_kv_read(device: torch.device, cache: KVCache, heads: int) -> dict:
+    why = _kv_read_unavailable(device, cache.kv.dtype)
+    if why is not None:
+        return note_kernel(KV_READ, device, KV_KERNELS[1], why, runs=False)
+    if not _can_time(device):  # Triton's interpreter: nothing to time, the kernel's path is tested
+        return note_kernel(KV_READ, device, KV_KERNELS[0], runs=True)
+    b, hk, w = cache.kv.shape[1], cache.kv.shape[2], cache.kv.shape[3]
+    try:
+        t = _time_kv_reads(cache, heads)
+    except Exception as e:  # noqa: BLE001 - no timing here: the kernel that reads the bytes once
+        return note_kernel(KV_READ, device, KV_KERNELS[0], f"not timed ({type(e).__name__})", runs=True)
+    kernel = KV_KERNELS[0] if t["triton"] <= t["sdpa"] else KV_KERNELS[1]
+    return note_kernel(KV_READ, device, kernel, f"timed at {b} sequences x {w} keys x {hk} KV heads: triton "
+                       f"{t['triton']:.3f} ms, dequantize + SDPA {t['sdpa']:.3f} ms", runs=True, timings_ms=t)
+
+
+def _can_time(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _time_kv_reads(cache: KVCache, heads: int, reps: int = 5) -> dict:
+    """Milliseconds per call of each way to attend over layer 0's slots of ``cache`` at its full
+    width (every key read): the FP8-reading kernel, and dequantize-then-SDPA. CUDA events, after two
+    warm-up calls each (compilation), the calls of the two interleaved."""
+    from ..kernels.attention import decode_attention
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    _, b, hk, w, d = cache.kv.shape
+    k, v, ks, vs = cache.kv[0], cache.kv[1], cache.scales[0], cache.scales[1]
+    q = torch.zeros(b, heads, 1, d, dtype=torch.bfloat16, device=k.device)
+    pos = torch.full((b,), w - 1, device=k.device)
+    mask = Masking(pos[:, None], None, w, causal_from_zero=False)
+    fns = {"triton": lambda: decode_attention(q, k, v, pos, kv_scales=(ks, vs)),
+           "sdpa": lambda: _native_attention(q, _kv_values(k, ks, torch.bfloat16), _kv_values(v, vs, torch.bfloat16),
+                                             mask, heads // hk, Format.BF16)}
+    times = {name: [] for name in fns}
+    for _ in range(2):
+        for fn in fns.values():
+            fn()
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
 def _kv_read_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:

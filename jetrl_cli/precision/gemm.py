@@ -921,10 +921,10 @@ def kernel_choice(op: str, device: torch.device) -> dict | None:
     return _KERNELS.get((op, str(device)))
 
 
-def note_kernel(op: str, device: torch.device, kernel: str, why: str | None = None) -> dict:
+def note_kernel(op: str, device: torch.device, kernel: str, why: str | None = None, **extra) -> dict:
     """Record which kernel serves a non-GEMM operation (decided once per device; ``backend_report``
-    lists it, so runs and benches say what ran)."""
-    info = {"op": op, "device": str(device), "kernel": kernel, **({"why": why} if why else {})}
+    lists it, so runs and benches say what ran), with ``extra`` facts about the decision."""
+    info = {"op": op, "device": str(device), "kernel": kernel, **({"why": why} if why else {}), **extra}
     _KERNELS[(op, str(device))] = info
     return info
 
