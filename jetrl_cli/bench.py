@@ -708,13 +708,17 @@ def engine_details(eng, model, flow, prompts, sp, s: Settings) -> dict:
            "weight_bytes": eng.weight_nbytes()}
     if eng.graphs is not None:
         out["cuda_graphs"] = eng.graphs.disabled or f"{eng.graphs.captures} captured"
-    from .models.llama import KV_READ
+    from .models.llama import BF16_READ, KV_READ
     from .precision.gemm import kernel_choice
 
-    kv = kernel_choice(KV_READ, eng.model.lm_head.weight.device) if flow.rollout.kv_cache.format.is_fp8 else None
-    if kv is not None:  # which attention read the FP8 cache (decided at the first decode step)
-        kernel = "triton, read as stored" if flow.batch_invariant and kv["runs"] else kv["kernel"]
-        out["kv_attention"] = kernel + (f" ({kv['why']})" if kv.get("why") else "")
+    op = KV_READ if flow.rollout.kv_cache.format.is_fp8 else BF16_READ
+    kv = kernel_choice(op, eng.model.lm_head.weight.device)
+    if kv is not None:  # which attention read the cache at decode steps (decided at the first one)
+        if flow.batch_invariant:
+            kernel = "batch-invariant kernel" + (", FP8 read as stored" if op == KV_READ and kv["runs"] else "")
+            out["kv_attention"] = kernel
+        else:
+            out["kv_attention"] = kv["kernel"] + (f" ({kv['why']})" if kv.get("why") else "")
     from .precision.fuse import report as fuse_report
 
     fused = fuse_report()
@@ -1266,7 +1270,7 @@ def render(res: dict, console) -> None:
             print_table(console, t, keep=2)
             for x in xs:
                 if x.get("kv_attention"):
-                    console.print(escape(f"{x['flow']}: attention over the FP8 KV cache: {x['kv_attention']}"),
+                    console.print(escape(f"{x['flow']}: decode attention over its KV cache: {x['kv_attention']}"),
                                   highlight=False)
     if "train" in r:
         x0 = r["train"][0]

@@ -670,12 +670,13 @@ def test_a_kernel_that_cannot_read_the_fp8_cache_falls_back_and_says_why(forced_
                                                         "then SDPA (the kernel failed: RuntimeError: PassManager::run failed)")
 
 
+@pytest.mark.parametrize("kv", ["fp8_e4m3 row", "bf16"])
 @pytest.mark.parametrize("faster", ["triton", "sdpa"])
-def test_the_faster_way_to_read_the_fp8_cache_is_timed_once_and_kept(faster, forced_native, monkeypatch):
-    """On a GPU the first decode step times the FP8-reading kernel against dequantize-then-SDPA at
-    the cache's full width and keeps the faster, saying so; the batch-invariant mode reads the FP8
-    bytes whenever the kernel runs (the same bits as through a dequantized copy). ``_time_kv_reads``
-    runs here with CUDA events stood in by the wall clock."""
+def test_the_faster_way_to_read_the_kv_cache_is_timed_once_and_kept(kv, faster, forced_native, monkeypatch):
+    """On a GPU the first decode step times the Triton kernel against SDPA (an FP8 cache dequantized
+    first) at the cache's full width and keeps the faster, saying so; the batch-invariant mode reads
+    an FP8 cache's bytes whenever the kernel runs (the same bits as through a dequantized copy).
+    ``_time_kv_reads`` runs here with CUDA events stood in by the wall clock."""
     import os
     import time
 
@@ -739,7 +740,7 @@ def test_the_faster_way_to_read_the_fp8_cache_is_timed_once_and_kept(faster, for
     sp = SamplingParams(max_new_tokens=4, temperature=1.0, n=2)
     with fixed_fp8_conversion():
         for invariant in (False, True):
-            flow = parse_flow({"base": "bf16", "rollout": {"kv_cache": "fp8_e4m3 row"}, "batch_invariant": invariant},
+            flow = parse_flow({"base": "bf16", "rollout": {"kv_cache": kv}, "batch_invariant": invariant},
                               source="<test>")
             eng = EmbeddedEngine(m, flow, 32, max_batch=4, cuda_graphs=False)
             eng.load_weights(make_payload(m, flow))
@@ -751,9 +752,11 @@ def test_the_faster_way_to_read_the_fp8_cache_is_timed_once_and_kept(faster, for
                 assert (decoding > 0) == (faster == "triton"), (decoding, calls)
     assert len(timed) == 1  # timed once per device, at the engine's first decode step
     (choice,) = gemm.backend_report()["kernels"]
-    assert choice["kernel"] == ("triton, read as stored" if faster == "triton" else "dequantized, then SDPA")
+    op = llama.KV_READ if kv != "bf16" else llama.BF16_READ
+    assert choice["op"] == op and choice["kernel"] == llama.CACHE_KERNELS[op][0 if faster == "triton" else 1]
     assert choice["runs"] and choice["why"].startswith("timed at 4 sequences x 32 keys x 2 KV heads: triton ")
-    assert calls["invariant fp8 reads"] > 0  # the invariant mode read the FP8 bytes, whichever was faster
+    # the invariant mode read the FP8 bytes, whichever was faster (a bf16 cache: through its own kernel)
+    assert (calls["invariant fp8 reads"] > 0) == (kv != "bf16")
 
 
 @gpu

@@ -677,61 +677,98 @@ def _native_attention(q, keys, values, mask: Masking, rep: int, fmt: Format) -> 
     return out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)
 
 
-KV_READ = "attention over the FP8 KV cache"  # the operation's name in backend_report()["kernels"]
+KV_READ = "attention over the FP8 KV cache"  # the operations' names in backend_report()["kernels"]
+BF16_READ = "decode attention over the bf16 KV cache"
+CACHE_KERNELS = {KV_READ: ("triton, read as stored", "dequantized, then SDPA"), BF16_READ: ("triton", "SDPA")}
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _reads_cache_as_stored(x: torch.Tensor, cache: KVCache, mask: Masking, heads: int) -> bool:
-    """Whether a decode step's attention reads an 8-bit cache as stored (FP8 bytes and scales, in a
-    Triton kernel) instead of a dequantized copy: natively, where the kernel runs, and (outside the
-    batch-invariant mode, whose kernel gives the same bits either way) where it is the faster of
-    the two. Decided once per device, at the first decode step, and reported."""
-    if not (cache.spec is not None and cache.kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-            and not mask.causal and mask.key_keep is None and mask.q_index.shape[1] == 1 and native(x)):
+    """Whether a decode step's attention reads the cache in ``kernels.attention``'s Triton kernel
+    (an FP8 cache as stored: its bytes and scales) instead of through SDPA (an FP8 cache dequantized
+    first): natively, where the kernel runs, and where it is the faster of the two -- except that the
+    batch-invariant mode reads an FP8 cache in its kernel whenever it runs (the same bits either way;
+    a bf16 cache it reads through its own kernel already). Decided once per device and cache format,
+    at the first decode step, and reported."""
+    if not (not mask.causal and mask.key_keep is None and mask.q_index.shape[1] == 1 and native(x)):
         return False
-    choice = kernel_choice(KV_READ, x.device)
-    if choice is None:
-        choice = _choose_kv_read(x.device, cache, heads)
-    return choice["runs"] if mask.invariant else choice["kernel"] == KV_KERNELS[0]
+    fp8 = cache.spec is not None and cache.kv.dtype in _FP8
+    if not fp8 and (cache.kv.dtype is not torch.bfloat16 or mask.invariant):
+        return False
+    op = KV_READ if fp8 else BF16_READ
+    choice = kernel_choice(op, x.device) or _choose_cache_read(op, x.device, cache, heads)
+    return choice["runs"] if mask.invariant else choice["kernel"] == CACHE_KERNELS[op][0]
 
 
-KV_KERNELS = ("triton, read as stored", "dequantized, then SDPA")
-
-
-def _choose_kv_read(device: torch.device, cache: KVCache, heads: int) -> dict:
+def _choose_cache_read(op: str, device: torch.device, cache: KVCache, heads: int) -> dict:
+    triton, sdpa = CACHE_KERNELS[op]
     why = _kv_read_unavailable(device, cache.kv.dtype)
     if why is not None:
-        return note_kernel(KV_READ, device, KV_KERNELS[1], why, runs=False)
-    if not _can_time(device):  # Triton's interpreter: nothing to time, the kernel's path is tested
-        return note_kernel(KV_READ, device, KV_KERNELS[0], runs=True)
+        return note_kernel(op, device, sdpa, why, runs=False)
+    if not _can_time(device):  # Triton's interpreter: nothing to time; FP8 takes the kernel's path (tested)
+        return note_kernel(op, device, triton if op == KV_READ else sdpa, runs=True)
     b, hk, w = cache.kv.shape[1], cache.kv.shape[2], cache.kv.shape[3]
     try:
         t = _time_kv_reads(cache, heads)
-    except Exception as e:  # noqa: BLE001 - no timing here: the kernel that reads the bytes once
-        return note_kernel(KV_READ, device, KV_KERNELS[0], f"not timed ({type(e).__name__})", runs=True)
-    kernel = KV_KERNELS[0] if t["triton"] <= t["sdpa"] else KV_KERNELS[1]
-    return note_kernel(KV_READ, device, kernel, f"timed at {b} sequences x {w} keys x {hk} KV heads: triton "
-                       f"{t['triton']:.3f} ms, dequantize + SDPA {t['sdpa']:.3f} ms", runs=True, timings_ms=t)
+    except Exception as e:  # noqa: BLE001 - no timing here: FP8 read once by the kernel, bf16 as before
+        return note_kernel(op, device, triton if op == KV_READ else sdpa, f"not timed ({type(e).__name__})", runs=True)
+    kernel = triton if t["triton"] <= t["sdpa"] else sdpa
+    return note_kernel(op, device, kernel, f"timed at {b} sequences x {w} keys x {hk} KV heads: triton "
+                       f"{t['triton']:.3f} ms, {sdpa if op == BF16_READ else 'dequantize + SDPA'} {t['sdpa']:.3f} ms",
+                       runs=True, timings_ms=t)
 
 
 def _can_time(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _kv_read_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the cache-reading decode attention cannot run on ``device`` (None: it can): Triton's FP8
+    conversions need compute capability 8.9 (Ada, Hopper); a tiny call must compile and launch. Runs
+    before any CUDA graph is captured (a graph's capture follows an eager step)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "Triton kernels need a CUDA GPU"
+    fp8 = dtype in _FP8
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < ((8, 9) if fp8 else (8, 0)):
+        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        return (f"Triton's {'FP8 conversions need compute capability 8.9' if fp8 else 'bf16 dots need compute capability 8.0'}"
+                f" or later (this GPU: {cap})")
+    try:
+        from ..kernels.attention import decode_attention, kv_store
+
+        q = torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16, device=device)
+        kv = torch.zeros(1, 1, 16, 16, dtype=dtype, device=device)
+        s = torch.ones(1, 1, 16, device=device)
+        pos = torch.zeros(1, dtype=torch.long, device=device)
+        decode_attention(q, kv, kv, pos, kv_scales=(s, s) if fp8 else None)
+        if fp8:
+            spec = CastSpec(Format.FP8_E4M3 if dtype == torch.float8_e4m3fn else Format.FP8_E5M2, Block.parse("row"))
+            kv_store(q.float(), pos, kv.view(-1, 16), s.view(-1), spec)
+    except Exception as e:  # noqa: BLE001 - a kernel that cannot compile or launch here: the fallback runs
+        return f"the kernel failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    return None
+
+
 def _time_kv_reads(cache: KVCache, heads: int, reps: int = 5) -> dict:
     """Milliseconds per call of each way to attend over layer 0's slots of ``cache`` at its full
-    width (every key read): the FP8-reading kernel, and dequantize-then-SDPA. CUDA events, after two
+    width (every key read): the Triton kernel, and SDPA (an FP8 cache dequantized first). CUDA events, after two
     warm-up calls each (compilation), the calls of the two interleaved."""
     from ..kernels.attention import decode_attention
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     _, b, hk, w, d = cache.kv.shape
-    k, v, ks, vs = cache.kv[0], cache.kv[1], cache.scales[0], cache.scales[1]
+    k, v = cache.kv[0], cache.kv[1]
     q = torch.zeros(b, heads, 1, d, dtype=torch.bfloat16, device=k.device)
     pos = torch.full((b,), w - 1, device=k.device)
     mask = Masking(pos[:, None], None, w, causal_from_zero=False)
-    fns = {"triton": lambda: decode_attention(q, k, v, pos, kv_scales=(ks, vs)),
-           "sdpa": lambda: _native_attention(q, _kv_values(k, ks, torch.bfloat16), _kv_values(v, vs, torch.bfloat16),
-                                             mask, heads // hk, Format.BF16)}
+    if cache.scales is not None:  # FP8: read as stored, or dequantized for SDPA
+        ks, vs = cache.scales[0], cache.scales[1]
+        fns = {"triton": lambda: decode_attention(q, k, v, pos, kv_scales=(ks, vs)),
+               "sdpa": lambda: _native_attention(q, _kv_values(k, ks, torch.bfloat16),
+                                                 _kv_values(v, vs, torch.bfloat16), mask, heads // hk, Format.BF16)}
+    else:
+        fns = {"triton": lambda: decode_attention(q, k, v, pos),
+               "sdpa": lambda: _native_attention(q, k, v, mask, heads // hk, Format.BF16)}
     times = {name: [] for name in fns}
     for _ in range(2):
         for fn in fns.values():
@@ -746,38 +783,16 @@ def _time_kv_reads(cache: KVCache, heads: int, reps: int = 5) -> dict:
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
-def _kv_read_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the FP8-reading decode attention cannot run on ``device`` (None: it can): Triton's FP8
-    conversions need compute capability 8.9 (Ada, Hopper); a tiny call must compile and launch. Runs
-    before any CUDA graph is captured (a graph's capture follows an eager step)."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "Triton kernels need a CUDA GPU"
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        return f"Triton's FP8 conversions need compute capability 8.9 or later (this GPU: {cap})"
-    try:
-        from ..kernels.attention import decode_attention, kv_store
-
-        q = torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16, device=device)
-        kv = torch.zeros(1, 1, 16, 16, dtype=dtype, device=device)
-        s = torch.ones(1, 1, 16, device=device)
-        decode_attention(q, kv, kv, torch.zeros(1, dtype=torch.long, device=device), kv_scales=(s, s))
-        spec = CastSpec(Format.FP8_E4M3 if dtype == torch.float8_e4m3fn else Format.FP8_E5M2, Block.parse("row"))
-        kv_store(q.float(), torch.zeros(1, dtype=torch.long, device=device), kv.view(-1, 16), s.view(-1), spec)
-    except Exception as e:  # noqa: BLE001 - a kernel that cannot compile or launch here: the fallback runs
-        return f"the kernel failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-    return None
-
-
 def _cache_attention(q, cache: KVCache, layer: int, width: int, mask: Masking, fmt: Format) -> torch.Tensor:
-    """A decode step's attention over an FP8 cache, read as stored (``kernels.attention``): each key
-    and value is read as 1 byte plus its row's scale and dequantized in registers to exactly the bf16
-    value ``_kv_values`` would give; the batch-invariant mode reads it through the invariant kernel.
-    Returns (b, 1, heads * d) in ``fmt``."""
+    """A decode step's attention over the cache as stored (``kernels.attention``): bf16, or FP8 whose
+    keys and values are read as 1 byte plus their row's scale and dequantized in registers to exactly
+    the bf16 value ``_kv_values`` would give; the batch-invariant mode reads an FP8 cache through the
+    invariant kernel. Returns (b, 1, heads * d) in ``fmt``."""
     b, h, t, d = q.shape
     qn = q.to(fmt.torch_dtype())
     k, v = cache.kv[2 * layer, :, :, :width], cache.kv[2 * layer + 1, :, :, :width]
-    scales = (cache.scales[2 * layer, :, :, :width], cache.scales[2 * layer + 1, :, :, :width])
+    scales = None if cache.scales is None else (cache.scales[2 * layer, :, :, :width],
+                                                cache.scales[2 * layer + 1, :, :, :width])
     if mask.invariant:
         from ..kernels.invariant import invariant_attention
 
