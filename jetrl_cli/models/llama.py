@@ -27,9 +27,10 @@ equal the trainer's bit for bit when both run the same precision (``tests/test_i
 On CUDA it runs natively: the residual stream, norms and RoPE in fp32 (as under bf16 autocast),
 GEMMs on bf16 (or FP8) operands writing bf16, attention through
 ``scaled_dot_product_attention`` (flash for training and prefill) on bf16 queries, keys and
-values, and a bf16 KV cache. An FP8 KV cache is read as stored by decode steps (FP8 bytes and
-per-token scales, ``kernels.attention``): it saves bandwidth as well as memory. The formats are the
-flow's on both devices.
+values, and a bf16 KV cache. Decode steps can read the cache as stored in a Triton kernel
+(``kernels.attention``; an FP8 cache as its bytes and per-token scales, saving bandwidth as well as
+memory) where that is faster than SDPA, timed once per device. The formats are the flow's on both
+devices.
 """
 
 from __future__ import annotations
