@@ -47,7 +47,7 @@ from ..precision import fuse
 from ..precision.flow import LinearPrecision
 from ..precision.formats import Block, Format
 from ..precision.fuse import fused
-from ..precision.gemm import F64_BITS, fixed_point, kernel_choice, native, note_kernel
+from ..precision.gemm import F64_BITS, device_time_ms, fixed_point, kernel_choice, native, note_kernel
 from ..precision.linear import JetLinear, group_weight, input_dtype, linear_group, swiglu_down
 from ..precision.quant import CastSpec, dequantize, fake_quantize, quantize, round_to
 
@@ -750,13 +750,12 @@ def _kv_read_unavailable(device: torch.device, dtype: torch.dtype) -> str | None
     return None
 
 
-def _time_kv_reads(cache: KVCache, heads: int, reps: int = 5) -> dict:
+def _time_kv_reads(cache: KVCache, heads: int, calls: int | None = None) -> dict:
     """Milliseconds per call of each way to attend over layer 0's slots of ``cache`` at its full
-    width (every key read): the Triton kernel, and SDPA (an FP8 cache dequantized first). CUDA events, after two
-    warm-up calls each (compilation), the calls of the two interleaved."""
+    width (every key read): the Triton kernel, and SDPA (an FP8 cache dequantized first); device time
+    as the GEMM backends are timed (``device_time_ms``: captured in a CUDA graph, as a decode step runs)."""
     from ..kernels.attention import decode_attention
 
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     _, b, hk, w, d = cache.kv.shape
     k, v = cache.kv[0], cache.kv[1]
     q = torch.zeros(b, heads, 1, d, dtype=torch.bfloat16, device=k.device)
@@ -770,18 +769,8 @@ def _time_kv_reads(cache: KVCache, heads: int, reps: int = 5) -> dict:
     else:
         fns = {"triton": lambda: decode_attention(q, k, v, pos),
                "sdpa": lambda: _native_attention(q, k, v, mask, heads // hk, Format.BF16)}
-    times = {name: [] for name in fns}
-    for _ in range(2):
-        for fn in fns.values():
-            fn()
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end))
-    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    kw = {} if calls is None else {"calls": calls}
+    return {name: device_time_ms(fn, k.device, **kw) for name, fn in fns.items()}
 
 
 def _cache_attention(q, cache: KVCache, layer: int, width: int, mask: Masking, fmt: Format) -> torch.Tensor:

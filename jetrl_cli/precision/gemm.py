@@ -815,27 +815,41 @@ def _time_ms(backend: GemmBackend, spec, gemm: str, device: torch.device, size: 
     x = torch.randn(TIMING_ROWS.get(gemm, size), size, generator=g).to(device)
     a, b = _operands(backend, spec, gemm, x, (torch.randn(size, size, generator=g) * 0.05).to(device))
 
-    def calls():
-        for _ in range(TIMED_CALLS):
-            backend.mm(a, b, spec.out)
+    return device_time_ms(lambda: backend.mm(a, b, spec.out), device)
 
-    calls()  # warm-up: compiles Triton kernels, picks cuBLAS algorithms
-    torch.cuda.synchronize(device)
-    run = calls
+
+def device_time_ms(fn, device: torch.device, calls: int = TIMED_CALLS) -> float:
+    """Milliseconds per call of ``fn()`` on ``device``. On a GPU, device time: ``calls`` calls
+    captured in one CUDA graph and replayed, as the engine replays its decode steps (host overhead is
+    not what a captured step pays), or launched eagerly if they cannot be captured (on CPU: the wall
+    clock of eager calls). A warm-up round first (Triton compiles, cuBLAS picks its algorithms)."""
+    cuda = device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def run_calls():
+        for _ in range(calls):
+            fn()
+
+    run_calls()
+    sync()
+    run = run_calls
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            calls()
+            run_calls()
         run = graph.replay
-    except Exception:  # noqa: BLE001 - not capturable (a host read, a torch build): timed eagerly
-        torch.cuda.synchronize(device)
+    except Exception:  # noqa: BLE001 - not capturable (a host read, a torch build, a CPU): timed eagerly
+        sync()
     run()
-    torch.cuda.synchronize(device)
+    sync()
     t0 = time.perf_counter()
     for _ in range(3):
         run()
-    torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) / (3 * TIMED_CALLS) * 1e3
+    sync()
+    return (time.perf_counter() - t0) / (3 * calls) * 1e3
 
 
 def resolve(spec, gemm: str, device: torch.device | str) -> Resolution:
