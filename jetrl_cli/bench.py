@@ -553,6 +553,8 @@ def _kv_store_rows(s: Settings, b: int, hk: int, w: int, d: int, spec, triton_ok
 
 
 def _triton_unavailable(device: str) -> str | None:
+    """Why Triton's kernels cannot run on ``device``'s tensors here (None: they can; ``--device
+    cuda`` was checked to have a GPU)."""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -565,9 +567,7 @@ def _triton_unavailable(device: str) -> str | None:
 def _triton_quantizers(device: str):
     """``jetrl_cli.kernels.fp8`` when its kernels can run on ``device``'s tensors (a GPU, or CPU
     tensors in Triton's interpreter), else None."""
-    from .kernels import unavailable_reason
-
-    if unavailable_reason() is not None or (device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
+    if _triton_unavailable(device) is not None:
         return None
     from .kernels import fp8
 
