@@ -195,13 +195,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     return out
 
 
+def dequantized_reference(k, v, kv_scales, dtype):
+    """FP8 keys and values times their per-token scales, as ``dtype``: what the kernels read."""
+    return tuple((x.float() * sc[..., None]).to(dtype) for x, sc in zip((k, v), kv_scales))
+
+
 def decode_attention_reference(q, k, v, q_pos, kv_scales=None, compute_dtype=torch.float64) -> torch.Tensor:
     """The math of ``decode_attention`` in plain torch: keys and values dequantized as the kernel
     does (to q's dtype), then softmax(q.k * d^-0.5) over keys 0..q_pos, times v, in ``compute_dtype``."""
     b, h, _, d = q.shape
     if kv_scales is not None:
-        k = (k.float() * kv_scales[0][..., None]).to(q.dtype)
-        v = (v.float() * kv_scales[1][..., None]).to(q.dtype)
+        k, v = dequantized_reference(k, v, kv_scales, q.dtype)
     rep = h // k.shape[1]
     j = torch.arange(k.shape[2], device=q.device)
     unseen = j[None, :] > q_pos.reshape(-1, 1)  # (b, w): never read by the kernel, may hold NaN

@@ -75,7 +75,7 @@ import triton.language as tl
 
 from jetrl_cli.precision.quant import QTensor
 
-from .attention import check_kv_scales, dequant_kv, pv_accumulate
+from .attention import check_kv_scales, dequant_kv, dequantized_reference, pv_accumulate
 from .fp8 import FP_FUSION, _blockwise_mm_kernel, _interpreting, _to_bf16
 
 # The one tile configuration of each kernel. Changing a value changes results (it is part of the math).
@@ -405,7 +405,7 @@ def attention_reference(q, k, v, q_pos=None, scale=None, compute_dtype=torch.flo
     sequence's last query position are zeroed first, so unwritten cache slots cannot leak NaN.
     With ``kv_scales`` FP8 keys and values are first dequantized to q's dtype, as the kernel does."""
     if kv_scales is not None:
-        k, v = ((x.float() * s[..., None]).to(q.dtype) for x, s in ((k, kv_scales[0]), (v, kv_scales[1])))
+        k, v = dequantized_reference(k, v, kv_scales, q.dtype)
     b, h, t, d = q.shape
     hk, w = k.shape[1], k.shape[2]
     if q_pos is None:
