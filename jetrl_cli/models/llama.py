@@ -543,6 +543,7 @@ class Masking:
         self.causal = causal_from_zero and key_keep is None  # queries at 0..t-1 over keys 0..t-1
         self._bias = self._visible = None
         self.invariant = False  # the batch-invariant kernels (a flow's batch_invariant, on a GPU)
+        self.reads_cache = False  # a decode step's attention reads the KV cache in kernels.attention
 
     def visible(self) -> torch.Tensor:
         """(b, 1, t, width) bool."""
@@ -589,7 +590,7 @@ class Attention(nn.Module):
             keys, values = cast_kv(k, self.kv_spec), cast_kv(v, self.kv_spec)
         else:
             idx = cache.write_index(mask.q_index)
-            in_kernel = _reads_cache_as_stored(x, cache, mask, h)
+            in_kernel = mask.reads_cache
             if cache.spec is not None:  # an 8-bit cache quantizes (what cast_kv rounds to) as it stores
                 k, v = cache.store(layer, idx, k, v, values=not in_kernel) or (None, None)
             else:
@@ -894,6 +895,8 @@ class LlamaForCausalLM(nn.Module):
         mask.invariant = self.batch_invariant
         with fuse.suspended(self.batch_invariant):  # its forward op by op (see precision.fuse)
             x = self.model.embed_tokens(input_ids)
+            if cache is not None:  # decided once per forward, for every layer
+                mask.reads_cache = _reads_cache_as_stored(x, cache, mask, self.config.num_attention_heads)
             for i, layer in enumerate(self.model.layers):
                 x = layer(x, cos, sin, mask, cache, i)
             return self.model.norm(x)
