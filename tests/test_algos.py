@@ -1,5 +1,7 @@
 """GRPO advantages, importance corrections and losses against hand-computed values."""
 
+import contextlib
+import copy
 import math
 
 import pytest
@@ -178,3 +180,71 @@ def test_update_adds_micro_batches_as_one_batch_and_stops_on_a_nan_loss():
         tr.update(b, adv, old, None, step=3)
     assert all(torch.equal(p, q) for p, q in zip(tr.model.parameters(), before))
     assert tr.updates == 0
+
+
+def _cached(mod) -> bool:
+    """Whether a linear group's owner or a layer holds a cached GEMM weight."""
+    return bool(mod.__dict__.get("_jet_group_cache") or getattr(mod, "_cache", None))
+
+
+@pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified"])
+def test_the_last_micro_batch_drops_the_cached_weights_layer_by_layer(monkeypatch, flow_name):
+    """At the end of an optimizer step's backward every gradient is held: the step's peak. The
+    last micro-batch's backward drops each layer's cached weight operands (its bf16 or FP8 copy,
+    and Dgrad's W^T) as soon as it is done with them, so that peak holds no second copy of the
+    weights, as with autocast, whose casts the graph frees layer by layer. The lm_head, whose
+    chunked logprobs are recomputed chunk by chunk in the backward, keeps its cache until its last
+    chunk. Nothing is cast more often than before, and the update is bit for bit the same."""
+    from jetrl_cli.config import TrainConfig
+    from jetrl_cli.engine.sampling import SamplingParams
+    from jetrl_cli.models.shapes import random_model
+    from jetrl_cli.models.tiny import tiny_config
+    from jetrl_cli.precision import linear, named_flow
+    from jetrl_cli.rl import trainer as trainer_mod
+    from jetrl_cli.rl.trainer import Trainer
+
+    vocab = 256
+    monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", 4 * vocab)  # a few rows per chunk: many chunks
+    cfg = tiny_config("qwen2", hidden=128, layers=2, vocab=vocab)
+    model = random_model(cfg, seed=3, std=0.05)
+    b, adv = _update_batch()
+
+    def make():
+        return Trainer(copy.deepcopy(model), named_flow(flow_name), TrainConfig(micro_batch=2, lr=1e-3),
+                       CorrectionConfig(), SamplingParams(), 64)
+
+    casts = []
+    real = linear.JetLinear._make_fprop_weight
+    monkeypatch.setattr(linear.JetLinear, "_make_fprop_weight", lambda self: casts.append(self) or real(self))
+    tr = make()
+    old = tr.score(b)  # builds every cache
+    layers = tr.model.model.layers
+    owners = [m for m in tr.model.modules() if isinstance(m, linear.JetLinear)] + [
+        x for layer in layers for x in (layer.self_attn, layer.mlp)]
+    assert all(_cached(m) for m in (layers[0].mlp.down_proj, layers[1].self_attn, tr.model.lm_head))
+    seen = []  # (micro-batch, layer 1's down_proj cached, layer 0's down_proj cached) at layer 1's Wgrad
+    micro = [0]
+    step = tr._forward_backward
+
+    def counted(*a, **k):
+        micro[0] += 1
+        return step(*a, **k)
+
+    monkeypatch.setattr(tr, "_forward_backward", counted)
+    layers[1].mlp.down_proj.weight.register_post_accumulate_grad_hook(
+        lambda p: seen.append((micro[0], _cached(layers[1].mlp.down_proj), _cached(layers[0].mlp.down_proj))))
+    casts.clear()
+    tr.update(b, adv, old, None, step=0)
+    assert micro[0] == 3 and [s[0] for s in seen] == [1, 2, 3]
+    assert seen[0][1:] == seen[1][1:] == (True, True)  # kept between micro-batches
+    assert seen[2][1:] == (False, True)  # last micro-batch: layer 1 dropped, layer 0's backward not run yet
+    assert not [m for m in owners if _cached(m)]  # all dropped by the end of the step
+    assert casts == []  # none was cast again (the lm_head's chunks recomputed on its kept cache)
+
+    monkeypatch.setattr(trainer_mod, "releasing_weights", contextlib.nullcontext)
+    ref = make()
+    ref.update(b, adv, ref.score(b), None, step=0)
+    assert all(_cached(m) for m in (ref.model.model.layers[0].mlp.down_proj, ref.model.lm_head))
+    for (name, p), q in zip(tr.model.named_parameters(), ref.model.parameters()):
+        assert torch.equal(p, q), name
+    assert torch.equal(tr.score(b), ref.score(b))  # the next forward casts the new weights afresh

@@ -810,7 +810,9 @@ def test_attention_saves_its_values_not_the_whole_qkv_projection(forced_native):
 def test_native_bf16_weights_are_held_once(forced_native):
     """A bf16 trainer layer's Dgrad weight W^T is a view of the forward's bf16 W (a contiguous copy
     would hold a second bf16 copy of every weight for the whole run), and a fused group's layers
-    view the group's stacked weight."""
+    view the group's stacked weight. After the weights change, the group's weight takes the new
+    values in place (a rollout engine's captured graphs read it), and a one-layer group's layer
+    reads that same tensor: its own new cast is not kept beside it."""
     m = _model()
     apply_flow(m, named_flow("bf16"), "train")
     b = _batch(256, n=2, t=16)
@@ -823,12 +825,15 @@ def test_native_bf16_weights_are_held_once(forced_native):
     from jetrl_cli.precision.linear import group_weight
 
     a = m.model.layers[0].self_attn
-    for step in range(2):  # and after an update (in place: the stacked weight keeps its address)
-        stacked = group_weight((a.q_proj, a.k_proj, a.v_proj), a)[0]
-        for lin in (a.q_proj, a.k_proj, a.v_proj):
-            for op in (lin.quantized_weight(), lin.dgrad_weight()):
-                assert op.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
-            assert torch.equal(lin.quantized_weight(), lin.weight.detach().to(torch.bfloat16))
+    groups = [((a.q_proj, a.k_proj, a.v_proj), a)] + [((x,), x) for x in (a.o_proj, m.model.layers[0].mlp.down_proj,
+                                                                          m.lm_head)]
+    for step in range(2):  # and after an update (in place: the group's weight keeps its address)
+        for mods, owner in groups:  # a one-layer group too: its layer's weight is the group's, not a copy
+            held = group_weight(mods, owner)[0]
+            for lin in mods:
+                for op in (lin.quantized_weight(), lin.dgrad_weight()):
+                    assert op.untyped_storage().data_ptr() == held.untyped_storage().data_ptr(), (step, lin)
+                assert torch.equal(lin.quantized_weight(), lin.weight.detach().to(torch.bfloat16))
         with torch.no_grad():
             for p in m.parameters():
                 p.add_(torch.randn_like(p) * 0.01)

@@ -23,10 +23,13 @@ multiplied by 0, adding exact zeros to the gradient).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import JetrlError
+from ..precision.linear import releasing_weights
 from ..rl.trainer import Batch, NonFiniteError, Trainer, add_minibatch, host_values, nonfinite_parameters, score_logprobs
 from .sharding import quiet_fsdp_view_warning, set_gradient_sync, shard_model
 from .world import World
@@ -99,10 +102,12 @@ class ShardedTrainer(Trainer):
                 parts = []  # this rank's micro-batches: (loss, stats)
                 for k in range(rounds):
                     set_gradient_sync(self.model, k == rounds - 1 or not world.exact)
+                    last = k == rounds - 1  # the rank's last backward drops the cached weights
                     if k < len(mine):
-                        parts.append(self._micro_step(b, mine[k], adv, old, ref_logp, denom))
+                        parts.append(self._micro_step(b, mine[k], adv, old, ref_logp, denom, last=last))
                     else:
-                        (self.model(b.ids[:1, :2].to(dev)).sum() * 0.0).backward()
+                        with releasing_weights() if last else contextlib.nullcontext():
+                            (self.model(b.ids[:1, :2].to(dev)).sum() * 0.0).backward()
                 values, gnorm = host_values(parts, self._clip_grads())
                 # rank order = the global micro-batch order; every rank raises on the same values
                 add_minibatch(agg, [v for part in world.all_gather_object(values) for v in part], gnorm, step)

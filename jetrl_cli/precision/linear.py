@@ -257,7 +257,10 @@ def group_weight(mods, owner: nn.Module):
             if mods[0].bias is not None:  # natively in the GEMM's output dtype (no cast per call)
                 b = torch.cat([m.bias.detach() for m in mods])
                 b = b.to(spec.out.torch_dtype() if native(b) else torch.float32)
+            own = mods[0]._cache.get("fprop") if len(mods) == 1 else None
             if hit is not None and copy_operand_(hit[1], w) and copy_operand_(hit[2], b):
+                if own is not None and own[1] is w:  # a one-layer group's weight is its layer's: keep one
+                    mods[0]._cache["fprop"] = (own[0], hit[1])
                 w, b = hit[1], hit[2]
             if _native_stack(mods, w):
                 _view_into_stack(mods, w)
@@ -363,7 +366,7 @@ def _linear_group(mods: tuple, x: torch.Tensor, owner: nn.Module, input_kept: bo
     if not needs_grad:
         return linear_forward(x, w, b, mods[0].precision.fprop)
     params = [m.weight for m in mods] + [m.bias for m in mods if m.bias is not None]
-    return _LinearGroupFn.apply(x, _Group(mods, w, b, input_kept), *params)
+    return _LinearGroupFn.apply(x, _Group(mods, w, b, owner, input_kept), *params)
 
 
 @dataclass
@@ -371,7 +374,70 @@ class _Group:
     mods: tuple
     weight: object
     bias: torch.Tensor | None
+    owner: nn.Module
     input_kept: bool = False
+
+
+# --------------------------------------------------------------------------- releasing cached weights
+
+_RELEASING: list | None = None  # the owners counted in the current ``releasing_weights`` scope
+
+
+@contextlib.contextmanager
+def releasing_weights():
+    """Within: the cached GEMM weights of each linear group (its bf16 or 8-bit copy of the master
+    weight, and Dgrad's W^T) are dropped in the backward, as soon as the backward of the group's
+    last forward in the scope has run. The trainer runs an optimizer step's last micro-batch in it:
+    the step is about to change the weights, so the caches would be rebuilt anyway, and dropping
+    them while the gradients are written keeps the end of the backward -- the step's peak, when every
+    gradient is held -- from holding a second copy of the weights (as autocast's casts, which the
+    graph frees layer by layer). A forward recomputed inside the backward (a checkpointed chunk of
+    logprobs) is not counted: the group's cache stays until its original forwards are done."""
+    global _RELEASING
+    before, _RELEASING = _RELEASING, []
+    try:
+        yield
+    finally:
+        for owner in _RELEASING:
+            owner.__dict__.pop("_jet_pending", None)
+        _RELEASING = before
+
+
+def _count_forward(ctx, owner: nn.Module) -> None:
+    """A forward whose backward will run (for ``releasing_weights``)."""
+    ctx.owner = None
+    if _RELEASING is None or torch._C._current_graph_task_id() != -1:  # not releasing, or a recompute
+        return
+    n = owner.__dict__.get("_jet_pending")
+    if n is None:
+        _RELEASING.append(owner)
+    owner.__dict__["_jet_pending"] = (n or 0) + 1
+    ctx.owner = owner
+
+
+def _backward_done(ctx) -> None:
+    """After a group's backward: drop its cached weights if no counted forward still needs them."""
+    owner = ctx.owner
+    if owner is None or _RELEASING is None:
+        return
+    ctx.owner = None
+    n = owner.__dict__.get("_jet_pending", 0) - 1
+    if n > 0:
+        owner.__dict__["_jet_pending"] = n
+        return
+    owner.__dict__.pop("_jet_pending", None)
+    release_weights(ctx.mods, owner)
+    ctx.stacked_weight = None
+
+
+def release_weights(mods, owner: nn.Module) -> None:
+    """Drop a group's cached weight operands (rebuilt from the master weights by the next forward).
+    Not for a layer holding a loaded quantized weight (a rollout engine's): that is its only copy."""
+    if any(m._wfixed is not None for m in mods):
+        return
+    owner.__dict__.pop("_jet_group_cache", None)
+    for m in mods:
+        m._cache = {}
 
 
 def _wgrad_operand_of_input(x2: torch.Tensor, spec: GemmSpec, device) -> Operand:
@@ -440,6 +506,7 @@ class _LinearGroupFn(torch.autograd.Function):
         prec: LinearPrecision = mods[0].precision
         x2 = x.reshape(-1, x.shape[-1])
         ctx.mods, ctx.x_shape, ctx.x_dtype = mods, x.shape, x.dtype
+        _count_forward(ctx, group.owner)
         w = group.weight  # a native dense group's stacked weight: its Dgrad is one GEMM
         ctx.stacked_weight = w if _native_stack(mods, w) else None
         ctx.fp8_saved = prec.save_fp8_activations and not group.input_kept
@@ -468,6 +535,7 @@ class _LinearGroupFn(torch.autograd.Function):
 
         gx, grads_w, grads_b = _linear_backward(ctx, mods, gy.reshape(-1, gy.shape[-1]), ctx.x_dtype, need[0],
                                                 list(need[2:2 + n]), list(need[2 + n:]), x_operand)
+        _backward_done(ctx)
         return (None if gx is None else gx.reshape(ctx.x_shape), None, *grads_w, *grads_b)
 
 
@@ -532,7 +600,7 @@ def swiglu_down(gu: torch.Tensor, down: "JetLinear") -> torch.Tensor:
         return linear_group((down,), swiglu(gu, h_dtype), down)
     w, b = group_weight((down,), down)
     params = [down.weight] + ([down.bias] if down.bias is not None else [])
-    return _SwiGLUDownFn.apply(gu, _Group((down,), w, b), save, *params)
+    return _SwiGLUDownFn.apply(gu, _Group((down,), w, b, down), save, *params)
 
 
 class _SwiGLUDownFn(torch.autograd.Function):
@@ -545,6 +613,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
         gu2 = gu.reshape(-1, gu.shape[-1])
         _save_operand(ctx, cast_operand(gu2, save, backend_for(prec.fprop, "fprop", gu2.device)))
         ctx.mods, ctx.gu_shape, ctx.gu_dtype = group.mods, gu.shape, gu.dtype
+        _count_forward(ctx, group.owner)
         return y.reshape(*gu.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -557,6 +626,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
         gh, grads_w, grads_b = _linear_backward(
             ctx, mods, gy.reshape(-1, gy.shape[-1]), h.dtype, need[0], [need[3]], list(need[4:]),
             lambda: _wgrad_operand_of_input(h, wg, gy.device))
+        _backward_done(ctx)
         dgu = None
         if need[0]:
             dgu = _swiglu_grad(gu, gh).to(ctx.gu_dtype).reshape(ctx.gu_shape)

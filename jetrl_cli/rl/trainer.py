@@ -14,6 +14,7 @@ recomputed in the backward instead of kept (``token_logprobs``). Each row goes t
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ import torch
 from ..engine.sampling import SamplingParams, invariant_for, sampling_logprobs
 from ..errors import JetrlError
 from ..precision.gemm import configure_cuda_numerics
-from ..precision.linear import apply_flow, mark_updated
+from ..precision.linear import apply_flow, mark_updated, releasing_weights
 
 # Logits held at once: 128M fp32 values (512 MiB), whatever the vocab. Each chunk's backward also
 # writes a whole lm_head weight gradient (vocab x hidden fp32: 933 MB for Qwen2.5-1.5B) and adds it
@@ -219,8 +220,9 @@ class Trainer:
                 idx = torch.isin(b.group, gs).nonzero()[:, 0]
                 denom = float(b.mask[idx].sum().clamp_min(1))
                 self.opt.zero_grad(set_to_none=True)
-                parts = [self._micro_step(b, idx[s:s + cfg.micro_batch], adv, old, ref_logp, denom)
-                         for s in range(0, len(idx), cfg.micro_batch)]
+                starts = range(0, len(idx), cfg.micro_batch)
+                parts = [self._micro_step(b, idx[s:s + cfg.micro_batch], adv, old, ref_logp, denom,
+                                          last=s == starts[-1]) for s in starts]
                 gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
                 add_minibatch(agg, *host_values(parts, gnorm), step)
                 self.opt.step()
@@ -233,10 +235,17 @@ class Trainer:
         return {k: v / count for k, v in agg.items()}
 
     def _micro_step(self, b: Batch, sub: torch.Tensor, adv: torch.Tensor, old: torch.Tensor,
-                    ref_logp: torch.Tensor | None, denom: float) -> tuple:
+                    ref_logp: torch.Tensor | None, denom: float, last: bool = False) -> tuple:
         """Forward and backward of sequences ``sub``'s share of the mini-batch loss. Returns
         ``(loss, stats)`` as device tensors: the host reads them once per mini-batch
-        (``host_values``), so no micro-batch waits for the device."""
+        (``host_values``), so no micro-batch waits for the device. ``last``: the optimizer step's
+        last micro-batch, whose backward drops each layer's cached weight operands once done with
+        them (``releasing_weights``): the update that follows makes them stale."""
+        with releasing_weights() if last else contextlib.nullcontext():
+            return self._forward_backward(b, sub, adv, old, ref_logp, denom)
+
+    def _forward_backward(self, b: Batch, sub: torch.Tensor, adv: torch.Tensor, old: torch.Tensor,
+                          ref_logp: torch.Tensor | None, denom: float) -> tuple:
         cfg, dev = self.cfg, self._device
         mb = b.select(sub)
         t1 = mb.mask.shape[1]
