@@ -308,6 +308,44 @@ def test_an_fp8_engine_holds_its_weights_once(model):
         assert eng.weight_nbytes() == held
 
 
+def test_a_bf16_engine_holds_its_bf16_weights_once(model, forced_native):
+    """On a GPU (the native path, forced here) a bf16 engine's linear layers keep only their bf16
+    weights, as an 8-bit layer keeps its quantized one: no fp32 master copy beside them (at
+    Qwen2.5-1.5B that copy was 5.2 GB of a colocated run's memory), fused layers viewing their
+    group's stacked weight. It samples exactly what an engine keeping the master copies samples,
+    and later syncs write into the held weights."""
+    flow = named_flow("bf16")
+    sp = SamplingParams(max_new_tokens=6, n=2)
+    eng = _engine(model, flow)
+    projs = [x for n, x in eng.model.named_modules() if n.endswith("_proj")]
+    assert projs and all(x.weight.numel() == 0 and x._wfixed.dtype is torch.bfloat16 for x in projs)
+    a = eng.model.model.layers[0].self_attn
+    stacked = a.__dict__["_jet_group_cache"][1]
+    assert all(x._wfixed.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
+               for x in (a.q_proj, a.k_proj, a.v_proj))
+    linear = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
+    others = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.endswith("proj.weight"))
+    lm_head = model.lm_head.weight.numel() * 2  # tied to the embedding: its bf16 cast beside the fp32 table
+    held = eng.weight_nbytes()
+    assert held <= others + lm_head + linear * 2 + 4096  # biases (bf16 copies) aside
+    kept = EmbeddedEngine(model, flow, 64, max_batch=32, cuda_graphs=False)
+    kept.static = True
+    kept._holds_operand = lambda *a: False  # the engine as it was: master copies kept
+    kept.load_weights(make_payload(model, flow))
+    assert kept.weight_nbytes() >= held + linear * 4  # the master copies it frees
+    assert _samples(eng, sp) == _samples(kept, sp)
+    trained = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    for version in (2, 3):
+        eng.load_weights(make_payload(trained, flow, version=version))
+        kept.load_weights(make_payload(trained, flow, version=version))
+    assert eng.weight_nbytes() == held
+    assert stacked.untyped_storage().data_ptr() == a.__dict__["_jet_group_cache"][1].untyped_storage().data_ptr()
+    assert _samples(eng, sp) == _samples(kept, sp)
+
+
 def test_power_of_two_compaction():
     rows = [0, -1, 2, -1, -1, 5, 6, -1, 8, 9, -1, -1, 12, 13, 14, -1, -1, -1, 18, 19, 20, -1, -1, 23]
     live = sum(r >= 0 for r in rows)  # 13 of 24

@@ -16,8 +16,8 @@ import torch
 
 from ..errors import JetrlError
 from ..models.llama import KVCache, key_width
-from ..precision.gemm import ROW_TILE
-from ..precision.linear import JetLinear, apply_flow
+from ..precision.gemm import ROW_TILE, native
+from ..precision.linear import JetLinear, apply_flow, weight_operand
 from .base import Completion, WeightPayload, check_prompts
 from .graphs import width_bucket
 from .sampling import SamplingParams, invariant_for, prompt_seeds, sample, sample_keys, sampling_logprobs
@@ -121,10 +121,12 @@ class EmbeddedEngine:
         for name, t in payload.tensors.items():
             if name not in params:
                 raise JetrlError(f"weight sync: the rollout model has no parameter {name}")
-            if isinstance(t, torch.Tensor):
-                params[name].copy_(t)
-                continue
             mod = modules.get(name.rsplit(".", 1)[0])
+            if isinstance(t, torch.Tensor):
+                if not self._holds_operand(mod, name, t):
+                    params[name].copy_(t)
+                    continue
+                t = weight_operand(t, mod.precision.fprop)  # a bf16 layer on a GPU: its bf16 weight only
             if not isinstance(mod, JetLinear):
                 raise JetrlError(f"weight sync: {name} arrived quantized but is not a quantized layer here")
             # On a GPU the held operand (or its view into the group's stacked one) takes the new
@@ -140,9 +142,17 @@ class EmbeddedEngine:
                 self.graphs.reset()  # a weight moved: capture again
         self.weights_version = payload.version
 
+    def _holds_operand(self, mod, name: str, t: torch.Tensor) -> bool:
+        """Whether the layer of parameter ``name`` keeps only its GEMM operand of ``t``: on a GPU, a
+        linear layer whose rollout weight is bf16 (or fp32) holds that cast, as an 8-bit layer holds
+        its quantized weight, not the fp32 master copy beside it."""
+        return (self.static and isinstance(mod, JetLinear) and name.endswith(".weight") and native(t)
+                and not mod.precision.fprop.b.is_scaled)
+
     def _hold_weights_once(self) -> None:
-        """On a GPU, an 8-bit layer keeps only its quantized weight: the master copy is freed, and
-        the layers of a fused group (q/k/v, gate/up) are views into the group's stacked operand."""
+        """On a GPU, a linear layer keeps only its rollout weight (8-bit with its scales, or bf16):
+        the master copy is freed, and the layers of a fused group (q/k/v, gate/up) are views into the
+        group's stacked operand."""
         from ..precision.linear import _group_key, group_weight
         from ..precision.quant import QTensor
 
@@ -155,16 +165,18 @@ class EmbeddedEngine:
                 if any(x._wfixed is None for x in mods):
                     continue
                 w, b = group_weight(mods, owner)
-                if not isinstance(w, QTensor) or w.spec.block.rows not in (1, 128):
+                dense = isinstance(w, torch.Tensor) and native(w)
+                if not dense and (not isinstance(w, QTensor) or w.spec.block.rows not in (1, 128)):
                     continue
-                r = w.spec.block.rows
+                r = 1 if dense else w.spec.block.rows
                 start = 0
                 for x in mods:
                     n = x.out_features
                     q = x._wfixed
                     if n % r:
                         break
-                    x._wfixed = QTensor(w.data[start:start + n], w.scale[start // r:(start + n) // r], q.spec)
+                    x._wfixed = w[start:start + n] if dense else QTensor(
+                        w.data[start:start + n], w.scale[start // r:(start + n) // r], q.spec)
                     start += n
                 owner.__dict__["_jet_group_cache"] = (_group_key(mods), w, b)
 
