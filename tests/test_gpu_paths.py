@@ -881,3 +881,46 @@ def test_native_bf16_linear_rounds_product_plus_bias_once(forced_native):
     ulp = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(ref.abs().clamp_min(2**-126)))
     acc_err = k * 2**-23 * (x.double().abs() @ w.double().abs().T)  # fp32 accumulation, generously
     assert ((y.double() - ref).abs() <= ulp / 2 + acc_err).all()
+
+
+@pytest.mark.parametrize("flow_name,tied", [("bf16", False), ("bf16", True), ("fp8-unified", False)])
+def test_a_frozen_reference_model_holds_its_forward_weights_only(forced_native, flow_name, tied):
+    """The trainer's reference policy (``kl_coef``) never trains: natively its linear layers keep
+    only their forward weights (bf16, or FP8 with scales), no fp32 master copy beside them, fused
+    layers viewing their group's stacked weight; the tied lm_head keeps the embedding's. Its
+    scores are bit for bit those of a reference that keeps its master weights."""
+    from jetrl_cli.config import TrainConfig
+    from jetrl_cli.rl import trainer as trainer_mod
+    from jetrl_cli.rl.algos import CorrectionConfig
+
+    import dataclasses
+
+    from jetrl_cli.models.tiny import tiny_config
+    from jetrl_cli.precision.linear import group_weight
+
+    m = random_model(dataclasses.replace(tiny_config("qwen2", hidden=128, layers=2, vocab=256), tie_word_embeddings=tied),
+                     seed=2, std=0.05)
+    assert (m.lm_head.weight is m.model.embed_tokens.weight) == tied
+    b = _batch(256, n=3, t=12)
+
+    def make(freeze):
+        tr = trainer_mod.Trainer.__new__(trainer_mod.Trainer)
+        tr.freeze_reference = freeze
+        tr.__init__(copy.deepcopy(m), named_flow(flow_name), TrainConfig(micro_batch=2), CorrectionConfig(),
+                    SamplingParams(), 64, ref_model=copy.deepcopy(m))
+        return tr
+
+    frozen, kept = make(True), make(False)
+    projs = [x for n, x in frozen.ref.named_modules() if n.endswith("_proj")]
+    assert projs and all(x.weight.numel() == 0 and x._wfixed is not None for x in projs)
+    assert all(x.weight.numel() for n, x in kept.ref.named_modules() if n.endswith("_proj"))
+    head = frozen.ref.lm_head  # tied: the embedding's weight, kept (its bf16 cast cached beside it)
+    assert (head.weight.numel() > 0, head._wfixed is None) == (tied, tied)
+    if flow_name == "bf16":  # (the CPU emulation multiplies FP8 groups as float64 copies: no views there)
+        a = frozen.ref.model.layers[0].self_attn
+        stacked = group_weight((a.q_proj, a.k_proj, a.v_proj), a)[0]
+        assert all(x._wfixed.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
+                   for x in (a.q_proj, a.k_proj, a.v_proj))
+    assert all(p.grad is None and p.requires_grad for p in frozen.model.parameters())  # the policy trains
+    assert torch.equal(frozen.score(b, ref=True), kept.score(b, ref=True))
+    assert torch.equal(frozen.score(b, ref=True), kept.score(b))  # the policy's weights, not yet trained

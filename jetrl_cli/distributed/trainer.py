@@ -48,6 +48,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class ShardedTrainer(Trainer):
+    freeze_reference = False  # FSDP shards its master weights (and needs them)
+
     def __init__(self, model, flow, tcfg, ccfg, sampling, width, ref_model=None, *, world: World):
         self.world = world
         super().__init__(model, flow, tcfg, ccfg, sampling, width, ref_model)

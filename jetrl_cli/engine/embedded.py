@@ -150,35 +150,8 @@ class EmbeddedEngine:
                 and not mod.precision.fprop.b.is_scaled)
 
     def _hold_weights_once(self) -> None:
-        """On a GPU, a linear layer keeps only its rollout weight (8-bit with its scales, or bf16):
-        the master copy is freed, and the layers of a fused group (q/k/v, gate/up) are views into the
-        group's stacked operand."""
-        from ..precision.linear import _group_key, group_weight
-        from ..precision.quant import QTensor
-
-        for mod in self.model.modules():
-            if isinstance(mod, JetLinear) and mod._wfixed is not None and mod.weight.numel():
-                mod.weight.data = torch.empty(0, dtype=mod.weight.dtype, device=mod.weight.device)
-        for layer in self.model.model.layers:
-            a, m = layer.self_attn, layer.mlp
-            for mods, owner in (((a.q_proj, a.k_proj, a.v_proj), a), ((m.gate_proj, m.up_proj), m)):
-                if any(x._wfixed is None for x in mods):
-                    continue
-                w, b = group_weight(mods, owner)
-                dense = isinstance(w, torch.Tensor) and native(w)
-                if not dense and (not isinstance(w, QTensor) or w.spec.block.rows not in (1, 128)):
-                    continue
-                r = 1 if dense else w.spec.block.rows
-                start = 0
-                for x in mods:
-                    n = x.out_features
-                    q = x._wfixed
-                    if n % r:
-                        break
-                    x._wfixed = w[start:start + n] if dense else QTensor(
-                        w.data[start:start + n], w.scale[start // r:(start + n) // r], q.spec)
-                    start += n
-                owner.__dict__["_jet_group_cache"] = (_group_key(mods), w, b)
+        """On a GPU, a linear layer keeps only its rollout weight (8-bit with its scales, or bf16)."""
+        self.model.hold_weights_once()
 
     def weight_nbytes(self) -> int:
         """Bytes the engine's weights take: parameters and the cached GEMM operands, each storage once."""

@@ -952,6 +952,52 @@ class LlamaForCausalLM(nn.Module):
         return StaticCacheStorage(self.config, batch, key_width(max_len), self.cache_dtype(),
                                   self.lm_head.weight.device, self.kv_spec(), exact=not native(self.lm_head.weight))
 
+    def hold_weights_once(self) -> None:
+        """Every linear layer holding a loaded GEMM weight (``JetLinear.load_quantized_weight``: 8-bit
+        with its scales, or bf16) keeps only that one: its master copy is freed, and the layers of a
+        fused group (q/k/v, gate/up) become views into the group's stacked operand, which is then
+        the only copy. For a model that reads its weights but never trains them: a GPU rollout
+        engine, a frozen reference policy."""
+        from ..precision.linear import _group_key
+        from ..precision.quant import QTensor
+
+        for mod in self.modules():
+            if isinstance(mod, JetLinear) and mod._wfixed is not None and mod.weight.numel():
+                mod.weight.data = torch.empty(0, dtype=mod.weight.dtype, device=mod.weight.device)
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            for mods, owner in (((a.q_proj, a.k_proj, a.v_proj), a), ((m.gate_proj, m.up_proj), m)):
+                if any(x._wfixed is None for x in mods):
+                    continue
+                w, b = group_weight(mods, owner)
+                dense = isinstance(w, torch.Tensor) and native(w)
+                if not dense and (not isinstance(w, QTensor) or w.spec.block.rows not in (1, 128)):
+                    continue
+                r = 1 if dense else w.spec.block.rows
+                start = 0
+                for x in mods:
+                    n = x.out_features
+                    q = x._wfixed
+                    if n % r:
+                        break
+                    x._wfixed = w[start:start + n] if dense else QTensor(
+                        w.data[start:start + n], w.scale[start // r:(start + n) // r], q.spec)
+                    start += n
+                owner.__dict__["_jet_group_cache"] = (_group_key(mods), w, b)
+
+    def freeze_weights(self) -> None:
+        """Natively (a GPU), hold each linear layer's forward weight only, cast once from its master
+        weight (``hold_weights_once``) -- for a frozen model: the trainer's reference policy. Its
+        results do not change: it multiplies the operands it cached before. A weight shared with the
+        embedding (tied lm_head) is kept; on CPU (the emulation) nothing changes."""
+        from ..precision.linear import weight_operand
+
+        tied = {id(mod.weight) for mod in self.modules() if isinstance(mod, nn.Embedding)}
+        for mod in self.modules():
+            if isinstance(mod, JetLinear) and id(mod.weight) not in tied and native(mod.weight):
+                mod.load_quantized_weight(weight_operand(mod.weight, mod.precision.fprop))
+        self.hold_weights_once()
+
     def refresh_weights(self) -> bool:
         """Bring every cached GEMM weight up to date now (a captured decode step does not run the
         Python that would do it lazily). True if every one was updated in place."""

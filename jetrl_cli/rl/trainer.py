@@ -181,6 +181,10 @@ class Trainer:
         )
         self.updates = 0
 
+    # The frozen reference model holds its linear layers' forward weights only (natively: bf16 or
+    # 8-bit, no fp32 master copy beside them). Not under FSDP, which shards the masters instead.
+    freeze_reference = True
+
     def _prepare(self) -> None:
         """The training precision on the model, and on the frozen reference model."""
         apply_flow(self.model, self.flow, "train")
@@ -188,6 +192,8 @@ class Trainer:
             apply_flow(self.ref.eval(), self.flow, "train")
             for p in self.ref.parameters():
                 p.requires_grad_(False)
+            if self.freeze_reference:
+                self.ref.freeze_weights()
 
     @property
     def _device(self) -> torch.device:
