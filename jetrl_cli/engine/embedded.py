@@ -136,8 +136,8 @@ class EmbeddedEngine:
             replaced |= mod._wfixed is not held
         if self.static:
             if replaced:  # an operand took a new tensor: the graphs read the old one
-                self._hold_weights_once()
-            in_place = self.model.refresh_weights()  # (after _hold_weights_once, which rebuilds group caches)
+                self.model.hold_weights_once()  # master copies freed, fused layers view their group's operand
+            in_place = self.model.refresh_weights()  # (after hold_weights_once, which rebuilds group caches)
             if (replaced or not in_place) and self.graphs is not None:
                 self.graphs.reset()  # a weight moved: capture again
         self.weights_version = payload.version
@@ -148,10 +148,6 @@ class EmbeddedEngine:
         its quantized weight, not the fp32 master copy beside it."""
         return (self.static and isinstance(mod, JetLinear) and name.endswith(".weight") and native(t)
                 and not mod.precision.fprop.b.is_scaled)
-
-    def _hold_weights_once(self) -> None:
-        """On a GPU, a linear layer keeps only its rollout weight (8-bit with its scales, or bf16)."""
-        self.model.hold_weights_once()
 
     def weight_nbytes(self) -> int:
         """Bytes the engine's weights take: parameters and the cached GEMM operands, each storage once."""

@@ -952,6 +952,16 @@ class LlamaForCausalLM(nn.Module):
         return StaticCacheStorage(self.config, batch, key_width(max_len), self.cache_dtype(),
                                   self.lm_head.weight.device, self.kv_spec(), exact=not native(self.lm_head.weight))
 
+    def linear_groups(self) -> list[tuple[tuple, nn.Module]]:
+        """Each GEMM the model's linear layers run as ``(layers, owner)``: the layers reading one input
+        (q/k/v, gate/up) or one alone, and the module their group weight is cached on."""
+        groups = []
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            groups += [((a.q_proj, a.k_proj, a.v_proj), a), ((a.o_proj,), a.o_proj),
+                       ((m.gate_proj, m.up_proj), m), ((m.down_proj,), m.down_proj)]
+        return groups + [((self.lm_head,), self.lm_head)]
+
     def hold_weights_once(self) -> None:
         """Every linear layer holding a loaded GEMM weight (``JetLinear.load_quantized_weight``: 8-bit
         with its scales, or bf16) keeps only that one: its master copy is freed, and the layers of a
@@ -964,26 +974,24 @@ class LlamaForCausalLM(nn.Module):
         for mod in self.modules():
             if isinstance(mod, JetLinear) and mod._wfixed is not None and mod.weight.numel():
                 mod.weight.data = torch.empty(0, dtype=mod.weight.dtype, device=mod.weight.device)
-        for layer in self.model.layers:
-            a, m = layer.self_attn, layer.mlp
-            for mods, owner in (((a.q_proj, a.k_proj, a.v_proj), a), ((m.gate_proj, m.up_proj), m)):
-                if any(x._wfixed is None for x in mods):
-                    continue
-                w, b = group_weight(mods, owner)
-                dense = isinstance(w, torch.Tensor) and native(w)
-                if not dense and (not isinstance(w, QTensor) or w.spec.block.rows not in (1, 128)):
-                    continue
-                r = 1 if dense else w.spec.block.rows
-                start = 0
-                for x in mods:
-                    n = x.out_features
-                    q = x._wfixed
-                    if n % r:
-                        break
-                    x._wfixed = w[start:start + n] if dense else QTensor(
-                        w.data[start:start + n], w.scale[start // r:(start + n) // r], q.spec)
-                    start += n
-                owner.__dict__["_jet_group_cache"] = (_group_key(mods), w, b)
+        for mods, owner in self.linear_groups():
+            if len(mods) == 1 or any(x._wfixed is None for x in mods):
+                continue
+            w, b = group_weight(mods, owner)
+            dense = isinstance(w, torch.Tensor) and native(w)
+            if not dense and (not isinstance(w, QTensor) or w.spec.block.rows not in (1, 128)):
+                continue
+            r = 1 if dense else w.spec.block.rows
+            start = 0
+            for x in mods:
+                n = x.out_features
+                q = x._wfixed
+                if n % r:
+                    break
+                x._wfixed = w[start:start + n] if dense else QTensor(
+                    w.data[start:start + n], w.scale[start // r:(start + n) // r], q.spec)
+                start += n
+            owner.__dict__["_jet_group_cache"] = (_group_key(mods), w, b)
 
     def freeze_weights(self) -> None:
         """Natively (a GPU), hold each linear layer's forward weight only, cast once from its master
@@ -1001,14 +1009,8 @@ class LlamaForCausalLM(nn.Module):
     def refresh_weights(self) -> bool:
         """Bring every cached GEMM weight up to date now (a captured decode step does not run the
         Python that would do it lazily). True if every one was updated in place."""
-        groups = []
-        for layer in self.model.layers:
-            a, m = layer.self_attn, layer.mlp
-            groups += [((a.q_proj, a.k_proj, a.v_proj), a), ((a.o_proj,), a.o_proj),
-                       ((m.gate_proj, m.up_proj), m), ((m.down_proj,), m.down_proj)]
-        groups.append(((self.lm_head,), self.lm_head))
         same = True
-        for mods, owner in groups:
+        for mods, owner in self.linear_groups():
             before = owner.__dict__.get("_jet_group_cache")
             w, b = group_weight(mods, owner)
             same = same and before is not None and before[1] is w and before[2] is b

@@ -380,7 +380,7 @@ class _Group:
 
 # --------------------------------------------------------------------------- releasing cached weights
 
-_RELEASING: list | None = None  # the owners counted in the current ``releasing_weights`` scope
+_PENDING: dict | None = None  # within ``releasing_weights``: group owner -> counted forwards not yet backward
 
 
 @contextlib.contextmanager
@@ -393,44 +393,35 @@ def releasing_weights():
     gradient is held -- from holding a second copy of the weights (as autocast's casts, which the
     graph frees layer by layer). A forward recomputed inside the backward (a checkpointed chunk of
     logprobs) is not counted: the group's cache stays until its original forwards are done."""
-    global _RELEASING
-    before, _RELEASING = _RELEASING, []
+    global _PENDING
+    before, _PENDING = _PENDING, {}
     try:
         yield
     finally:
-        for owner in _RELEASING:
-            owner.__dict__.pop("_jet_pending", None)
-        _RELEASING = before
+        _PENDING = before
 
 
 def _count_forward(ctx, owner: nn.Module) -> None:
-    """A forward whose backward will run (for ``releasing_weights``)."""
-    ctx.owner = None
-    if _RELEASING is None or torch._C._current_graph_task_id() != -1:  # not releasing, or a recompute
-        return
-    n = owner.__dict__.get("_jet_pending")
-    if n is None:
-        _RELEASING.append(owner)
-    owner.__dict__["_jet_pending"] = (n or 0) + 1
-    ctx.owner = owner
+    """A forward whose backward will run (for ``releasing_weights``); not a recompute in a backward."""
+    counted = _PENDING is not None and torch._C._current_graph_task_id() == -1
+    ctx.owner = owner if counted else None
+    if counted:
+        _PENDING[owner] = _PENDING.get(owner, 0) + 1
 
 
 def _backward_done(ctx) -> None:
     """After a group's backward: drop its cached weights if no counted forward still needs them."""
-    owner = ctx.owner
-    if owner is None or _RELEASING is None:
+    owner, ctx.owner = ctx.owner, None
+    if owner is None or _PENDING is None or owner not in _PENDING:
         return
-    ctx.owner = None
-    n = owner.__dict__.get("_jet_pending", 0) - 1
-    if n > 0:
-        owner.__dict__["_jet_pending"] = n
-        return
-    owner.__dict__.pop("_jet_pending", None)
-    release_weights(ctx.mods, owner)
-    ctx.stacked_weight = None
+    _PENDING[owner] -= 1
+    if _PENDING[owner] == 0:
+        del _PENDING[owner]
+        _release_weights(ctx.mods, owner)
+        ctx.stacked_weight = None
 
 
-def release_weights(mods, owner: nn.Module) -> None:
+def _release_weights(mods, owner: nn.Module) -> None:
     """Drop a group's cached weight operands (rebuilt from the master weights by the next forward).
     Not for a layer holding a loaded quantized weight (a rollout engine's): that is its only copy."""
     if any(m._wfixed is not None for m in mods):
