@@ -182,6 +182,42 @@ def test_update_adds_micro_batches_as_one_batch_and_stops_on_a_nan_loss():
     assert tr.updates == 0
 
 
+def test_nonfinite_parameters_names_each_tensor_holding_a_nan_or_an_infinity():
+    from jetrl_cli.rl.trainer import nonfinite_parameters
+
+    g = torch.Generator().manual_seed(torch.initial_seed())
+    shapes = [(7, 33), (300,), (2, 3, 5), (1,), (64, 64)]
+    params = [(f"p{i}", torch.randn(s, generator=g) * 1e3) for i, s in enumerate(shapes)]
+    params += [("bf16", torch.randn(40, generator=g).bfloat16()), ("empty", torch.zeros(0, 4)),
+               ("big", torch.full((5,), 3e38)), ("zeros", torch.zeros(9))]  # finite, however large
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sizes(TorchDispatchMode):  # the most elements an op allocates (views of its inputs are not new)
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                     if isinstance(t, torch.Tensor)}
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                    Sizes.largest = max(Sizes.largest, t.numel())
+            return out
+
+    with Sizes():
+        assert nonfinite_parameters(params) == []
+    assert Sizes.largest < 64, Sizes.largest  # per-tensor scalars, nothing the size of a parameter
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        chosen = sorted(torch.randperm(len(params), generator=g)[:2].tolist())
+        chosen = [i for i in chosen if params[i][0] != "empty"]
+        broken = [(n, p.clone()) for n, p in params]
+        for i in chosen:
+            t = broken[i][1].view(-1)
+            t[int(torch.randint(t.numel(), (1,), generator=g))] = bad
+        assert nonfinite_parameters(broken) == [params[i][0] for i in chosen], bad
+
+
 def _cached(mod) -> bool:
     """Whether a linear group's owner or a layer holds a cached GEMM weight."""
     return bool(mod.__dict__.get("_jet_group_cache") or getattr(mod, "_cache", None))

@@ -421,6 +421,38 @@ def test_swiglu_backward_is_the_gradient_of_its_forward():
     assert torch.autograd.gradcheck(swiglu, (gu,))
 
 
+def test_a_bf16_swiglu_gradient_is_rounded_once_and_never_held_whole_in_fp32():
+    """bf16 [g, u]: the gradient is the fp32 one rounded to bf16 (bits), close to float64 autograd,
+    and no fp32 tensor the size of gu is made on the way (the halves are cast before they are joined)."""
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from jetrl_cli.precision.linear import _swiglu_grad, swiglu
+
+    gu = torch.randn(37, 2 * 96, generator=gen(12)).bfloat16().requires_grad_(True)
+    gy = torch.randn(37, 96, generator=gen(13)).bfloat16()
+    largest = [0]
+
+    class Fp32(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.dtype is torch.float32:
+                    largest[0] = max(largest[0], t.numel())
+            return out
+
+    y = swiglu(gu)
+    with Fp32():
+        y.backward(gy)
+    assert gu.grad.dtype is torch.bfloat16 and largest[0] <= gu.numel() // 2, largest
+    assert torch.equal(gu.grad, _swiglu_grad(gu.detach().float(), gy.float()).bfloat16())
+    g64 = gu.detach().double().requires_grad_(True)
+    g, u = g64.chunk(2, -1)
+    (torch.nn.functional.silu(g) * u).backward(gy.double())
+    err = (gu.grad.double() - g64.grad).abs().max() / g64.grad.abs().max()
+    assert 0 < err < 2 ** -8, err
+
+
 def test_fp8_mlp_keeps_only_the_fp8_swiglu_input_and_recomputes_from_it():
     """With save_fp8_activations the end of the MLP keeps an FP8 copy of [g, u] and nothing else; its
     gradients are exactly those computed from that copy (DeepSeek-V3's recipe)."""

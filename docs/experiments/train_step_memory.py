@@ -1,6 +1,6 @@
-"""Peak tensor memory of one training step, native path, counted on CPU: jetrl's ``bf16`` trainer
-against the ``transformers`` baseline of ``jetrl bench train`` (fp32 master weights, bf16 autocast,
-SDPA, fused AdamW).
+"""Peak tensor memory of one training step, native path, counted on CPU: jetrl's trainer against the
+``transformers`` baseline of ``jetrl bench train`` (fp32 master weights, bf16 autocast, SDPA, fused
+AdamW).
 
 On the native (GPU) code path the tensors a step allocates -- their dtypes, shapes and lifetimes --
 do not depend on the device, so their peak can be counted on CPU with the native path forced
@@ -11,12 +11,27 @@ which it does not see. AdamW is fused in both (as on CUDA; CPU has the fused ker
 optimizer step allocates no temporaries. The second of two updates is counted (AdamW's states exist
 by then).
 
-``--no-release`` counts jetrl's trainer as it was before it dropped its cached bf16 weights in the
-step's last backward (``releasing_weights``).
+``--fake`` counts whole models at real batch sizes: the weights, states and activations are torch's
+``FakeTensor``s (shapes, dtypes and lifetimes without memory or arithmetic; the batch stays real),
+and the few values the step reads on the host (finiteness checks, statistics) are answered with
+made-up ones, which the step's allocations do not depend on. At a size both can run, the fake count
+equals the real one. FP8 flows need ``--fake``: their GEMMs then run through ``scaled_mm`` with the
+operands a Hopper GPU gets (FP8 data and scales; the device check is skipped, fake tensors compute
+nothing), where a real CPU run would take the emulated backend and its float64 operands.
+
+Not counted, so a GPU's peak is higher by them: the allocator's rounding and fragmentation, cuBLAS
+and attention workspaces, and what a compiled kernel keeps in registers instead of memory: the
+SwiGLU backward runs eagerly here (its fp32 temporaries are counted), compiled on a GPU.
+
+``--where`` prints the source line at the peak and the largest tensors then live, with the line
+that allocated each. ``--no-release`` counts jetrl's trainer as it was before it dropped its cached
+weights in the step's last backward (``releasing_weights``).
 
     python docs/experiments/train_step_memory.py --model qwen2.5-1.5b --layers 2 --batch 1 --seq 64
+    python docs/experiments/train_step_memory.py --fake --batch 16 --seq 512 --flows bf16,fp8-unified
 
-Slow on CPU (native bf16 matmuls over a 152K vocabulary): a few minutes at the default size.
+Real counts are slow on CPU (native bf16 matmuls over a 152K vocabulary): a few minutes at the first
+line's size. Fake counts take seconds to two minutes for the whole 1.5B model.
 """
 
 from __future__ import annotations
@@ -24,37 +39,156 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import traceback
+import warnings
 
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker, get_untyped_storages
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from jetrl_cli.bench import _train_batch
 from jetrl_cli.config import TrainConfig
 from jetrl_cli.engine.sampling import SamplingParams
 from jetrl_cli.models.shapes import load_bench_model
-from jetrl_cli.precision.flow import named_flow
+from jetrl_cli.precision import gemm, parse_flow
 from jetrl_cli.precision.gemm import set_force_native
 from jetrl_cli.rl import trainer as trainer_mod
 from jetrl_cli.rl.algos import CorrectionConfig
 
 GB = 1e9
+warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")  # the weight caches key on it
+SOURCES = os.path.join(os.path.dirname(os.path.abspath(gemm.__file__)), os.pardir)
+SOURCES = os.path.normpath(SOURCES) + os.sep
+TORCH = os.path.dirname(torch.__file__) + os.sep
 
 
-def _peak(step, *external) -> dict:
+class Counting(TorchDispatchMode):
+    """The dispatch mode a step is counted under (inside ``MemTracker``'s), for two things.
+
+    - With ``fake`` (``--fake``): ops with a fake input run in that ``FakeTensorMode`` (host tensors
+      are lifted), the others for real. Host reads of fake values get made-up answers: True, 1,
+      0.5, all rows for ``nonzero``.
+    - Always: autograd's engine sums two gradients for one tensor (a tied embedding's, a residual
+      stream's) in place when it holds the only reference to one of them, but never while a
+      dispatch mode is active (it treats the tensors as subclasses then), so under ``MemTracker``
+      each such sum would be counted as a new tensor that a plain run never allocates. Such a sum
+      (an ``add`` called by the engine itself, of two same-shaped contiguous tensors) is done in place
+      here, as a plain run does it."""
+
+    def __init__(self, fake: bool):
+        super().__init__()
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.add.Tensor and not kwargs and _engine_sum(args):
+            return args[0].add_(args[1])
+        if self.fake is None or not any(isinstance(t, FakeTensor) for t in pytree.tree_leaves((args, kwargs))):
+            return func(*args, **kwargs)
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
+            dt = args[0].dtype
+            return True if dt is torch.bool else 0.5 if dt.is_floating_point else 1
+        if func is torch.ops.aten.nonzero.default:
+            return self.fake.from_tensor(torch.ones(args[0].shape, dtype=torch.bool).nonzero())
+
+        def lift(x):
+            return self.fake.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
+
+        args, kwargs = pytree.tree_map(lift, (args, kwargs))
+        with self.fake:
+            return func(*args, **kwargs)
+
+
+def _engine_sum(args) -> bool:
+    """``add(a, b)`` called by autograd's engine (no Python frame between the engine's entry and
+    this mode), of two contiguous gradients of one shape and dtype."""
+    if len(args) != 2 or torch.is_grad_enabled():
+        return False
+    a, b = args
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
+            and a.is_contiguous() and b.is_contiguous()):
+        return False
+    for f in reversed(traceback.extract_stack()[:-1]):  # the innermost frame outside torch and this file
+        if f.filename.startswith(TORCH) and f.name != "_engine_run_backward" or f.filename == __file__:
+            continue
+        return f.name == "_engine_run_backward"
+    return False
+
+
+def _site() -> str:
+    frames = [f for f in traceback.extract_stack() if f.filename.startswith(SOURCES)][-3:]
+    return " < ".join(f"{os.path.relpath(f.filename, os.path.dirname(SOURCES))}:{f.lineno} {f.name}"
+                      for f in reversed(frames))
+
+
+class WhereTracker(MemTracker):
+    """``MemTracker`` that also notes where the peak happened and which tensors were live then."""
+
+    BIG = 16e6  # bytes: smaller tensors are not traced to their source line
+
+    def __init__(self):
+        super().__init__()
+        self.born: dict[int, str] = {}
+        self.peak_site, self.peak_live = "", []
+
+    def _track(self, reftype, t):
+        new = [st for st in get_untyped_storages(t) if st not in self._WINFO]
+        super()._track(reftype, t)
+        for st in new:
+            if st in self._WINFO and st.nbytes() > self.BIG:
+                self.born[id(self._WINFO[st][0])] = f"{tuple(t.shape)} {str(t.dtype)[6:]} at {_site() or reftype}"
+
+    def _update_peak_stats(self, peak_state):
+        before = dict(self._peak_mem)
+        super()._update_peak_stats(peak_state)
+        if self._peak_mem != before:
+            self.peak_site = _site()
+            live = sorted(((w.mem_consumed, self.born.get(id(w), "parameter or state")) for w, _ in self._WINFO.values()),
+                          reverse=True)
+            self.peak_live = [f"{b / GB:.3f} GB {what}" for b, what in live[:12]]
+
+
+def _peak(step, *external, where: bool = False) -> dict:
     """The second call of ``step()``'s peak tensor bytes, by kind (MemTracker's categories)."""
     step()
-    mt = MemTracker()
+    mt = WhereTracker() if where else MemTracker()
     mt.track_external(*external)
     with mt:
         step()
     snap = mt.get_tracker_snapshot("peak")[torch.device("cpu")]
-    return {str(getattr(k, "value", k)).lower(): round(v / GB, 3) for k, v in snap.items() if v}
+    out = {str(getattr(k, "value", k)).lower(): round(v / GB, 3) for k, v in snap.items() if v}
+    if where:
+        out["peak_at"], out["live_at_peak"] = mt.peak_site, mt.peak_live
+    return out
 
 
-def jetrl_peak(make, batch, adv, t: int, release: bool) -> dict:
+def _flow(name: str, fake: bool):
+    if name == "bf16" or not fake:
+        if name != "bf16":
+            raise SystemExit(f"flow {name}: FP8/INT8 flows are counted with --fake only (see the docstring)")
+        return parse_flow(name)
+    gemms = {g: {"backend": "scaled_mm"} for g in ("fprop", "dgrad", "wgrad")}
+    return parse_flow({"base": name, "rollout": {"linear": {"backend": "scaled_mm"}}, "train": gemms})
+
+
+@contextlib.contextmanager
+def _hopper_scaled_mm():
+    """``scaled_mm``'s blockwise GEMMs accepted on (fake) CPU tensors: their shapes are Hopper's."""
+    plain = gemm.ScaledMMBackend.unsupported
+    gemm.ScaledMMBackend.unsupported = lambda self, spec, name, device: plain(self, spec, name, None)
+    try:
+        yield
+    finally:
+        gemm.ScaledMMBackend.unsupported = plain
+
+
+def jetrl_peak(make, flow, batch, adv, t: int, release: bool, where: bool) -> dict:
     sp = SamplingParams(max_new_tokens=t - t // 2)
     kind, trainer_mod.adamw_kind = trainer_mod.adamw_kind, lambda cuda: {"fused": True}  # as on CUDA
-    tr = trainer_mod.Trainer(make(torch.device("cpu")), named_flow("bf16"), TrainConfig(lr=1e-6, micro_batch=len(batch)),
+    tr = trainer_mod.Trainer(make(torch.device("cpu")), flow, TrainConfig(lr=1e-6, micro_batch=len(batch)),
                              CorrectionConfig(), sp, t)
     trainer_mod.adamw_kind = kind
     old = tr.score(batch)
@@ -68,15 +202,16 @@ def jetrl_peak(make, batch, adv, t: int, release: bool) -> dict:
     if not release:
         trainer_mod.releasing_weights = contextlib.nullcontext
     try:
-        return _peak(step, tr.model, tr.opt)
+        return _peak(step, tr.model, tr.opt, where=where)
     finally:
         trainer_mod.releasing_weights = before
 
 
-def transformers_peak(make, batch, adv) -> dict:
+def transformers_peak(make, batch, adv, where: bool, fake: Counting | None = None) -> dict:
     from jetrl_cli.models.transformers_ref import transformers_twin
 
-    hf = transformers_twin(make(torch.device("cpu")), torch.float32).train()
+    with fake.fake if fake is not None and fake.fake is not None else contextlib.nullcontext():  # its module init: fake too
+        hf = transformers_twin(make(torch.device("cpu")), torch.float32).train()
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-6, fused=True)
     ids, mask = batch.ids, batch.mask.float()
 
@@ -88,26 +223,43 @@ def transformers_peak(make, batch, adv) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _peak(step, hf, opt)
+    return _peak(step, hf, opt, where=where)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-1.5b")
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (default: all)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--flows", default="bf16", help="comma-separated jetrl flows (FP8/INT8 ones need --fake)")
+    ap.add_argument("--fake", action="store_true", help="count with fake tensors: any size, no memory")
+    ap.add_argument("--where", action="store_true", help="also print where each peak happened")
     ap.add_argument("--no-release", action="store_true", help="also count jetrl without releasing_weights")
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers row")
     args = ap.parse_args()
 
     set_force_native(True)
     make, cfg, label = load_bench_model(args.model, args.layers)
     batch, adv = _train_batch(cfg.vocab_size, args.batch, args.seq, torch.Generator().manual_seed(0))
-    out = {"model": label, "batch": args.batch, "seq": args.seq, "peak_gb": {}}
-    out["peak_gb"]["jetrl bf16"] = jetrl_peak(make, batch, adv, args.seq, release=True)
-    if args.no_release:
-        out["peak_gb"]["jetrl bf16, caches kept"] = jetrl_peak(make, batch, adv, args.seq, release=False)
-    out["peak_gb"]["transformers"] = transformers_peak(make, batch, adv)
+    mode = Counting(args.fake)
+    if args.fake:
+        real_make = make
+
+        def make(device):
+            with mode.fake:
+                return real_make(device)
+
+    out = {"model": label, "batch": args.batch, "seq": args.seq, "fake": args.fake, "peak_gb": {}}
+    with mode, _hopper_scaled_mm():
+        for name in args.flows.split(","):
+            flow = _flow(name, args.fake)
+            out["peak_gb"][f"jetrl {name}"] = jetrl_peak(make, flow, batch, adv, args.seq, True, args.where)
+            if args.no_release:
+                out["peak_gb"][f"jetrl {name}, caches kept"] = jetrl_peak(make, flow, batch, adv, args.seq, False,
+                                                                          args.where)
+        if not args.no_transformers:
+            out["peak_gb"]["transformers"] = transformers_peak(make, batch, adv, args.where, mode)
     print(json.dumps(out, indent=1))
 
 

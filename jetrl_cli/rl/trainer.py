@@ -303,7 +303,15 @@ def add_minibatch(agg: dict, values: list[tuple[float, dict]], gnorm: float, ste
 
 def nonfinite_parameters(params: list[tuple[str, torch.Tensor]]) -> list[str]:
     """The names of the (name, tensor) pairs holding a NaN or an infinity, in order; one host sync
-    when all are finite (the usual case)."""
-    if bool(torch.stack([torch.isfinite(p).all() for _, p in params]).all()):
+    when all are finite (the usual case). Each tensor's max |x| (NaN or inf exactly when it holds
+    one; torch's norms propagate NaN) comes from a reduction that allocates nothing of its size:
+    ``isfinite`` would build an fp32 ``abs`` and three bool tensors of each -- 1.6 GB for a 152K x
+    1536 embedding, at the point of a step where every gradient is still held."""
+    named = [(n, p.detach()) for n, p in params if p.numel()]
+    if not named:
         return []
-    return [n for n, p in params if not torch.isfinite(p).all()]
+    amax = torch._foreach_norm([p for _, p in named], float("inf"))
+    finite = torch.stack([a.float() for a in amax]).isfinite()
+    if bool(finite.all()):
+        return []
+    return [n for (n, _), ok in zip(named, finite.tolist()) if not ok]
