@@ -936,10 +936,8 @@ def bench_train(s: Settings) -> list[dict]:
     ccfg = CorrectionConfig(corr.type, corr.tis_cap, corr.mis_low, corr.mis_high, corr.mis_level)
     rows = []
     common = {"model": label, "batch": n, "seq": t}
-    for name, flow in _train_flows(s.flows):
-        s.say(f"train: {name}")
-        _free(s.device)
-        reset_resolutions()  # each row reports the backends its own GEMMs resolved to
+
+    def flow_row(name: str, flow) -> dict:
         tr = Trainer(make(dev), flow, tcfg, ccfg, sp, t)
         old = tr.score(batch)
         step = [0]
@@ -956,15 +954,21 @@ def bench_train(s: Settings) -> list[dict]:
                "gemm_backends": backend_report()}
         if s.device == "cuda":
             row["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
-        rows.append(row)
-        del tr, old
+        return row
+
+    for name, flow in _train_flows(s.flows):
+        s.say(f"train: {name}")
+        _free(s.device)
+        reset_resolutions()  # each row reports the backends its own GEMMs resolved to
+        rows.append(_unless_out_of_memory(s, name, common, lambda: flow_row(name, flow)))
     hf_row = _transformers_train_row(s, make, batch, adv, dev, common)
     if hf_row is not None:
         rows.append(hf_row)
     _free(s.device)
-    bf = next((r for r in rows if r["flow"] == "bf16"), None)
-    hf = hf_row
-    for r in rows:
+    ran = [r for r in rows if "s" in r]
+    bf = next((r for r in ran if r["flow"] == "bf16"), None)
+    hf = hf_row if hf_row is not None and "s" in hf_row else None
+    for r in ran:
         r["step_vs_bf16"] = r["s"] / bf["s"] if bf else None
         r["activations_vs_bf16"] = r["saved_activation_bytes"] / bf["saved_activation_bytes"] if bf else None
         r["step_vs_transformers"] = r["s"] / hf["s"] if hf else None
@@ -976,6 +980,20 @@ def bench_train(s: Settings) -> list[dict]:
 TRANSFORMERS_FLOW = "transformers"
 
 
+def _unless_out_of_memory(s: Settings, name: str, common: dict, make_row) -> dict:
+    """``make_row()``, or, when the device runs out of memory, a row saying so (``out_of_memory``:
+    the error's first line); the bench goes on with the next row, its memory freed."""
+    from .rl.trainer import _OOM, MicroBatchOutOfMemory
+
+    try:
+        return make_row()
+    except (_OOM, MicroBatchOutOfMemory) as e:
+        why = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+    _free(s.device)  # after the except block: the traceback no longer holds the row's tensors
+    s.say(f"train: {name}: out of memory")
+    return {"flow": name, "out_of_memory": why, **common}
+
+
 def _transformers_train_row(s: Settings, make, batch, adv, dev, common: dict) -> dict | None:
     """The baseline a user would write: the same model as a transformers model with fp32 master
     weights, bf16 autocast on CUDA (fp32 on CPU, where bf16 matmuls are ~40x slower), SDPA, fused
@@ -984,10 +1002,15 @@ def _transformers_train_row(s: Settings, make, batch, adv, dev, common: dict) ->
         import transformers  # noqa: F401
     except ImportError:
         return None
-    from .models.transformers_ref import transformers_twin
-
     s.say("train: transformers")
     _free(s.device)
+    return _unless_out_of_memory(s, TRANSFORMERS_FLOW, common,
+                                 lambda: _transformers_row(s, make, batch, adv, dev, common))
+
+
+def _transformers_row(s: Settings, make, batch, adv, dev, common: dict) -> dict:
+    from .models.transformers_ref import transformers_twin
+
     ours = make(dev)
     hf = transformers_twin(ours, torch.float32).train()
     del ours
@@ -1070,8 +1093,8 @@ def run_bench(modes: list[str], s: Settings) -> dict:
 def targets(results: dict, device: str) -> list[dict]:
     """The brief's targets, each with the measured value and whether it is met."""
     out = []
+    tr = {r["flow"]: r for r in results.get("train", []) if "s" in r}  # rows that ran (not out of memory)
     if device == "cpu":
-        tr = {r["flow"]: r for r in results.get("train", [])}
         if "bf16" in tr and "fp8-unified" in tr:
             v = tr["fp8-unified"]["step_vs_bf16"]
             out.append({"target": "fp8-unified train step <= 1.5x bf16 step (CPU, emulated)", "value": v,
@@ -1083,7 +1106,6 @@ def targets(results: dict, device: str) -> list[dict]:
                             "value": v, "met": v >= CPU_TARGETS["rollout_vs_generate"]})
     else:
         out += _gpu_targets(results)
-    tr = {r["flow"]: r for r in results.get("train", [])}
     if "bf16" in tr and "fp8-unified" in tr:
         v = tr["fp8-unified"]["activations_vs_bf16"]
         out.append({"target": "fp8-unified saved activations <= 0.6x bf16 (same batch)", "value": v, "met": v <= 0.6})
@@ -1117,8 +1139,14 @@ def _gpu_targets(results: dict) -> list[dict]:
     if q:
         v = min(r["vs_copy"] for r in q)
         add(f"every Triton quantizer >= {T['quantize_vs_copy']}x copy bandwidth (worst)", v, v >= T["quantize_vs_copy"])
-    tr = {r["flow"]: r for r in results.get("train", [])}
+    tr = {r["flow"]: r for r in results.get("train", []) if "s" in r}
     bf = tr.get("bf16")
+    hf_oom = any(r["flow"] == TRANSFORMERS_FLOW and "out_of_memory" in r for r in results.get("train", []))
+    if bf and hf_oom:  # the baseline did not fit where bf16 did
+        add("bf16 train peak memory <= the transformers row's (transformers ran out of memory)", None, True)
+    for r in results.get("train", []):
+        if "out_of_memory" in r and r["flow"] != TRANSFORMERS_FLOW:
+            add(f"{r['flow']} trains {r['batch']} x {r['seq']} tokens of {r['model']} on this GPU", None, False)
     if bf and bf.get("step_vs_transformers"):
         v = bf["step_vs_transformers"]
         add("bf16 train step <= the transformers row's", v, v <= T["bf16_step_vs_transformers"])
@@ -1280,6 +1308,9 @@ def render(res: dict, console) -> None:
                   "act vs bf16", "peak MiB", "peak vs HF"):
             t.add_column(c, justify="left" if c in ("flow", "fprop") else "right")
         for x in r["train"]:
+            if "out_of_memory" in x:
+                t.add_row(x["flow"], "-", "out of memory", *["-"] * 8)
+                continue
             t.add_row(x["flow"] + (" (emul.)" if x["emulated"] else ""), x["train"], f"{x['s']:.3f}",
                       f"{x['spread_s']:.3f}", f"{x['tokens_per_s']:.0f}", _f(x["step_vs_bf16"], "{:.2f}x"),
                       _f(x.get("step_vs_transformers"), "{:.2f}x"),
@@ -1287,7 +1318,10 @@ def render(res: dict, console) -> None:
                       _f(x.get("peak_memory_bytes") and x["peak_memory_bytes"] / 2**20, "{:.0f}"),
                       _f(x.get("peak_vs_transformers"), "{:.2f}x"))
         print_table(console, t, keep=1)
-        if r["train"][0].get("gemm_backends") is not None:
+        for x in r["train"]:
+            if "out_of_memory" in x:
+                console.print(escape(f"{x['flow']}: out of memory: {x['out_of_memory']}"), highlight=False)
+        if any(x.get("gemm_backends") is not None for x in r["train"]):
             from .live import backend_lines
 
             seen = set()
@@ -1307,8 +1341,9 @@ def render(res: dict, console) -> None:
         print_table(console, t, keep=1)
     for tg in res["targets"]:
         style = "green" if tg["met"] else "yellow"
-        console.print(f"[{style}]target {'met' if tg['met'] else 'missed'}[/]: " + escape(f"{tg['target']}: measured "
-                      f"{tg['value']:.2f}"), highlight=False)
+        measured = "" if tg["value"] is None else f": measured {tg['value']:.2f}"
+        console.print(f"[{style}]target {'met' if tg['met'] else 'missed'}[/]: " + escape(f"{tg['target']}{measured}"),
+                      highlight=False)
     if res["env"]["device"] == "cpu":
         console.print("[dim]CPU: FP8/INT8 and BF16 are emulated (fp32 matmuls on rounded values); ratios here are "
                       "not FP8 hardware speed-ups.[/]")

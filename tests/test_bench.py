@@ -179,6 +179,47 @@ def test_rollout_train_and_e2e_modes():
                                   + [f"{x['step_s']:.2f}" for x in rows])
 
 
+def test_a_train_row_that_runs_out_of_memory_says_so_and_the_bench_goes_on(monkeypatch):
+    """A flow whose update (or the transformers baseline) runs out of device memory becomes a row
+    saying so; the other rows are measured, the tables print, and the GPU targets judge it."""
+    from jetrl_cli import bench as bench_mod
+    from jetrl_cli.bench import render, targets
+    from jetrl_cli.rl import trainer as trainer_mod
+
+    plain = trainer_mod.Trainer.update
+
+    def update(self, *args, **kwargs):  # the unified flow's micro-batch does not fit
+        if self.flow.train.linear.fprop.is_quantized:
+            raise trainer_mod._OOM("CUDA out of memory. Tried to allocate 4.64 GiB")
+        return plain(self, *args, **kwargs)
+
+    def hf_row(*args, **kwargs):
+        raise trainer_mod._OOM("CUDA out of memory. Tried to allocate 9.27 GiB (transformers)")
+
+    monkeypatch.setattr(trainer_mod.Trainer, "update", update)
+    monkeypatch.setattr(bench_mod, "_transformers_row", hf_row)
+    out = bench("train", "--train-batch", 2, "--seq", 16, "--flows", "bf16,fp8-unified", *FAST)
+    rows = out["results"]["train"]
+    assert [r["flow"] for r in rows] == ["bf16", "fp8-unified", "transformers"]
+    bf, u, hf = rows
+    assert bf["s"] > 0 and bf["step_vs_bf16"] == 1.0 and bf["step_vs_transformers"] is None
+    assert u == {"flow": "fp8-unified", "model": "tiny-policy", "batch": 2, "seq": 16,
+                 "out_of_memory": "CUDA out of memory. Tried to allocate 4.64 GiB"}
+    assert hf["out_of_memory"].endswith("(transformers)") and "s" not in hf
+    assert_readable_at_80_columns(out, [f"{bf['s']:.3f}", "out of memory"])
+    got = {t["target"]: t for t in targets(out["results"], "cuda")}
+    assert got["bf16 train peak memory <= the transformers row's (transformers ran out of memory)"]["met"]
+    assert not got["fp8-unified trains 2 x 16 tokens of tiny-policy on this GPU"]["met"]
+    assert not any("fp8-unified train step" in name for name in got)  # no time to compare
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    render({**out, "targets": list(got.values())}, Console(file=buf, width=100))
+    assert "target missed: fp8-unified trains 2 x 16 tokens" in buf.getvalue()
+
+
 def test_train_bench_keeps_the_first_layers():
     out = bench("train", "--train-batch", 2, "--seq", 8, "--flows", "bf16", "--layers", 1, *FAST)
     assert {r["model"] for r in out["results"]["train"]} == {"tiny-policy (1 layers)"}

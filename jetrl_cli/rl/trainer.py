@@ -38,6 +38,10 @@ class NonFiniteError(JetrlError):
     exit_code = 3
 
 
+class MicroBatchOutOfMemory(JetrlError):
+    """A micro-batch (of the update or of scoring) did not fit in the device's memory."""
+
+
 @dataclass
 class Batch:
     """Right-padded prompt+completion sequences; position t of ``mask``/``rollout_logp`` scores
@@ -136,7 +140,7 @@ def token_logprobs(model, b: Batch, sampling: SamplingParams) -> torch.Tensor:
 
 def _oom(e: Exception, what: str, n: int, t: int) -> JetrlError:
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
-    return JetrlError(f"train.micro_batch: {what} {n} sequences x {t} tokens ran out of memory ({first[:120]}); "
+    return MicroBatchOutOfMemory(f"train.micro_batch: {what} {n} sequences x {t} tokens ran out of memory ({first[:120]}); "
                       "lower train.micro_batch")
 
 
