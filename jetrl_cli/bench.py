@@ -1144,9 +1144,11 @@ def _gpu_targets(results: dict) -> list[dict]:
     hf_oom = any(r["flow"] == TRANSFORMERS_FLOW and "out_of_memory" in r for r in results.get("train", []))
     if bf and hf_oom:  # the baseline did not fit where bf16 did
         add("bf16 train peak memory <= the transformers row's (transformers ran out of memory)", None, True)
-    for r in results.get("train", []):
-        if "out_of_memory" in r and r["flow"] != TRANSFORMERS_FLOW:
-            add(f"{r['flow']} trains {r['batch']} x {r['seq']} tokens of {r['model']} on this GPU", None, False)
+    for r in results.get("train", []):  # does the batch fit (16 x 512 at the 1.5B shape is a target)
+        if r["flow"] != TRANSFORMERS_FLOW and ("out_of_memory" in r or r.get("peak_memory_bytes")):
+            fits = "out_of_memory" not in r
+            add(f"{r['flow']} trains {r['batch']} x {r['seq']} tokens of {r['model']} on this GPU"
+                + (" (peak GiB)" if fits else ""), r["peak_memory_bytes"] / 2**30 if fits else None, fits)
     if bf and bf.get("step_vs_transformers"):
         v = bf["step_vs_transformers"]
         add("bf16 train step <= the transformers row's", v, v <= T["bf16_step_vs_transformers"])
