@@ -140,8 +140,8 @@ def token_logprobs(model, b: Batch, sampling: SamplingParams) -> torch.Tensor:
 
 def _oom(e: Exception, what: str, n: int, t: int) -> JetrlError:
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
-    return MicroBatchOutOfMemory(f"train.micro_batch: {what} {n} sequences x {t} tokens ran out of memory ({first[:120]}); "
-                      "lower train.micro_batch")
+    return MicroBatchOutOfMemory(f"train.micro_batch: {what} {n} sequences x {t} tokens ran out of memory "
+                                 f"({first[:120]}); lower train.micro_batch")
 
 
 @torch.no_grad()
