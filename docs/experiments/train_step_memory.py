@@ -60,8 +60,7 @@ from jetrl_cli.rl.algos import CorrectionConfig
 
 GB = 1e9
 warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")  # the weight caches key on it
-SOURCES = os.path.join(os.path.dirname(os.path.abspath(gemm.__file__)), os.pardir)
-SOURCES = os.path.normpath(SOURCES) + os.sep
+SOURCES = os.path.dirname(os.path.dirname(os.path.abspath(gemm.__file__))) + os.sep  # jetrl_cli/
 TORCH = os.path.dirname(torch.__file__) + os.sep
 
 
@@ -81,6 +80,10 @@ class Counting(TorchDispatchMode):
     def __init__(self, fake: bool):
         super().__init__()
         self.fake = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+
+    def building(self):
+        """Where models are made: fake with ``fake``."""
+        return self.fake or contextlib.nullcontext()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -166,10 +169,10 @@ def _peak(step, *external, where: bool = False) -> dict:
 
 
 def _flow(name: str, fake: bool):
-    if name == "bf16" or not fake:
-        if name != "bf16":
-            raise SystemExit(f"flow {name}: FP8/INT8 flows are counted with --fake only (see the docstring)")
+    if name == "bf16":
         return parse_flow(name)
+    if not fake:
+        raise SystemExit(f"flow {name}: FP8/INT8 flows are counted with --fake only (see the docstring)")
     gemms = {g: {"backend": "scaled_mm"} for g in ("fprop", "dgrad", "wgrad")}
     return parse_flow({"base": name, "rollout": {"linear": {"backend": "scaled_mm"}}, "train": gemms})
 
@@ -207,10 +210,10 @@ def jetrl_peak(make, flow, batch, adv, t: int, release: bool, where: bool) -> di
         trainer_mod.releasing_weights = before
 
 
-def transformers_peak(make, batch, adv, where: bool, fake: Counting | None = None) -> dict:
+def transformers_peak(make, batch, adv, where: bool, building=contextlib.nullcontext) -> dict:
     from jetrl_cli.models.transformers_ref import transformers_twin
 
-    with fake.fake if fake is not None and fake.fake is not None else contextlib.nullcontext():  # its module init: fake too
+    with building():  # the twin's module init too (fake with --fake)
         hf = transformers_twin(make(torch.device("cpu")), torch.float32).train()
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-6, fused=True)
     ids, mask = batch.ids, batch.mask.float()
@@ -243,12 +246,11 @@ def main() -> None:
     make, cfg, label = load_bench_model(args.model, args.layers)
     batch, adv = _train_batch(cfg.vocab_size, args.batch, args.seq, torch.Generator().manual_seed(0))
     mode = Counting(args.fake)
-    if args.fake:
-        real_make = make
+    real_make = make
 
-        def make(device):
-            with mode.fake:
-                return real_make(device)
+    def make(device):
+        with mode.building():
+            return real_make(device)
 
     out = {"model": label, "batch": args.batch, "seq": args.seq, "fake": args.fake, "peak_gb": {}}
     with mode, _hopper_scaled_mm():
@@ -259,7 +261,7 @@ def main() -> None:
                 out["peak_gb"][f"jetrl {name}, caches kept"] = jetrl_peak(make, flow, batch, adv, args.seq, False,
                                                                           args.where)
         if not args.no_transformers:
-            out["peak_gb"]["transformers"] = transformers_peak(make, batch, adv, args.where, mode)
+            out["peak_gb"]["transformers"] = transformers_peak(make, batch, adv, args.where, mode.building)
     print(json.dumps(out, indent=1))
 
 
