@@ -98,6 +98,8 @@ class FakeCuda(TorchDispatchMode):
             return func(*args, **kwargs)  # host work: real
         if func is torch.ops.aten._int_mm.default and args[0].shape[0] <= 16:  # CUDA's rule; not in the meta kernel
             raise RuntimeError(f"self.size(0) needs to be greater than 16, but got {args[0].shape[0]}")
+        if func is torch.ops.aten.addmm.dtype_out:  # fake mode's kernel for it is broken (takes out_dtype as beta)
+            return _addmm_dtype_out(*args, **kwargs)
         if func in _READS:
             self._read()
             return self._made_up((), args[0].dtype).item()
@@ -122,6 +124,26 @@ class FakeCuda(TorchDispatchMode):
             self._read()
             return self._made_up(out.shape, out.dtype)
         return out
+
+
+def _addmm_dtype_out(self_, mat1, mat2, out_dtype, *, beta=1, alpha=1, out):
+    """CUDA's ``addmm.dtype_out`` as torch 2.11 has it: its checks (``_addmm_dtype_out_cuda``: fp16/bf16
+    operands may write fp32, ``self`` in the output's dtype or the operands'), then one GEMM into
+    ``out`` -- an update in place, nothing allocated."""
+    if mat1.dim() != 2 or mat2.dim() != 2 or mat1.shape[1] != mat2.shape[0]:
+        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({tuple(mat1.shape)} and {tuple(mat2.shape)})")
+    if mat1.dtype != mat2.dtype:
+        raise RuntimeError(f"mat1 and mat2 must have the same dtype, but got {mat1.dtype} and {mat2.dtype}")
+    if out_dtype != mat1.dtype and not (out_dtype == torch.float32 and mat1.dtype in (torch.float16, torch.bfloat16)):
+        raise RuntimeError("out_dtype must be the same as input dtype or fp32 for fp16/bf16 inputs")
+    if out.dtype != out_dtype:
+        raise RuntimeError("out_dtype must be the same as the dtype of the provided out tensor")
+    if self_.dtype not in (out_dtype, mat1.dtype):
+        raise RuntimeError("self dtype must match either out_dtype or mat1 dtype")
+    if tuple(out.shape) != (mat1.shape[0], mat2.shape[1]) or torch.broadcast_shapes(self_.shape, out.shape) != out.shape:
+        raise RuntimeError(f"addmm: out {tuple(out.shape)}, self {tuple(self_.shape)} for a "
+                           f"{mat1.shape[0]} x {mat2.shape[1]} product")
+    return out
 
 
 def _host_to_device(func, args, kwargs) -> bool:
@@ -224,26 +246,33 @@ def _train_step(name: str) -> dict:
     from jetrl_cli.engine.sampling import SamplingParams
     from jetrl_cli.config import TrainConfig
     from jetrl_cli.rl.algos import CorrectionConfig
+    from jetrl_cli.precision.gemm import kernel_choice
+    from jetrl_cli.rl import trainer as trainer_mod
     from jetrl_cli.rl.trainer import Batch, Trainer
 
     flow, model = _flow(name), _model()
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(1, 512, (8, 160), generator=g)
+    chunk, trainer_mod.LOGPROB_CHUNK_ELEMENTS = trainer_mod.LOGPROB_CHUNK_ELEMENTS, 128 * 512  # 2 logprob chunks
     b = Batch.build(ids[:, :32].tolist(), ids[:, 32:].tolist(), [[-1.0] * 128] * 8, [0.0] * 8,
                     [i // 2 for i in range(8)])
-    mode = FakeCuda(bool_every=1)  # every check answers True: the parameters are finite
-    with mode, py_autograd.recording():
-        model = model.to("cuda")
-        tr = Trainer(model, flow, TrainConfig(micro_batch=2, minibatches=2), CorrectionConfig(type="tis"),
-                     SamplingParams(), width=160)
-        old = tr.score(b)
-        before, h2d = dict(mode.reads), dict(mode.blocking_h2d)
-        stats = tr.update(b, torch.randn(8, generator=g), old, None, step=0)
-        reads = {k: v - before.get(k, 0) for k, v in mode.reads.items() if v != before.get(k, 0)}
-        h2d = {k: v - h2d.get(k, 0) for k, v in mode.blocking_h2d.items() if v != h2d.get(k, 0)}
-        params = [(n, p) for n, p in tr.model.named_parameters() if p.requires_grad]
-        state = [t for st in tr.opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-    return {"update_reads": reads, "update_blocking_h2d": h2d, "stats": sorted(stats), "updates": tr.updates,
+    try:
+        mode = FakeCuda(bool_every=1)  # every check answers True: the parameters are finite
+        with mode, py_autograd.recording():
+            model = model.to("cuda")
+            tr = Trainer(model, flow, TrainConfig(micro_batch=2, minibatches=2), CorrectionConfig(type="tis"),
+                         SamplingParams(), width=160)
+            old = tr.score(b)
+            before, h2d = dict(mode.reads), dict(mode.blocking_h2d)
+            stats = tr.update(b, torch.randn(8, generator=g), old, None, step=0)
+            reads = {k: v - before.get(k, 0) for k, v in mode.reads.items() if v != before.get(k, 0)}
+            h2d = {k: v - h2d.get(k, 0) for k, v in mode.blocking_h2d.items() if v != h2d.get(k, 0)}
+            params = [(n, p) for n, p in tr.model.named_parameters() if p.requires_grad]
+            state = [t for st in tr.opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    finally:
+        trainer_mod.LOGPROB_CHUNK_ELEMENTS = chunk
+    return {"wgrad_sum": kernel_choice("wgrad sum", torch.device("cuda:0")), "update_reads": reads,
+            "update_blocking_h2d": h2d, "stats": sorted(stats), "updates": tr.updates,
             "no_grad": [n for n, p in params if p.grad is None],
             "grads": sorted({f"{p.grad.device.type} {p.grad.dtype} of {p.dtype}" for _, p in params if p.grad is not None}),
             "optimizer_state": sorted({f"{t.device.type} {t.dtype}" for t in state})}

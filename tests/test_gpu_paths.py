@@ -380,6 +380,86 @@ def test_logprobs_hold_no_vocab_sized_tensor_for_the_backward():
     assert shapes and not [s for s in shapes if vocab in s]  # logits are recomputed in the backward
 
 
+@pytest.mark.parametrize("native, tied", [(False, False), (False, True), (True, True)])
+def test_logprob_chunks_add_their_lm_head_weight_gradients_into_one_buffer(monkeypatch, native, tied):
+    """Each logprob chunk's lm_head Wgrad adds into one buffer, and only the last chunk's backward
+    hands autograd a gradient (the sum). The gradients are bit for bit those of autograd summing
+    the chunks' own: the same terms, added in the order they arrive, the tied embedding's last."""
+    import dataclasses
+
+    from jetrl_cli.precision import linear
+
+    vocab = 256
+    gemm.set_force_native(native)
+    gemm.reset_resolutions()
+    monkeypatch.setattr(gemm, "_ADDMM_OUT_DTYPE", {})
+    try:
+        cfg = dataclasses.replace(tiny_config("qwen2", hidden=128, layers=1, vocab=vocab), tie_word_embeddings=tied)
+        base = random_model(cfg, seed=int(torch.randint(0, 2**31, ())), std=0.05)
+        apply_flow(base, named_flow("bf16"), "train")
+        b = _batch(vocab, n=3, t=30, seed=int(torch.randint(0, 2**31, ())))  # 66 scored tokens
+        monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", 16 * vocab)  # chunks of 16 rows: 5
+        handed = []
+        real_add = linear.WgradSum.add
+        monkeypatch.setattr(linear.WgradSum, "add", lambda self, *a: (lambda g: handed.append(g) or g)(real_add(self, *a)))
+
+        def grads():
+            m = copy.deepcopy(base)
+            lp = token_logprobs(m, b, SamplingParams(temperature=0.7))
+            (lp * torch.randn(lp.shape, generator=gen(3))).sum().backward()
+            return {n: p.grad for n, p in m.named_parameters()}
+
+        summed = grads()
+        assert [g is not None for g in handed] == [False] * 4 + [True]
+        assert handed[-1].shape == (vocab, 128) and handed[-1].dtype == torch.float32
+        monkeypatch.setattr(trainer_mod, "summing_wgrad", lambda mod: contextlib.nullcontext())
+        handed.clear()
+        each = grads()
+        assert handed == []
+        assert summed.keys() == each.keys()
+        for n, g in summed.items():
+            assert torch.equal(g, each[n]), n
+        if native:  # CPU has no addmm(out_dtype=): each product is made, then added, and that is recorded
+            why = gemm.kernel_choice("wgrad sum", torch.device("cpu"))
+            assert why["kernel"] == "mm, then add" and "out_dtype" in why["why"], why
+    finally:
+        gemm.set_force_native(False)
+        gemm.reset_resolutions()
+
+
+def test_a_native_gemm_adds_into_the_sum_in_place(forced_native):
+    """``accumulate_gemm``: fp32 operands natively add in the GEMM (``addmm_`` into the sum: the sum
+    keeps its storage, no product tensor of its own); bf16 ones where torch has no ``out_dtype``
+    addmm (CPU) make the product and add it. Both within fp32 rounding of the float64 sum."""
+    spec = GemmSpec(CastSpec(Format.FP32), CastSpec(Format.FP32), Format.FP32)
+    dev = torch.device("cpu")
+    n, k, t = 96, 64, 40
+    a, b, c = torch.randn(n, t), torch.randn(k, t), torch.randn(n, k)
+    acc = c.clone()
+    made = []
+
+    class Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.numel() == n * k and func not in (torch.ops.aten.addmm_.default,):
+                made.append(func)
+            return out
+
+    with Allocations():
+        out = gemm.accumulate_gemm(acc, a, b, spec, "wgrad", dev, torch.float32)
+    assert out.data_ptr() == acc.data_ptr() and made == []
+    ref = c.double() + a.double() @ b.double().T
+    assert error_stats(ref, out)["rel_err"] < 1e-6
+    first = gemm.accumulate_gemm(None, a, b, spec, "wgrad", dev, torch.float32)  # the first term: a new tensor
+    assert torch.equal(first, a @ b.T)
+    spec16 = GemmSpec(CastSpec(Format.BF16), CastSpec(Format.BF16), Format.FP32)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    acc16 = c.clone()
+    out16 = gemm.accumulate_gemm(acc16, a16, b16, spec16, "wgrad", dev, torch.float32)
+    assert out16.data_ptr() == acc16.data_ptr()
+    assert torch.equal(out16, c + a16.float() @ b16.float().T)
+
+
 def test_out_of_memory_names_train_micro_batch(monkeypatch):
     from jetrl_cli.config import TrainConfig
     from jetrl_cli.rl.algos import CorrectionConfig
@@ -497,6 +577,27 @@ def test_blockwise_scaled_mm_matches_the_emulated_gemm_on_gpu(kind):
     # promoted to fp32 every 128-wide K block), then bf16 output rounding (2^-9 relative)
     tol = 2.0 ** -8 if kind != "wgrad" else 1e-4
     assert error_stats(ref, got)["rel_err"] < tol
+
+
+@gpu
+@needs_cuda
+def test_a_bf16_wgrad_adds_into_its_fp32_sum_in_the_gemm_on_gpu(monkeypatch):
+    """On CUDA, ``addmm(out_dtype=fp32)`` adds bf16 products into the fp32 gradient sum in place (the
+    lm_head's chunked Wgrad); where this torch cannot, the fallback is recorded with its reason."""
+    monkeypatch.setattr(gemm, "_ADDMM_OUT_DTYPE", {})
+    dev = torch.device("cuda")
+    spec = GemmSpec(CastSpec(Format.BF16), CastSpec(Format.BF16), Format.FP32)
+    n, k, t = 4096, 1536, 768
+    a = torch.randn(n, t, device=dev).bfloat16()
+    b = torch.randn(k, t, device=dev).bfloat16()
+    c = torch.randn(n, k, device=dev)
+    acc = c.clone()
+    out = gemm.accumulate_gemm(acc, a, b, spec, "wgrad", dev, torch.float32)
+    choice = gemm.kernel_choice("wgrad sum", dev)
+    assert choice["kernel"] == "addmm into the sum (out_dtype)", choice
+    assert out.data_ptr() == acc.data_ptr()
+    ref = c.double() + a.double() @ b.double().T
+    assert error_stats(ref, out)["rel_err"] < 1e-5  # fp32 accumulation over 768 products, one add
 
 
 @gpu

@@ -96,6 +96,8 @@ class Counting(TorchDispatchMode):
             return True if dt is torch.bool else 0.5 if dt.is_floating_point else 1
         if func is torch.ops.aten.nonzero.default:
             return self.fake.from_tensor(torch.ones(args[0].shape, dtype=torch.bool).nonzero())
+        if func is torch.ops.aten.addmm.dtype_out:  # a GEMM into ``out`` (CUDA has it; fake mode's is broken)
+            return kwargs["out"]
 
         def lift(x):
             return self.fake.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x

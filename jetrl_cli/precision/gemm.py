@@ -179,6 +179,44 @@ def _mm_to(a: torch.Tensor, b: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     return torch.mm(a.to(dt), b.to(dt).t())
 
 
+_ADDMM_OUT_DTYPE: dict[str, bool] = {}  # device type -> whether addmm(out_dtype=) adds into an fp32 sum
+
+
+def accumulate_gemm(acc: torch.Tensor | None, a: Operand, b: Operand, spec, gemm: str, device: torch.device,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """``acc + a @ b.T`` in ``dtype``, into ``acc`` (a gradient sum, in its parameter's dtype; None
+    before the first term). The product is what ``run_gemm`` computes, rounded to ``spec.out``,
+    then added. A native dense GEMM with fp32 products and sum adds in its epilogue instead: one
+    ``addmm`` into ``acc`` (beta = 1; bf16 operands through ``out_dtype``), so the product is never
+    written as a tensor of its own and no separate add reads it back. Same sum, one rounding per
+    term either way; which way ran is recorded (``note_kernel``)."""
+    if acc is not None and _fusable_sum(acc, a, b, spec, gemm, device):
+        key = device.type
+        try:
+            if a.dtype is acc.dtype:
+                return acc.addmm_(a, b.t())
+            if _ADDMM_OUT_DTYPE.get(key, True):
+                out = torch.addmm(acc, a, b.t(), out_dtype=acc.dtype, out=acc)
+                if key not in _ADDMM_OUT_DTYPE:
+                    _ADDMM_OUT_DTYPE[key] = True
+                    note_kernel(f"{gemm} sum", device, "addmm into the sum (out_dtype)")
+                return out
+        except (RuntimeError, TypeError, NotImplementedError) as e:
+            _ADDMM_OUT_DTYPE[key] = False
+            note_kernel(f"{gemm} sum", device, "mm, then add",
+                        why=f"addmm(out_dtype=) cannot add into an fp32 sum here: {str(e).splitlines()[0][:120]}")
+    g = finish(run_gemm(a, b, spec, gemm, device), spec.out, dtype)
+    g = g if g.dtype is dtype else g.to(dtype)
+    return g if acc is None else acc.add_(g)
+
+
+def _fusable_sum(acc: torch.Tensor, a, b, spec, gemm: str, device: torch.device) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and native(a) and a.dtype is b.dtype
+            and a.dtype in (torch.bfloat16, torch.float16, torch.float32) and spec.out is Format.FP32
+            and acc.dtype is torch.float32 and resolve(spec, gemm, device).backend == "torch"
+            and not exact_dense_spec(spec, gemm, device))
+
+
 def finish(acc: torch.Tensor, out: Format, like: torch.dtype) -> torch.Tensor:
     """Round a GEMM result to its ``out`` format. Emulated: fp32 values rounded, returned in the
     activation dtype ``like``. Native: the tensor already has the ``out`` dtype."""

@@ -8,8 +8,9 @@ precisions agree.
 
 Logprobs are computed without a ``[batch, seq, vocab]`` tensor: only completion positions are
 scored, ``LOGPROB_CHUNK_ELEMENTS`` logits at a time, and with autograd each chunk's logits are
-recomputed in the backward instead of kept (``token_logprobs``). Each row goes through the same
-``logits`` -> ``sampling_logprobs`` as in the rollout engine, so the two still agree bit for bit.
+recomputed in the backward instead of kept (``token_logprobs``); the chunks' lm_head weight
+gradients add into one buffer (``summing_wgrad``). Each row goes through the same ``logits`` ->
+``sampling_logprobs`` as in the rollout engine, so the two still agree bit for bit.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ import torch
 from ..engine.sampling import SamplingParams, invariant_for, sampling_logprobs
 from ..errors import JetrlError
 from ..precision.gemm import configure_cuda_numerics
-from ..precision.linear import apply_flow, mark_updated, releasing_weights
+from ..precision.linear import JetLinear, apply_flow, mark_updated, releasing_weights, summing_wgrad
 
 # Logits held at once: 128M fp32 values (512 MiB), whatever the vocab. Each chunk's backward also
-# writes a whole lm_head weight gradient (vocab x hidden fp32: 933 MB for Qwen2.5-1.5B) and adds it
-# to the accumulated one, so chunks are few and large: 768 rows at a 152K vocabulary (11 chunks for
-# 8192 tokens; 1 << 25 made it 220 rows and 38 chunks), a multiple of 128 rows for the GEMMs.
+# reads and writes the whole lm_head weight gradient it adds into (vocab x hidden fp32: 933 MB for
+# Qwen2.5-1.5B), so chunks are few and large: 768 rows at a 152K vocabulary (11 chunks for 8192
+# tokens; 1 << 25 made it 220 rows and 38 chunks), a multiple of 128 rows for the GEMMs.
 LOGPROB_CHUNK_ELEMENTS = 1 << 27
 _OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 from .algos import CorrectionConfig, importance, policy_loss
@@ -99,22 +100,25 @@ def _chunk_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: Sam
 def target_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     """``log p(targets[i] | h[i])`` under the sampling distribution, for rows ``h`` (n, hidden),
     a chunk of rows at a time; with autograd, every chunk's logits are recomputed in the backward
-    rather than kept (one extra lm_head forward per update, instead of vocab-sized activations)."""
+    rather than kept (one extra lm_head forward per update, instead of vocab-sized activations),
+    and the chunks' lm_head weight gradients are summed in one buffer, handed to autograd once."""
     n = h.shape[0]
     step = max(1, LOGPROB_CHUNK_ELEMENTS // model.config.vocab_size)
     step = step // 128 * 128 or step
     grad = torch.is_grad_enabled() and h.requires_grad
     if n <= step and not grad:
         return _chunk_logprobs(model, h, targets, sampling)
+    head = getattr(model, "lm_head", None)
     parts = []
-    for s in range(0, n, step):
-        hc, tc = h[s:s + step], targets[s:s + step]
-        if grad:
-            from torch.utils.checkpoint import checkpoint
+    with summing_wgrad(head) if grad and isinstance(head, JetLinear) else contextlib.nullcontext():
+        for s in range(0, n, step):
+            hc, tc = h[s:s + step], targets[s:s + step]
+            if grad:
+                from torch.utils.checkpoint import checkpoint
 
-            parts.append(checkpoint(_chunk_logprobs, model, hc, tc, sampling, use_reentrant=False))
-        else:
-            parts.append(_chunk_logprobs(model, hc, tc, sampling))
+                parts.append(checkpoint(_chunk_logprobs, model, hc, tc, sampling, use_reentrant=False))
+            else:
+                parts.append(_chunk_logprobs(model, hc, tc, sampling))
     return torch.cat(parts)
 
 
