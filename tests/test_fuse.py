@@ -56,7 +56,10 @@ def test_fused_training_step_is_the_op_by_op_one(native, flow):
     assert fuse.report() is None  # CPU tensors: op by op unless forced
     fuse.set_force(True, "aot_eager")
     lp_f, grads_f = _step(flow, seed)
-    assert fuse.report() == {"fused": ALL}  # every function traced whole, forward and backward
+    # every function traced whole, forward and backward; with FP8 saved activations (fp8-unified) the
+    # SwiGLU backward reads the FP8 copy of its input (dequantized in the kernel) instead of gu itself
+    want = ALL if flow == "bf16" else sorted(set(ALL) - {"swiglu_grad"} | {"swiglu_grad_fp8", "swiglu_math_fp8"})
+    assert fuse.report() == {"fused": want}
     assert torch.equal(lp, lp_f), f"seed {seed}"
     assert grads.keys() == grads_f.keys() and all(torch.equal(grads[k], grads_f[k]) for k in grads), f"seed {seed}"
 

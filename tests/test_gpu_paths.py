@@ -558,6 +558,76 @@ def test_fp8_mlp_keeps_only_the_fp8_swiglu_input_and_recomputes_from_it():
     assert torch.equal(y.detach(), plain)
 
 
+def _fp8_gu(rows: int, inter: int, seed: int):
+    from jetrl_cli.precision.linear import swiglu_save_spec
+
+    gu = torch.randn(rows, 2 * inter, generator=gen(seed)).bfloat16()
+    gu[rows // 2] = 0  # an all-zero row: zero groups
+    return gu, quantize(gu.float(), swiglu_save_spec(named_flow("fp8-unified").train.linear))
+
+
+@pytest.mark.parametrize("inter", [256, 192, 96])
+def test_the_swiglu_backward_reads_the_fp8_copy_as_the_dequantized_one(inter):
+    """The SwiGLU-down backward computes from the FP8 copy of [g, u] (data and scales) directly: the
+    same bits as dequantizing it whole first (the old way), for intermediate sizes that split the
+    1x128 groups between g and u (192, 96) and that do not (256); where they do not, no fp32 tensor
+    bigger than one half is made on the way."""
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from jetrl_cli.precision.linear import _swiglu_grad, _swiglu_grad_fp8, _swiglu_math, _swiglu_math_fp8
+
+    rows = 33
+    gu, q = _fp8_gu(rows, inter, seed=int(torch.randint(0, 2**31, ())))
+    gy = torch.randn(rows, inter, generator=gen(5)).bfloat16()
+    whole = dequantize(q)
+    largest = [0]
+
+    class Fp32(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.dtype is torch.float32:
+                    largest[0] = max(largest[0], t.numel())
+            return out
+
+    with Fp32():
+        h = _swiglu_math_fp8(q.data, q.scale, 128, torch.bfloat16, torch.float32)
+        dgu = _swiglu_grad_fp8(q.data, q.scale, 128, gy, torch.bfloat16)
+    assert torch.equal(h, _swiglu_math(whole.bfloat16(), torch.float32))
+    assert torch.equal(dgu, _swiglu_grad(whole, gy, torch.bfloat16))
+    assert dgu.dtype is torch.bfloat16 and h.dtype is torch.float32
+    if inter % 128 == 0:
+        assert largest[0] <= gu.numel() // 2, largest
+
+
+@pytest.mark.slow
+def test_the_fused_swiglu_backward_from_fp8_is_one_kernel_without_a_whole_fp32_gu():
+    """Compiled by Inductor (CPU code here; on a GPU the same graph becomes Triton): each function is
+    one kernel, and none allocates an fp32 [g, u] (the old backward dequantized the FP8 copy into
+    one, then cast it to bf16): its largest allocation is the size of one fp32 half."""
+    from torch._inductor.utils import run_and_get_code
+
+    from jetrl_cli.precision.linear import _swiglu_grad_fp8, _swiglu_math_fp8
+
+    rows, inter = 64, 256
+    _, q = _fp8_gu(rows, inter, seed=3)
+    gy = torch.randn(rows, inter, generator=gen(4)).bfloat16()
+    torch._dynamo.reset()
+    for fn, args in ((_swiglu_grad_fp8, (q.data, q.scale, 128, gy, torch.bfloat16)),
+                     (_swiglu_math_fp8, (q.data, q.scale, 128, torch.bfloat16, torch.float32))):
+        compiled = torch.compile(fn.__wrapped__, dynamic=True, fullgraph=True)
+        _, (code, *_) = run_and_get_code(compiled, *args)
+        call = code[code.index("def call("):]
+        kernels = [ln for ln in call.splitlines() if "cpp_fused" in ln and "(" in ln]
+        assert len(kernels) == 1, kernels
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            compiled(*args)
+        sizes = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
+        assert sizes and max(sizes) <= rows * inter * 4, (fn.__name__, sizes)
+    torch._dynamo.reset()
+
+
 # --------------------------------------------------------------------------- on a GPU
 
 

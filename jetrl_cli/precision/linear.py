@@ -54,7 +54,7 @@ from .gemm import (
     run_gemm,
     transpose_operand,
 )
-from .quant import CastSpec, QTensor, dequantize
+from .quant import CastSpec, QTensor, to_float
 
 TILE = 128
 
@@ -603,9 +603,12 @@ def _swiglu_math(gu: torch.Tensor, out_dtype: torch.dtype | None = None) -> torc
     result independent of the batch."""
     g, u = (h if h.dtype in (torch.float32, torch.float64) else h.float()  # fp64: gradient checks
             for h in gu.chunk(2, dim=-1))  # halves cast one by one: no fp32 copy of the whole gu
+    return _silu_mul(g, u, out_dtype or gu.dtype)
+
+
+def _silu_mul(g: torch.Tensor, u: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     y = g / (1 + torch.exp(-g)) * u
-    dt = out_dtype or gu.dtype
-    return y if y.dtype is dt else y.to(dt)
+    return y if y.dtype is out_dtype else y.to(out_dtype)
 
 
 @fused
@@ -617,10 +620,55 @@ def _swiglu_grad(gu: torch.Tensor, gy: torch.Tensor, out_dtype: torch.dtype | No
     the same bits as the fp32 result cast afterwards."""
     dt = torch.float64 if gu.dtype is torch.float64 else torch.float32
     g, u = (h.to(dt) for h in gu.chunk(2, dim=-1))
-    gyf = gy.to(dt)
+    return _silu_mul_grad(g, u, gy.to(dt), out_dtype or dt)
+
+
+def _silu_mul_grad(g: torch.Tensor, u: torch.Tensor, gy: torch.Tensor, od: torch.dtype) -> torch.Tensor:
     sig = 1 / (1 + torch.exp(-g))
-    od = out_dtype or dt
-    return torch.cat([(gyf * u * sig * (1 + g * (1 - sig))).to(od), (gyf * g * sig).to(od)], dim=-1)
+    return torch.cat([(gy * u * sig * (1 + g * (1 - sig))).to(od), (gy * g * sig).to(od)], dim=-1)
+
+
+def _row_group_values(data: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:
+    """fp32 values of 8-bit ``data`` (rows x K) in 1 x ``cols`` groups with ``scale`` (rows x groups,
+    any strides): ``dequantize``'s products, element for element."""
+    m, k = data.shape
+    g = scale.shape[1]
+    d = to_float(data)
+    if g * cols != k:
+        d = torch.nn.functional.pad(d, (0, g * cols - k))
+    y = (d.reshape(m, g, cols) * scale.float()[:, :, None]).reshape(m, g * cols)
+    return y if g * cols == k else y[:, :k]
+
+
+def _halves_values(data: torch.Tensor, scale: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 values of the two halves (g, u) of an 8-bit ``gu`` in 1 x ``cols`` groups; each half
+    dequantized on its own where the groups split between them (an intermediate size a multiple of
+    ``cols``, as in every released model), so a fused kernel holds no fp32 ``gu`` either."""
+    half = data.shape[1] // 2
+    if half % cols == 0 and 2 * half == data.shape[1]:
+        n = half // cols
+        return (_row_group_values(data[:, :half], scale[:, :n], cols),
+                _row_group_values(data[:, half:], scale[:, n:], cols))
+    g, u = _row_group_values(data, scale, cols).chunk(2, dim=-1)
+    return g, u
+
+
+@fused
+def _swiglu_math_fp8(data: torch.Tensor, scale: torch.Tensor, cols: int, gu_dtype: torch.dtype,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """``_swiglu_math`` of an FP8 copy of ``gu`` (1 x ``cols`` groups), its values rounded to
+    ``gu_dtype`` first as the forward's ``gu`` was. Fused on a GPU: the copy is dequantized in
+    registers, and no tensor of ``gu``'s size is written."""
+    g, u = (h.to(gu_dtype).float() for h in _halves_values(data, scale, cols))
+    return _silu_mul(g, u, out_dtype)
+
+
+@fused
+def _swiglu_grad_fp8(data: torch.Tensor, scale: torch.Tensor, cols: int, gy: torch.Tensor,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """``_swiglu_grad`` at the fp32 values of an FP8 copy of ``gu``, dequantized in the same kernel."""
+    g, u = _halves_values(data, scale, cols)
+    return _silu_mul_grad(g, u, gy.float(), out_dtype)
 
 
 def swiglu(gu: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -678,8 +726,9 @@ class _SwiGLUDownFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         mods = ctx.mods
-        gu = dequantize(_saved_operand(ctx))  # fp32 values of the FP8 copy
-        h = _swiglu_math(gu.to(ctx.gu_dtype), torch.float32)  # down's input, recomputed as the forward does
+        q = _saved_operand(ctx)  # the FP8 copy of gu (rows x 2I, 1x128 groups), never dequantized whole
+        data, scale, cols = q.data.reshape(-1, q.data.shape[-1]), q.scale, q.spec.block.cols
+        h = _swiglu_math_fp8(data, scale, cols, ctx.gu_dtype, torch.float32)  # down's input, as the forward has it
         need = ctx.needs_input_grad
         wg = mods[0].precision.wgrad
         gh, grads_w, grads_b = _linear_backward(
@@ -688,7 +737,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
         _backward_done(ctx)
         dgu = None
         if need[0]:
-            dgu = _swiglu_grad(gu, gh, ctx.gu_dtype).reshape(ctx.gu_shape)
+            dgu = _swiglu_grad_fp8(data, scale, cols, gh, ctx.gu_dtype).reshape(ctx.gu_shape)
         return (dgu, None, None, *grads_w, *grads_b)
 
 
