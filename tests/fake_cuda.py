@@ -233,7 +233,7 @@ def _train_forward(name: str) -> dict:
         lp = token_logprobs(model, b, SamplingParams())
         loss, st = policy_loss(lp, o, torch.ones(3, device="cuda"), m, imp, 0.2, 0.28, 384.0)
         step_reads = {k: v - score_reads.get(k, 0) for k, v in mode.reads.items() if v != score_reads.get(k, 0)}
-        values, gnorm = host_values([(loss.detach(), st)], torch.ones((), device="cuda"))
+        values, _ = host_values([(loss.detach(), st)], torch.ones((), device="cuda"))
         final = {k: v - score_reads.get(k, 0) - step_reads.get(k, 0) for k, v in mode.reads.items()
                  if v != score_reads.get(k, 0) + step_reads.get(k, 0)}
     return {"logprobs": [list(lp.shape), str(lp.dtype), str(lp.device)], "score_reads": score_reads,

@@ -223,6 +223,48 @@ def _cached(mod) -> bool:
     return bool(mod.__dict__.get("_jet_group_cache") or getattr(mod, "_cache", None))
 
 
+@pytest.mark.parametrize("clip", ["within", "above"])
+def test_gradients_are_multiplied_only_when_clipping_changes_them(monkeypatch, clip):
+    """The update reads the gradient norm on the host before the optimizer step anyway, so it
+    clips only when the factor is below 1 -- ``clip_grad_norm_`` multiplies every gradient by its
+    factor unconditionally. The updated weights and the reported norm are bit for bit those of
+    clipping every time."""
+    from jetrl_cli.config import TrainConfig
+    from jetrl_cli.engine.sampling import SamplingParams
+    from jetrl_cli.models.shapes import random_model
+    from jetrl_cli.models.tiny import tiny_config
+    from jetrl_cli.precision import named_flow
+    from jetrl_cli.rl import trainer as trainer_mod
+    from jetrl_cli.rl.trainer import Trainer
+
+    model = random_model(tiny_config("qwen2", hidden=128, layers=1, vocab=128), seed=int(torch.randint(0, 2**31, ())),
+                         std=0.05)
+    b, adv = _update_batch(seed=int(torch.randint(0, 2**31, ())))
+    probe = Trainer(copy.deepcopy(model), named_flow("bf16"), TrainConfig(micro_batch=2, grad_clip=1e9),
+                    CorrectionConfig(), SamplingParams(), 64)
+    norm = probe.update(b, adv, probe.score(b), None, step=0)["grad_norm"]
+    grad_clip = norm * 4 if clip == "within" else norm / 4  # the first mini-batch's norm, near the others'
+
+    def run():
+        tr = Trainer(copy.deepcopy(model), named_flow("bf16"),
+                     TrainConfig(micro_batch=2, minibatches=2, grad_clip=grad_clip), CorrectionConfig(),
+                     SamplingParams(), 64)
+        stats = tr.update(b, adv, tr.score(b), None, step=0)
+        return stats, [p.detach().clone() for p in tr.model.parameters()]
+
+    calls = []
+    real = torch.nn.utils.clip_grads_with_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", lambda *a, **k: calls.append(1) or real(*a, **k))
+    stats, got = run()
+    assert len(calls) == (0 if clip == "within" else 2)
+    monkeypatch.setattr(trainer_mod, "clip_factor", lambda total, max_norm: torch.zeros(()))  # clip every time
+    calls.clear()
+    ref_stats, want = run()
+    assert len(calls) == 2
+    assert stats["grad_norm"] == ref_stats["grad_norm"]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 @pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified"])
 def test_the_last_micro_batch_drops_the_cached_weights_layer_by_layer(monkeypatch, flow_name):
     """At the end of an optimizer step's backward every gradient is held: the step's peak. The

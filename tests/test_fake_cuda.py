@@ -107,7 +107,8 @@ def test_training_update_stays_on_the_device_and_reads_twice_per_minibatch(repor
         (finite,) = [k for k in reads if "bool(finite.all())" in k]
         assert set(reads) == {values, finite}, (name, reads)  # none in the backward, clipping or AdamW
         loss_values = 1 + len(report["train_forward"][name]["stats"])
-        assert reads[values] == 2 * (2 * loss_values + 1), (name, reads)  # one element read per value
+        # one element read per value: each micro-batch's, the gradient norm and the clipping factor
+        assert reads[values] == 2 * (2 * loss_values + 2), (name, reads)
         assert reads[finite] == 2, (name, reads)
         # the micro-batches' inputs go to the device without waiting for it (pinned, non-blocking)
         assert r["update_blocking_h2d"] == {}, (name, r["update_blocking_h2d"])

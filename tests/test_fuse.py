@@ -91,7 +91,8 @@ class _Ops(TorchDispatchMode):
     function counts as one."""
 
     FREE = {"view", "_unsafe_view", "reshape", "transpose", "t", "slice", "select", "expand", "as_strided",
-            "detach", "alias", "unsqueeze", "squeeze", "permute", "split", "unbind", "empty", "empty_strided"}
+            "detach", "alias", "unsqueeze", "squeeze", "permute", "split", "split_with_sizes", "unbind", "empty",
+            "empty_strided"}
 
     def __init__(self):
         super().__init__()

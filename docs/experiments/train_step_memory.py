@@ -190,7 +190,7 @@ def _hopper_scaled_mm():
         gemm.ScaledMMBackend.unsupported = plain
 
 
-def jetrl_peak(make, flow, batch, adv, t: int, release: bool, where: bool) -> dict:
+def jetrl_peak(make, flow, batch, adv, t: int, release: bool, where: bool, measure=None) -> dict:
     sp = SamplingParams(max_new_tokens=t - t // 2)
     kind, trainer_mod.adamw_kind = trainer_mod.adamw_kind, lambda cuda: {"fused": True}  # as on CUDA
     tr = trainer_mod.Trainer(make(torch.device("cpu")), flow, TrainConfig(lr=1e-6, micro_batch=len(batch)),
@@ -207,12 +207,12 @@ def jetrl_peak(make, flow, batch, adv, t: int, release: bool, where: bool) -> di
     if not release:
         trainer_mod.releasing_weights = contextlib.nullcontext
     try:
-        return _peak(step, tr.model, tr.opt, where=where)
+        return (measure or _peak)(step, tr.model, tr.opt, where=where)
     finally:
         trainer_mod.releasing_weights = before
 
 
-def transformers_peak(make, batch, adv, where: bool, building=contextlib.nullcontext) -> dict:
+def transformers_peak(make, batch, adv, where: bool, building=contextlib.nullcontext, measure=None) -> dict:
     from jetrl_cli.models.transformers_ref import transformers_twin
 
     with building():  # the twin's module init too (fake with --fake)
@@ -228,7 +228,7 @@ def transformers_peak(make, batch, adv, where: bool, building=contextlib.nullcon
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _peak(step, hf, opt, where=where)
+    return (measure or _peak)(step, hf, opt, where=where)
 
 
 def main() -> None:

@@ -30,7 +30,8 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import JetrlError
 from ..precision.linear import releasing_weights
-from ..rl.trainer import Batch, NonFiniteError, Trainer, add_minibatch, host_values, nonfinite_parameters, score_logprobs
+from ..rl.trainer import (Batch, NonFiniteError, Trainer, add_minibatch, clip_factor, host_values, nonfinite_parameters,
+                          score_logprobs)
 from .sharding import quiet_fsdp_view_warning, set_gradient_sync, shard_model
 from .world import World
 
@@ -110,27 +111,30 @@ class ShardedTrainer(Trainer):
                     else:
                         with releasing_weights() if last else contextlib.nullcontext():
                             (self.model(b.ids[:1, :2].to(dev)).sum() * 0.0).backward()
-                values, gnorm = host_values(parts, self._clip_grads())
+                total, full = self._grad_norm()
+                values, (gnorm, factor) = host_values(parts, full, clip_factor(full, cfg.grad_clip))
                 # rank order = the global micro-batch order; every rank raises on the same values
                 add_minibatch(agg, [v for part in world.all_gather_object(values) for v in part], gnorm, step)
+                if factor < 1.0:  # the same on every rank (the global norm); as in one process
+                    torch.nn.utils.clip_grads_with_norm_(
+                        [p for p in self.model.parameters() if p.grad is not None], cfg.grad_clip, total)
                 self.opt.step()
                 self._check_finite_params(step)
                 count += 1
         self.updates += count
         return {k: v / count for k, v in agg.items()}
 
-    def _clip_grads(self) -> torch.Tensor:
-        """``clip_grad_norm_``: with ``World.exact`` on the gradients gathered whole (the same norm,
-        bit for bit, as one process computes), else FSDP's sharded norm."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+    def _grad_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gradients' global 2-norm, as ``clip_grads_with_norm_`` takes it and as a plain tensor:
+        with ``World.exact`` from the gradients gathered whole (the same norm, bit for bit, as one
+        process computes), else FSDP's sharded norm (a DTensor)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if not self.world.exact:
-            total = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
-            return total.full_tensor() if isinstance(total, DTensor) else total
-        full = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in params]
+            total = torch.nn.utils.get_total_norm(grads, 2.0)
+            return total, total.full_tensor() if isinstance(total, DTensor) else total
+        full = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
         total = torch.nn.utils.get_total_norm(full, 2.0)
-        del full
-        torch.nn.utils.clip_grads_with_norm_(params, self.cfg.grad_clip, total)
-        return total
+        return total, total
 
     def _check_finite_params(self, step: int) -> None:
         params = list(self.model.named_parameters())

@@ -581,8 +581,11 @@ class Attention(nn.Module):
         qkv = linear_group((self.q_proj, self.k_proj, self.v_proj), x, self)
         # RoPE on queries and keys in one pass (elementwise: the same bits as two passes), in fp32
         qkv = qkv.reshape(b, t, h + 2 * hk, c.head_dim).transpose(1, 2)
-        qk = _rope(qkv[:, :h + hk], cos, sin, self._rope_dtype(x))
-        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hk:]
+        # split, not sliced: the backward joins the parts' gradients in one kernel, where each slice's
+        # backward writes a zero-filled gradient of the whole input and autograd adds them up
+        qk, v = qkv.split((h + hk, hk), dim=1)
+        qk = _rope(qk, cos, sin, self._rope_dtype(x))
+        q, k = qk.split((h, hk), dim=1)
         if native(x) and v.requires_grad:  # attention saves v: a view would keep all of q/k/v (8x at 1.5B)
             v = v.contiguous()
         width = mask.width

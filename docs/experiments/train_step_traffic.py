@@ -1,0 +1,302 @@
+"""What one training step asks of a GPU, counted on CPU: kernels launched, bytes they read and write,
+and GEMM / attention FLOPs -- jetrl's trainer against the ``transformers`` baseline of ``jetrl bench
+train``, on the native (GPU) code path, whole models at real sizes (fake tensors, as
+``train_step_memory.py --fake``).
+
+Counts, not times: nothing here says how fast a GPU runs the step. They show where a step spends
+its memory traffic and launches, and what one implementation does that the other does not.
+
+How each op is counted (a ``TorchDispatchMode`` under the fake-tensor counting of
+``train_step_memory.py``; the second of two updates):
+
+- A **kernel** is an aten op that is not a view (``OpOverload.is_view``, ``_unsafe_view``) nor a
+  metadata query (``prim::device``), including in-place ones and copies/casts. Its bytes are the sizes of its tensor inputs (read) and outputs (written, or
+  updated in place), each tensor once; a broadcast input counts the elements it has, not the
+  elements it is broadcast to. Kernels run in the fake-tensor mode's own bookkeeping are not
+  jetrl's and are not seen.
+- jetrl's **fused** elementwise chains (``precision/fuse.py``: RMSNorm, SwiGLU, RoPE and their
+  backward passes), compiled into one kernel each on a GPU, count as one kernel whose bytes are the
+  chain's tensor arguments and results; the ops inside are not counted. (Inductor may keep an
+  intermediate in memory inside the kernel; that is not seen.) ``--no-fuse`` counts them op by op.
+- **FLOPs**: 2·M·N·K for a GEMM (``mm``, ``addmm``, ``bmm``, ``_scaled_mm``, ...); attention
+  (SDPA) 4·B·H·Tq·Tk·D forward and twice that backward, halved when causal; nothing for the rest.
+- The FP8 **quantizer** is one kernel per cast, as jetrl's Triton quantizers are on a GPU (its
+  reference implementation runs here), and the conversions to the GEMM's scale layout, which the
+  Triton quantizers make unnecessary, are not counted. Where a GPU makes a Fprop and a Wgrad copy
+  of one tensor in one kernel (``cast_pair``), this counts two.
+- The ``transformers`` row runs eagerly under bf16 autocast: each of its casts is a kernel, as on
+  a GPU.
+
+    python docs/experiments/train_step_traffic.py --batch 4 --seq 256
+    python docs/experiments/train_step_traffic.py --batch 16 --seq 512 --flows bf16 --top 25
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train_step_memory as tsm  # noqa: E402 - beside this script
+
+from jetrl_cli.kernels import layouts  # noqa: E402
+from jetrl_cli.models import llama  # noqa: E402
+from jetrl_cli.precision import fuse, gemm, linear, quant  # noqa: E402
+from jetrl_cli.precision.formats import Block  # noqa: E402
+from jetrl_cli.precision.quant import QTensor  # noqa: E402
+
+GB = 1e9
+_GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "scaled_mm", "_int_mm", "_scaled_mm_v2"}
+_SDPA_FWD = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention")
+
+
+_NOT_KERNELS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten._unsafe_view.default,
+                torch.ops.aten.lift_fresh.default, torch.ops.aten.detach.default}
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    seen, out = set(), []
+    for t in pytree.tree_leaves(x):
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _bytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _gemm_flops(name: str, args) -> int:
+    ts = [t for t in args if isinstance(t, torch.Tensor)]
+    if name in ("addmm", "baddbmm"):
+        ts = ts[1:]
+    a, b = ts[0], ts[1]
+    if a.dim() == 3:  # bmm
+        return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    return 2 * a.shape[0] * a.shape[1] * b.shape[-1]
+
+
+def _sdpa_flops(name: str, args, kwargs) -> int:
+    q, k = args[0], args[1]
+    if "backward" in name:  # grad_out, q, k, v, ...
+        q, k = args[1], args[2]
+    b, h, tq, d = q.shape
+    tk = k.shape[-2]
+    causal = bool(kwargs.get("is_causal", False)) or any(a is True for a in args[3:8])
+    flops = 4 * b * h * tq * tk * d * (2 if "backward" in name else 1)
+    return flops // 2 if causal else flops
+
+
+class Traffic(TorchDispatchMode):
+    """Counts every non-view op (see the module docstring) by name: launches, bytes, FLOPs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: dict[str, list] = {}  # name -> [launches, bytes read, bytes written, flops]
+        self.inside = 0  # > 0 within a fused chain (counted as one kernel by ``fused_call``)
+
+    def kernel(self, label: str | None, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` as one kernel ``label`` (its tensor arguments read, its results
+        written; None: free), the ops inside it not counted; inside another such call, not counted."""
+        self.inside += 1
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            self.inside -= 1
+        if label is not None and not self.inside:
+            res = out if isinstance(out, tuple) else (out,)
+            self.add(label, _bytes(_tensors((args, kwargs))), _bytes(_tensors([_fields(o) for o in res])))
+        return out
+
+    def add(self, name: str, read: int, written: int, flops: int = 0) -> None:
+        row = self.ops.setdefault(name, [0, 0, 0, 0])
+        row[0] += 1
+        row[1] += read
+        row[2] += written
+        row[3] += flops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.inside or func.is_view or func.namespace != "aten" or func in _NOT_KERNELS:
+            return out
+        name = func.overloadpacket.__name__
+        ins = _tensors((args, kwargs))
+        outs = [t for t in _tensors(out) if not any(t is i for i in ins)]
+        flops = 0
+        if name in _GEMMS:
+            flops = _gemm_flops(name, args)
+        elif name.startswith(_SDPA_FWD) or name.startswith("_scaled_dot_product_flash_attention_for_cpu"):
+            flops = _sdpa_flops(name, args, kwargs)
+        self.add(name, _bytes(ins), _bytes(outs) + (_bytes(ins[:1]) if name.endswith("_") else 0), flops)
+        return out
+
+
+def _fused_wrappers():
+    """Every ``@fused`` function of jetrl, as (module, attribute name)."""
+    code = fuse.fused(lambda x: x).__code__
+    for mod in (linear, llama):
+        for k, v in vars(mod).items():
+            if callable(v) and getattr(v, "__code__", None) is code:
+                yield mod, k
+
+
+def _gpu_kernels(fuse_chains: bool):
+    """(module, attribute, counted as) for each function that is one kernel on a GPU, or none (None)."""
+    out = [(mod, k, f"fused {k.lstrip('_')}") for mod, k in _fused_wrappers()] if fuse_chains else []
+    # the quantizer: on a GPU jetrl's Triton kernels (one per cast, or per pair of casts), which
+    # write the scales in the GEMM's layout directly (no layout conversion runs there)
+    out += [(quant, "quantize", "quantize (Triton)"), (gemm, "quantize", "quantize (Triton)"),
+            (layouts, "to_gemm_layout", None)]
+    return out
+
+
+@contextlib.contextmanager
+def as_kernels(traffic: Traffic, fuse_chains: bool):
+    """Each function of ``_gpu_kernels`` called during the count is one kernel (its tensor arguments
+    read, its results written), or nothing; the ops inside it are not counted."""
+    saved = []
+    for mod, k, label in _gpu_kernels(fuse_chains):
+        fn = getattr(mod, k)
+
+        def counted(*args, _fn=fn, _label=label, **kwargs):
+            return traffic.kernel(_label, _fn, *args, **kwargs)
+
+        saved.append((mod, k, fn))
+        setattr(mod, k, counted)
+    try:
+        yield
+    finally:
+        for mod, k, fn in reversed(saved):
+            setattr(mod, k, fn)
+
+
+@contextlib.contextmanager
+def triton_pairs(traffic: Traffic):
+    """What jetrl's Triton quantizers do on a GPU, for the count: ``cast_pair`` with an 8-bit cast
+    reads its tensor once and writes both copies in their GEMM layouts (one kernel), and
+    ``cast_weight_pair`` writes W and W^T from one read of W (here: the reference quantizer and a
+    transpose, counted as that one kernel)."""
+    plain_pair = gemm.cast_pair
+
+    def one_kernel(fn, x, *args):  # reads x only (the specs and backends are not tensors)
+        return traffic.kernel("quantize (Triton)", fn, x, *args)
+
+    def cast_pair(x, rows, cols, backends):
+        if not any(c is not None and c.is_scaled for c in (rows, cols)):
+            return plain_pair(x, rows, cols, backends)
+        return one_kernel(plain_pair, x, rows, cols, backends)
+
+    def weight_pair(w, spec, backends):  # cast_weight_pair's conditions, but the device
+        if not (spec.format.is_fp8 and spec.block == Block(128, 128) and w.dim() == 2
+                and any(getattr(b, "name", "") in ("scaled_mm", "triton") for b in backends)):
+            return None
+
+        def both(w, spec, backends):
+            q = gemm.cast_operand(w, spec, backends[0])
+            return q, gemm.transpose_operand(q)
+        return one_kernel(both, w, spec, backends)
+
+    saved = [(mod, k, getattr(mod, k)) for mod in (gemm, linear) for k in ("cast_pair", "cast_weight_pair")]
+    for mod in (gemm, linear):
+        mod.cast_pair, mod.cast_weight_pair = cast_pair, weight_pair
+    try:
+        yield
+    finally:
+        for mod, k, fn in saved:
+            setattr(mod, k, fn)
+
+
+def _fields(x):
+    """A QTensor's data and scale (its tensors), anything else as it is."""
+    return (x.data, x.scale) if isinstance(x, QTensor) else x
+
+
+def _category(name: str) -> str:
+    if name.startswith("fused "):
+        return "fused chains"
+    if name in _GEMMS:
+        return "GEMMs"
+    if "attention" in name:
+        return "attention"
+    if name.startswith("_fused_adam") or name.startswith("_foreach"):
+        return "optimizer, clipping"
+    if name in ("_to_copy", "copy_", "clone", "contiguous", "cat", "stack", "index_put_", "index_put",
+                "index_select", "gather", "scatter", "constant_pad_nd", "new_zeros", "zeros_like", "fill_", "zero_",
+                "empty", "empty_strided", "empty_like", "new_empty_strided", "full", "scalar_tensor"):
+        return "copies, casts, fills, gathers"
+    return "other elementwise, reductions"
+
+
+def measure(traffic: Traffic, fuse_chains: bool):
+    def run(step, *external, where: bool = False) -> dict:
+        with triton_pairs(traffic):  # the first update creates AdamW's states
+            step()
+        traffic.ops.clear()
+        with as_kernels(traffic, fuse_chains), triton_pairs(traffic), traffic:
+            step()
+        return summarize(traffic.ops)
+    return run
+
+
+def summarize(ops: dict, top: int = 0) -> dict:
+    cats: dict[str, list] = {}
+    for name, (n, r, w, f) in ops.items():
+        c = cats.setdefault(_category(name), [0, 0, 0, 0])
+        for i, v in enumerate((n, r, w, f)):
+            c[i] += v
+    total = [sum(c[i] for c in cats.values()) for i in range(4)]
+    row = lambda c: {"launches": c[0], "read_gb": round(c[1] / GB, 2), "written_gb": round(c[2] / GB, 2),  # noqa: E731
+                     "tflop": round(c[3] / 1e12, 2)}
+    out = {"total": row(total), "by_category": {k: row(v) for k, v in sorted(cats.items())}}
+    out["ops"] = {k: row(v) for k, v in sorted(ops.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-1.5b")
+    ap.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (default: all)")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--flows", default="bf16,fp8-unified", help="comma-separated jetrl flows")
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers row")
+    ap.add_argument("--no-fuse", action="store_true", help="count jetrl's fused chains op by op")
+    ap.add_argument("--top", type=int, default=15, help="ops listed per row, by bytes moved")
+    args = ap.parse_args()
+
+    tsm.set_force_native(True)
+    make, cfg, label = tsm.load_bench_model(args.model, args.layers)
+    batch, adv = tsm._train_batch(cfg.vocab_size, args.batch, args.seq, torch.Generator().manual_seed(0))
+    mode = tsm.Counting(True)
+    real_make = make
+
+    def make(device):
+        with mode.building():
+            return real_make(device)
+
+    traffic = Traffic()
+    out = {"model": label, "batch": args.batch, "seq": args.seq, "rows": {}}
+    with mode, tsm._hopper_scaled_mm():
+        for name in args.flows.split(","):
+            out["rows"][f"jetrl {name}"] = tsm.jetrl_peak(make, tsm._flow(name, True), batch, adv, args.seq, True,
+                                                          False, measure=measure(traffic, not args.no_fuse))
+        if not args.no_transformers:
+            out["rows"]["transformers"] = tsm.transformers_peak(make, batch, adv, False, mode.building,
+                                                                measure=measure(traffic, False))
+    for r in out["rows"].values():
+        r["ops"] = dict(list(r["ops"].items())[:args.top])
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
