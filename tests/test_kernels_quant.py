@@ -122,6 +122,20 @@ def test_act_quantizer_rows_and_transposed_cols_are_the_reference(fp8, shape, pa
 
 
 @needs_triton
+@pytest.mark.parametrize("start,width", [(0, 256), (256, 128), (384, 128), (128, 300)])
+def test_act_quantizer_reads_a_column_slice_in_place(fp8, start, width):
+    """A linear group's Dgrad quantizes each layer's share of dy: a column slice of it, read with
+    its row stride (no contiguous copy first); the result is the contiguous copy's, bit for bit."""
+    whole = spread(70, 512 + 300, seed=start + width, dtype=torch.bfloat16)
+    x = whole[:, start:start + width]
+    assert not x.is_contiguous()
+    spec = CastSpec(E4, B1x128)
+    rows, cols = fp8.quantize_act(x, E4, pad_tokens_to=128)
+    check_rows(rows, x.contiguous(), spec)
+    check_cols(cols, x.contiguous(), spec, 128)
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_non_finite_groups_get_nan_scales_and_padding_stays_zero(fp8, dtype):
     x = spread(130, 300, seed=7)

@@ -11,7 +11,7 @@ How each op is counted (a ``TorchDispatchMode`` under the fake-tensor counting o
 
 - A **kernel** is an aten op that is not a view (``OpOverload.is_view``, ``_unsafe_view``) nor a
   metadata query (``prim::device``), including in-place ones and copies/casts. Its bytes are the sizes of its tensor inputs (read) and outputs (written, or
-  updated in place), each tensor once; a broadcast input counts the elements it has, not the
+  updated in place: the schema's mutated arguments), each tensor once; a broadcast input counts the elements it has, not the
   elements it is broadcast to. Kernels run in the fake-tensor mode's own bookkeeping are not
   jetrl's and are not seen.
 - jetrl's **fused** elementwise chains (``precision/fuse.py``: RMSNorm, SwiGLU, RoPE and their
@@ -25,7 +25,9 @@ How each op is counted (a ``TorchDispatchMode`` under the fake-tensor counting o
   Triton quantizers make unnecessary, are not counted. Where a GPU makes a Fprop and a Wgrad copy
   of one tensor in one kernel (``cast_pair``), this counts two.
 - The ``transformers`` row runs eagerly under bf16 autocast: each of its casts is a kernel, as on
-  a GPU.
+  a GPU. It clips no gradients (as ``jetrl bench train`` runs it); jetrl's rows do, and here their
+  clipping multiply is always counted (the host reads of fake values get made-up answers, and the
+  made-up norm is over the bound), through the ``_foreach`` kernels as on CUDA.
 
     python docs/experiments/train_step_traffic.py --batch 4 --seq 256
     python docs/experiments/train_step_traffic.py --batch 16 --seq 512 --flows bf16 --top 25
@@ -40,6 +42,7 @@ import os
 import sys
 
 import torch
+from torch.nn.utils import clip_grad
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -69,6 +72,20 @@ def _tensors(x) -> list[torch.Tensor]:
             seen.add(id(t))
             out.append(t)
     return out
+
+
+def _mutated(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an op writes in place (its schema's ``Tensor(a!)`` arguments: ``add_``'s self,
+    ``_fused_adamw_``'s parameters and both moments -- its gradients only with a ``grad_scale`` --,
+    an ``out=``)."""
+    got = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "grads" and kwargs.get("grad_scale") is None:  # fused Adam writes them only to unscale
+            continue
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+            got += _tensors(v)
+    return got
 
 
 def _bytes(ts) -> int:
@@ -131,13 +148,13 @@ class Traffic(TorchDispatchMode):
             return out
         name = func.overloadpacket.__name__
         ins = _tensors((args, kwargs))
-        outs = [t for t in _tensors(out) if not any(t is i for i in ins)]
+        outs = [t for t in _tensors(out) if not any(t is i for i in ins)] + _mutated(func, args, kwargs)
         flops = 0
         if name in _GEMMS:
             flops = _gemm_flops(name, args)
         elif name.startswith(_SDPA_FWD) or name.startswith("_scaled_dot_product_flash_attention_for_cpu"):
             flops = _sdpa_flops(name, args, kwargs)
-        self.add(name, _bytes(ins), _bytes(outs) + (_bytes(ins[:1]) if name.endswith("_") else 0), flops)
+        self.add(name, _bytes(ins), _bytes(outs), flops)
         return out
 
 
@@ -224,6 +241,8 @@ def _fields(x):
 def _category(name: str) -> str:
     if name.startswith("fused "):
         return "fused chains"
+    if name.startswith("quantize"):
+        return "8-bit quantizers"
     if name in _GEMMS:
         return "GEMMs"
     if "attention" in name:
@@ -237,12 +256,24 @@ def _category(name: str) -> str:
     return "other elementwise, reductions"
 
 
+@contextlib.contextmanager
+def foreach_as_on_cuda():
+    """Gradient norms and clipping through the ``_foreach`` kernels, as torch runs them on CUDA (it
+    takes the per-tensor loop for fake tensors, a tensor subclass)."""
+    plain = clip_grad._has_foreach_support
+    clip_grad._has_foreach_support = lambda tensors, device: True
+    try:
+        yield
+    finally:
+        clip_grad._has_foreach_support = plain
+
+
 def measure(traffic: Traffic, fuse_chains: bool):
     def run(step, *external, where: bool = False) -> dict:
         with triton_pairs(traffic):  # the first update creates AdamW's states
             step()
         traffic.ops.clear()
-        with as_kernels(traffic, fuse_chains), triton_pairs(traffic), traffic:
+        with as_kernels(traffic, fuse_chains), triton_pairs(traffic), foreach_as_on_cuda(), traffic:
             step()
         return summarize(traffic.ops)
     return run

@@ -519,7 +519,7 @@ def _linear_backward(ctx, mods: tuple, gy2: torch.Tensor, x_dtype, need_x: bool,
         gx = finish(run_gemm(a, transpose_operand(stacked), dg, "dgrad", dev), dg.out, x_dtype)
     elif need_x:
         for m, g in zip(mods, parts):
-            a = gy_rows if gy_rows is not None else cast_operand(g.contiguous(), dg.a, be_d)
+            a = gy_rows if gy_rows is not None else cast_operand(g, dg.a, be_d)  # a column slice, read in place
             part = finish(run_gemm(a, m.dgrad_weight(), dg, "dgrad", dev), dg.out, x_dtype)
             gx = part if gx is None else gx + part
     grads_w = [None] * len(mods)
