@@ -570,30 +570,32 @@ def test_swiglu_backward_is_the_gradient_of_its_forward():
     assert torch.autograd.gradcheck(swiglu, (gu,))
 
 
+class LargestFp32(torch.utils._python_dispatch.TorchDispatchMode):
+    """Within: ``numel``, the most elements of any fp32 tensor an op made."""
+
+    numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils import _pytree as pytree
+
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype is torch.float32:
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
 def test_a_bf16_swiglu_gradient_is_rounded_once_and_never_held_whole_in_fp32():
     """bf16 [g, u]: the gradient is the fp32 one rounded to bf16 (bits), close to float64 autograd,
     and no fp32 tensor the size of gu is made on the way (the halves are cast before they are joined)."""
-    from torch.utils import _pytree as pytree
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from jetrl_cli.precision.linear import _swiglu_grad, swiglu
 
     gu = torch.randn(37, 2 * 96, generator=gen(12)).bfloat16().requires_grad_(True)
     gy = torch.randn(37, 96, generator=gen(13)).bfloat16()
-    largest = [0]
-
-    class Fp32(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.dtype is torch.float32:
-                    largest[0] = max(largest[0], t.numel())
-            return out
-
     y = swiglu(gu)
-    with Fp32():
+    with LargestFp32() as largest:
         y.backward(gy)
-    assert gu.grad.dtype is torch.bfloat16 and largest[0] <= gu.numel() // 2, largest
+    assert gu.grad.dtype is torch.bfloat16 and 0 < largest.numel <= gu.numel() // 2, largest.numel
     assert torch.equal(gu.grad, _swiglu_grad(gu.detach().float(), gy.float()).bfloat16())
     g64 = gu.detach().double().requires_grad_(True)
     g, u = g64.chunk(2, -1)
@@ -641,33 +643,20 @@ def test_the_swiglu_backward_reads_the_fp8_copy_as_the_dequantized_one(inter):
     same bits as dequantizing it whole first (the old way), for intermediate sizes that split the
     1x128 groups between g and u (192, 96) and that do not (256); where they do not, no fp32 tensor
     bigger than one half is made on the way."""
-    from torch.utils import _pytree as pytree
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from jetrl_cli.precision.linear import _swiglu_grad, _swiglu_grad_fp8, _swiglu_math, _swiglu_math_fp8
 
     rows = 33
     gu, q = _fp8_gu(rows, inter, seed=int(torch.randint(0, 2**31, ())))
     gy = torch.randn(rows, inter, generator=gen(5)).bfloat16()
     whole = dequantize(q)
-    largest = [0]
-
-    class Fp32(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.dtype is torch.float32:
-                    largest[0] = max(largest[0], t.numel())
-            return out
-
-    with Fp32():
+    with LargestFp32() as largest:
         h = _swiglu_math_fp8(q.data, q.scale, 128, torch.bfloat16, torch.float32)
         dgu = _swiglu_grad_fp8(q.data, q.scale, 128, gy, torch.bfloat16)
     assert torch.equal(h, _swiglu_math(whole.bfloat16(), torch.float32))
     assert torch.equal(dgu, _swiglu_grad(whole, gy, torch.bfloat16))
     assert dgu.dtype is torch.bfloat16 and h.dtype is torch.float32
     if inter % 128 == 0:
-        assert largest[0] <= gu.numel() // 2, largest
+        assert 0 < largest.numel <= gu.numel() // 2, largest.numel
 
 
 @pytest.mark.slow

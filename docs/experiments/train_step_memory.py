@@ -231,29 +231,39 @@ def transformers_peak(make, batch, adv, where: bool, building=contextlib.nullcon
     return (measure or _peak)(step, hf, opt, where=where)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_arguments(ap: argparse.ArgumentParser, batch: int, seq: int) -> None:
+    """The model and batch options both counting scripts take."""
     ap.add_argument("--model", default="qwen2.5-1.5b")
     ap.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (default: all)")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--seq", type=int, default=seq)
+
+
+def counted_setup(args, fake: bool):
+    """``(make, label, batch, adv, mode)`` for a count: the native path forced, the model's maker
+    (fake with ``fake``), the batch, and the ``Counting`` mode to count under."""
+    set_force_native(True)
+    real_make, cfg, label = load_bench_model(args.model, args.layers)
+    batch, adv = _train_batch(cfg.vocab_size, args.batch, args.seq, torch.Generator().manual_seed(0))
+    mode = Counting(fake)
+
+    def make(device):
+        with mode.building():
+            return real_make(device)
+
+    return make, label, batch, adv, mode
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    model_arguments(ap, batch=1, seq=64)
     ap.add_argument("--flows", default="bf16", help="comma-separated jetrl flows (FP8/INT8 ones need --fake)")
     ap.add_argument("--fake", action="store_true", help="count with fake tensors: any size, no memory")
     ap.add_argument("--where", action="store_true", help="also print where each peak happened")
     ap.add_argument("--no-release", action="store_true", help="also count jetrl without releasing_weights")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers row")
     args = ap.parse_args()
-
-    set_force_native(True)
-    make, cfg, label = load_bench_model(args.model, args.layers)
-    batch, adv = _train_batch(cfg.vocab_size, args.batch, args.seq, torch.Generator().manual_seed(0))
-    mode = Counting(args.fake)
-    real_make = make
-
-    def make(device):
-        with mode.building():
-            return real_make(device)
-
+    make, label, batch, adv, mode = counted_setup(args, args.fake)
     out = {"model": label, "batch": args.batch, "seq": args.seq, "fake": args.fake, "peak_gb": {}}
     with mode, _hopper_scaled_mm():
         for name in args.flows.split(","):

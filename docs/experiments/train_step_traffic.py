@@ -295,26 +295,13 @@ def summarize(ops: dict, top: int = 0) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen2.5-1.5b")
-    ap.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (default: all)")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
+    tsm.model_arguments(ap, batch=4, seq=256)
     ap.add_argument("--flows", default="bf16,fp8-unified", help="comma-separated jetrl flows")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers row")
     ap.add_argument("--no-fuse", action="store_true", help="count jetrl's fused chains op by op")
     ap.add_argument("--top", type=int, default=15, help="ops listed per row, by bytes moved")
     args = ap.parse_args()
-
-    tsm.set_force_native(True)
-    make, cfg, label = tsm.load_bench_model(args.model, args.layers)
-    batch, adv = tsm._train_batch(cfg.vocab_size, args.batch, args.seq, torch.Generator().manual_seed(0))
-    mode = tsm.Counting(True)
-    real_make = make
-
-    def make(device):
-        with mode.building():
-            return real_make(device)
-
+    make, label, batch, adv, mode = tsm.counted_setup(args, fake=True)
     traffic = Traffic()
     out = {"model": label, "batch": args.batch, "seq": args.seq, "rows": {}}
     with mode, tsm._hopper_scaled_mm():
