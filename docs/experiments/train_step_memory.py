@@ -171,12 +171,21 @@ def _peak(step, *external, where: bool = False) -> dict:
 
 
 def _flow(name: str, fake: bool):
+    """A named flow, or one with ``jetrl bench``'s modifiers (``fp8-rollout+fp8kv``); its 8-bit GEMMs
+    through ``scaled_mm``, as on Hopper."""
+    from jetrl_cli.bench import FLOW_MODIFIERS
+
     if name == "bf16":
         return parse_flow(name)
     if not fake:
         raise SystemExit(f"flow {name}: FP8/INT8 flows are counted with --fake only (see the docstring)")
-    gemms = {g: {"backend": "scaled_mm"} for g in ("fprop", "dgrad", "wgrad")}
-    return parse_flow({"base": name, "rollout": {"linear": {"backend": "scaled_mm"}}, "train": gemms})
+    base, *mods = name.split("+")
+    over: dict = {"base": base}
+    for m in mods:
+        over.update(FLOW_MODIFIERS[m])
+    over["rollout"] = {**over.get("rollout", {}), "linear": {"backend": "scaled_mm"}}
+    over["train"] = {g: {"backend": "scaled_mm"} for g in ("fprop", "dgrad", "wgrad")}
+    return parse_flow(over, name=name)
 
 
 @contextlib.contextmanager

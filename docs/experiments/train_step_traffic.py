@@ -10,10 +10,13 @@ How each op is counted (a ``TorchDispatchMode`` under the fake-tensor counting o
 ``train_step_memory.py``; the second of two updates):
 
 - A **kernel** is an aten op that is not a view (``OpOverload.is_view``, ``_unsafe_view``) nor a
-  metadata query (``prim::device``), including in-place ones and copies/casts. Its bytes are the sizes of its tensor inputs (read) and outputs (written, or
-  updated in place: the schema's mutated arguments), each tensor once; a broadcast input counts the elements it has, not the
-  elements it is broadcast to. Kernels run in the fake-tensor mode's own bookkeeping are not
-  jetrl's and are not seen.
+  metadata query (``prim::device``), including in-place ones and copies/casts. Its bytes are the
+  sizes of its tensor inputs (read) and outputs (written, or updated in place: the schema's
+  mutated arguments), each tensor once; a broadcast input counts the elements it has, not the
+  elements it is broadcast to. A gather (``embedding``, ``index_select``, ``gather``, ``index``)
+  reads the rows it takes, not its whole table; a scatter (``index_copy_``, ``index_put_``,
+  ``scatter_``) writes the rows it is given and reads no more of its target. Kernels run in the
+  fake-tensor mode's own bookkeeping are not jetrl's and are not seen.
 - jetrl's **fused** elementwise chains (``precision/fuse.py``: RMSNorm, SwiGLU, RoPE and their
   backward passes), compiled into one kernel each on a GPU, count as one kernel whose bytes are the
   chain's tensor arguments and results; the ops inside are not counted. (Inductor may keep an
@@ -31,6 +34,14 @@ How each op is counted (a ``TorchDispatchMode`` under the fake-tensor counting o
 
     python docs/experiments/train_step_traffic.py --batch 4 --seq 256
     python docs/experiments/train_step_traffic.py --batch 16 --seq 512 --flows bf16 --top 25
+    python docs/experiments/train_step_traffic.py --decode --batch 64 --seq 512 --flows bf16,fp8-rollout
+
+``--decode`` counts one decode step of the embedded rollout engine instead (``--batch`` sequences,
+a KV cache ``--seq`` keys wide and half full), with the KV cache's bytes beside it: a decode step
+is memory-bound, and the GEMM weights and the cache are the least it has to read. Not counted as
+on a GPU: an FP8 KV cache read as stored (a Triton kernel that does not run on fake tensors; here
+the cache is dequantized for SDPA) and INT8 GEMMs through Triton (here ``torch._int_mm`` with the
+scaling as separate ops).
 """
 
 from __future__ import annotations
@@ -61,6 +72,8 @@ _SDPA_FWD = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficie
              "_scaled_dot_product_cudnn_attention")
 
 
+_GATHERS = {"embedding", "index_select", "gather", "index"}  # (table, indices): reads only the rows taken
+_SCATTERS = {"index_copy_", "index_put_", "scatter_"}  # (self, ..., values): writes only the values' rows
 _NOT_KERNELS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten._unsafe_view.default,
                 torch.ops.aten.lift_fresh.default, torch.ops.aten.detach.default}
 
@@ -149,6 +162,11 @@ class Traffic(TorchDispatchMode):
         name = func.overloadpacket.__name__
         ins = _tensors((args, kwargs))
         outs = [t for t in _tensors(out) if not any(t is i for i in ins)] + _mutated(func, args, kwargs)
+        if name in _GATHERS:  # reads the rows it gathers (as many bytes as it writes), not the table
+            ins = ins[1:] + outs
+        elif name in _SCATTERS:  # writes the rows it is given, into a tensor it does not read
+            ins = ins[1:]
+            outs = ins[-1:]
         flops = 0
         if name in _GEMMS:
             flops = _gemm_flops(name, args)
@@ -293,6 +311,30 @@ def summarize(ops: dict, top: int = 0) -> dict:
     return out
 
 
+def decode_step(make, flow, batch: int, width: int, traffic: Traffic) -> dict:
+    """One decode step of the embedded rollout engine: ``batch`` sequences, half of ``width`` keys
+    already in the cache, eager (a CUDA graph replays the same kernels)."""
+    from jetrl_cli.engine.base import make_payload
+    from jetrl_cli.engine.embedded import EmbeddedEngine
+
+    model = make(torch.device("cpu"))
+    eng = EmbeddedEngine(model, flow, width, max_batch=batch, cuda_graphs=False)
+    eng.load_weights(make_payload(model, flow))
+    m = eng.model
+    cache = m.new_cache(batch, width)
+    ids = torch.randint(1, m.config.vocab_size, (batch, width // 2), generator=torch.Generator().manual_seed(0))
+    tokens = ids[:, -1]
+    with torch.inference_mode():
+        m.prefill(ids, torch.full((batch,), width // 2), cache)
+        m.decode(tokens, cache, width)  # the first step decides how attention reads the cache
+        traffic.ops.clear()
+        with as_kernels(traffic, True), triton_pairs(traffic), traffic:
+            m.decode(tokens, cache, width)
+    out = summarize(traffic.ops)
+    out["kv_cache_gb"] = round(cache.nbytes_per_token() * batch * width / GB, 2)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     tsm.model_arguments(ap, batch=4, seq=256)
@@ -300,15 +342,20 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers row")
     ap.add_argument("--no-fuse", action="store_true", help="count jetrl's fused chains op by op")
     ap.add_argument("--top", type=int, default=15, help="ops listed per row, by bytes moved")
+    ap.add_argument("--decode", action="store_true",
+                    help="count one rollout decode step instead (--batch sequences, --seq cache width)")
     args = ap.parse_args()
     make, label, batch, adv, mode = tsm.counted_setup(args, fake=True)
     traffic = Traffic()
     out = {"model": label, "batch": args.batch, "seq": args.seq, "rows": {}}
     with mode, tsm._hopper_scaled_mm():
-        for name in args.flows.split(","):
+        for name in args.flows.split(",") if args.decode else ():
+            out["rows"][f"jetrl {name} decode step"] = decode_step(make, tsm._flow(name, True), args.batch, args.seq,
+                                                                   traffic)
+        for name in args.flows.split(",") if not args.decode else ():
             out["rows"][f"jetrl {name}"] = tsm.jetrl_peak(make, tsm._flow(name, True), batch, adv, args.seq, True,
                                                           False, measure=measure(traffic, not args.no_fuse))
-        if not args.no_transformers:
+        if not args.no_transformers and not args.decode:
             out["rows"]["transformers"] = tsm.transformers_peak(make, batch, adv, False, mode.building,
                                                                 measure=measure(traffic, False))
     for r in out["rows"].values():
