@@ -54,7 +54,7 @@ from .gemm import (
     run_gemm,
     transpose_operand,
 )
-from .quant import CastSpec, QTensor, to_float
+from .quant import CastSpec, QTensor, block_values
 
 TILE = 128
 
@@ -628,18 +628,6 @@ def _silu_mul_grad(g: torch.Tensor, u: torch.Tensor, gy: torch.Tensor, od: torch
     return torch.cat([(gy * u * sig * (1 + g * (1 - sig))).to(od), (gy * g * sig).to(od)], dim=-1)
 
 
-def _row_group_values(data: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:
-    """fp32 values of 8-bit ``data`` (rows x K) in 1 x ``cols`` groups with ``scale`` (rows x groups,
-    any strides): ``dequantize``'s products, element for element."""
-    m, k = data.shape
-    g = scale.shape[1]
-    d = to_float(data)
-    if g * cols != k:
-        d = torch.nn.functional.pad(d, (0, g * cols - k))
-    y = (d.reshape(m, g, cols) * scale.float()[:, :, None]).reshape(m, g * cols)
-    return y if g * cols == k else y[:, :k]
-
-
 def _halves_values(data: torch.Tensor, scale: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 values of the two halves (g, u) of an 8-bit ``gu`` in 1 x ``cols`` groups; each half
     dequantized on its own where the groups split between them (an intermediate size a multiple of
@@ -647,9 +635,9 @@ def _halves_values(data: torch.Tensor, scale: torch.Tensor, cols: int) -> tuple[
     half = data.shape[1] // 2
     if half % cols == 0 and 2 * half == data.shape[1]:
         n = half // cols
-        return (_row_group_values(data[:, :half], scale[:, :n], cols),
-                _row_group_values(data[:, half:], scale[:, n:], cols))
-    g, u = _row_group_values(data, scale, cols).chunk(2, dim=-1)
+        return (block_values(data[:, :half], scale[:, :n], 1, cols),
+                block_values(data[:, half:], scale[:, n:], 1, cols))
+    g, u = block_values(data, scale, 1, cols).chunk(2, dim=-1)
     return g, u
 
 

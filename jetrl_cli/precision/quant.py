@@ -169,11 +169,17 @@ def to_float(data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
 
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``data * scale`` in fp32, cast to ``dtype``."""
-    d2 = to_float(_as_2d(q.data))
-    m, k = d2.shape
-    br, bc = q.spec.block.resolve(m, k)
-    out = _untile(_tiles(d2, br, bc) * q.scale.float()[:, None, :, None], m, k)
+    d2 = _as_2d(q.data)
+    out = block_values(d2, q.scale, *q.spec.block.resolve(*d2.shape))
     return out.reshape(q.data.shape).to(dtype)
+
+
+def block_values(data: torch.Tensor, scale: torch.Tensor, br: int, bc: int) -> torch.Tensor:
+    """The fp32 values of 2-D 8-bit ``data`` in ``br`` x ``bc`` blocks, each times its block's entry of
+    ``scale`` (row blocks x column blocks, any strides): ``dequantize`` without the QTensor, for
+    code that ``torch.compile`` traces (a fused SwiGLU backward reading its FP8 input)."""
+    m, k = data.shape
+    return _untile(_tiles(to_float(data), br, bc) * scale.float()[:, None, :, None], m, k)
 
 
 def round_to(x: torch.Tensor, fmt: Format) -> torch.Tensor:
