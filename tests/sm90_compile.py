@@ -148,6 +148,10 @@ def cases():
         out.append((f"quantize_act cols pow2={pow2}", None, lambda x=x, p=pow2: fp8.quantize_act(x, pow2_scale=p, rows=False, pad_tokens_to=128)))
         w = torch.zeros(inter, hidden, dtype=bf)
         out.append((f"quantize_weight pow2={pow2}", None, lambda w=w, p=pow2: fp8.quantize_weight(w, pow2_scale=p, transposed=True)))
+        gu = torch.zeros(4096, 2 * inter, dtype=bf)  # an MLP's [g, u]: down's input and the FP8 copy of gu
+        out.append((f"swiglu_quantize pow2={pow2}", None, lambda gu=gu, p=pow2: fp8.swiglu_quantize(gu, pow2_scale=p, save=True)))
+        out.append((f"swiglu_quantize_t pow2={pow2}", None, lambda p=pow2: fp8.swiglu_quantize_t(
+            _qtensor(4096, 2 * inter, 1), bf, pow2_scale=p, pad_tokens_to=128)))
     for pow2 in (False, True):  # INT8 rollout: per-token activations (bf16), per-channel weights (fp32 masters)
         spec = CastSpec(Format.INT8, Block(1, 0), pow2)
         for m in (1, 64, 4096):

@@ -8,8 +8,8 @@ import torch
 
 from jetrl_cli.engine.base import make_payload
 from jetrl_cli.engine.embedded import EmbeddedEngine
-from jetrl_cli.engine.sampling import (SamplingParams, keyed_uniform, prompt_seeds, sample, sample_keys,
-                                      sampling_logprobs)
+from jetrl_cli.engine.sampling import (SamplingParams, gathered_logprobs, keyed_uniform, prompt_seeds, sample,
+                                      sample_keys, sampling_logprobs)
 from jetrl_cli.errors import JetrlError
 from jetrl_cli.models.llama import LlamaForCausalLM, key_width
 from jetrl_cli.models.tiny import tiny_config
@@ -116,6 +116,46 @@ def test_generate_is_seeded_grouped_and_stops(model):
             assert x.finish_reason == "stop" or len(x.tokens) == 10
     greedy = eng.generate(prompts, SamplingParams(10, 0.0, n=1, stop_token_ids=(stop,)), seed=0)
     assert greedy[0][0].tokens == [stop] and greedy[0][0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(top_k=40),
+                                    SamplingParams(temperature=1.3, top_p=0.9)], ids=["plain", "t0.7", "top_k", "top_p"])
+def test_gathered_logprobs_are_the_sampling_logprobs_with_a_one_pass_backward(params):
+    """The trainer's token logprobs (``gathered_logprobs``) are the rollout's ``sampling_logprobs`` at
+    the tokens, bit for bit; their gradient is ``g * (onehot - p) / temperature`` (p the sampling
+    distribution, 0 where top-k / top-p drop a token), checked against float64; and the backward
+    makes one vocabulary-sized tensor, written in place -- no zero fill to scatter into and no
+    log-softmax backward (autograd's way: five vocab-sized reads and writes more per logprob chunk)."""
+    g = torch.Generator().manual_seed(SEED)
+    n, v = 37, 1000
+    logits = (torch.randn(n, v, generator=g) * 3).requires_grad_(True)
+    full = sampling_logprobs(logits.detach(), params)
+    targets = torch.multinomial(full.exp(), 1, generator=g)[:, 0]  # tokens the distribution can draw
+    up = torch.randn(n, generator=g)
+    lp = gathered_logprobs(logits, targets, params)
+    assert torch.equal(lp.detach(), full.gather(-1, targets[:, None])[:, 0])
+    with torch.no_grad():
+        assert torch.equal(gathered_logprobs(logits, targets, params), lp.detach())
+    made = []  # the vocabulary-sized tensors the backward allocates
+
+    class Ops(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.numel() == n * v and not func.is_view \
+                    and not any(a is out for a in args):
+                made.append(func.overloadpacket.__name__)
+            return out
+
+    with Ops():
+        lp.backward(up)
+    # and with a temperature, autograd's backward of the division (top-k / top-p masks: of masked_fill)
+    assert made[0] == "exp" and not {"new_zeros", "zeros_like", "scatter", "_log_softmax_backward_data"} & set(made)
+    assert len(made) == 1 + (params.temperature != 1.0) + bool(params.top_k) + (params.top_p < 1.0), made
+    x64 = logits.detach().double() / params.temperature
+    p = (x64 - x64.max(-1, keepdim=True).values).exp() * (full > float("-inf"))  # the tokens kept
+    p = p / p.sum(-1, keepdim=True)
+    want = up.double()[:, None] * (torch.nn.functional.one_hot(targets, v).double() - p) / params.temperature
+    assert (logits.grad.double() - want).abs().max() <= 1e-6
 
 
 def test_sampling_logprobs_masks_top_k_and_top_p():

@@ -1,5 +1,5 @@
 """Fused elementwise chains (``precision.fuse``): on a GPU, RMSNorm, SwiGLU and RoPE (and their
-backward passes) run through ``torch.compile``.
+backward passes) and the token logprobs' backward run through ``torch.compile``.
 
 Checked on CPU with fusion forced on CPU tensors and the native (GPU) code path forced: dynamo traces
 every fused function whole (``fullgraph``: a graph break would be an error, and fusion would stop),
@@ -23,7 +23,7 @@ from jetrl_cli.precision import apply_flow, fuse, named_flow, parse_flow
 from jetrl_cli.rl.mismatch import reference_flow
 from jetrl_cli.rl.trainer import Batch, token_logprobs
 
-ALL = ["rms_norm", "rms_norm_grads", "rope", "swiglu_grad", "swiglu_math"]
+ALL = ["gathered_log_softmax_grad", "rms_norm", "rms_norm_grads", "rope", "swiglu_grad", "swiglu_math"]
 
 
 def fused_in_a_step(flow: str) -> list[str]:
@@ -210,8 +210,8 @@ def test_an_rl_step_compiles_every_variant_it_needs(native):
     for flow_name in ("bf16", "fp8-rollout"):
         _rl_variants(flow_name)
     assert len(_debug_get_cache_entry_list(llama._add_rms_norm.__wrapped__.__code__)) > 8
-    assert fuse.report() == {"fused": ["add_rms_norm", "rms_norm", "rms_norm_grads", "rope", "swiglu_grad",
-                                       "swiglu_math"]}
+    assert fuse.report() == {"fused": ["add_rms_norm", "gathered_log_softmax_grad", "rms_norm", "rms_norm_grads",
+                                       "rope", "swiglu_grad", "swiglu_math"]}
 
 
 def test_a_variant_past_the_recompile_limit_runs_eagerly(native, monkeypatch):
@@ -237,7 +237,7 @@ def test_batch_invariant_forward_runs_op_by_op(native):
         m.hidden(ids)
     assert fuse.report() is None
     m.hidden(ids).sum().backward()
-    assert fuse.report() == {"fused": ["rms_norm_grads", "swiglu_grad"]}
+    assert fuse.report() == {"fused": ["rms_norm_grads", "rope", "swiglu_grad"]}
 
 
 def test_report_lines():

@@ -135,6 +135,87 @@ def test_act_quantizer_reads_a_column_slice_in_place(fp8, start, width):
     check_cols(cols, x.contiguous(), spec, 128)
 
 
+def swiglu_fp32(gu, exp=torch.exp):
+    """``g / (1 + exp(-g)) * u`` in fp32, the SwiGLU quantizer's form, with the ``exp`` it runs."""
+    g, u = gu.float().chunk(2, dim=-1)
+    return g / (1 + exp(-g)) * u
+
+
+def numpy_exp(x):
+    """The interpreter's ``tl.exp``: numpy's fp32 exp (torch's CPU exp differs in last bits)."""
+    import numpy as np
+
+    with np.errstate(over="ignore"):
+        return torch.from_numpy(np.exp(x.cpu().numpy())).to(x.device)
+
+
+SWIGLU_CASES = [((2, 256), E4, False, torch.bfloat16), ((37, 512), E5, True, torch.float32),
+                ((70, 768), E4, True, torch.bfloat16), ((129, 256), E4, False, torch.float32)]
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's exp(-g) of a large -g: inf, as on a GPU
+@pytest.mark.parametrize("shape,fmt,pow2,dtype", SWIGLU_CASES)
+def test_swiglu_quantizer_is_the_reference_from_one_read(fp8, shape, fmt, pow2, dtype):
+    """``swiglu_quantize``: gu's 1x128 copy is ``quantize(gu)`` bit for bit, and h's 1x128 operand is
+    ``quantize(silu(g) * u)`` of the fp32 SwiGLU the kernel computes -- checked bit for bit with the
+    exp the interpreter runs (numpy's); torch's fp32 SwiGLU differs from it in last bits only, so
+    h's FP8 data matches torch's SwiGLU quantized but for rare one-step roundings. Scales are in the
+    GEMM's column-major grid."""
+    m, k2 = shape
+    gu = spread(m, k2, seed=m * 7 + k2, dtype=dtype)
+    gu[1, 5] = float("nan")  # a non-finite group of g, and h's group above it
+    spec = CastSpec(fmt, B1x128, pow2)
+    h, gq = fp8.swiglu_quantize(gu, fmt, pow2_scale=pow2, save=True)
+    check_rows(gq, gu, spec)
+    if not torch.cuda.is_available():
+        check_rows(h, swiglu_fp32(gu, numpy_exp), spec)
+    near = quantize(swiglu_fp32(gu), spec)
+    differ = (bytes_of(h.data).int() - bytes_of(near.data).int()).abs()
+    finite = ~h.data.float().isnan()
+    assert int(differ[finite].max()) <= 1 and float((differ[finite] > 0).float().mean()) <= 1e-3
+    assert int(h.scale.isnan().sum()) == 1 and h.scale.stride() == (1, m)
+    h_only, none = fp8.swiglu_quantize(gu, fmt, pow2_scale=pow2)
+    assert none is None and same_data(h_only.data, h.data) and same_scales(h_only.scale, h.scale)
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("shape,fmt,pow2,dtype,pad_to", [((2, 256), E4, False, torch.bfloat16, 128),
+                                                        ((130, 512), E5, True, torch.float32, 1),
+                                                        ((129, 768), E4, True, torch.bfloat16, 256)])
+def test_swiglu_transposed_quantizer_is_the_reference_on_the_fp8_copy(fp8, shape, fmt, pow2, dtype, pad_to):
+    """``swiglu_quantize_t``: from the FP8 copy of [g, u], its values rounded to the forward's dtype,
+    h quantized 128x1 and transposed (down's Wgrad operand): what ``quantize_act`` gives on the h
+    computed from the dequantized copy -- bit for bit with the interpreter's exp (numpy's); zero
+    token padding; a NaN group of the copy gives NaN scales in the columns it reaches."""
+    m, k2 = shape
+    gu = spread(m, k2, seed=m * 11 + k2, dtype=dtype)
+    gu[1, k2 // 2 + 3] = float("nan")  # a non-finite group of u: h's column 3 of token group 0
+    spec = CastSpec(E4, B1x128)
+    copy = quantize(gu, spec)
+    got = fp8.swiglu_quantize_t(copy, dtype, fmt, pow2_scale=pow2, pad_tokens_to=pad_to)
+    values = dequantize(copy).to(dtype).float()
+    exp = numpy_exp if not torch.cuda.is_available() else torch.exp
+    h = swiglu_fp32(values, exp)
+    want_spec = CastSpec(fmt, B1x128, pow2)
+    if not torch.cuda.is_available():
+        check_cols(got, h, want_spec, pad_to)
+    near = expected_cols(swiglu_fp32(values), want_spec, pad_to)
+    differ = (bytes_of(got.data).int() - bytes_of(near.data).int()).abs()
+    finite = ~got.data.float().isnan()
+    assert int(differ[finite].max()) <= 1 and float((differ[finite] > 0).float().mean()) <= 1e-3
+    assert int(got.scale.isnan().sum()) >= 1
+    with pytest.raises(ValueError, match="swiglu_quantize_t: gu_dtype must be bfloat16 or float32"):
+        fp8.swiglu_quantize_t(copy, torch.float16)
+
+
+@needs_triton
+def test_swiglu_quantizer_takes_whole_groups_only(fp8):
+    with pytest.raises(ValueError, match="swiglu_quantize: gu's width must be a multiple of 256"):
+        fp8.swiglu_quantize(torch.randn(4, 384))
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_non_finite_groups_get_nan_scales_and_padding_stays_zero(fp8, dtype):

@@ -94,6 +94,17 @@ def test_fp8_gemm_runs_on_the_tensor_cores_at_every_tile(report):
         assert "cvt.rn.f16x2.e4m3x2" in gemms[case]["ptx_fp"], case
 
 
+def test_the_swiglu_quantizers_divide_exactly(report):
+    """The SwiGLU quantizers divide as IEEE does (``div.rn``: silu's ``g / (1 + exp(-g))`` and the
+    scale's) and take the hardware's ``exp`` (``ex2.approx``, torch's is ``expf``): which is why h's
+    last bits may differ from torch's SwiGLU, and why the rollout and the trainer share the kernel."""
+    by_case = {k["case"]: k for k in report["kernels"]}
+    for case in ("swiglu_quantize pow2=False", "swiglu_quantize_t pow2=False"):
+        fp = by_case[case]["ptx_fp"]
+        assert "div.rn.f32" in fp and not any(op.startswith(("div.full", "div.approx")) for op in fp), (case, fp)
+        assert any(op.startswith("ex2.approx") for op in fp), case
+
+
 @pytest.mark.parametrize("group", ["invariant_mm bf16", "invariant_mm fp32", "invariant_blockwise_mm",
                                    "invariant_attention bf16", "invariant_attention fp32", "invariant_rms_norm",
                                    "invariant_log_softmax", "invariant_attention fp8 cache"])

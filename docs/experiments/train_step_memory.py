@@ -199,6 +199,47 @@ def _hopper_scaled_mm():
         gemm.ScaledMMBackend.unsupported = plain
 
 
+@contextlib.contextmanager
+def swiglu_kernels(run=lambda fn, *tensors: fn(*tensors)):
+    """jetrl's SwiGLU quantizers (``kernels.fp8.swiglu_quantize`` / ``swiglu_quantize_t``), which
+    ``swiglu_down`` takes on a kernel backend where Triton runs, taken on the (fake) CPU tensors too:
+    their reference (the SwiGLU and the quantizer) runs, as ``run(fn, *tensors)`` (a counter may
+    take it as the one kernel it is on a GPU; its temporaries are the reference's, not the
+    kernel's)."""
+    from jetrl_cli.precision import linear, quant
+    from jetrl_cli.precision.formats import Block
+    from jetrl_cli.precision.quant import CastSpec
+
+    class Kernels:
+        @staticmethod
+        def unsupported(*args):
+            return None
+
+        @staticmethod
+        def swiglu_quantize(gu, fmt, pow2_scale, amax_floor, save=False):
+            spec = CastSpec(fmt, Block(1, 128), pow2_scale, amax_floor)
+
+            def reference(gu):
+                h = quant.quantize(linear._swiglu_math(gu, torch.float32), spec)
+                return h, (quant.quantize(gu, spec) if save else None)
+            return run(reference, gu)
+
+        @staticmethod
+        def swiglu_quantize_t(q, gu_dtype, fmt, pow2_scale, amax_floor, pad_tokens_to):
+            def reference(data, scale):
+                h = linear._swiglu_math_fp8(data, scale, 128, gu_dtype, torch.float32)
+                return quant.quantize(h, CastSpec(fmt, Block(128, 1), pow2_scale, amax_floor)).t()
+            return run(reference, q.data, q.scale)
+
+    plain = linear.kernel_quantizers
+    linear.kernel_quantizers = lambda x, backends: Kernels if any(
+        getattr(b, "name", "") in ("scaled_mm", "triton") for b in backends) else None
+    try:
+        yield
+    finally:
+        linear.kernel_quantizers = plain
+
+
 def jetrl_peak(make, flow, batch, adv, t: int, release: bool, where: bool, measure=None) -> dict:
     sp = SamplingParams(max_new_tokens=t - t // 2)
     kind, trainer_mod.adamw_kind = trainer_mod.adamw_kind, lambda cuda: {"fused": True}  # as on CUDA
@@ -274,7 +315,7 @@ def main() -> None:
     args = ap.parse_args()
     make, label, batch, adv, mode = counted_setup(args, args.fake)
     out = {"model": label, "batch": args.batch, "seq": args.seq, "fake": args.fake, "peak_gb": {}}
-    with mode, _hopper_scaled_mm():
+    with mode, _hopper_scaled_mm(), swiglu_kernels():
         for name in args.flows.split(","):
             flow = _flow(name, args.fake)
             out["peak_gb"][f"jetrl {name}"] = jetrl_peak(make, flow, batch, adv, args.seq, True, args.where)

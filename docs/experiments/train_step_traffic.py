@@ -18,15 +18,18 @@ How each op is counted (a ``TorchDispatchMode`` under the fake-tensor counting o
   ``scatter_``) writes the rows it is given and reads no more of its target. Kernels run in the
   fake-tensor mode's own bookkeeping are not jetrl's and are not seen.
 - jetrl's **fused** elementwise chains (``precision/fuse.py``: RMSNorm, SwiGLU, RoPE and their
-  backward passes), compiled into one kernel each on a GPU, count as one kernel whose bytes are the
-  chain's tensor arguments and results; the ops inside are not counted. (Inductor may keep an
-  intermediate in memory inside the kernel; that is not seen.) ``--no-fuse`` counts them op by op.
+  backward passes, the token logprobs' backward), compiled into one kernel each on a GPU, count as
+  one kernel whose bytes are the chain's tensor arguments and results; the ops inside are not
+  counted. (Inductor may keep an intermediate in memory inside the kernel; that is not seen.)
+  ``--no-fuse`` counts them op by op.
 - **FLOPs**: 2·M·N·K for a GEMM (``mm``, ``addmm``, ``bmm``, ``_scaled_mm``, ...); attention
   (SDPA) 4·B·H·Tq·Tk·D forward and twice that backward, halved when causal; nothing for the rest.
 - The FP8 **quantizer** is one kernel per cast, as jetrl's Triton quantizers are on a GPU (its
   reference implementation runs here), and the conversions to the GEMM's scale layout, which the
-  Triton quantizers make unnecessary, are not counted. Where a GPU makes a Fprop and a Wgrad copy
-  of one tensor in one kernel (``cast_pair``), this counts two.
+  Triton quantizers make unnecessary, are not counted. Where a GPU makes two copies in one kernel
+  -- a Fprop and a Wgrad copy of one tensor (``cast_pair``), W and W^T (``cast_weight_pair``),
+  down's input and the copy of [g, u] from [g, u] (``swiglu_quantize``) -- this counts one, as it
+  counts the backward's h^T from that copy (``swiglu_quantize_t``).
 - The ``transformers`` row runs eagerly under bf16 autocast: each of its casts is a kernel, as on
   a GPU. It clips no gradients (as ``jetrl bench train`` runs it); jetrl's rows do, and here their
   clipping multiply is always counted (the host reads of fake values get made-up answers, and the
@@ -60,6 +63,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_step_memory as tsm  # noqa: E402 - beside this script
 
+from jetrl_cli.engine import sampling  # noqa: E402
 from jetrl_cli.kernels import layouts  # noqa: E402
 from jetrl_cli.models import llama  # noqa: E402
 from jetrl_cli.precision import fuse, gemm, linear, quant  # noqa: E402
@@ -179,7 +183,7 @@ class Traffic(TorchDispatchMode):
 def _fused_wrappers():
     """Every ``@fused`` function of jetrl, as (module, attribute name)."""
     code = fuse.fused(lambda x: x).__code__
-    for mod in (linear, llama):
+    for mod in (linear, llama, sampling):
         for k, v in vars(mod).items():
             if callable(v) and getattr(v, "__code__", None) is code:
                 yield mod, k
@@ -218,9 +222,11 @@ def as_kernels(traffic: Traffic, fuse_chains: bool):
 @contextlib.contextmanager
 def triton_pairs(traffic: Traffic):
     """What jetrl's Triton quantizers do on a GPU, for the count: ``cast_pair`` with an 8-bit cast
-    reads its tensor once and writes both copies in their GEMM layouts (one kernel), and
+    reads its tensor once and writes both copies in their GEMM layouts (one kernel),
     ``cast_weight_pair`` writes W and W^T from one read of W (here: the reference quantizer and a
-    transpose, counted as that one kernel)."""
+    transpose, counted as that one kernel), ``swiglu_quantize`` makes down's FP8 input (and the
+    FP8 copy of [g, u]) from one read of [g, u] and ``swiglu_quantize_t`` down's Wgrad operand from
+    that copy (here: the reference SwiGLU and quantizer)."""
     plain_pair = gemm.cast_pair
 
     def one_kernel(fn, x, *args):  # reads x only (the specs and backends are not tensors)
@@ -245,7 +251,8 @@ def triton_pairs(traffic: Traffic):
     for mod in (gemm, linear):
         mod.cast_pair, mod.cast_weight_pair = cast_pair, weight_pair
     try:
-        yield
+        with tsm.swiglu_kernels(lambda fn, *tensors: traffic.kernel("quantize (Triton)", fn, *tensors)):
+            yield
     finally:
         for mod, k, fn in saved:
             setattr(mod, k, fn)

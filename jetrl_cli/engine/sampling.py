@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..precision.fuse import fused
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -39,6 +41,25 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams, invariant: b
     """fp32 log-probabilities of the sampling distribution, rows of ``logits`` independently.
     ``invariant`` (a batch-invariant flow on a GPU): the final log-softmax is jetrl's one-program-
     per-row kernel, so a row's bits do not depend on how many rows there are."""
+    return _log_softmax(_sampling_scores(logits, params), invariant)
+
+
+def gathered_logprobs(logits: torch.Tensor, targets: torch.Tensor, params: SamplingParams,
+                      invariant: bool = False) -> torch.Tensor:
+    """``sampling_logprobs(logits, params, invariant)[i, targets[i]]``, the same bits. With autograd,
+    the log-softmax and the gather are one function (``_GatheredLogSoftmax``) whose backward is one
+    elementwise pass over the saved log-probabilities into one vocabulary-sized tensor (on a GPU one
+    fused kernel and a scatter of a value per row), where autograd's would fill a zero gradient,
+    scatter into it and run the log-softmax backward over it."""
+    x = _sampling_scores(logits, params)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _GatheredLogSoftmax.apply(x, targets, invariant)
+    return _log_softmax(x, invariant).gather(-1, targets[:, None])[:, 0]
+
+
+def _sampling_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """What the log-softmax of the sampling distribution takes: fp32 logits over the temperature,
+    with the tokens top-k / top-p drop at -inf."""
     x = logits.float()
     if not params.greedy and params.temperature != 1.0:
         x = x / params.temperature
@@ -52,11 +73,42 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams, invariant: b
         drop_sorted = before >= params.top_p  # keeps the smallest prefix reaching top_p (>= 1 token)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+def _log_softmax(x: torch.Tensor, invariant: bool) -> torch.Tensor:
     if invariant:
         from ..kernels.invariant import invariant_log_softmax
 
         return invariant_log_softmax(x)
     return torch.log_softmax(x, dim=-1)
+
+
+class _GatheredLogSoftmax(torch.autograd.Function):
+    """``log_softmax(x)[i, targets[i]]`` (rows x vocab -> rows); saves the log-probabilities, as
+    autograd's log-softmax saves its output."""
+
+    @staticmethod
+    def forward(ctx, x, targets, invariant):
+        lp = _log_softmax(x, invariant)
+        ctx.save_for_backward(lp, targets)
+        return lp.gather(-1, targets[:, None])[:, 0]
+
+    @staticmethod
+    def backward(ctx, g):
+        lp, targets = ctx.saved_tensors
+        return _gathered_log_softmax_grad(lp, targets, g), None, None
+
+
+@fused
+def _gathered_log_softmax_grad(lp: torch.Tensor, targets: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``log_softmax(x)[i, targets[i]]`` w.r.t. x for upstream ``g`` (rows): the
+    log-softmax backward ``dy - exp(lp) * sum(dy)`` of the one-hot ``dy = g at the target``, whose
+    row sum is ``g`` -- autograd's products and sums (up to the sign of a zero; torch's CPU
+    log-softmax backward has an ``exp`` of its own, so the last bits differ), in one tensor:
+    ``exp(lp) * -g``, then ``g`` added at the targets."""
+    d = lp.exp().mul_(-g[:, None])
+    return d.scatter_add_(-1, targets[:, None], g[:, None])
 
 
 def invariant_for(model, logits: torch.Tensor) -> bool:

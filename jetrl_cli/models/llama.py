@@ -207,6 +207,29 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dt
     return _as(apply_rope(_as(x, torch.float32), cos, sin), dtype)
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``_rope``; with autograd its backward is ``_rope`` too, by the angle's negative (a rotation's
+    transpose), one kernel on a GPU -- the bits autograd's op-by-op backward gives."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Rope.apply(x, cos, sin, dtype)
+    return _rope(x, cos, sin, dtype)
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, dtype):
+        ctx.save_for_backward(cos, sin)
+        ctx.x_dtype = x.dtype
+        return _rope(x, cos, sin, dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        # x*cos + roll(x)*sin has the transpose g*cos + roll(g*sin) = g*cos + roll(g)*(-sin): ``sin``
+        # carries rotate_half's signs, and rolling it by half a head flips them
+        return _rope(g, cos, -sin, ctx.x_dtype), None, None, None
+
+
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)`` without a dispatcher call when it is already that dtype (decode steps
     are made of small ops, and each call costs microseconds)."""
@@ -584,7 +607,7 @@ class Attention(nn.Module):
         # split, not sliced: the backward joins the parts' gradients in one kernel, where each slice's
         # backward writes a zero-filled gradient of the whole input and autograd adds them up
         qk, v = qkv.split((h + hk, hk), dim=1)
-        qk = _rope(qk, cos, sin, self._rope_dtype(x))
+        qk = rope(qk, cos, sin, self._rope_dtype(x))
         q, k = qk.split((h, hk), dim=1)
         if native(x) and v.requires_grad:  # attention saves v: a view would keep all of q/k/v (8x at 1.5B)
             v = v.contiguous()

@@ -1,5 +1,5 @@
 """Elementwise chains as one kernel each on a GPU: RMSNorm, SwiGLU, RoPE, an 8-bit KV cache's
-dequantization (``torch.compile``).
+dequantization, the token logprobs' backward (``torch.compile``).
 
 In eager PyTorch every op of a chain is a kernel that reads and writes a whole tensor: an RMSNorm
 is about seven kernels, a SwiGLU seven, RoPE on the queries and keys five, their backward passes

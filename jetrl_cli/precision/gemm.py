@@ -591,10 +591,7 @@ def cast_pair(x: torch.Tensor, rows: CastSpec | None, cols: CastSpec | None, bac
     multiple of 128 (what blockwise ``scaled_mm`` needs; the product is unchanged). Otherwise each
     is cast on its own by its backend. Bit-identical either way."""
     be_rows, be_cols = backends
-    tri = None
-    if any(getattr(b, "name", "") in ("scaled_mm", "triton") for b in backends) and (
-            x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and x.dim() == 2:
-        tri = _triton_kernels()
+    tri = kernel_quantizers(x, backends) if x.dim() == 2 else None
     specs = [c for c in (rows, cols) if c is not None]
     if tri is not None and specs and all(c.format.is_fp8 for c in specs) and len(
             {(c.format, c.pow2_scale, c.amax_floor) for c in specs}) == 1 and (
@@ -603,8 +600,11 @@ def cast_pair(x: torch.Tensor, rows: CastSpec | None, cols: CastSpec | None, bac
         return tri.quantize_act(x, c.format, c.pow2_scale, c.amax_floor, rows=rows is not None,
                                 cols=cols is not None, pad_tokens_to=TILE)
     r = cast_operand(x, rows, be_rows) if rows is not None else None
-    t = transpose_operand(cast_operand(x, cols, be_cols)) if cols is not None else None
-    return r, t
+    if cols is None:
+        return r, None
+    if r is not None and not rows.is_scaled and not cols.is_scaled and rows.format is cols.format:
+        return r, transpose_operand(r)  # one dense cast serves both (a dense cast has no groups)
+    return r, transpose_operand(cast_operand(x, cols, be_cols))
 
 
 def cast_weight_pair(w: torch.Tensor, spec: CastSpec, backends) -> tuple | None:
@@ -613,17 +613,24 @@ def cast_weight_pair(w: torch.Tensor, spec: CastSpec, backends) -> tuple | None:
     transposes W's operand: the block grid is transpose-symmetric, so the values are the same)."""
     if not (spec.format.is_fp8 and spec.block == Block(TILE, TILE) and w.dim() == 2):
         return None
-    if not any(getattr(b, "name", "") in ("scaled_mm", "triton") for b in backends):
-        return None
-    if not (w.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return None
-    tri = _triton_kernels()
+    tri = kernel_quantizers(w, backends)
     if tri is None:
         return None
     return tri.quantize_weight(w, spec.format, spec.pow2_scale, spec.amax_floor, transposed=True)
 
 
-def _triton_kernels():
+def kernel_quantizers(x: torch.Tensor, backends):
+    """``jetrl_cli.kernels.fp8`` where its Triton quantizers cast ``x`` for a GEMM: one of ``backends``
+    is a kernel backend (``scaled_mm``, ``triton``: the ones that read their layouts) and Triton runs
+    where ``x`` is (a GPU, or the interpreter); else None (the reference quantizes, to the same bits)."""
+    if not any(getattr(b, "name", "") in ("scaled_mm", "triton") for b in backends):
+        return None
+    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return None
+    return triton_fp8_kernels()
+
+
+def triton_fp8_kernels():
     """``jetrl_cli.kernels.fp8`` when Triton can run here (a GPU, or the interpreter), else None."""
     from ..kernels import unavailable_reason
 
@@ -645,7 +652,7 @@ def _int8_overflow(a: QTensor) -> str | None:
 def _triton_quantize(x: torch.Tensor, spec: CastSpec) -> QTensor | None:
     """jetrl's Triton quantizer for ``spec`` (FP8 1x128 / 128x1 / 128x128, INT8 rows) on ``x`` when
     Triton can run here and has one, else None (the caller uses the reference: same values)."""
-    if x.dim() != 2 or _triton_kernels() is None:
+    if x.dim() != 2 or triton_fp8_kernels() is None:
         return None
     from .. import kernels
 
@@ -705,7 +712,7 @@ class TritonBackend:
             from ..kernels import int8
 
             return int8.int8_mm(a, b, out_dtype=out_dtype)
-        return _triton_kernels().blockwise_mm(a, b, out_dtype=out_dtype)
+        return triton_fp8_kernels().blockwise_mm(a, b, out_dtype=out_dtype)
 
 
 class InvariantBackend(TritonBackend):

@@ -48,6 +48,7 @@ from .gemm import (
     exact_dense_spec,
     exact_operand,
     finish,
+    kernel_quantizers,
     native,
     operand_values,
     resolve,
@@ -61,8 +62,8 @@ TILE = 128
 # --------------------------------------------------------------------------- the forward
 
 
-def linear_forward(x: torch.Tensor, weight: Operand | list, bias: torch.Tensor | None, spec: GemmSpec,
-                   gemm: str = "fprop", x_op: Operand | None = None) -> torch.Tensor:
+def linear_forward(x: torch.Tensor | None, weight: Operand | list, bias: torch.Tensor | None, spec: GemmSpec,
+                   gemm: str = "fprop", x_op: Operand | None = None, x_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ W.T + b`` in ``spec``'s precision, for any leading dims of ``x``.
 
     ``weight`` is the weight already cast for ``spec`` (``weight_operand``, or ``concat_operands``
@@ -70,16 +71,22 @@ def linear_forward(x: torch.Tensor, weight: Operand | list, bias: torch.Tensor |
     the quantized weight), or a list of them (one GEMM each, outputs concatenated). The input is
     cast here, the GEMM runs on the resolved backend, the bias is added to the fp32 product
     (emulated) or to the output (native), and the result is rounded to ``out``. ``x_op``: the input
-    already cast (when one read of x gave this operand and another)."""
-    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    dev = x2.device
+    already cast (when one read of x gave this operand and another); x may then be None (a kernel
+    made the operand from what x is computed from: ``swiglu_down``), rows x K, and ``x_dtype`` is
+    what x's dtype would be."""
+    lead = None  # x's leading dims, when there are not just one
+    if x is None:
+        x2, dt, dev = None, x_dtype, x_op.data.device
+    else:
+        x2, dt = x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), x.dtype
+        dev, lead = x2.device, None if x.dim() == 2 else x.shape[:-1]
     xa = x_op if x_op is not None else cast_operand(x2, spec.a, backend_for(spec, gemm, dev))
     if isinstance(weight, list):
         acc = add_bias(torch.cat([run_gemm(xa, w, spec, gemm, dev) for w in weight], dim=-1), bias)
     else:
         acc = run_gemm(xa, weight, spec, gemm, dev, bias)
-    y = finish(acc, spec.out, x.dtype)
-    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+    y = finish(acc, spec.out, dt)
+    return y if lead is None else y.reshape(*lead, y.shape[-1])
 
 
 def weight_operand(w: torch.Tensor, spec: GemmSpec, gemm: str = "fprop") -> Operand:
@@ -286,6 +293,51 @@ def _view_into_stack(mods, w: torch.Tensor) -> None:
         start += n
 
 
+def group_dgrad_weight(group: "_Group") -> Operand | None:
+    """A group's Dgrad operand: the layers' W^T side by side (K x sum N_i), so the group's Dgrad is
+    one GEMM over all their outputs, summed in fp32 and rounded once (a transformer's q/k/v and
+    gate/up), and dy is cast once, whole, from the same read as Wgrad's copy. A native dense group
+    reads the transpose of its stacked weight (a view); any other is the layers' Dgrad operands
+    concatenated (``side_by_side``), cached on the group's owner until the weights change, the
+    layers' own copies dropped. None where no scale grid spans them all: one GEMM per layer then."""
+    mods, w = group.mods, group.weight
+    p = mods[0].precision
+    if _native_stack(mods, w) and p.dgrad.b == p.fprop.b and not p.dgrad.is_quantized:
+        return transpose_operand(w)
+    key = _group_key(mods)
+    hit = group.owner.__dict__.get("_jet_group_dgrad")
+    if hit is None or hit[0] != key:
+        with torch.no_grad():
+            op = side_by_side([m.dgrad_weight() for m in mods])
+        if op is not None:
+            for m in mods:
+                m._cache.pop("dgrad", None)
+        hit = (key, op)
+        group.owner.__dict__["_jet_group_dgrad"] = hit
+    return hit[1]
+
+
+def side_by_side(ops: Sequence[Operand]) -> Operand | None:
+    """Operands (each R x K_i, K-major) as one operand R x sum(K_i) -- a GEMM summing over all their
+    reduction dims --, or None where a scale group would span two of them (every part but the last
+    must be a whole number of groups wide) or their scales cover their whole K (per tensor)."""
+    first, widths = ops[0], [op.shape[1] for op in ops[:-1]]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(ops), dim=1)
+    if isinstance(first, QTensor):
+        cols = first.spec.block.cols
+        if cols == 0 or any(op.spec != first.spec for op in ops) or any(k % cols for k in widths):
+            return None
+        return QTensor(torch.cat([op.data for op in ops], 1), torch.cat([op.scale for op in ops], 1), first.spec)
+    if isinstance(first, ExactOperand):
+        g = first.group
+        if any(op.group != g or op.format is not first.format for op in ops) or any(k % g for k in widths):
+            return None
+        return ExactOperand(torch.cat([op.values for op in ops], 1), torch.cat([op.scales for op in ops], 1), g,
+                            first.format)
+    return None
+
+
 def copy_operand_(dst, src) -> bool:
     """Copy ``src``'s values into ``dst`` in place if they have the same kind, shapes, dtypes and
     spec; True if done (or both are None)."""
@@ -419,7 +471,7 @@ def _backward_done(ctx) -> None:
     if _PENDING[owner] == 0:
         del _PENDING[owner]
         _release_weights(ctx.mods, owner)
-        ctx.stacked_weight = None
+        ctx.dgrad_weight = None
 
 
 def _release_weights(mods, owner: nn.Module) -> None:
@@ -428,6 +480,7 @@ def _release_weights(mods, owner: nn.Module) -> None:
     if any(m._wfixed is not None for m in mods):
         return
     owner.__dict__.pop("_jet_group_cache", None)
+    owner.__dict__.pop("_jet_group_dgrad", None)
     for m in mods:
         m._cache = {}
 
@@ -509,28 +562,26 @@ def _linear_backward(ctx, mods: tuple, gy2: torch.Tensor, x_dtype, need_x: bool,
     parts = gy2.split(sizes, dim=1) if len(mods) > 1 else (gy2,)
     dg, wg = prec.dgrad, prec.wgrad
     be_d, be_w = backend_for(dg, "dgrad", dev), backend_for(wg, "wgrad", dev)
-    gy_rows = gy_t = None
-    if len(mods) == 1:  # dy's Dgrad and Wgrad operands from one read of dy
-        gy_rows, gy_t = cast_pair(gy2, dg.a if need_x else None, wg.a if any(need_w) else None, (be_d, be_w))
+    wt = None
+    if need_x:
+        wt = mods[0].dgrad_weight() if len(mods) == 1 else getattr(ctx, "dgrad_weight", None)
+    # dy's Dgrad and Wgrad operands from one read of dy (Dgrad's: unless one GEMM per layer)
+    gy_rows, gy_t = cast_pair(gy2, dg.a if wt is not None else None, wg.a if any(need_w) else None, (be_d, be_w))
     gx = None
-    stacked = getattr(ctx, "stacked_weight", None)
-    if need_x and stacked is not None and dg.b == prec.fprop.b and not dg.is_quantized:  # one GEMM, fp32 sums
-        a = cast_operand(gy2, dg.a, be_d)
-        gx = finish(run_gemm(a, transpose_operand(stacked), dg, "dgrad", dev), dg.out, x_dtype)
-    elif need_x:
+    if wt is not None:
+        gx = finish(run_gemm(gy_rows, wt, dg, "dgrad", dev), dg.out, x_dtype)
+    elif need_x:  # no operand spans the group's weights: a GEMM per layer, the results added
         for m, g in zip(mods, parts):
-            a = gy_rows if gy_rows is not None else cast_operand(g, dg.a, be_d)  # a column slice, read in place
-            part = finish(run_gemm(a, m.dgrad_weight(), dg, "dgrad", dev), dg.out, x_dtype)
+            part = finish(run_gemm(cast_operand(g, dg.a, be_d), m.dgrad_weight(), dg, "dgrad", dev), dg.out, x_dtype)
             gx = part if gx is None else gx + part
     grads_w = [None] * len(mods)
     if any(need_w):
-        gy_op = gy_t if gy_t is not None else _transposed_cast(gy2, wg.a, wg, dev)  # groups along tokens
         if wsum is not None:
-            grads_w = [wsum.add(gy_op, x_operand(), wg, dev)]
+            grads_w = [wsum.add(gy_t, x_operand(), wg, dev)]
         else:
-            gw = finish(run_gemm(gy_op, x_operand(), wg, "wgrad", dev), wg.out, mods[0].weight.dtype)
+            gw = finish(run_gemm(gy_t, x_operand(), wg, "wgrad", dev), wg.out, mods[0].weight.dtype)
             grads_w = list(gw.split(sizes, dim=0)) if len(mods) > 1 else [gw]
-    grads_b = [g.float().sum(0).to(m.bias.dtype) if need else None
+    grads_b = [g.sum(0, dtype=torch.float32).to(m.bias.dtype) if need else None  # no fp32 copy of g
                for m, g, need in zip(mods, parts, need_b)] if mods[0].bias is not None else []
     return gx, grads_w, grads_b
 
@@ -559,8 +610,7 @@ class _LinearGroupFn(torch.autograd.Function):
         ctx.mods, ctx.x_shape, ctx.x_dtype = mods, x.shape, x.dtype
         _count_forward(ctx, group.owner)
         ctx.wgrad_sum = _wgrad_sum(mods)
-        w = group.weight  # a native dense group's stacked weight: its Dgrad is one GEMM
-        ctx.stacked_weight = w if _native_stack(mods, w) else None
+        ctx.dgrad_weight = group_dgrad_weight(group) if len(mods) > 1 and ctx.needs_input_grad[0] else None
         ctx.fp8_saved = prec.save_fp8_activations and not group.input_kept
         if ctx.fp8_saved:  # Fprop's operand and the saved FP8 x^T (groups along tokens), from one read of x
             dev = x2.device
@@ -686,27 +736,72 @@ def swiglu_down(gu: torch.Tensor, down: "JetLinear") -> torch.Tensor:
     With ``save_fp8_activations`` (DeepSeek-V3's recipe) the backward keeps only an FP8 copy of the
     SwiGLU input ``gu`` (1x128 groups, the Fprop input's format) and recomputes from it both the
     SwiGLU gradient and ``down``'s Wgrad operand (its input, quantized in 128x1 groups); otherwise
-    ``gu`` and ``down``'s input are kept as usual. The forward is the same either way: when
-    ``down`` quantizes its input to 8 bits, it quantizes the fp32 SwiGLU output (as a fused
-    SwiGLU + quantize kernel would), never a bf16-rounded copy, whose amax (hence scales) differ."""
-    save = swiglu_save_spec(down.precision)
-    h_dtype = torch.float32 if down.precision.fprop.a.is_scaled else None
-    if save is None or _SEPARATE or not (torch.is_grad_enabled() and gu.requires_grad):
+    ``gu`` and ``down``'s input are kept as usual. When ``down`` quantizes its input to 8 bits, it
+    quantizes the fp32 SwiGLU output, never a bf16-rounded copy, whose amax (hence scales) differ;
+    where jetrl's Triton kernels run that input (FP8, 1x128) is made from ``gu`` by one kernel
+    (``kernels.fp8.swiglu_quantize``, with gu's FP8 copy from the same read when it is kept), and
+    then by it in every forward, the rollout's and the trainer's alike (``_swiglu_kernel``)."""
+    prec = down.precision
+    save = swiglu_save_spec(prec)
+    gu2 = gu.reshape(-1, gu.shape[-1])
+    kernel = None if _SEPARATE else _swiglu_kernel(gu2, prec)
+    params = [down.weight] + ([down.bias] if down.bias is not None else [])
+    track = torch.is_grad_enabled() and (gu.requires_grad or any(p.requires_grad for p in params))
+    if kernel is None and (save is None or _SEPARATE or not (track and gu.requires_grad)):
+        h_dtype = torch.float32 if prec.fprop.a.is_scaled else None
         return linear_group((down,), swiglu(gu, h_dtype), down)
     w, b = group_weight((down,), down)
-    params = [down.weight] + ([down.bias] if down.bias is not None else [])
+    if not track:
+        a = prec.fprop.a
+        h_op, _ = kernel.swiglu_quantize(gu2, a.format, a.pow2_scale, a.amax_floor)
+        y = linear_forward(None, w, b, prec.fprop, x_op=h_op, x_dtype=torch.float32)
+        return y.reshape(*gu.shape[:-1], y.shape[-1])
     return _SwiGLUDownFn.apply(gu, _Group((down,), w, b, down), save, *params)
+
+
+def _swiglu_kernel(gu: torch.Tensor, prec: LinearPrecision):
+    """``kernels.fp8`` where ``swiglu_quantize`` makes down's input from ``gu`` (rows x 2I): down's Fprop input is
+    FP8 in 1x128 groups on a kernel backend (``scaled_mm``, ``triton``), Triton runs here (a GPU, or
+    the interpreter) and takes ``gu``, whose halves are whole 128-wide groups; else None. It depends
+    on nothing a rollout and a trainer of one flow do not share, so both compute h the same way."""
+    a = prec.fprop.a
+    if not (a.format.is_fp8 and a.block == Block(1, TILE) and gu.shape[-1] % (2 * TILE) == 0):
+        return None
+    fp8 = kernel_quantizers(gu, (backend_for(prec.fprop, "fprop", gu.device),))
+    return fp8 if fp8 is not None and fp8.unsupported(gu, a.format, a.amax_floor) is None else None
+
+
+def _swiglu_t_kernel(q, gu_dtype: torch.dtype, wg: GemmSpec):
+    """``kernels.fp8`` where ``swiglu_quantize_t`` makes down's Wgrad operand from the saved FP8 copy
+    ``q`` of [g, u] as ``cast_pair`` would make it from h (Triton's 128x1 quantizer on a kernel
+    backend, where Triton runs); else None."""
+    b = wg.b
+    if not (isinstance(q, QTensor) and q.spec.block == Block(1, TILE) and b.format.is_fp8
+            and b.block == Block(TILE, 1) and gu_dtype in (torch.bfloat16, torch.float32)
+            and q.data.shape[-1] % (2 * TILE) == 0 and q.data.stride(-1) == 1):
+        return None
+    fp8 = kernel_quantizers(q.data, (backend_for(wg, "wgrad", q.data.device),))
+    return fp8 if fp8 is not None and fp8.unsupported(None, b.format, b.amax_floor) is None else None
 
 
 class _SwiGLUDownFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gu, group: _Group, save: CastSpec, *params):
+    def forward(ctx, gu, group: _Group, save: CastSpec | None, *params):
         prec: LinearPrecision = group.mods[0].precision
-        h = _swiglu_math(gu, torch.float32)
-        h2 = h.reshape(-1, h.shape[-1])
-        y = linear_forward(h2, group.weight, group.bias, prec.fprop)
+        a = prec.fprop.a
         gu2 = gu.reshape(-1, gu.shape[-1])
-        _save_operand(ctx, cast_operand(gu2, save, backend_for(prec.fprop, "fprop", gu2.device)))
+        kernel = _swiglu_kernel(gu2, prec)
+        kept = None  # gu's FP8 copy for the backward, when the kernel made it
+        if kernel is not None:  # h quantized where it is computed, never written in fp32
+            h_op, kept = kernel.swiglu_quantize(gu2, a.format, a.pow2_scale, a.amax_floor, save=save == a)
+            y = linear_forward(None, group.weight, group.bias, prec.fprop, x_op=h_op, x_dtype=torch.float32)
+        else:
+            y = linear_forward(_swiglu_math(gu2, torch.float32), group.weight, group.bias, prec.fprop)
+        if save is None:
+            kept = gu2
+        elif kept is None:
+            kept = cast_operand(gu2, save, backend_for(prec.fprop, "fprop", gu2.device))
+        _save_operand(ctx, kept)
         ctx.mods, ctx.gu_shape, ctx.gu_dtype = group.mods, gu.shape, gu.dtype
         _count_forward(ctx, group.owner)
         return y.reshape(*gu.shape[:-1], y.shape[-1])
@@ -714,18 +809,33 @@ class _SwiGLUDownFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         mods = ctx.mods
-        q = _saved_operand(ctx)  # the FP8 copy of gu (rows x 2I, 1x128 groups), never dequantized whole
-        data, scale, cols = q.data.reshape(-1, q.data.shape[-1]), q.scale, q.spec.block.cols
-        h = _swiglu_math_fp8(data, scale, cols, ctx.gu_dtype, torch.float32)  # down's input, as the forward has it
+        q = _saved_operand(ctx)
         need = ctx.needs_input_grad
         wg = mods[0].precision.wgrad
+        kernel = _swiglu_t_kernel(q, ctx.gu_dtype, wg)
+        if kernel is not None:  # down's Wgrad operand h^T straight from the FP8 copy: h never written
+            b = wg.b
+
+            def x_operand():
+                return kernel.swiglu_quantize_t(q, ctx.gu_dtype, b.format, b.pow2_scale, b.amax_floor, TILE)
+        else:
+            if isinstance(q, QTensor):  # the FP8 copy of gu (rows x 2I, 1x128 groups), never dequantized whole
+                h = _swiglu_math_fp8(q.data, q.scale, q.spec.block.cols, ctx.gu_dtype, torch.float32)
+            else:
+                h = _swiglu_math(q, torch.float32)
+
+            def x_operand():  # down's input, as the forward has it
+                return _wgrad_operand_of_input(h, wg, gy.device)
         gh, grads_w, grads_b = _linear_backward(
-            ctx, mods, gy.reshape(-1, gy.shape[-1]), h.dtype, need[0], [need[3]], list(need[4:]),
-            lambda: _wgrad_operand_of_input(h, wg, gy.device))
+            ctx, mods, gy.reshape(-1, gy.shape[-1]), torch.float32, need[0], [need[3]], list(need[4:]), x_operand)
         _backward_done(ctx)
         dgu = None
         if need[0]:
-            dgu = _swiglu_grad_fp8(data, scale, cols, gh, ctx.gu_dtype).reshape(ctx.gu_shape)
+            if isinstance(q, QTensor):
+                dgu = _swiglu_grad_fp8(q.data, q.scale, q.spec.block.cols, gh, ctx.gu_dtype)
+            else:
+                dgu = _swiglu_grad(q, gh, ctx.gu_dtype)
+            dgu = dgu.reshape(ctx.gu_shape)
         return (dgu, None, None, *grads_w, *grads_b)
 
 

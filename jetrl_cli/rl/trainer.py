@@ -10,7 +10,8 @@ Logprobs are computed without a ``[batch, seq, vocab]`` tensor: only completion 
 scored, ``LOGPROB_CHUNK_ELEMENTS`` logits at a time, and with autograd each chunk's logits are
 recomputed in the backward instead of kept (``token_logprobs``); the chunks' lm_head weight
 gradients add into one buffer (``summing_wgrad``). Each row goes through the same ``logits`` ->
-``sampling_logprobs`` as in the rollout engine, so the two still agree bit for bit.
+``sampling_logprobs`` as in the rollout engine (``gathered_logprobs``: its values at the tokens,
+with a one-pass backward), so the two still agree bit for bit.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.sampling import SamplingParams, invariant_for, sampling_logprobs
+from ..engine.sampling import SamplingParams, gathered_logprobs, invariant_for
 from ..errors import JetrlError
 from ..precision.gemm import configure_cuda_numerics
 from ..precision.linear import JetLinear, apply_flow, mark_updated, releasing_weights, summing_wgrad
@@ -94,7 +95,7 @@ def fold_invariant_scale(model: torch.nn.Module, s: float) -> None:
 def _chunk_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     logits = model.logits(h)
     invariant = invariant_for(model, logits)
-    return sampling_logprobs(logits, sampling, invariant).gather(-1, targets[:, None])[:, 0]
+    return gathered_logprobs(logits, targets, sampling, invariant)
 
 
 def target_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
