@@ -2,6 +2,7 @@
 starts from seeded random generators, so a failure reproduces when the test is run again. Shared
 helpers: ``triton_runs`` and the ``forced_native`` fixture (the GPU code path on CPU tensors)."""
 
+import importlib
 import os
 import random
 import zlib
@@ -13,6 +14,10 @@ from hypothesis import settings
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is decorated: set before any import
+    try:  # Triton's own library (tl.max, tl.clamp, ...) is decorated when triton is imported: do it now,
+        importlib.import_module("triton.language")  # so a test that unsets the variable cannot be the first
+    except ImportError:
+        pass
 
 # Property tests draw the same examples on every run (a failure is not a one-off) and print the
 # failing example; a seed per test keeps their coverage different from each other.
@@ -33,8 +38,6 @@ def seeded_generators(request):
 
 def triton_runs(*also: str) -> bool:
     """Whether Triton kernels can run here (a GPU, or the interpreter) and the modules ``also`` import."""
-    import importlib
-
     try:
         for name in ("triton", *also):
             importlib.import_module(name)

@@ -511,6 +511,38 @@ def test_rope_backward_is_the_rotation_by_the_negative_angle(dtype, monkeypatch)
     assert len(calls) == 2 and torch.equal(calls[1], -sin)  # the forward, then the backward: one fused call
 
 
+@pytest.mark.parametrize("out", [torch.float32, torch.bfloat16])
+def test_residual_add_and_norm_train_as_one_function_each_way(out, monkeypatch):
+    """A decoder layer's residual add and the RMSNorm after it, with autograd: the forward is the
+    rollout's ``_add_rms_norm`` (one kernel on a GPU) and the backward one function
+    (``_add_rms_norm_grads``: the norm's input gradient plus the residual's, and that sum in delta's
+    dtype) where autograd ran the norm's backward, an add and a cast -- the same bits as the add,
+    ``_RMSNormFn`` and the cast composed by autograd, for an fp32 residual and a bf16 delta."""
+    from jetrl_cli.models import llama
+    from jetrl_cli.models.llama import _RMSNormFn
+
+    g = gen(torch.seed() % 2**31)
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64, generator=g) + 0.5)
+    x = torch.randn(3, 5, 64, generator=g).requires_grad_(True)
+    delta = torch.randn(3, 5, 64, generator=g).bfloat16().requires_grad_(True)
+    g_s, g_y = torch.randn(3, 5, 64, generator=g), torch.randn(3, 5, 64, generator=g).to(out)
+    calls = []
+    grads_fn = llama._add_rms_norm_grads
+    monkeypatch.setattr(llama, "_add_rms_norm_grads", lambda *a: calls.append(1) or grads_fn(*a))
+    s, y = norm.add_forward(x, delta, out)
+    torch.autograd.backward((s, y), (g_s, g_y))
+    got = [t.detach().clone() for t in (s, y, x.grad, delta.grad, norm.weight.grad)]
+    assert calls == [1] and y.dtype is out and delta.grad.dtype is torch.bfloat16
+    x.grad = delta.grad = norm.weight.grad = None
+    s2 = x + delta
+    y2 = _RMSNormFn.apply(s2, norm.weight, norm.eps, False).to(out)
+    torch.autograd.backward((s2, y2), (g_s, g_y))
+    for a, b in zip(got, (s2, y2, x.grad, delta.grad, norm.weight.grad)):
+        assert torch.equal(a, b)
+
+
 def _fp8_group(backend: str, sizes, dev):
     from jetrl_cli.precision import parse_flow
 

@@ -104,7 +104,10 @@ class RMSNorm(nn.Module):
         (add, norm, cast), with the values of ``forward(x + delta).to(out)``, the trainer's ops."""
         grad = torch.is_grad_enabled() and (
             x.requires_grad or self.weight.requires_grad or delta is not None and delta.requires_grad)
-        if grad or self.invariant and native(x):
+        invariant = self.invariant and native(x)
+        if grad and delta is not None and not invariant:  # the same function, and one for its backward
+            return _AddRMSNormFn.apply(x, delta, self.weight, self.eps, out or x.dtype)
+        if grad or invariant:
             s = x if delta is None else x + delta
             return s, self.forward(s)
         return _add_rms_norm(x, delta, self.weight, self.eps, out or x.dtype)
@@ -127,11 +130,13 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tenso
 
 @fused
 def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float,
-                  out: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                  out: torch.dtype, with_rsqrt: bool = False) -> tuple:
     """``s = x + delta`` and ``_rms_norm(s)`` rounded to ``out`` (what a consumer that casts its
-    input to ``out`` would make of it: the same bits, with no cast of its own)."""
+    input to ``out`` would make of it: the same bits, with no cast of its own); ``with_rsqrt``: and
+    the per-row rsqrt, for a backward."""
     s = x if delta is None else x + delta
-    return s, _as(_rms_norm_math(s, w, eps)[0], out)
+    y, r = _rms_norm_math(s, w, eps)
+    return (s, _as(y, out), r) if with_rsqrt else (s, _as(y, out))
 
 
 _WIDE = (torch.float32, torch.float64)  # fp64 only in gradient checks
@@ -166,10 +171,48 @@ class _RMSNormFn(torch.autograd.Function):
         return gx, gw, None, None
 
 
+class _AddRMSNormFn(torch.autograd.Function):
+    """``s = x + delta`` (a residual connection) and RMSNorm(s) in ``out``: the rollout's
+    ``_add_rms_norm``, bit for bit, with a backward that is one function too (``_add_rms_norm_grads``:
+    the norm's input gradient, plus the residual's gradient of ``s``, and that sum in delta's dtype),
+    where autograd ran the norm's backward, an add of the two gradients of ``s`` and a cast for
+    delta: on a GPU one kernel for three, in the forward one for two. Keeps ``s``, the weight and
+    the per-row rsqrt, as ``_RMSNormFn``."""
+
+    @staticmethod
+    def forward(ctx, x, delta, w, eps, out):
+        s, y, r = _add_rms_norm(x, delta, w, eps, out, True)
+        ctx.save_for_backward(s, w, r)
+        ctx.dtypes = (x.dtype, delta.dtype)
+        return s, y
+
+    @staticmethod
+    def backward(ctx, gs, gy):
+        s, w, r = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        gx, gd, gw = _add_rms_norm_grads(s, w, r, gy, gs, *ctx.dtypes, need[1], need[2])
+        return gx, gd, gw, None, None
+
+
+@fused
+def _add_rms_norm_grads(s, w, r, gy, gs, x_dtype: torch.dtype, delta_dtype: torch.dtype, with_delta: bool,
+                        with_weight: bool):
+    """``_AddRMSNormFn``'s gradients: RMSNorm's input gradient plus ``gs`` (the residual path's
+    gradient of ``s``) for x, the same in ``delta_dtype`` for delta when ``with_delta``, and the
+    weight's when ``with_weight`` (else None)."""
+    gn, gw = _rms_norm_grads_math(s, w, r, gy, with_weight)
+    g = gn if gs is None else gn + gs
+    return _as(g, x_dtype), (_as(g, delta_dtype) if with_delta else None), gw
+
+
 @fused
 def _rms_norm_grads(x, w, r, gy, with_weight: bool):
     """RMSNorm's input gradient, and its weight gradient when ``with_weight`` (else None), from its
     input, weight, per-row rsqrt and output gradient."""
+    return _rms_norm_grads_math(x, w, r, gy, with_weight)
+
+
+def _rms_norm_grads_math(x, w, r, gy, with_weight: bool):
     xf, gyf, wf = (t.to(r.dtype) for t in (x, gy, w))
     xhat = xf * r
     gw = (gyf * xhat).reshape(-1, x.shape[-1]).sum(0).to(w.dtype) if with_weight else None
