@@ -543,6 +543,33 @@ def test_residual_add_and_norm_train_as_one_function_each_way(out, monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_a_norm_writes_its_consumers_dtype_where_the_gradient_comes_back_in_it(forced_native):
+    """A norm in training writes its output in the dtype the next GEMM reads (bf16: one kernel, no
+    cast) -- the bits and gradients of the fp32 norm cast by autograd -- but not where that GEMM's
+    Dgrad writes a wider format (the gradient would be rounded to the input's dtype)."""
+    from jetrl_cli.precision import parse_flow
+    from jetrl_cli.precision.linear import input_dtype
+
+    g = gen(torch.seed() % 2**31)
+    x = torch.randn(6, 128, generator=g).requires_grad_(True)
+    layer = JetLinear(torch.nn.Parameter(torch.randn(64, 128, generator=g)), None, named_flow("bf16").train.linear)
+    wide = parse_flow({"base": "bf16", "train": {"dgrad": {"grad_output": "bf16", "weight": "bf16", "out": "fp32"}}},
+                      source="<test>").train.linear
+    wide_layer = JetLinear(torch.nn.Parameter(torch.randn(64, 128, generator=g)), None, wide)
+    assert input_dtype((layer,), x) is torch.bfloat16 and input_dtype((wide_layer,), x) is None
+    with torch.no_grad():
+        assert input_dtype((wide_layer,), x) is torch.bfloat16  # the rollout: no gradient to keep
+    norm = RMSNorm(128, 1e-6)
+    gy = torch.randn(6, 128, generator=g).bfloat16()
+    y = norm(x, torch.bfloat16)
+    y.backward(gy)
+    got = (y.detach(), x.grad, norm.weight.grad)
+    x.grad = norm.weight.grad = None
+    y2 = norm(x).to(torch.bfloat16)
+    y2.backward(gy)
+    assert y.dtype is torch.bfloat16 and all(torch.equal(a, b) for a, b in zip(got, (y2, x.grad, norm.weight.grad)))
+
+
 def _fp8_group(backend: str, sizes, dev):
     from jetrl_cli.precision import parse_flow
 

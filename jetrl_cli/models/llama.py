@@ -88,9 +88,10 @@ class RMSNorm(nn.Module):
 
     invariant = False  # set by the model: the batch-invariant kernel on a GPU
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.dtype | None = None) -> torch.Tensor:
+        """RMSNorm of ``x``; with autograd, in ``out`` when given (see ``add_forward``)."""
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return _RMSNormFn.apply(x, self.weight, self.eps, self.invariant and native(x))
+            return _RMSNormFn.apply(x, self.weight, self.eps, self.invariant and native(x), out)
         if self.invariant and native(x):
             from ..kernels.invariant import invariant_rms_norm
 
@@ -100,8 +101,9 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None, out: torch.dtype | None) -> tuple:
         """``(s, norm(s))`` with ``s = x + delta`` (a residual connection, then this norm; ``s = x``
         without ``delta``), the norm's output in ``out`` if given: the dtype its consumer casts it to
-        (``input_dtype``). Without autograd one function, so on a GPU one kernel in place of three
-        (add, norm, cast), with the values of ``forward(x + delta).to(out)``, the trainer's ops."""
+        (``input_dtype``). One function, so on a GPU one kernel in place of three (add, norm, cast),
+        with the values of ``forward(x + delta).to(out)``; with autograd its backward is one function
+        too (``_AddRMSNormFn``), except in a batch-invariant forward (op by op)."""
         grad = torch.is_grad_enabled() and (
             x.requires_grad or self.weight.requires_grad or delta is not None and delta.requires_grad)
         invariant = self.invariant and native(x)
@@ -109,7 +111,7 @@ class RMSNorm(nn.Module):
             return _AddRMSNormFn.apply(x, delta, self.weight, self.eps, out or x.dtype)
         if grad or invariant:
             s = x if delta is None else x + delta
-            return s, self.forward(s)
+            return s, self.forward(s, out)
         return _add_rms_norm(x, delta, self.weight, self.eps, out or x.dtype)
 
 
@@ -154,21 +156,23 @@ class _RMSNormFn(torch.autograd.Function):
     two more activation-sized tensors); the forward is ``_rms_norm``, bit for bit."""
 
     @staticmethod
-    def forward(ctx, x, w, eps, invariant=False):
+    def forward(ctx, x, w, eps, invariant=False, out=None):
         if invariant:  # the forward's bits from the batch-invariant kernel (rsqrt kept for the backward)
             from ..kernels.invariant import invariant_rms_norm
 
             y, r = invariant_rms_norm(x, w, eps), _rms_rsqrt(x, eps)[1]
+        elif out is not None and out is not x.dtype:  # written in its consumer's dtype: one kernel, no cast
+            _, y, r = _add_rms_norm(x, None, w, eps, out, True)
         else:
             y, r = _rms_norm(x, w, eps)
         ctx.save_for_backward(x, w, r)
-        return y
+        return y if out is None else _as(y, out)
 
     @staticmethod
     def backward(ctx, gy):
         x, w, r = ctx.saved_tensors
         gx, gw = _rms_norm_grads(x, w, r, gy, ctx.needs_input_grad[1])
-        return gx, gw, None, None
+        return gx, gw, None, None, None
 
 
 class _AddRMSNormFn(torch.autograd.Function):

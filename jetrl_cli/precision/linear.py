@@ -390,9 +390,13 @@ def separate_linears():
 def input_dtype(mods: Sequence["JetLinear"], x: torch.Tensor) -> torch.dtype | None:
     """The dtype ``linear_group(mods, x)`` casts ``x`` to when that cast is a plain conversion (the
     native path, an unscaled input format): a producer may write ``x`` in it directly, saving a
-    kernel. None otherwise (8-bit inputs are quantized from the high-precision values)."""
+    kernel. None otherwise (8-bit inputs are quantized from the high-precision values), and, with
+    autograd, where Dgrad writes another format: x's gradient comes back in x's dtype, and a
+    wider Dgrad output than the input's would be rounded to it."""
     a = mods[0].precision.fprop.a
     if not native(x) or a.is_scaled or any(m.precision.fprop.a != a for m in mods[1:]):
+        return None
+    if torch.is_grad_enabled() and any(m.precision.dgrad.out is not a.format for m in mods):
         return None
     return a.format.torch_dtype()
 
