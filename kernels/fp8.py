@@ -13,7 +13,7 @@ GEMM consumes (``kernels/layouts.py`` describes them and why each exists):
   backward keeps with ``save_fp8_activations``): the SwiGLU output is never written in high
   precision. ``swiglu_quantize_t`` is the backward's: from that FP8 copy, h quantized 128x1 and
   transposed (the down projection's Wgrad operand). Compiled for sm_90a with Triton 3.9 they take
-  133 registers per thread (32 x 128 tiles, 4 warps) and 190 (128 x 128 tiles, 8 warps), no
+  126-130 registers per thread (32 x 128 tiles, 4 warps) and 190 (128 x 128 tiles, 8 warps), no
   spills (``tests/sm90_compile.py``).
 - ``blockwise_mm``: ``a @ b.T`` for FP8 operands with 1x128 or 128x128 scales along K, fp32
   accumulation per 128-wide K block, scales applied to each block's partial sum before it is added
@@ -142,6 +142,33 @@ def _scaled(x, d, FMAX: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
+def _rows_quantized(x, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr):
+    """A tile's 1x128 quantization, one group per row: ``(clamp(x / s) in fp32, s)``."""
+    s = _group_scale(_amax(_abs_bits(x), 1), FMAX, FLOOR, POW2)
+    return _scaled(x, _divisor(s, POW2)[:, None], FMAX, POW2), s
+
+
+@triton.jit
+def _store_cols(x, s, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, K, M_PAD, FMAX: tl.constexpr,
+                POW2: tl.constexpr, OUT: tl.constexpr, ZERO_PAD: tl.constexpr):
+    """A tile's 128x1 quantization with its column scales ``s``, written as x^T (K, M_PAD) and its
+    (K, gM) scale grid, strides (1, K); padding tokens are zeros even in a NaN group."""
+    tl.store(st_ptr + pm.to(tl.int64) * K + rk, s, mask=col_ok)
+    q = _scaled(x, _divisor(s, POW2)[None, :], FMAX, POW2)
+    if ZERO_PAD:
+        q = tl.where(row_ok[:, None], q, 0.0)
+    tl.store(qt_ptr + rk.to(tl.int64)[:, None] * M_PAD + rm[None, :], tl.trans(q.to(OUT)),
+             mask=col_ok[:, None] & (rm < M_PAD)[None, :])
+
+
+@triton.jit
+def _silu_mul(g, u):
+    """``silu(g) * u`` in fp32, ``precision.linear``'s form ``g / (1 + exp(-g)) * u`` with an IEEE
+    division; Triton's exp (not torch's), the same in both SwiGLU quantizers."""
+    return tl.div_rn(g, 1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, K, M_PAD, stride_xm, stride_xk,
                       FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
                       ROWS: tl.constexpr, COLS: tl.constexpr, ZERO_PAD: tl.constexpr, T: tl.constexpr):
@@ -166,12 +193,7 @@ def _act_quant_kernel(x_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, K, M_PAD, stride
         q = _scaled(x, _divisor(s_row, POW2)[:, None], FMAX, POW2)
         tl.store(qr_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :], q.to(OUT), mask=inb)
     if COLS:  # 128x1: one scale per column; written as x^T (K, M_PAD) and its (K, gM) grid, strides (1, K)
-        tl.store(st_ptr + pm.to(tl.int64) * K + rk, s_col, mask=col_ok)
-        q = _scaled(x, _divisor(s_col, POW2)[None, :], FMAX, POW2)
-        if ZERO_PAD:  # padding tokens are zeros even in a NaN group
-            q = tl.where(row_ok[:, None], q, 0.0)
-        tl.store(qt_ptr + rk.to(tl.int64)[:, None] * M_PAD + rm[None, :], tl.trans(q.to(OUT)),
-                 mask=col_ok[:, None] & (rm < M_PAD)[None, :])
+        _store_cols(x, s_col, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, K, M_PAD, FMAX, POW2, OUT, ZERO_PAD)
 
 
 @triton.jit
@@ -188,19 +210,15 @@ def _swiglu_quant_kernel(gu_ptr, qh_ptr, sh_ptr, qg_ptr, sg_ptr, M, I, stride_m,
     g = tl.load(at + rk[None, :] * stride_k, mask=inb, other=0.0, eviction_policy="evict_first").to(tl.float32)
     u = tl.load(at + (I + rk)[None, :] * stride_k, mask=inb, other=0.0, eviction_policy="evict_first").to(tl.float32)
     if SAVE:  # gu's own 1x128 copy: (M, 2I) row-major, scale (M, 2I/128) column-major; g's group, then u's
-        s = _group_scale(_amax(_abs_bits(g), 1), FMAX, FLOOR, POW2)
+        q, s = _rows_quantized(g, FMAX, FLOOR, POW2)
         tl.store(sg_ptr + pk.to(tl.int64) * M + rm, s, mask=row_ok)
-        tl.store(qg_ptr + rm.to(tl.int64)[:, None] * (2 * I) + rk[None, :],
-                 _scaled(g, _divisor(s, POW2)[:, None], FMAX, POW2).to(OUT), mask=inb)
-        s = _group_scale(_amax(_abs_bits(u), 1), FMAX, FLOOR, POW2)
+        tl.store(qg_ptr + rm.to(tl.int64)[:, None] * (2 * I) + rk[None, :], q.to(OUT), mask=inb)
+        q, s = _rows_quantized(u, FMAX, FLOOR, POW2)
         tl.store(sg_ptr + (pk + I // T).to(tl.int64) * M + rm, s, mask=row_ok)
-        tl.store(qg_ptr + rm.to(tl.int64)[:, None] * (2 * I) + (I + rk)[None, :],
-                 _scaled(u, _divisor(s, POW2)[:, None], FMAX, POW2).to(OUT), mask=inb)
-    h = tl.div_rn(g, 1.0 + tl.exp(-g)) * u  # silu(g) * u, the reference's form, in fp32
-    s = _group_scale(_amax(_abs_bits(h), 1), FMAX, FLOOR, POW2)
+        tl.store(qg_ptr + rm.to(tl.int64)[:, None] * (2 * I) + (I + rk)[None, :], q.to(OUT), mask=inb)
+    q, s = _rows_quantized(_silu_mul(g, u), FMAX, FLOOR, POW2)
     tl.store(sh_ptr + pk.to(tl.int64) * M + rm, s, mask=row_ok)
-    tl.store(qh_ptr + rm.to(tl.int64)[:, None] * I + rk[None, :], _scaled(h, _divisor(s, POW2)[:, None], FMAX, POW2).to(OUT),
-             mask=inb)
+    tl.store(qh_ptr + rm.to(tl.int64)[:, None] * I + rk[None, :], q.to(OUT), mask=inb)
 
 
 @triton.jit
@@ -224,14 +242,9 @@ def _swiglu_quant_t_kernel(q_ptr, s_ptr, qt_ptr, st_ptr, M, I, M_PAD, stride_qm,
     if ROUND_BF16:  # the values the forward's bf16 [g, u] had
         g = _to_bf16(g, INTERPRET).to(tl.float32)
         u = _to_bf16(u, INTERPRET).to(tl.float32)
-    h = tl.div_rn(g, 1.0 + tl.exp(-g)) * u  # as swiglu_quantize computes it
+    h = _silu_mul(g, u)  # as swiglu_quantize computes it
     s = _group_scale(_amax(_abs_bits(h), 0), FMAX, FLOOR, POW2)  # 128x1: one scale per column of h
-    tl.store(st_ptr + pm.to(tl.int64) * I + rk, s, mask=col_ok)
-    q = _scaled(h, _divisor(s, POW2)[None, :], FMAX, POW2)
-    if ZERO_PAD:
-        q = tl.where(row_ok[:, None], q, 0.0)
-    tl.store(qt_ptr + rk.to(tl.int64)[:, None] * M_PAD + rm[None, :], tl.trans(q.to(OUT)),
-             mask=col_ok[:, None] & (rm < M_PAD)[None, :])
+    _store_cols(h, s, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, FMAX, POW2, OUT, ZERO_PAD)
 
 
 @triton.jit

@@ -754,13 +754,20 @@ def swiglu_down(gu: torch.Tensor, down: "JetLinear") -> torch.Tensor:
     if kernel is None and (save is None or _SEPARATE or not (track and gu.requires_grad)):
         h_dtype = torch.float32 if prec.fprop.a.is_scaled else None
         return linear_group((down,), swiglu(gu, h_dtype), down)
-    w, b = group_weight((down,), down)
+    group = _Group((down,), *group_weight((down,), down), down)
     if not track:
-        a = prec.fprop.a
-        h_op, _ = kernel.swiglu_quantize(gu2, a.format, a.pow2_scale, a.amax_floor)
-        y = linear_forward(None, w, b, prec.fprop, x_op=h_op, x_dtype=torch.float32)
+        y = _swiglu_down_by_kernel(kernel, gu2, group, False)[0]
         return y.reshape(*gu.shape[:-1], y.shape[-1])
-    return _SwiGLUDownFn.apply(gu, _Group((down,), w, b, down), save, *params)
+    return _SwiGLUDownFn.apply(gu, group, save, kernel, *params)
+
+
+def _swiglu_down_by_kernel(kernel, gu2: torch.Tensor, group: "_Group", keep: bool) -> tuple:
+    """``down`` of SwiGLU(gu) with down's FP8 input made by ``kernel.swiglu_quantize`` (h never
+    written in fp32), and with ``keep`` gu's FP8 copy from the same read: ``(y, copy or None)``."""
+    fprop = group.mods[0].precision.fprop
+    a = fprop.a
+    h_op, kept = kernel.swiglu_quantize(gu2, a.format, a.pow2_scale, a.amax_floor, save=keep)
+    return linear_forward(None, group.weight, group.bias, fprop, x_op=h_op, x_dtype=torch.float32), kept
 
 
 def _swiglu_kernel(gu: torch.Tensor, prec: LinearPrecision):
@@ -790,15 +797,12 @@ def _swiglu_t_kernel(q, gu_dtype: torch.dtype, wg: GemmSpec):
 
 class _SwiGLUDownFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gu, group: _Group, save: CastSpec | None, *params):
+    def forward(ctx, gu, group: _Group, save: CastSpec | None, kernel, *params):
         prec: LinearPrecision = group.mods[0].precision
-        a = prec.fprop.a
         gu2 = gu.reshape(-1, gu.shape[-1])
-        kernel = _swiglu_kernel(gu2, prec)
         kept = None  # gu's FP8 copy for the backward, when the kernel made it
-        if kernel is not None:  # h quantized where it is computed, never written in fp32
-            h_op, kept = kernel.swiglu_quantize(gu2, a.format, a.pow2_scale, a.amax_floor, save=save == a)
-            y = linear_forward(None, group.weight, group.bias, prec.fprop, x_op=h_op, x_dtype=torch.float32)
+        if kernel is not None:  # ``_swiglu_kernel``'s choice, the rollout's too
+            y, kept = _swiglu_down_by_kernel(kernel, gu2, group, save == prec.fprop.a)
         else:
             y = linear_forward(_swiglu_math(gu2, torch.float32), group.weight, group.bias, prec.fprop)
         if save is None:
@@ -831,7 +835,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
             def x_operand():  # down's input, as the forward has it
                 return _wgrad_operand_of_input(h, wg, gy.device)
         gh, grads_w, grads_b = _linear_backward(
-            ctx, mods, gy.reshape(-1, gy.shape[-1]), torch.float32, need[0], [need[3]], list(need[4:]), x_operand)
+            ctx, mods, gy.reshape(-1, gy.shape[-1]), torch.float32, need[0], [need[4]], list(need[5:]), x_operand)
         _backward_done(ctx)
         dgu = None
         if need[0]:
@@ -840,7 +844,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
             else:
                 dgu = _swiglu_grad(q, gh, ctx.gu_dtype)
             dgu = dgu.reshape(ctx.gu_shape)
-        return (dgu, None, None, *grads_w, *grads_b)
+        return (dgu, None, None, None, *grads_w, *grads_b)
 
 
 def swiglu_save_spec(prec: LinearPrecision) -> CastSpec | None:
