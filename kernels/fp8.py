@@ -248,6 +248,56 @@ def _swiglu_quant_t_kernel(q_ptr, s_ptr, qt_ptr, st_ptr, M, I, M_PAD, stride_qm,
 
 
 @triton.jit
+def _residual(x_at, d_at, k, ok, HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """``s = x + delta`` of a (rows, 128) tile in fp32, rounded to s's dtype as torch's add rounds it."""
+    s = tl.load(x_at + k[None, :], mask=ok, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        s += tl.load(d_at + k[None, :], mask=ok, other=0.0).to(tl.float32)
+        if S_BF16:
+            s = _to_bf16(s, INTERPRET).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _rms_norm_quant_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, r_ptr, q_ptr, sc_ptr, M, N, eps,
+                           stride_xm, stride_dm, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr,
+                           OUT: tl.constexpr, HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr,
+                           Y_BF16: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_R: tl.constexpr,
+                           INTERPRET: tl.constexpr, BM: tl.constexpr, T: tl.constexpr):
+    pm = tl.program_id(0)
+    rm = pm * BM + tl.arange(0, BM)
+    rk = tl.arange(0, T)
+    row_ok = rm < M
+    rows = rm.to(tl.int64)[:, None]
+    x_at = x_ptr + rows * stride_xm
+    d_at = d_ptr + rows * stride_dm
+    ss = tl.zeros((BM, T), dtype=tl.float32)  # a running sum of squares per lane, in K order
+    for k0 in range(0, N, T):
+        k = k0 + rk
+        ok = row_ok[:, None] & (k < N)[None, :]
+        s = _residual(x_at, d_at, k, ok, HAS_DELTA, S_BF16, INTERPRET)
+        if HAS_DELTA:
+            tl.store(s_ptr + rows * N + k[None, :], s.to(s_ptr.dtype.element_ty), mask=ok)
+        ss += s * s
+    ms = tl.div_rn(tl.sum(ss, axis=1), N.to(tl.float32))
+    r = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))  # correctly rounded, as the batch-invariant RMSNorm
+    if WRITE_R:
+        tl.store(r_ptr + rm, r, mask=row_ok)
+    for kb in range(0, tl.cdiv(N, T)):
+        k = kb * T + rk
+        ok = row_ok[:, None] & (k < N)[None, :]
+        s = _residual(x_at, d_at, k, ok, HAS_DELTA, S_BF16, INTERPRET)  # recomputed: pass 1's bits
+        y = s * r[:, None] * tl.load(w_ptr + k, mask=k < N, other=0.0).to(tl.float32)[None, :]
+        if Y_BF16:  # the values a bf16 output holds: what is quantized
+            y = _to_bf16(y, INTERPRET).to(tl.float32)
+        if WRITE_Y:
+            tl.store(y_ptr + rows * N + k[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
+        q, sc = _rows_quantized(y, FMAX, FLOOR, POW2)
+        tl.store(sc_ptr + kb * M + rm, sc, mask=row_ok)  # < numel / 128: int32 is enough
+        tl.store(q_ptr + rows * N + k[None, :], q.to(OUT), mask=ok)
+
+
+@triton.jit
 def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_wn, stride_wk, GN, GK, L4, L4T,
                          FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
                          TRANS: tl.constexpr, T: tl.constexpr):
@@ -444,6 +494,59 @@ def swiglu_quantize_t(gu: QTensor, gu_dtype: torch.dtype, fmt: Format = Format.F
             FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], ROUND_BF16=gu_dtype is torch.bfloat16,
             INTERPRET=_interpreting(), ZERO_PAD=m_pad > m, T=TILE, num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION)
     return QTensor(qt, st, CastSpec(fmt, Block(1, TILE), pow2_scale, amax_floor))
+
+
+NORM_ROWS = 4  # rows per program of the RMSNorm quantizer (4 x 128 fp32 tiles at 4 warps)
+_NORM_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def rms_norm_quantize(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      out_dtype: torch.dtype, fmt: Format = Format.FP8_E4M3, pow2_scale: bool = False,
+                      amax_floor: float = DEFAULT_AMAX_FLOOR, write_y: bool = False,
+                      rsqrt: bool = False) -> tuple:
+    """A residual add and the RMSNorm after it, with the norm's output quantized 1x128 in the same
+    kernel: ``(s, y, r, q)`` for x (T x N) and ``delta`` (T x N, or None: ``s = x``):
+
+    - ``s = x + delta`` in torch's promoted dtype (None without ``delta``);
+    - ``y = s * (1 / sqrt(sum(s^2) / N + eps)) * weight`` in fp32, rounded to ``out_dtype`` (bf16 or
+      fp32), written only with ``write_y`` (else None: a rollout's forward needs only q);
+    - ``r``, the per-row ``1 / sqrt(...)`` (fp32, T) with ``rsqrt`` (a backward's), else None;
+    - ``q = quantize(y, 1x128)``: data (T, N) row-major, scale (T, ceil(N/128)) with strides (1, T),
+      the next GEMM's Fprop operand, bit for bit the reference quantizer's on this y.
+
+    One program owns ``NORM_ROWS`` whole rows, so a row's result does not depend on the batch; the
+    sum of squares is per lane in K order, then one fixed tree, and the square root and division are
+    IEEE (the batch-invariant RMSNorm's math), so y may differ from torch's RMSNorm in its last bits.
+    Every forward that feeds a GEMM from this norm -- the rollout's and the trainer's -- takes this
+    kernel or none (``models.llama.norm_linear``). A rollout's step writes neither y nor r: two
+    kernels (norm, quantizer) become one and the norm's output never reaches memory."""
+    where = "rms_norm_quantize"
+    _check(x, fmt, amax_floor, where)
+    m, n = x.shape
+    for name, t in (("x", x), ("delta", delta)):
+        if t is not None and (t.dtype not in _NORM_DTYPES or t.shape != (m, n) or t.stride(1) != 1):
+            raise ValueError(f"{where}: {name} must be a bfloat16 or float32 ({m}, {n}) tensor with unit column "
+                             f"stride, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+    if weight.shape != (n,) or out_dtype not in _NORM_DTYPES:
+        raise ValueError(f"{where}: weight must be ({n},) and out_dtype bfloat16 or float32, got "
+                         f"{tuple(weight.shape)} and {out_dtype}")
+    dev = x.device
+    s_dtype = x.dtype if delta is None else torch.promote_types(x.dtype, delta.dtype)
+    s = torch.empty((m, n), dtype=s_dtype, device=dev) if delta is not None else None
+    y = torch.empty((m, n), dtype=out_dtype, device=dev) if write_y else None
+    r = torch.empty((m,), dtype=torch.float32, device=dev) if rsqrt else None
+    q = torch.empty((m, n), dtype=fmt.torch_dtype(), device=dev)
+    sc = torch.empty((cdiv(n, TILE), m), dtype=torch.float32, device=dev).t()
+    if m and n:
+        dummy = q  # never written through: its flag is off
+        _rms_norm_quant_kernel[(cdiv(m, NORM_ROWS),)](
+            x, x if delta is None else delta, weight.contiguous(), s if s is not None else dummy,
+            y if write_y else dummy, r if rsqrt else sc, q, sc, m, n, float(eps), x.stride(0),
+            x.stride(0) if delta is None else delta.stride(0), FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale,
+            OUT=_TL_FP8[fmt], HAS_DELTA=delta is not None, S_BF16=s_dtype is torch.bfloat16,
+            Y_BF16=out_dtype is torch.bfloat16, WRITE_Y=write_y, WRITE_R=rsqrt, INTERPRET=_interpreting(),
+            BM=NORM_ROWS, T=TILE, num_warps=4, enable_fp_fusion=FP_FUSION)
+    return s, y, r, QTensor(q, sc, CastSpec(fmt, Block(1, TILE), pow2_scale, amax_floor))
 
 
 def quantize_weight(w: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale: bool = False,

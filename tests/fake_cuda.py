@@ -19,7 +19,9 @@ meaning anything.
 The backward runs too, though autograd's engine wants a real CUDA context: ``loss.backward()`` is
 ``py_autograd.backward`` here, which calls the graph's nodes from Python (checked against the
 engine by ``tests/test_py_autograd.py``). What cannot run: CUDA graph capture and Triton kernels
-(they need real memory). The scenarios: the engine's decoding and the trainer's forward and update
+(they need real memory): the quantizers' and the FP8 KV cache's kernels are stood in (``_NoLaunch``:
+their wrappers run and allocate their outputs on the device, the launch is counted), so the paths
+that take them are checked up to the kernel. The scenarios: the engine's decoding and the trainer's forward and update
 through the ``scaled_mm``, ``emulated`` and torch backends; ``jetrl bench train`` and ``bench
 rollout --device cuda`` at the 1.5B shape cut to one layer; ``jetrl run PRESET --set
 model.device=cuda`` for two steps, the tiny presets (``fp8-unified`` also with a KL penalty) and the ``gpu-*`` ones (on a small Hugging Face
@@ -443,6 +445,13 @@ def main() -> int:
     report["triton_launches"] = {}
     attention._decode_kernel = _NoLaunch("decode_attention", report["triton_launches"])  # FP8 KV-cache decode
     attention._kv_store_kernel = _NoLaunch("kv_store", report["triton_launches"])
+    import jetrl_cli.kernels as kernels_pkg
+    from jetrl_cli.kernels import fp8, int8
+
+    kernels_pkg.unavailable_reason = lambda: None  # Triton "runs" where a fake GPU is: the quantizers'
+    for mod, name in ((fp8, "_act_quant_kernel"), (fp8, "_weight_quant_kernel"), (fp8, "_swiglu_quant_kernel"),
+                      (fp8, "_swiglu_quant_t_kernel"), (fp8, "_rms_norm_quant_kernel"), (int8, "_row_quant_kernel")):
+        setattr(mod, name, _NoLaunch(name, report["triton_launches"]))  # wrappers run, on the device
 
     def attempt(where: dict, key, name: str, fn, *args) -> None:  # a failure is reported: the test fails on it
         try:

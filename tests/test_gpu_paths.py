@@ -22,7 +22,7 @@ from jetrl_cli.models.shapes import random_model
 from jetrl_cli.models.tiny import tiny_config
 from jetrl_cli.precision import CastSpec, GemmSpec, JetLinear, LinearPrecision, apply_flow, named_flow
 from jetrl_cli.precision import gemm
-from jetrl_cli.precision.formats import Format
+from jetrl_cli.precision.formats import Block, Format
 from jetrl_cli.precision.quant import QTensor, dequantize, error_stats, quantize
 from jetrl_cli.rl import trainer as trainer_mod
 from jetrl_cli.rl.trainer import Batch, token_logprobs
@@ -841,6 +841,79 @@ def test_fp8_mlp_input_is_made_from_gu_by_one_kernel_in_rollout_and_training(sav
         assert ((got.float() - want.float()).norm() / want.float().norm()) < 0.02
 
 
+@pytest.mark.parametrize("save", [False, True])
+def test_a_norm_writes_its_gemms_fp8_input_in_rollout_and_training(save, forced_native, monkeypatch):
+    """On a kernel backend each decoder layer's two norms write the FP8 1x128 operand of the q/k/v and
+    gate/up GEMMs themselves (``rms_norm_quantize``, with the residual add before the second): in
+    the rollout's forward without writing the norm's output, in the trainer's with it (the Wgrad
+    operand's source), the same kernel either way, so the logits are the same bits. With the kernel
+    replaced by torch's norm and the reference quantizer (the values the op-by-op path computes),
+    the trainer's logits and gradients are the op-by-op path's bit for bit: the operand handed to
+    the GEMMs, the norm's backward from the kernel's rsqrt and the Wgrad operand made from the
+    written output are the ones the separate kernels give."""
+    from jetrl_cli.models import llama
+    from jetrl_cli.precision import parse_flow
+
+    from .triton_interp_fix import fixed_fp8_conversion
+
+    gemms = {g: {"backend": "triton"} for g in ("fprop", "dgrad", "wgrad")}
+    flow = parse_flow({"base": "fp8-unified", "rollout": {"linear": {"backend": "triton"}},
+                       "train": {**gemms, "save_fp8_activations": save}}, source="<test>")
+    seed = torch.seed() % 2**31
+    base = _model(seed=seed, hidden=256, layers=2)
+    ids = torch.randint(0, 256, (2, 9), generator=gen(seed))
+    fp8 = gemm.triton_fp8_kernels()
+    kernel, calls = fp8.rms_norm_quantize, []
+    monkeypatch.setattr(fp8, "rms_norm_quantize", lambda *a, **k: calls.append(k.get("write_y", False)) or kernel(*a, **k))
+    quantize_act, row_casts = fp8.quantize_act, []  # 1x128 casts of a forward: o_proj's input only
+    monkeypatch.setattr(fp8, "quantize_act", lambda *a, **k: row_casts.append(k.get("rows", True)) or quantize_act(*a, **k))
+
+    def run(flow_side, grad=True):
+        """The logits, the gradients (with ``grad``) and how many 1x128 casts the forward made."""
+        m = copy.deepcopy(base)
+        apply_flow(m, flow, flow_side)
+        row_casts.clear()
+        if not grad:
+            with torch.no_grad():
+                return m(ids), None, sum(row_casts)
+        logits = m(ids)
+        casts = sum(row_casts)
+        with Fills():
+            (logits.float().log_softmax(-1)[..., 0].mean()).backward()
+        return logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}, casts
+
+    fp8_fills = []  # zero-filled "gradients" of the norms' FP8 outputs: none
+
+    class Fills(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and \
+                    func.overloadpacket.__name__ in ("zeros", "zeros_like", "new_zeros", "zero_", "fill_", "full"):
+                fp8_fills.append(func)
+            return out
+
+    def torch_norm_quantize(x, delta, w, eps, out, fmt, pow2, floor, write_y=False, rsqrt=False):
+        calls.append(write_y)
+        s, y, r = llama._add_rms_norm(x, delta, w, eps, out, True)
+        q = quantize(y, CastSpec(fmt, Block(1, 128), pow2, floor))
+        return (None if delta is None else s), (y if write_y else None), (r[:, 0] if rsqrt else None), q
+
+    with fixed_fp8_conversion():
+        want, _, casts = run("rollout", grad=False)
+        assert calls == [False] * 4 and casts == 2  # two norms per layer, no output written
+        got, _, casts = run("train")
+        assert calls[4:] == [True] * 4 and casts == 2 and torch.equal(got, want)
+        monkeypatch.setattr(fp8, "rms_norm_quantize", torch_norm_quantize)
+        got, grads, _ = run("train")
+        assert calls[8:] == [True] * 4
+        monkeypatch.setattr(llama, "fused_input_quantizer", lambda *a: None)
+        want, ref, casts = run("train")
+        assert casts == 6  # op by op: the norms' outputs cast by the quantizer
+    assert len(calls) == 12 and torch.equal(got, want) and fp8_fills == []
+    assert set(grads) == set(ref) and len(ref) > 10
+    for n in ref:
+        assert torch.equal(grads[n], ref[n]), n
+
 def _fp8_gu(rows: int, inter: int, seed: int):
     from jetrl_cli.precision.linear import swiglu_save_spec
 
@@ -903,12 +976,15 @@ def test_the_fused_swiglu_backward_from_fp8_is_one_kernel_without_a_whole_fp32_g
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
-def test_blockwise_scaled_mm_matches_the_emulated_gemm_on_gpu(kind):
+@pytest.mark.parametrize("kind,t", [("fprop", 512), ("dgrad", 512), ("wgrad", 512),
+                                    ("fprop", 1), ("fprop", 3), ("fprop", 7), ("fprop", 64)])
+def test_blockwise_scaled_mm_matches_the_emulated_gemm_on_gpu(kind, t):
+    """Training shapes, and decode steps' few rows (any number of live sequences, not only multiples
+    of 4, through the Fprop GEMM: the one a decode step runs)."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("blockwise FP8 needs a Hopper GPU")
     dev = "cuda"
-    t, k, n = 512, 1024, 768
+    k, n = 1024, 768
     a, b = _blockwise_operands(kind, torch.randn(t, k, device=dev), torch.randn(n, k, device=dev) * 0.02,
                                torch.randn(t, n, device=dev))
     got = gemm.ScaledMMBackend().mm(a, b, Format.FP32 if kind == "wgrad" else Format.BF16).float()

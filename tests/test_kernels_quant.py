@@ -216,6 +216,60 @@ def test_swiglu_quantizer_takes_whole_groups_only(fp8):
         fp8.swiglu_quantize(torch.randn(4, 384))
 
 
+# (rows, width, residual x dtype, delta dtype or None, output dtype, format, pow2): widths that are and
+# are not whole 128-wide groups, a row count that is not a multiple of the kernel's rows per program
+NORM_CASES = [(7, 320, torch.float32, torch.bfloat16, torch.float32, E4, False),
+              (9, 256, torch.bfloat16, torch.bfloat16, torch.bfloat16, E5, True),
+              (5, 384, torch.float32, None, torch.float32, E4, True),
+              (1, 96, torch.bfloat16, None, torch.float32, E4, False)]
+
+
+@needs_triton
+@pytest.mark.parametrize("m,n,x_dtype,d_dtype,out,fmt,pow2", NORM_CASES)
+def test_norm_quantizer_is_the_add_the_norm_and_the_quantizer_of_its_output(fp8, m, n, x_dtype, d_dtype, out, fmt, pow2):
+    """``rms_norm_quantize``: s is torch's ``x + delta`` bit for bit; y is RMSNorm(s) * w to within
+    fp32 rounding (the sum of squares in the kernel's order), rounded to the output dtype; r is
+    the per-row 1 / sqrt(mean(s^2) + eps); and the FP8 operand is ``quantize(y, 1x128)`` bit for bit
+    on the kernel's own y -- the same bytes when y is not written. Random inputs, an all-zero row
+    and a row holding a NaN (its groups' scales NaN, as the quantizer's)."""
+    g = gen(m * 31 + n)
+    x = (torch.randn(m, n, generator=g) * torch.exp(torch.randn(m, 1, generator=g))).to(x_dtype).to(dev())
+    delta = None if d_dtype is None else torch.randn(m, n, generator=g).to(d_dtype).to(dev())
+    w = (torch.rand(n, generator=g) + 0.5).to(dev())
+    x[0] = 0.0
+    if delta is not None:
+        delta[0] = 0.0
+    if m > 2:
+        x[2, n - 1] = float("nan")
+    eps = 1e-6
+    s, y, r, q = fp8.rms_norm_quantize(x, delta, w, eps, out, fmt, pow2, write_y=True, rsqrt=True)
+    s_ref = x if delta is None else x + delta
+    assert (s is None) == (delta is None) and (s is None or (s.dtype == s_ref.dtype and same_scales(s, s_ref)))
+    sd = s_ref.double()
+    r_ref = 1 / torch.sqrt((sd * sd).mean(-1) + eps)
+    y_ref = sd * r_ref[:, None] * w.double()
+    ok = ~torch.isnan(y_ref).any(-1)
+    assert y.dtype == out and torch.isnan(y[~ok]).any(-1).all()
+    tol = 2.0**-8 if out is torch.bfloat16 else 2.0**-20  # a rounding of y, or a few fp32 ulps
+    assert ((y[ok].double() - y_ref[ok]).abs() <= tol * y_ref[ok].abs() + 1e-30).all()
+    assert ((r[ok].double() - r_ref[ok]).abs() <= 2.0**-21 * r_ref[ok]).all()
+    check_rows(q, y, CastSpec(fmt, B1x128, pow2))
+    assert (torch.isnan(q.scale).any(-1) == ~ok).all()
+    none_s, none_y, none_r, q_only = fp8.rms_norm_quantize(x, delta, w, eps, out, fmt, pow2)
+    assert none_y is none_r is None and same_data(q_only.data, q.data) and same_scales(q_only.scale, q.scale)
+    assert none_s is None or same_scales(none_s, s)
+
+
+@needs_triton
+def test_norm_quantizer_rejects_what_it_cannot_take(fp8):
+    x = torch.randn(4, 256)
+    with pytest.raises(ValueError, match="rms_norm_quantize: delta must be a bfloat16 or float32"):
+        fp8.rms_norm_quantize(x, torch.randn(4, 128), torch.ones(256), 1e-6, torch.float32)
+    with pytest.raises(ValueError, match="rms_norm_quantize: weight must be"):
+        fp8.rms_norm_quantize(x, None, torch.ones(128), 1e-6, torch.float32)
+    with pytest.raises(ValueError, match="rms_norm_quantize: x must be"):
+        fp8.rms_norm_quantize(x.half(), None, torch.ones(256), 1e-6, torch.float32)
+
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_non_finite_groups_get_nan_scales_and_padding_stays_zero(fp8, dtype):

@@ -105,6 +105,17 @@ def test_the_swiglu_quantizers_divide_exactly(report):
         assert any(op.startswith("ex2.approx") for op in fp), case
 
 
+def test_the_norm_quantizer_divides_and_takes_the_root_exactly(report):
+    """``rms_norm_quantize`` divides and takes its square root as IEEE does (``div.rn``, ``sqrt.rn``:
+    the mean, 1 / sqrt and the scale), no approximate ``rsqrt``: its norm is the batch-invariant
+    RMSNorm's math on a GPU as in the interpreter, for a rollout's step and a training forward alike."""
+    by_case = {k["case"]: k for k in report["kernels"]}
+    for case in ("rms_norm_quantize train pow2=False", "rms_norm_quantize decode pow2=False"):
+        fp = by_case[case]["ptx_fp"]
+        assert "div.rn.f32" in fp and "sqrt.rn.f32" in fp, (case, fp)
+        assert not any(op.startswith(("div.full", "div.approx", "rsqrt", "sqrt.approx")) for op in fp), (case, fp)
+
+
 @pytest.mark.parametrize("group", ["invariant_mm bf16", "invariant_mm fp32", "invariant_blockwise_mm",
                                    "invariant_attention bf16", "invariant_attention fp32", "invariant_rms_norm",
                                    "invariant_log_softmax", "invariant_attention fp8 cache"])

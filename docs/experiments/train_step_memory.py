@@ -200,12 +200,14 @@ def _hopper_scaled_mm():
 
 
 @contextlib.contextmanager
-def swiglu_kernels(run=lambda fn, *tensors: fn(*tensors)):
+def fused_quantizers(run=lambda kind, fn, *tensors: fn(*tensors)):
     """jetrl's SwiGLU quantizers (``kernels.fp8.swiglu_quantize`` / ``swiglu_quantize_t``), which
-    ``swiglu_down`` takes on a kernel backend where Triton runs, taken on the (fake) CPU tensors too:
-    their reference (the SwiGLU and the quantizer) runs, as ``run(fn, *tensors)`` (a counter may
-    take it as the one kernel it is on a GPU; its temporaries are the reference's, not the
-    kernel's)."""
+    ``swiglu_down`` takes on a kernel backend where Triton runs, and its RMSNorm quantizer
+    (``rms_norm_quantize``, which ``models.llama.norm_linear`` takes there), taken on the (fake)
+    CPU tensors too: their reference (the SwiGLU or the norm, and the quantizer) runs, as
+    ``run(kind, fn, *tensors)`` with ``kind`` ``"swiglu"`` or ``"norm"`` (a counter may take it as the
+    one kernel it is on a GPU; its temporaries are the reference's, not the kernel's)."""
+    from jetrl_cli.models import llama
     from jetrl_cli.precision import linear, quant
     from jetrl_cli.precision.formats import Block
     from jetrl_cli.precision.quant import CastSpec
@@ -222,14 +224,22 @@ def swiglu_kernels(run=lambda fn, *tensors: fn(*tensors)):
             def reference(gu):
                 h = quant.quantize(linear._swiglu_math(gu, torch.float32), spec)
                 return h, (quant.quantize(gu, spec) if save else None)
-            return run(reference, gu)
+            return run("swiglu", reference, gu)
 
         @staticmethod
         def swiglu_quantize_t(q, gu_dtype, fmt, pow2_scale, amax_floor, pad_tokens_to):
             def reference(data, scale):
                 h = linear._swiglu_math_fp8(data, scale, 128, gu_dtype, torch.float32)
                 return quant.quantize(h, CastSpec(fmt, Block(128, 1), pow2_scale, amax_floor)).t()
-            return run(reference, q.data, q.scale)
+            return run("swiglu", reference, q.data, q.scale)
+
+        @staticmethod
+        def rms_norm_quantize(x, delta, w, eps, out, fmt, pow2_scale, amax_floor, write_y=False, rsqrt=False):
+            def reference(x, delta, w):
+                s, y, r = llama._add_rms_norm(x, delta, w, eps, out, True)
+                q = quant.quantize(y, CastSpec(fmt, Block(1, 128), pow2_scale, amax_floor))
+                return (None if delta is None else s), (y if write_y else None), (r[:, 0] if rsqrt else None), q
+            return run("norm", reference, x, delta, w)
 
     plain = linear.kernel_quantizers
     linear.kernel_quantizers = lambda x, backends: Kernels if any(
@@ -315,7 +325,7 @@ def main() -> None:
     args = ap.parse_args()
     make, label, batch, adv, mode = counted_setup(args, args.fake)
     out = {"model": label, "batch": args.batch, "seq": args.seq, "fake": args.fake, "peak_gb": {}}
-    with mode, _hopper_scaled_mm(), swiglu_kernels():
+    with mode, _hopper_scaled_mm(), fused_quantizers():
         for name in args.flows.split(","):
             flow = _flow(name, args.fake)
             out["peak_gb"][f"jetrl {name}"] = jetrl_peak(make, flow, batch, adv, args.seq, True, args.where)

@@ -226,7 +226,8 @@ def triton_pairs(traffic: Traffic):
     ``cast_weight_pair`` writes W and W^T from one read of W (here: the reference quantizer and a
     transpose, counted as that one kernel), ``swiglu_quantize`` makes down's FP8 input (and the
     FP8 copy of [g, u]) from one read of [g, u] and ``swiglu_quantize_t`` down's Wgrad operand from
-    that copy (here: the reference SwiGLU and quantizer)."""
+    that copy (here: the reference SwiGLU and quantizer), and ``rms_norm_quantize`` a residual add,
+    the norm after it and the next GEMM's FP8 input (here: the reference norm and quantizer)."""
     plain_pair = gemm.cast_pair
 
     def one_kernel(fn, x, *args):  # reads x only (the specs and backends are not tensors)
@@ -251,7 +252,8 @@ def triton_pairs(traffic: Traffic):
     for mod in (gemm, linear):
         mod.cast_pair, mod.cast_weight_pair = cast_pair, weight_pair
     try:
-        with tsm.swiglu_kernels(lambda fn, *tensors: traffic.kernel("quantize (Triton)", fn, *tensors)):
+        names = {"swiglu": "quantize (Triton)", "norm": "fused add_rms_norm + quantize (Triton)"}
+        with tsm.fused_quantizers(lambda kind, fn, *tensors: traffic.kernel(names[kind], fn, *tensors)):
             yield
     finally:
         for mod, k, fn in saved:

@@ -48,8 +48,9 @@ from ..precision.flow import LinearPrecision
 from ..precision.formats import Block, Format
 from ..precision.fuse import fused
 from ..precision.gemm import F64_BITS, device_time_ms, fixed_point, kernel_choice, native, note_kernel
-from ..precision.linear import JetLinear, group_weight, input_dtype, linear_group, swiglu_down
-from ..precision.quant import CastSpec, dequantize, fake_quantize, quantize, round_to
+from ..precision.linear import (JetLinear, fused_input_quantizer, group_weight, input_dtype, linear_group,
+                                swiglu_down)
+from ..precision.quant import CastSpec, QTensor, dequantize, fake_quantize, quantize, round_to
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,63 @@ class _AddRMSNormFn(torch.autograd.Function):
         s, w, r = ctx.saved_tensors
         need = ctx.needs_input_grad
         gx, gd, gw = _add_rms_norm_grads(s, w, r, gy, gs, *ctx.dtypes, need[1], need[2])
+        return gx, gd, gw, None, None
+
+
+def norm_linear(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, mods: tuple, owner: nn.Module) -> tuple:
+    """``(s, linear_group(mods, norm(s)))`` with ``s = x + delta`` (``s = x`` without ``delta``): a
+    residual connection, the norm after it and the linear layers that read the norm's output.
+
+    Where those layers quantize their input FP8 1x128 with jetrl's Triton kernels
+    (``fused_input_quantizer``), the norm's own kernel writes that operand
+    (``kernels.fp8.rms_norm_quantize``): in a rollout's forward the norm's output never reaches
+    memory (one kernel in place of two), and the trainer's forward takes the same kernel, writing
+    the output too (the Wgrad operand is made from it), so the two agree bit for bit. Not in the
+    batch-invariant mode, whose norm is ``kernels.invariant``'s."""
+    quant = None if norm.invariant else fused_input_quantizer(mods, x)
+    if quant is None:
+        s, h = norm.add_forward(x, delta, input_dtype(mods, x))
+        return s, linear_group(mods, h, owner)
+    n = x.shape[-1]
+    x2, d2 = x.reshape(-1, n), None if delta is None else delta.reshape(-1, n)
+    grad = torch.is_grad_enabled() and (
+        x.requires_grad or norm.weight.requires_grad or delta is not None and delta.requires_grad)
+    if not grad:
+        fp8, spec = quant
+        s, _, _, rows = fp8.rms_norm_quantize(x2, d2, norm.weight, norm.eps, x.dtype, spec.format,
+                                              spec.pow2_scale, spec.amax_floor)
+        y = linear_group(mods, None, owner, x_op=rows, x_dtype=x.dtype)
+    else:
+        *s, h, data, scale = _NormQuantFn.apply(x2, d2, norm.weight, norm.eps, quant)
+        s = s[0] if s else None
+        y = linear_group(mods, h, owner, x_op=QTensor(data, scale, quant[1]))
+    return (x if s is None else s.reshape(x.shape)), y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class _NormQuantFn(torch.autograd.Function):
+    """``norm_linear``'s norm with autograd: ``rms_norm_quantize``'s outputs (s when there is a
+    delta, then the norm's output and its FP8 operand's data and scales, not differentiable), and
+    the backward of ``_AddRMSNormFn`` (of ``_RMSNormFn`` without a delta) from s, the weight and the
+    kernel's per-row rsqrt."""
+
+    @staticmethod
+    def forward(ctx, x, delta, w, eps, quant):
+        fp8, spec = quant
+        s, y, r, rows = fp8.rms_norm_quantize(x, delta, w, eps, x.dtype, spec.format, spec.pow2_scale,
+                                              spec.amax_floor, write_y=True, rsqrt=True)
+        ctx.save_for_backward(x if s is None else s, w, r[:, None])
+        ctx.dtypes = (x.dtype, None if delta is None else delta.dtype)
+        ctx.mark_non_differentiable(rows.data, rows.scale)
+        ctx.set_materialize_grads(False)  # no zero-filled "gradients" of the FP8 operand (two kernels)
+        return (y, rows.data, rows.scale) if s is None else (s, y, rows.data, rows.scale)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        s, w, r = ctx.saved_tensors
+        x_dtype, d_dtype = ctx.dtypes
+        gs, gy = (None, grads[0]) if d_dtype is None else grads[:2]
+        need = ctx.needs_input_grad
+        gx, gd, gw = _add_rms_norm_grads(s, w, r, gy, gs, x_dtype, d_dtype or x_dtype, need[1], need[2])
         return gx, gd, gw, None, None
 
 
@@ -644,19 +702,27 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.num_attention_heads * d, h, bias=False)
         self.kv_spec: CastSpec | None = None
 
+    @property
+    def qkv(self) -> tuple:
+        return self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x, cos, sin, mask: Masking, cache: KVCache | None = None, layer: int = 0):
-        b, t, _ = x.shape
+        return self.attend(linear_group(self.qkv, x, self), x.dtype, cos, sin, mask, cache, layer)
+
+    def attend(self, qkv, x_dtype: torch.dtype, cos, sin, mask: Masking, cache: KVCache | None = None, layer: int = 0):
+        """Attention from the q/k/v projections' output ``qkv`` (b x t x ...), through o_proj;
+        ``x_dtype``: the dtype of the projections' input, which the CPU emulation writes its output in."""
+        b, t, _ = qkv.shape
         c = self.cfg
         h, hk = c.num_attention_heads, c.num_key_value_heads
-        qkv = linear_group((self.q_proj, self.k_proj, self.v_proj), x, self)
         # RoPE on queries and keys in one pass (elementwise: the same bits as two passes), in fp32
         qkv = qkv.reshape(b, t, h + 2 * hk, c.head_dim).transpose(1, 2)
         # split, not sliced: the backward joins the parts' gradients in one kernel, where each slice's
         # backward writes a zero-filled gradient of the whole input and autograd adds them up
         qk, v = qkv.split((h + hk, hk), dim=1)
-        qk = rope(qk, cos, sin, self._rope_dtype(x))
+        qk = rope(qk, cos, sin, self._rope_dtype(qkv))
         q, k = qk.split((h, hk), dim=1)
-        if native(x) and v.requires_grad:  # attention saves v: a view would keep all of q/k/v (8x at 1.5B)
+        if native(qkv) and v.requires_grad:  # attention saves v: a view would keep all of q/k/v (8x at 1.5B)
             v = v.contiguous()
         width = mask.width
         if cache is None:
@@ -673,9 +739,9 @@ class Attention(nn.Module):
                 out = _cache_attention(q, cache, layer, width, mask, self.attention_format())
                 return linear_group((self.o_proj,), out, self.o_proj, input_kept=True)
             # natively straight in the dtype attention reads (the same bits as through fp32)
-            dt = self.attention_format().torch_dtype() if native(x) else k.dtype
+            dt = self.attention_format().torch_dtype() if native(qkv) else k.dtype
             keys, values = (k, v) if mask.causal or cache.exact else cache.read(layer, width, dt)
-        if native(x):
+        if native(qkv):
             out = _native_attention(q, keys, values, mask, h // hk, self.attention_format())
             # SDPA keeps its output for its backward; o_proj's backward reads the same tensor
             return linear_group((self.o_proj,), out, self.o_proj, input_kept=True)
@@ -695,7 +761,7 @@ class Attention(nn.Module):
         q = round_to(q, fmt)  # as flash attention reads it
         out = _emulated_attention(q, kf, vf, mask.additive(), rep, fixed)
         out = round_to(out, fmt)  # as flash attention writes it
-        return linear_group((self.o_proj,), _as(out, x.dtype), self.o_proj)
+        return linear_group((self.o_proj,), _as(out, x_dtype), self.o_proj)
 
     def attention_format(self) -> Format:
         return attention_format(self.kv_spec)
@@ -888,8 +954,12 @@ class MLP(nn.Module):
         self.up_proj = Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = Linear(i, h, bias=cfg.mlp_bias)
 
+    @property
+    def gate_up(self) -> tuple:
+        return self.gate_proj, self.up_proj
+
     def forward(self, x):
-        return swiglu_down(linear_group((self.gate_proj, self.up_proj), x, self), self.down_proj)
+        return swiglu_down(linear_group(self.gate_up, x, self), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -902,10 +972,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, mask: Masking, cache=None, layer=0):
         a, m = self.self_attn, self.mlp
-        _, h = self.input_layernorm.add_forward(x, None, input_dtype((a.q_proj, a.k_proj, a.v_proj), x))
-        x, h = self.post_attention_layernorm.add_forward(
-            x, a(h, cos, sin, mask, cache, layer), input_dtype((m.gate_proj, m.up_proj), x))
-        return x + m(h)
+        _, qkv = norm_linear(self.input_layernorm, x, None, a.qkv, a)
+        x, gu = norm_linear(self.post_attention_layernorm, x, a.attend(qkv, x.dtype, cos, sin, mask, cache, layer),
+                            m.gate_up, m)
+        return x + swiglu_down(gu, m.down_proj)
 
 
 class DecoderModel(nn.Module):

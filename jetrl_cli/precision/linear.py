@@ -401,29 +401,59 @@ def input_dtype(mods: Sequence["JetLinear"], x: torch.Tensor) -> torch.dtype | N
     return a.format.torch_dtype()
 
 
-def linear_group(mods: Sequence["JetLinear"], x: torch.Tensor, owner: nn.Module, input_kept: bool = False) -> torch.Tensor:
+def linear_group(mods: Sequence["JetLinear"], x: torch.Tensor | None, owner: nn.Module, input_kept: bool = False,
+                 x_op: Operand | None = None, x_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Linear layers reading the same ``x``, outputs concatenated along the last dim.
 
     The input is cast once and the forward is one GEMM on the concatenated weight (``group_weight``,
     cached on ``owner``), with or without autograd, so training and rollout run the same bits.
     ``input_kept``: the autograd graph already keeps ``x`` itself (an attention output that the
     attention backward needs), so the backward reads it rather than a separate FP8 copy; the
-    Wgrad operand is quantized from it in the backward, to the same bits."""
+    Wgrad operand is quantized from it in the backward, to the same bits. ``x_op``: x's Fprop
+    operand, already made by the kernel that computed x (``fused_input_quantizer``); without
+    autograd x may then be None (never written; rows x K, ``x_dtype`` what its dtype would be), and
+    the result is 2-D."""
     if _SEPARATE:
         return torch.cat([m(x) for m in mods], dim=-1) if len(mods) > 1 else mods[0](x)
-    return _linear_group(tuple(mods), x, owner, input_kept)
+    return _linear_group(tuple(mods), x, owner, input_kept, x_op, x_dtype)
 
 
-def _linear_group(mods: tuple, x: torch.Tensor, owner: nn.Module, input_kept: bool = False) -> torch.Tensor:
+def _linear_group(mods: tuple, x: torch.Tensor | None, owner: nn.Module, input_kept: bool = False,
+                  x_op: Operand | None = None, x_dtype: torch.dtype | None = None) -> torch.Tensor:
     if len(mods) > 1 and not _uniform(mods):  # e.g. one layer switched to another precision (attribution)
         return torch.cat([m(x) for m in mods], dim=-1)
     needs_grad = torch.is_grad_enabled() and (
-        x.requires_grad or any(m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad) for m in mods))
+        (x is not None and x.requires_grad)
+        or any(m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad) for m in mods))
     w, b = group_weight(mods, owner)
     if not needs_grad:
-        return linear_forward(x, w, b, mods[0].precision.fprop)
+        return linear_forward(x, w, b, mods[0].precision.fprop, x_op=x_op, x_dtype=x_dtype)
     params = [m.weight for m in mods] + [m.bias for m in mods if m.bias is not None]
-    return _LinearGroupFn.apply(x, _Group(mods, w, b, owner, input_kept), *params)
+    return _LinearGroupFn.apply(x, _Group(mods, w, b, owner, input_kept, x_op), *params)
+
+
+def fused_input_quantizer(mods: Sequence["JetLinear"], x: torch.Tensor) -> tuple | None:
+    """``(kernels.fp8, CastSpec)`` where the kernel that computes ``x`` may also write its Fprop operand
+    for ``linear_group(mods, x)`` (``x_op``): on the native path, the group's input is quantized FP8
+    1x128 on a kernel backend, by jetrl's Triton quantizers (on a GPU, or in the interpreter). The
+    operand is then the quantizer's bit for bit on that kernel's x. None otherwise (also for layers
+    run one module call each: ``separate_linears``). It depends on nothing a rollout and a trainer of
+    one flow do not share, so both make x the same way."""
+    if _SEPARATE or x.dtype not in (torch.bfloat16, torch.float32) or (len(mods) > 1 and not _uniform(mods)):
+        return None
+    prec = mods[0].precision
+    fp8 = _fp8_input_kernels(prec, x)
+    return None if fp8 is None else (fp8, prec.fprop.a)
+
+
+def _fp8_input_kernels(prec: LinearPrecision, x: torch.Tensor):
+    """``kernels.fp8`` where the layer's Fprop input is FP8 in 1x128 groups on a kernel backend
+    (``scaled_mm``, ``triton``) and Triton runs where ``x`` is (a GPU, or the interpreter); else None."""
+    a = prec.fprop.a
+    if not (a.format.is_fp8 and a.block == Block(1, TILE)):
+        return None
+    fp8 = kernel_quantizers(x, (backend_for(prec.fprop, "fprop", x.device),))
+    return fp8 if fp8 is not None and fp8.unsupported(None, a.format, a.amax_floor) is None else None
 
 
 @dataclass
@@ -433,6 +463,7 @@ class _Group:
     bias: torch.Tensor | None
     owner: nn.Module
     input_kept: bool = False
+    x_op: Operand | None = None  # x's Fprop operand, made with x (``fused_input_quantizer``)
 
 
 # --------------------------------------------------------------------------- releasing cached weights
@@ -616,14 +647,15 @@ class _LinearGroupFn(torch.autograd.Function):
         ctx.wgrad_sum = _wgrad_sum(mods)
         ctx.dgrad_weight = group_dgrad_weight(group) if len(mods) > 1 and ctx.needs_input_grad[0] else None
         ctx.fp8_saved = prec.save_fp8_activations and not group.input_kept
+        xa = group.x_op
         if ctx.fp8_saved:  # Fprop's operand and the saved FP8 x^T (groups along tokens), from one read of x
             dev = x2.device
-            xa, xt = cast_pair(x2, prec.fprop.a, prec.wgrad.b,
-                               (backend_for(prec.fprop, "fprop", dev), backend_for(prec.wgrad, "wgrad", dev)))
-            y = linear_forward(x2, group.weight, group.bias, prec.fprop, x_op=xa)
+            rows, xt = cast_pair(x2, prec.fprop.a if xa is None else None, prec.wgrad.b,
+                                 (backend_for(prec.fprop, "fprop", dev), backend_for(prec.wgrad, "wgrad", dev)))
+            y = linear_forward(x2, group.weight, group.bias, prec.fprop, x_op=rows if xa is None else xa)
             _save_operand(ctx, xt)
         else:
-            y = linear_forward(x2, group.weight, group.bias, prec.fprop)
+            y = linear_forward(x2, group.weight, group.bias, prec.fprop, x_op=xa)
             wb = prec.wgrad.b
             keep = x2 if wb.is_scaled or wb.format is Format.FP32 or not native(x2) else x2.to(wb.format.torch_dtype())
             _save_operand(ctx, keep)
@@ -771,15 +803,14 @@ def _swiglu_down_by_kernel(kernel, gu2: torch.Tensor, group: "_Group", keep: boo
 
 
 def _swiglu_kernel(gu: torch.Tensor, prec: LinearPrecision):
-    """``kernels.fp8`` where ``swiglu_quantize`` makes down's input from ``gu`` (rows x 2I): down's Fprop input is
-    FP8 in 1x128 groups on a kernel backend (``scaled_mm``, ``triton``), Triton runs here (a GPU, or
-    the interpreter) and takes ``gu``, whose halves are whole 128-wide groups; else None. It depends
-    on nothing a rollout and a trainer of one flow do not share, so both compute h the same way."""
-    a = prec.fprop.a
-    if not (a.format.is_fp8 and a.block == Block(1, TILE) and gu.shape[-1] % (2 * TILE) == 0):
+    """``kernels.fp8`` where ``swiglu_quantize`` makes down's input from ``gu`` (rows x 2I): as
+    ``_fp8_input_kernels``, for a ``gu`` the kernel takes, whose halves are whole 128-wide groups;
+    else None. It depends on nothing a rollout and a trainer of one flow do not share, so both
+    compute h the same way."""
+    if gu.shape[-1] % (2 * TILE):
         return None
-    fp8 = kernel_quantizers(gu, (backend_for(prec.fprop, "fprop", gu.device),))
-    return fp8 if fp8 is not None and fp8.unsupported(gu, a.format, a.amax_floor) is None else None
+    fp8 = _fp8_input_kernels(prec, gu)
+    return fp8 if fp8 is not None and fp8.unsupported(gu, prec.fprop.a.format, prec.fprop.a.amax_floor) is None else None
 
 
 def _swiglu_t_kernel(q, gu_dtype: torch.dtype, wg: GemmSpec):
