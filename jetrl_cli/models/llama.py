@@ -970,12 +970,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask: Masking, cache=None, layer=0):
+    def forward(self, x, cos, sin, mask: Masking, cache=None, layer=0, delta=None):
+        """The layer on the residual stream ``x + delta`` (``delta``: the previous layer's MLP output,
+        or None): ``(x', delta')``, whose sum is the layer's output (``layer_output``). Each
+        residual add runs in the norm after it (``norm_linear``), this layer's MLP output's in the
+        next layer's first norm: no add of its own, with the same bits as adding it here."""
         a, m = self.self_attn, self.mlp
-        _, qkv = norm_linear(self.input_layernorm, x, None, a.qkv, a)
+        x, qkv = norm_linear(self.input_layernorm, x, delta, a.qkv, a)
         x, gu = norm_linear(self.post_attention_layernorm, x, a.attend(qkv, x.dtype, cos, sin, mask, cache, layer),
                             m.gate_up, m)
-        return x + swiglu_down(gu, m.down_proj)
+        return x, swiglu_down(gu, m.down_proj)
+
+
+def layer_output(out: tuple) -> torch.Tensor:
+    """The hidden state a ``DecoderLayer``'s output ``(x, delta)`` stands for: ``x + delta`` (what a
+    forward hook on a decoder layer reads as the layer's output)."""
+    x, delta = out
+    return x + delta
 
 
 class DecoderModel(nn.Module):
@@ -1040,9 +1051,10 @@ class LlamaForCausalLM(nn.Module):
             x = self.model.embed_tokens(input_ids)
             if cache is not None:  # decided once per forward, for every layer
                 mask.reads_cache = _reads_cache_as_stored(x, cache, mask, self.config.num_attention_heads)
+            delta = None  # each layer's MLP output, added in the next layer's first norm
             for i, layer in enumerate(self.model.layers):
-                x = layer(x, cos, sin, mask, cache, i)
-            return self.model.norm(x)
+                x, delta = layer(x, cos, sin, mask, cache, i, delta)
+            return self.model.norm(x + delta)  # a module call: its hooks see the final hidden state
 
     def logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits of hidden states (any leading dims): the lm_head in the flow's precision;

@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 
 from ..engine.sampling import SamplingParams, invariant_for, sampling_logprobs
-from ..models.llama import key_width
+from ..models.llama import key_width, layer_output
 
 
 def _capture(model):
     """Forward hooks on every decoder layer and the final norm; returns (outputs list, remove)."""
     outs: list[list[torch.Tensor]] = [[] for _ in range(len(model.model.layers) + 1)]
-    hooks = [layer.register_forward_hook(lambda m, i, o, j=j: outs[j].append(o.detach().float()))
+    hooks = [layer.register_forward_hook(lambda m, i, o, j=j: outs[j].append(layer_output(o).detach().float()))
              for j, layer in enumerate(model.model.layers)]
     hooks.append(model.model.norm.register_forward_hook(lambda m, i, o: outs[-1].append(o.detach().float())))
     return outs, lambda: [h.remove() for h in hooks]

@@ -33,6 +33,7 @@ import torch
 from ..engine.embedded import EmbeddedEngine
 from ..engine.sampling import SamplingParams
 from ..errors import JetrlError
+from ..models.llama import layer_output
 from ..precision.flow import NAMED_FLOWS, KVCacheSpec, PrecisionFlow, RolloutPrecision, parse_flow
 from ..precision.linear import JetLinear, apply_flow, matches_skip, separate_linears
 from .algos import CorrectionConfig, mismatch_metrics
@@ -288,7 +289,8 @@ def layer_attribution(ref_model, rollout_model, train_model, b: Batch, sampling:
     # 2. The hidden state after each decoder layer, rollout forward vs training forward.
     def capture(model):
         outs = []
-        hs = [layer.register_forward_hook(lambda m, i, o: outs.append(o[valid])) for layer in model.model.layers]
+        hs = [layer.register_forward_hook(lambda m, i, o: outs.append(layer_output(o)[valid]))
+              for layer in model.model.layers]
         try:
             model(ids)
         finally:
