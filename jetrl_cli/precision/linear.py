@@ -434,7 +434,7 @@ def _linear_group(mods: tuple, x: torch.Tensor | None, owner: nn.Module, input_k
 
 def fused_input_quantizer(mods: Sequence["JetLinear"], x: torch.Tensor) -> tuple | None:
     """``(kernels.fp8, CastSpec)`` where the kernel that computes ``x`` may also write its Fprop operand
-    for ``linear_group(mods, x)`` (``x_op``): on the native path, the group's input is quantized FP8
+    for ``linear_group(mods, x)`` (``x_op``): where the group's input (bf16 or fp32) is quantized FP8
     1x128 on a kernel backend, by jetrl's Triton quantizers (on a GPU, or in the interpreter). The
     operand is then the quantizer's bit for bit on that kernel's x. None otherwise (also for layers
     run one module call each: ``separate_linears``). It depends on nothing a rollout and a trainer of
