@@ -2,7 +2,8 @@
 precision core runs (``backend: triton`` in a preset's GEMM spec, and ``auto``'s candidate on a GPU).
 
 ``kernels/fp8.py`` holds the unified FP8 flow's kernels (fused 1x128 / 128x1 activation quantizer,
-128x128 weight quantizer with its transpose, SwiGLU + quantizer, blockwise-scaled FP8 GEMM), ``kernels/int8.py`` the
+128x128 weight quantizer with its transpose, SwiGLU + quantizer, residual add + RMSNorm +
+quantizer, blockwise-scaled FP8 GEMM), ``kernels/int8.py`` the
 INT8 rollout's (per-row quantizer, INT8 GEMM with its scaling fused), ``kernels/invariant.py`` the
 batch-invariant ones, ``kernels/attention.py`` the decode attention that reads an FP8 KV cache as
 stored; ``jetrl_cli.precision.gemm`` wraps them as backends. They run on a CUDA GPU, or

@@ -99,14 +99,18 @@ class RMSNorm(nn.Module):
             return invariant_rms_norm(x, self.weight, self.eps)
         return _rms_norm(x, self.weight, self.eps)[0]
 
+    def tracks(self, x: torch.Tensor, delta: torch.Tensor | None) -> bool:
+        """Whether autograd records this norm of ``x + delta``."""
+        return torch.is_grad_enabled() and (
+            x.requires_grad or self.weight.requires_grad or delta is not None and delta.requires_grad)
+
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None, out: torch.dtype | None) -> tuple:
         """``(s, norm(s))`` with ``s = x + delta`` (a residual connection, then this norm; ``s = x``
         without ``delta``), the norm's output in ``out`` if given: the dtype its consumer casts it to
         (``input_dtype``). One function, so on a GPU one kernel in place of three (add, norm, cast),
         with the values of ``forward(x + delta).to(out)``; with autograd its backward is one function
         too (``_AddRMSNormFn``), except in a batch-invariant forward (op by op)."""
-        grad = torch.is_grad_enabled() and (
-            x.requires_grad or self.weight.requires_grad or delta is not None and delta.requires_grad)
+        grad = self.tracks(x, delta)
         invariant = self.invariant and native(x)
         if grad and delta is not None and not invariant:  # the same function, and one for its backward
             return _AddRMSNormFn.apply(x, delta, self.weight, self.eps, out or x.dtype)
@@ -193,10 +197,17 @@ class _AddRMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gs, gy):
-        s, w, r = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        gx, gd, gw = _add_rms_norm_grads(s, w, r, gy, gs, *ctx.dtypes, need[1], need[2])
-        return gx, gd, gw, None, None
+        return _add_norm_backward(ctx, gs, gy)
+
+
+def _add_norm_backward(ctx, gs, gy) -> tuple:
+    """The backward of ``_AddRMSNormFn`` and ``_NormQuantFn`` (inputs x, delta, w and two more), from
+    their saved ``s``, weight and per-row rsqrt and ``ctx.dtypes`` (x's, delta's or None)."""
+    s, w, r = ctx.saved_tensors
+    x_dtype, d_dtype = ctx.dtypes
+    need = ctx.needs_input_grad
+    gx, gd, gw = _add_rms_norm_grads(s, w, r, gy, gs, x_dtype, d_dtype or x_dtype, need[1], need[2])
+    return gx, gd, gw, None, None
 
 
 def norm_linear(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, mods: tuple, owner: nn.Module) -> tuple:
@@ -215,9 +226,7 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, mods
         return s, linear_group(mods, h, owner)
     n = x.shape[-1]
     x2, d2 = x.reshape(-1, n), None if delta is None else delta.reshape(-1, n)
-    grad = torch.is_grad_enabled() and (
-        x.requires_grad or norm.weight.requires_grad or delta is not None and delta.requires_grad)
-    if not grad:
+    if not norm.tracks(x, delta):
         fp8, spec = quant
         s, _, _, rows = fp8.rms_norm_quantize(x2, d2, norm.weight, norm.eps, x.dtype, spec.format,
                                               spec.pow2_scale, spec.amax_floor)
@@ -248,12 +257,8 @@ class _NormQuantFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        s, w, r = ctx.saved_tensors
-        x_dtype, d_dtype = ctx.dtypes
-        gs, gy = (None, grads[0]) if d_dtype is None else grads[:2]
-        need = ctx.needs_input_grad
-        gx, gd, gw = _add_rms_norm_grads(s, w, r, gy, gs, x_dtype, d_dtype or x_dtype, need[1], need[2])
-        return gx, gd, gw, None, None
+        gs, gy = (None, grads[0]) if ctx.dtypes[1] is None else grads[:2]
+        return _add_norm_backward(ctx, gs, gy)
 
 
 @fused
@@ -706,12 +711,10 @@ class Attention(nn.Module):
     def qkv(self) -> tuple:
         return self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x, cos, sin, mask: Masking, cache: KVCache | None = None, layer: int = 0):
-        return self.attend(linear_group(self.qkv, x, self), x.dtype, cos, sin, mask, cache, layer)
-
     def attend(self, qkv, x_dtype: torch.dtype, cos, sin, mask: Masking, cache: KVCache | None = None, layer: int = 0):
-        """Attention from the q/k/v projections' output ``qkv`` (b x t x ...), through o_proj;
-        ``x_dtype``: the dtype of the projections' input, which the CPU emulation writes its output in."""
+        """Attention from the q/k/v projections' output ``qkv`` (b x t x ...; ``DecoderLayer`` runs
+        the projections with the norm before them, ``norm_linear``), through o_proj; ``x_dtype``: the
+        dtype of the projections' input, which the CPU emulation writes its output in."""
         b, t, _ = qkv.shape
         c = self.cfg
         h, hk = c.num_attention_heads, c.num_key_value_heads
@@ -955,11 +958,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, h, bias=cfg.mlp_bias)
 
     @property
-    def gate_up(self) -> tuple:
+    def gate_up(self) -> tuple:  # run by ``DecoderLayer``: the norm before them, then ``swiglu_down``
         return self.gate_proj, self.up_proj
-
-    def forward(self, x):
-        return swiglu_down(linear_group(self.gate_up, x, self), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
