@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from .errors import JetrlError
+from .precision.gemm import ROW_TIERS
 
 MODES = ("gemm", "quantize", "attention", "rollout", "train", "e2e")
 DEFAULT_FLOWS = ("bf16", "fp8-rollout", "fp8-unified")
@@ -56,15 +57,15 @@ MODEL_SHAPES = (
     ("qwen2.5-7b", "down_proj", 3584, 18944),
 )
 # A rollout's decode steps multiply a few rows by the whole weight: the 1.5B model's layers at the
-# batch sizes a rollout decodes at (bench gemm on a GPU; the fastest backend for small M is what
-# `auto` picks for rollout.linear)
+# batch sizes a rollout decodes at (bench gemm on a GPU; `auto` times its candidates at these row
+# counts too and picks per tier: precision.gemm.ROW_TIERS)
 DECODE_SHAPES = (
     ("qwen2.5-1.5b", "qkv_proj", 2048, 1536),
     ("qwen2.5-1.5b", "o_proj", 1536, 1536),
     ("qwen2.5-1.5b", "gate_up_proj", 17920, 1536),
     ("qwen2.5-1.5b", "down_proj", 1536, 8960),
 )
-DECODE_ROWS = (8, 64, 512)
+DECODE_ROWS = ROW_TIERS["fprop"]
 # A decode step's attention: (sequences, key width) -- RL batches at 1K and 4K contexts, and a small batch
 ATTENTION_SHAPES = ((64, 1024), (256, 1024), (64, 4096), (8, 4096))
 # relative error (norm) of a decode attention against float64 over the values it reads: bf16 output

@@ -44,7 +44,8 @@ def backend_lines(report: dict | None) -> list[str]:
             for name, reason in r.get("rejected", {}).items():
                 by_reason.setdefault(reason, []).append(name)
             why = " (auto" + "".join(f"; not {', '.join(n)}: {reason}" for reason, n in by_reason.items()) + ")"
-        out.append(f"gemm {r['gemm']} {r['spec']} on {r['device']}: {r['backend']}{why}")
+        tiers = "".join(f"; up to {t['rows_upto']} rows: {t['backend']}" for t in r.get("by_rows", []))
+        out.append(f"gemm {r['gemm']} {r['spec']} on {r['device']}: {r['backend']}{tiers}{why}")
     for f in report.get("fallbacks", []):
         out.append(f"gemm fallback {f['gemm']} {f['spec']}: {f['from']} -> {f['to']} ({f['why']}; {f['calls']} calls)")
     fused = report.get("fused")

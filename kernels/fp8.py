@@ -629,9 +629,11 @@ def _mm_config(m: int, n: int) -> tuple[int, int, int, int]:
 
 
 def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
-                 tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """``a @ b.T`` (a: M x K, b: N x K, FP8 with 1x128 or 128x128 scales), fp32 accumulation per K block.
-    ``tiles``: (BLOCK_M, BLOCK_N, num_warps, num_stages), by default chosen from M and N (``_mm_config``)."""
+                 tiles: tuple[int, int, int, int] | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` (a: M x K, b: N x K, FP8 with 1x128 or 128x128 scales), fp32 accumulation
+    per K block; ``bias`` (N values) is added to the fp32 sum before the output is written (rounded
+    once, as the emulation adds it). ``tiles``: (BLOCK_M, BLOCK_N, num_warps, num_stages), by default
+    chosen from M and N (``_mm_config``)."""
     if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"blockwise_mm: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)} do not match as a @ b.T")
     sa_rows, sb_rows = _scale_rows(a, "operand a"), _scale_rows(b, "operand b")
@@ -639,14 +641,17 @@ def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
     n = b.data.shape[0]
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"blockwise_mm writes float32 or bfloat16, not {out_dtype}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype not in _INPUTS or not bias.is_contiguous()):
+        raise ValueError(f"blockwise_mm: bias must be a contiguous ({n},) bfloat16, float16 or float32 tensor, "
+                         f"got {tuple(bias.shape)} {bias.dtype}")
     c = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
     block_m, block_n, warps, stages = tiles or _mm_config(m, n)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _blockwise_mm_kernel[grid](
-        a.data, b.data, c, a.scale, b.scale, c, m, n, k,
+        a.data, b.data, c, a.scale, b.scale, c if bias is None else bias, m, n, k,
         a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1), c.stride(0), c.stride(1),
         a.scale.stride(0), a.scale.stride(1), b.scale.stride(0), b.scale.stride(1),
-        SA_ROWS=sa_rows, SB_ROWS=sb_rows, HAS_BIAS=False, OUT_BF16=out_dtype == torch.bfloat16,
+        SA_ROWS=sa_rows, SB_ROWS=sb_rows, HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16,
         INTERPRET=_interpreting(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=TILE, num_warps=warps, num_stages=stages,
         enable_fp_fusion=FP_FUSION)

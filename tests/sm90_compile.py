@@ -175,6 +175,8 @@ def cases():
                                                                   out_dtype=bf)))  # down_proj: narrower tiles
     out.append(("blockwise_mm M=64 N=1536", None, lambda: fp8.blockwise_mm(  # down_proj: narrower tiles
         _qtensor(64, inter, 1), _qtensor(hidden, inter, 128), out_dtype=bf)))
+    out.append(("blockwise_mm M=7 bias", None, lambda: fp8.blockwise_mm(  # q/k/v with Qwen's biases, in the epilogue
+        _qtensor(7, hidden, 1), _qtensor(2048, hidden, 128), out_dtype=bf, bias=torch.zeros(2048, dtype=bf))))
     for m in (1, 7, 64, 4096):  # decode (one row, a few), prefill, training
         out.append((f"blockwise_mm M={m}", None, lambda m=m: fp8.blockwise_mm(
             _qtensor(m, hidden, 1), _qtensor(inter, hidden, 128), out_dtype=bf)))

@@ -261,9 +261,9 @@ class _StandInGraph:
 
 @pytest.mark.parametrize("capturable", [True, False])
 def test_auto_times_device_work_at_the_rows_each_gemm_runs(monkeypatch, capturable):
-    """``auto``'s timing: the rollout's GEMM at a decode step's 64 rows, the trainer's at 2048 (here
-    256), ``TIMED_CALLS`` calls captured in one graph and replayed (device time, as a captured decode
-    step pays it); eagerly when capture fails."""
+    """``auto``'s timing: a GEMM at the rows it is asked (a decode step's 64), else at 2048 (here 256),
+    ``TIMED_CALLS`` calls captured in one graph and replayed (device time, as a captured decode step
+    pays it); eagerly when capture fails."""
     import contextlib
 
     graphs, rows, capturing = [], [], []
@@ -293,14 +293,122 @@ def test_auto_times_device_work_at_the_rows_each_gemm_runs(monkeypatch, capturab
     monkeypatch.setattr(torch.cuda, "graph", capture)
     spec = named_flow("int8-rollout").rollout.linear
     n = gemm.TIMED_CALLS
-    for g, want in (("rollout.linear", 64), ("fprop", 256)):
+    for want in (64, 256):
         rows.clear()
-        assert gemm._time_ms(Recording(), spec, g, torch.device("cpu"), size=256) > 0
+        assert gemm._time_ms(Recording(), spec, "fprop", torch.device("cpu"), rows=64 if want == 64 else None,
+                             size=256) > 0
         assert set(rows) == {want}
         if capturable:  # warm-up, capture, then one untimed and three timed replays of the graph
             assert graphs[-1].replays == 4 and len(graphs[-1].calls) == n and len(rows) == n + n + 4 * n
         else:
             assert len(rows) == n + 4 * n  # warm-up, then four eager rounds
+
+
+def test_row_tiers_keep_only_the_tiers_whose_choice_differs():
+    assert gemm.row_tiers([(8, "s"), (64, "s"), (512, "s")], "s") == ()
+    assert gemm.row_tiers([(8, "t"), (64, "t"), (512, "s")], "s") == ((64, "t"),)
+    assert gemm.row_tiers([(8, "s"), (64, "t"), (512, "t")], "s") == ((8, "s"), (512, "t"))
+    assert gemm.row_tiers([(8, "t"), (64, "s"), (512, "t")], "s") == ((8, "t"), (64, "s"), (512, "t"))
+
+
+class _Recorder(gemm.EmulatedBackend):
+    """A kernel backend stand-in: runs the emulated GEMM and records (its name, the rows)."""
+
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def unsupported(self, spec, g, device):
+        return None
+
+    def mm(self, a, b, out=Format.FP32):
+        self.calls.append((self.name, a.data.shape[0]))
+        return super().mm(a, b, out)
+
+
+def _stand_in_gpu(monkeypatch, ms, probe=lambda name, rows: None):
+    """``auto`` on "cuda" with two recording kernel backends: ``ms(name, rows)`` their timings (rows
+    None: 2048), ``probe(name, rows)`` their probes' verdicts. Returns the list the calls go to, and
+    the (rows, name) pairs timed."""
+    calls, timed = [], []
+
+    def fake_time(backend, spec, g, device, rows=None, size=gemm.TIMING_SIZE):
+        timed.append((rows, backend.name))
+        return 50.0 if backend.name == "emulated" else ms(backend.name, rows)
+
+    gemm.reset_resolutions()
+    monkeypatch.setattr(gemm, "_BACKENDS", {**gemm._BACKENDS, "scaled_mm": _Recorder("scaled_mm", calls),
+                                            "triton": _Recorder("triton", calls)})
+    monkeypatch.setattr(gemm, "_probe", lambda be, spec, g, device, rows=256: probe(be.name, rows))
+    monkeypatch.setattr(gemm, "_time_ms", fake_time)
+    return calls, timed
+
+
+@pytest.mark.parametrize("cut", gemm.ROW_TIERS["fprop"][:-1])
+@pytest.mark.parametrize("fast_small", ["triton", "scaled_mm"])
+def test_auto_on_a_gpu_picks_the_fastest_kernel_per_row_tier_and_calls_dispatch_by_rows(monkeypatch, fast_small, cut):
+    """On CUDA, ``auto`` times a forward GEMM's kernel backends at 2048 rows and again at each decode
+    tier (``ROW_TIERS``); a call runs on the fastest backend of the smallest tier holding its rows,
+    beyond the last on the 2048-row choice. The rollout's decode steps and the trainer's forward both
+    run ``fprop``, so this is how a decode step gets the small-M kernel. Here on CPU, with the device
+    checks, probes and timings stood in; ``fast_small`` wins up to ``cut`` rows."""
+    import random
+
+    from jetrl_cli.live import backend_lines
+
+    dev = torch.device("cuda")
+    slow_small = "scaled_mm" if fast_small == "triton" else "triton"
+    calls, timed = _stand_in_gpu(monkeypatch, lambda n, rows: 0.5 if n == fast_small and rows is not None and rows <= cut
+                                 else {slow_small: 1.0, fast_small: 2.0}[n])
+    spec = named_flow("fp8-unified").train.linear.fprop
+    try:
+        res = gemm.resolve(spec, "fprop", dev)
+        assert res.backend == slow_small and res.candidates == [slow_small, fast_small, "emulated"]
+        assert res.by_rows == ((cut, fast_small),)
+        assert sorted(timed, key=str) == sorted([(None, n) for n in ("emulated", "scaled_mm", "triton")] + [
+            (m, n) for m in gemm.ROW_TIERS["fprop"] for n in ("scaled_mm", "triton")], key=str)
+        d = res.to_dict()
+        assert d["by_rows"] == [{"rows_upto": cut, "backend": fast_small}] and set(d["row_timings_ms"]) == {
+            str(m) for m in gemm.ROW_TIERS["fprop"]}
+        assert f"up to {cut} rows: {fast_small}" in backend_lines(gemm.backend_report())[0]
+        w = quantize(torch.randn(256, 256), spec.b)
+        for m in sorted({1, cut, cut + 1, random.randint(1, 600), 2048}):
+            calls.clear()
+            x = quantize(torch.randn(m, 256), spec.a)
+            out = gemm.run_gemm(x, w, spec, "fprop", dev)
+            assert calls == [(fast_small if m <= cut else slow_small, m)], (m, calls)
+            assert torch.equal(out, gemm.EmulatedBackend().mm(x, w))
+        # dgrad and wgrad are training GEMMs of many rows: one choice, no tiers
+        for g, s in (("dgrad", named_flow("fp8-unified").train.linear.dgrad),
+                     ("wgrad", named_flow("fp8-unified").train.linear.wgrad)):
+            timed.clear()
+            r = gemm.resolve(s, g, dev)
+            assert r.by_rows == () and {rows for rows, _ in timed} == {None}, g
+    finally:
+        gemm.reset_resolutions()
+
+
+def test_a_tier_takes_the_fastest_backend_that_is_correct_at_its_rows(monkeypatch):
+    """A decode tier's kernel may be another tile configuration than the 256-row probe ran: each
+    tier's pick is probed at its rows, and one that fails gives way to the next fastest, or to the
+    emulated reference when no kernel is correct there -- said in ``rejected``."""
+    dev = torch.device("cuda")
+    # triton is fastest at every tier but wrong up to 64 rows; scaled_mm is wrong at 8 rows
+    calls, _ = _stand_in_gpu(monkeypatch, lambda n, rows: {"triton": 1.0, "scaled_mm": 2.0}[n],
+                             probe=lambda n, rows: "probe: relative error 1 against emulated" if (
+                                 rows is not None and (rows <= 8 or (n == "triton" and rows <= 64))) else None)
+    spec = named_flow("fp8-unified").train.linear.fprop
+    try:
+        res = gemm.resolve(spec, "fprop", dev)
+        assert res.backend == "triton" and res.by_rows == ((8, "emulated"), (64, "scaled_mm"))
+        assert set(res.rejected) == {"triton at 8 rows", "scaled_mm at 8 rows", "triton at 64 rows"}
+        w = quantize(torch.randn(256, 256), spec.b)
+        for m, want in ((5, []), (40, [("scaled_mm", 40)]), (65, [("triton", 65)])):
+            calls.clear()
+            x = quantize(torch.randn(m, 256), spec.a)
+            assert torch.equal(gemm.run_gemm(x, w, spec, "fprop", dev), gemm.EmulatedBackend().mm(x, w))
+            assert calls == want, m
+    finally:
+        gemm.reset_resolutions()
 
 
 def test_a_shape_the_backend_cannot_run_falls_back_and_is_counted():

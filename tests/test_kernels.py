@@ -114,6 +114,40 @@ def test_blockwise_gemm_decode_tiles_against_reference(m, b_block):
     assert error_stats(wide, fp8.blockwise_mm(a, b, tiles=tiles))["rel_err"] < tol
 
 
+@pytest.mark.parametrize("m", [1, 40, 130])
+def test_blockwise_gemm_adds_the_bias_to_its_fp32_sum_before_rounding(m):
+    """The bias in the GEMM's epilogue (a decode step's q/k/v GEMM with Qwen's biases: no separate
+    add kernel): added to the fp32 sum, rounded to bf16 once, as the emulation adds it; with decode
+    and prefill tiles. Through ``run_gemm`` on ``backend: triton`` the epilogue serves the bias."""
+    from jetrl_cli.kernels import fp8
+    from jetrl_cli.precision import gemm
+
+    n, k = 256, 384
+    x, w = torch.randn(m, k).to(dev()), (torch.randn(n, k) * 0.02).to(dev())
+    bias = (torch.randn(n) * 0.1).bfloat16().to(dev())
+    a, b = quantize(x, CastSpec(E4, Block(1, 128))), quantize(w, CastSpec(E4, Block(128, 128)))
+    prod = fp8.blockwise_mm(a, b)
+    got = fp8.blockwise_mm(a, b, bias=bias)
+    # the same fp32 sum, then one fp32 add (exact products and order aside, the kernel's own sum)
+    assert torch.equal(got, prod + bias.float())
+    got16 = fp8.blockwise_mm(a, b, out_dtype=torch.bfloat16, bias=bias)
+    assert torch.equal(got16, (prod + bias.float()).bfloat16())  # rounded once, after the add
+    emu = EmulatedBackend().mm(a, b) + bias.float()
+    assert error_stats(emu, got)["rel_err"] < (2.0 ** -11 if torch.cuda.is_available() else 1e-5)
+    spec = GemmSpec(CastSpec(E4, Block(1, 128)), CastSpec(E4, Block(128, 128)), Format.BF16, "triton")
+    added = []
+    real_add = gemm.add_bias
+    gemm.add_bias = lambda acc, bb: added.append(bb) or real_add(acc, bb)
+    try:
+        out = gemm.run_gemm(a, b, spec, "fprop", torch.device(dev()), bias)
+    finally:
+        gemm.add_bias = real_add
+    assert torch.equal(out, got if out.dtype is torch.float32 else got16)
+    assert added == [], "the bias must be added in the GEMM, not after it"
+    with pytest.raises(ValueError, match=r"bias must be a contiguous \(256,\)"):
+        fp8.blockwise_mm(a, b, bias=bias[:128])
+
+
 def test_gemm_tiles_by_rows_and_width():
     from jetrl_cli.kernels import fp8, int8
 

@@ -84,11 +84,11 @@ def test_fp8_gemm_runs_on_the_tensor_cores_at_every_tile(report):
     (exact: every e4m3 and e5m2 value is an f16 value), with fp32 accumulation either way."""
     by_case = {k["case"]: k for k in report["kernels"]}
     gemms = {c: k for c, k in by_case.items() if c.startswith("blockwise_mm")}
-    assert len(gemms) == 5
+    assert len(gemms) == 6
     for case in ("blockwise_mm M=64", "blockwise_mm M=64 N=1536", "blockwise_mm M=4096"):
         (op,) = gemms[case]["ptx_mma"]
         assert op.startswith("wgmma") and op.endswith(".f32.e4m3.e4m3"), (case, op)
-    for case in ("blockwise_mm M=1", "blockwise_mm M=7"):
+    for case in ("blockwise_mm M=1", "blockwise_mm M=7", "blockwise_mm M=7 bias"):
         (op,) = gemms[case]["ptx_mma"]
         assert op.startswith("mma.sync") and ".f32.f16.f16.f32" in op, (case, op)
         assert "cvt.rn.f16x2.e4m3x2" in gemms[case]["ptx_fp"], case

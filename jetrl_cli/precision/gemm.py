@@ -42,10 +42,17 @@ Backends (for 8-bit GEMMs; an unscaled GEMM always runs ``torch.matmul`` as abov
      dropped if it cannot run the spec (``unsupported``: formats, granularities, torch version,
      GPU generation) or if a probe GEMM (256 x 256 x 256, random operands and scales) does not
      match ``emulated`` within ``KERNEL_TOLERANCE``. The survivors are timed on one
-     2048 x 2048 x 2048 GEMM -- 64 x 2048 x 2048 for ``rollout.linear``, whose calls are mostly
-     decode steps -- replayed from a CUDA graph (device time, as a captured decode step pays it),
-     and the fastest is chosen.
-  3. At call time a shape the chosen backend cannot serve (e.g. a reduction dim that is not a
+     2048 x 2048 x 2048 GEMM, replayed from a CUDA graph (device time, as a captured decode step
+     pays it), and the fastest is chosen.
+  3. A forward GEMM (``fprop``: the trainer's forward, and the rollout's prefill and decode steps,
+     which run the same function) is also timed at the row counts of decode steps, ``ROW_TIERS``
+     (8, 64 and 512 rows x 2048 x 2048): a few rows stream the whole weight, and the backend that
+     is fastest for 2048 rows need not be for 8. A call with M rows runs on the fastest backend of
+     the smallest tier that holds M (beyond the last: the 2048-row choice). Only kernel backends
+     are chosen per tier (the operands are the Triton quantizers' either way), each probed again at
+     the tier's rows (a decode step's kernel may be another tile configuration); a spec that only
+     ``emulated`` can run has no tiers. The tiers whose choice differs are reported (``by_rows``).
+  4. At call time a shape the chosen backend cannot serve (e.g. a reduction dim that is not a
      multiple of 128 for blockwise ``scaled_mm``) goes to the next surviving candidate. Every such
      fallback is counted (``fallbacks()``) and reported with the resolution (``backend_report``):
      ``jetrl run`` writes it into ``metrics.jsonl`` and ``jetrl bench`` into its rows, so a
@@ -245,6 +252,9 @@ class GemmBackend(Protocol):
 
     def mm(self, a: Operand, b: Operand, out: Format = Format.FP32) -> torch.Tensor:
         """``a @ b.T`` (a: M x K, b: N x K). Native: in ``out``'s dtype; emulated: fp32."""
+
+    # optional: ``mm_bias(a, b, out, bias)``, ``a @ b.T + bias`` with the bias added in the GEMM
+    # (before its output is rounded), or None where it cannot (``run_gemm`` then adds it after)
 
 
 def _k_major_block(op: CastSpec, reduction_on_rows: bool) -> Block:
@@ -714,6 +724,15 @@ class TritonBackend:
             return int8.int8_mm(a, b, out_dtype=out_dtype)
         return triton_fp8_kernels().blockwise_mm(a, b, out_dtype=out_dtype)
 
+    def mm_bias(self, a, b, out, bias):
+        """``a @ b.T + bias`` with the bias added in the FP8 GEMM's epilogue (to the fp32 sum, before
+        the output is rounded: the emulation's order), or None where this backend does not
+        (the caller adds it). INT8 keeps ``_int_mm``'s separate epilogue, whose bits it matches."""
+        if not (isinstance(a, QTensor) and isinstance(b, QTensor)) or a.data.dtype is torch.int8:
+            return None
+        out_dtype = out.torch_dtype() if native(a.data) else torch.float32
+        return triton_fp8_kernels().blockwise_mm(a, b, out_dtype=out_dtype, bias=bias.contiguous())
+
 
 class InvariantBackend(TritonBackend):
     """jetrl's batch-invariant Triton GEMMs (``kernels/invariant.py``): one tile configuration for
@@ -724,6 +743,7 @@ class InvariantBackend(TritonBackend):
     runs = "runs dense bf16/fp32 operands, or FP8 operands with 1x128 or 128x128 scales along the reduction dim"
     dense = True
     int8 = False
+    mm_bias = None  # its kernels add no bias: the caller does
 
     def shape_unsupported(self, a, b):
         return None
@@ -802,6 +822,17 @@ class Resolution:
     candidates: list[str]  # usable backends, in fallback order (the chosen one first)
     rejected: dict[str, str] = field(default_factory=dict)  # backend -> why not
     timings_ms: dict[str, float] = field(default_factory=dict)
+    # (rows, backend): calls of at most ``rows`` rows (the first such tier) run on ``backend``; only
+    # tiers whose choice differs from the next one's (or, for the last, from ``backend``)
+    by_rows: tuple[tuple[int, str], ...] = ()
+    row_timings_ms: dict[int, dict[str, float]] = field(default_factory=dict)  # tier rows -> backend -> ms
+
+    def backend_at(self, rows: int) -> str:
+        """The backend that runs a call of ``rows`` rows (operand a's)."""
+        for upto, name in self.by_rows:
+            if rows <= upto:
+                return name
+        return self.backend
 
     def to_dict(self) -> dict:
         d = {"gemm": self.gemm, "spec": self.spec_str, "device": self.device, "asked": self.asked,
@@ -810,6 +841,10 @@ class Resolution:
             d["rejected"] = dict(self.rejected)
         if self.timings_ms:
             d["timings_ms"] = {k: round(v, 4) for k, v in self.timings_ms.items()}
+        if self.by_rows:
+            d["by_rows"] = [{"rows_upto": upto, "backend": name} for upto, name in self.by_rows]
+        if self.row_timings_ms:
+            d["row_timings_ms"] = {str(m): {k: round(v, 4) for k, v in t.items()} for m, t in self.row_timings_ms.items()}
         return d
 
 
@@ -826,10 +861,11 @@ def _operands(backend: GemmBackend, spec, gemm: str, x: torch.Tensor, w: torch.T
                  for t, c, on_rows in ((x, spec.a, rows_a), (w, spec.b, rows_b)))
 
 
-def _probe(backend: GemmBackend, spec, gemm: str, device: torch.device) -> str | None:
-    """Run a 256^3 GEMM with random operands through ``backend`` and the emulated reference."""
+def _probe(backend: GemmBackend, spec, gemm: str, device: torch.device, rows: int = 256) -> str | None:
+    """Run a ``rows`` x 256 x 256 GEMM with random operands through ``backend`` and the emulated
+    reference (a few rows: a decode step's kernel, which may be another tile configuration)."""
     g = torch.Generator(device="cpu").manual_seed(1234)
-    x = (torch.randn(256, 256, generator=g) * torch.rand(256, 1, generator=g) * 4).to(device)
+    x = (torch.randn(rows, 256, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(device)
     w = (torch.randn(256, 256, generator=g) * 0.05).to(device)
     try:
         a, b = _operands(backend, spec, gemm, x, w)
@@ -847,20 +883,34 @@ def _probe(backend: GemmBackend, spec, gemm: str, device: torch.device) -> str |
     return None
 
 
-TIMING_ROWS = {"rollout.linear": 64}  # a rollout's GEMM calls are mostly decode steps of a few rows
+TIMING_SIZE = 2048  # auto times each backend on one TIMING_SIZE^3 GEMM
+# Forward GEMMs serve the rollout's decode steps too (a few rows to a few hundred): timed again at these rows
+ROW_TIERS = {"fprop": (8, 64, 512)}
 TIMED_CALLS = 10
 
 
-def _time_ms(backend: GemmBackend, spec, gemm: str, device: torch.device, size: int = 2048) -> float:
-    """Milliseconds of one ``size`` x ``size`` x ``size`` GEMM (``TIMING_ROWS[gemm]`` rows for the
-    rollout's), device time: ``TIMED_CALLS`` calls captured in one CUDA graph and replayed, as the
-    engine replays its decode steps (host overhead is not what a captured step pays); launched
-    eagerly if the backend's calls cannot be captured."""
+def _time_ms(backend: GemmBackend, spec, gemm: str, device: torch.device, rows: int | None = None,
+             size: int = TIMING_SIZE) -> float:
+    """Milliseconds of one ``rows`` (default ``size``) x ``size`` x ``size`` GEMM, device time:
+    ``TIMED_CALLS`` calls captured in one CUDA graph and replayed, as the engine replays its decode
+    steps (host overhead is not what a captured step pays); launched eagerly if the backend's calls
+    cannot be captured."""
     g = torch.Generator(device="cpu").manual_seed(99)
-    x = torch.randn(TIMING_ROWS.get(gemm, size), size, generator=g).to(device)
+    x = torch.randn(rows or size, size, generator=g).to(device)
     a, b = _operands(backend, spec, gemm, x, (torch.randn(size, size, generator=g) * 0.05).to(device))
 
     return device_time_ms(lambda: backend.mm(a, b, spec.out), device)
+
+
+def row_tiers(winners: list[tuple[int, str]], backend: str) -> tuple[tuple[int, str], ...]:
+    """The fewest (rows, backend) tiers that send every row count where ``winners`` (the fastest
+    backend at each timed row count, ascending) and ``backend`` (beyond the last) say."""
+    kept, after = [], backend
+    for upto, name in reversed(winners):
+        if name != after:
+            kept.append((upto, name))
+        after = name
+    return tuple(reversed(kept))
 
 
 def device_time_ms(fn, device: torch.device, calls: int = TIMED_CALLS) -> float:
@@ -934,6 +984,20 @@ def resolve(spec, gemm: str, device: torch.device | str) -> Resolution:
         timings = {name: _time_ms(_BACKENDS[name], spec, gemm, device) for name in ok}
         order = sorted(ok, key=lambda n: timings[n])
         res = Resolution(gemm, spec.short_str(), dev_str, asked, order[0], order, rejected, timings)
+        kernels = [n for n in order if n != "emulated"]
+        if res.backend != "emulated" and len(kernels) > 1 and gemm in ROW_TIERS:
+            winners = []
+            for m in ROW_TIERS[gemm]:
+                t = res.row_timings_ms[m] = {n: _time_ms(_BACKENDS[n], spec, gemm, device, rows=m) for n in kernels}
+                for n in sorted(t, key=t.get):  # the fastest that is also correct at these rows
+                    why = _probe(_BACKENDS[n], spec, gemm, device, rows=m)
+                    if why is None:
+                        winners.append((m, n))
+                        break
+                    res.rejected[f"{n} at {m} rows"] = why
+                else:  # none is: the reference
+                    winners.append((m, "emulated"))
+            res.by_rows = row_tiers(winners, res.backend)
     _RESOLVED[key] = res
     return res
 
@@ -947,24 +1011,33 @@ def run_gemm(a: Operand, b: Operand, spec, gemm: str, device: torch.device,
              bias: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b.T (+ bias)`` on the resolved backend, falling back (and counting it) when the shapes
     do not fit. The bias is added to the product before it is rounded to ``spec.out`` where the
-    GEMM allows it (emulated; native dense: ``addmm``), else to the GEMM's output."""
+    GEMM allows it (emulated; native dense: ``addmm``; a backend's ``mm_bias``: the Triton FP8
+    GEMM's epilogue), else to the GEMM's output."""
     res = resolve(spec, gemm, device)
     if res.backend == "torch":
         if isinstance(b, ExactOperand) or exact_dense_spec(spec, gemm, device):
             return add_bias(exact_dense_mm(operand_values(a), b, spec.a.format, spec.b.format), bias)
         return dense_mm(a, b, spec.out, bias)
-    first = _BACKENDS[res.backend]
+    chosen = res.backend_at((a.data if isinstance(a, QTensor) else a).shape[0]) if res.by_rows else res.backend
+    first = _BACKENDS[chosen]
     why = first.shape_unsupported(a, b)
     if why is None:
-        return add_bias(first.mm(a, b, spec.out), bias)
-    for name in res.candidates[1:]:
+        return _mm_bias(first, a, b, spec.out, bias)
+    for name in res.candidates:
         be = _BACKENDS[name]
-        if be.shape_unsupported(a, b) is None:
-            k = (gemm, res.spec_str, res.backend, name, why)
+        if name != chosen and be.shape_unsupported(a, b) is None:
+            k = (gemm, res.spec_str, chosen, name, why)
             _FALLBACKS[k] = _FALLBACKS.get(k, 0) + 1
-            return add_bias(be.mm(a, b, spec.out), bias)  # every backend reads jetrl's QTensors, whatever their strides
+            return _mm_bias(be, a, b, spec.out, bias)  # every backend reads jetrl's QTensors, whatever their strides
     raise JetrlError(f"precision.{gemm}: no backend can run {res.spec_str} on shapes "
-                     f"{tuple(a.shape)} x {tuple(b.shape)} ({res.backend}: {why})")
+                     f"{tuple(a.shape)} x {tuple(b.shape)} ({chosen}: {why})")
+
+
+def _mm_bias(be: GemmBackend, a: Operand, b: Operand, out: Format, bias: torch.Tensor | None) -> torch.Tensor:
+    """``be``'s GEMM plus ``bias``: in its epilogue where it has one (``mm_bias``), else added after."""
+    with_bias = getattr(be, "mm_bias", None) if bias is not None else None
+    y = with_bias(a, b, out, bias) if with_bias is not None else None
+    return y if y is not None else add_bias(be.mm(a, b, out), bias)
 
 
 def fallbacks() -> list[dict]:
