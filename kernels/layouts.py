@@ -41,7 +41,9 @@ so ``dequantize`` and every other QTensor consumer works unchanged. The three GE
   is unchanged. A 128-group made only of padding gets the scale of an all-zero group.
 
 ``to_gemm_layout`` turns a reference ``QTensor`` into this layout (for backends that quantize with
-the reference); the Triton quantizers of ``kernels/fp8.py`` write it directly. ``scaled_mm_scale``
+the reference); the Triton quantizers of ``kernels/fp8.py`` write it directly. ``pad_rows`` pads a
+1x128 operand a's rows to a multiple of 4 for ``scaled_mm`` (a decode step's or a prefill's M can be
+any number; the strides torch checks are then (1, round_up(M, 4))). ``scaled_mm_scale``
 gives the tensor to pass as ``scale_a`` / ``scale_b`` to ``scaled_mm`` or to the older
 ``torch._scaled_mm``. scaled_mm itself wants K (and N for 128x128 b) to be multiples of 128.
 """
@@ -132,6 +134,26 @@ def to_gemm_layout(q: QTensor, pad_k_to: int = 1) -> QTensor:
     buf[:, gk:gkp] = fill  # groups made only of padding
     buf[:, :gk] = q.scale
     return QTensor(data, buf[:, :gkp], q.spec)
+
+
+ROW_ALIGN = 4  # the rows of a 1x128 operand a scaled_mm is given: a multiple of this (16-byte scale columns)
+
+
+def pad_rows(q: QTensor, multiple: int = ROW_ALIGN) -> QTensor:
+    """A 1x128 GEMM-layout ``q`` with its rows padded to a multiple of ``multiple``: zero rows with
+    scale 1 (the rows of a product are independent, so the first rows' results are unchanged and
+    the caller slices them off). A scale grid whose columns (one per K-group, R values each) start
+    on 16-byte boundaries -- what a Hopper GEMM that loads them with TMA needs, and what vLLM pads
+    a decode step's M for before cuBLASLt's blockwise FP8 GEMM. ``q`` itself when aligned."""
+    if q.spec.block != ROW_GROUP or not is_gemm_layout(q):
+        raise ValueError("pad_rows: takes a 1x128 QTensor in the GEMM layout (see to_gemm_layout)")
+    r = q.data.shape[0]
+    rp = round_up(r, multiple)
+    if rp == r:
+        return q
+    data = torch.nn.functional.pad(q.data.view(torch.uint8), (0, 0, 0, rp - r)).view(q.data.dtype)
+    scale = torch.nn.functional.pad(q.scale.t(), (0, rp - r), value=1.0).t()  # (rp, K/128), strides (1, rp)
+    return QTensor(data, scale, q.spec)
 
 
 def scaled_mm_scale(q: QTensor, operand: str, api: str = "v2") -> torch.Tensor:

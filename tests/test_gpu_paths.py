@@ -186,6 +186,48 @@ def test_blockwise_operands_pass_torchs_scaled_mm_checks(kind, t, forced_native)
     assert out.dtype == torch.bfloat16
 
 
+def _blockwise_scaled_mm_stand_in(seen):
+    """``torch.nn.functional.scaled_mm`` for the blockwise recipes, computed on CPU in float64 from
+    exactly the tensors it is handed (data, and scales read through their strides): what a GPU's
+    kernel would compute, for checking what jetrl hands it. Records a's rows and scale strides."""
+    def f(a, b_t, sa, ra, sb, rb, output_dtype):
+        seen.append((a.shape[0], tuple(sa.stride())))
+        m, k = a.shape
+        n = b_t.shape[1]
+        av = a.double() * sa.double().repeat_interleave(128, dim=1)[:, :k]
+        if rb.name == "BlockWise128x128":  # sb: (L4, N/128) with strides (1, L4): [k-group, n-group]
+            bs = sb.double().repeat_interleave(128, dim=0)[:k].repeat_interleave(128, dim=1)[:, :n]
+        else:  # BlockWise1x128 as b: (N, K/128), strides (1, N)
+            bs = sb.double().repeat_interleave(128, dim=1)[:, :k].t()
+        return (av @ (b_t.double() * bs)).to(output_dtype)
+
+    return f
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 5, 8, 130])
+@pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
+def test_scaled_mm_gets_rows_in_multiples_of_four_and_the_callers_rows_back(kind, t, forced_native, monkeypatch):
+    """A decode step's M (and a prefill's) can be any number; Hopper's blockwise GEMMs read the
+    scale grid's columns (M values each) with 16-byte alignment, so the scaled_mm backend pads a's
+    rows to a multiple of 4 (zero data, scale 1) and returns the caller's rows: those of the
+    unpadded product. Checked with a CPU stand-in of scaled_mm that computes from what it is handed,
+    against the emulated GEMM on the same operands, and against torch's own layout checks (meta)."""
+    st = gemm._scaled_mm_v2()
+    if st is None:
+        pytest.skip("this torch has no torch.nn.functional.scaled_mm")
+    seen = []
+    monkeypatch.setattr(gemm, "_scaled_mm_v2", lambda: (_blockwise_scaled_mm_stand_in(seen), st[1]))
+    k, n = 384, 640
+    a, b = _blockwise_operands(kind, torch.randn(t, k), torch.randn(n, k), torch.randn(t, n))
+    got = gemm.ScaledMMBackend().mm(a, b, Format.FP32)
+    rows = a.data.shape[0]
+    assert got.shape == (rows, b.data.shape[0])
+    (handed,) = seen
+    assert handed[0] % 4 == 0 and handed[0] - rows < 4 and handed[1] == (1, handed[0]), handed
+    ref = gemm.EmulatedBackend().mm(a, b)
+    assert error_stats(ref, got)["rel_err"] < 1e-6
+
+
 # --------------------------------------------------------------------------- auto, explicit backends, fallbacks
 
 

@@ -29,7 +29,8 @@ Backends (for 8-bit GEMMs; an unscaled GEMM always runs ``torch.matmul`` as abov
   ``torch._int_mm``, and on Hopper GPUs the blockwise recipes: 1x128 activations x 128x128 weights
   (Fprop, Dgrad) and 1x128 x 1x128 (Wgrad, groups along tokens). Blockwise needs the reduction dim
   (and, for 128x128 weights, N) to be a multiple of 128; scales are handed over in the layouts
-  torch requires (``jetrl_cli.kernels.layouts``), which jetrl's Triton quantizers write directly.
+  torch requires (``jetrl_cli.kernels.layouts``), which jetrl's Triton quantizers write directly,
+  and operand a's rows are padded to a multiple of 4 (``layouts.pad_rows``, as vLLM pads M).
 - ``triton``: jetrl's kernels (``jetrl_cli.kernels``): blockwise FP8 (1x128 / 128x128 scales along
   K) and INT8 with per-row or per-tensor scales (int32 accumulation, the scaling fused into the
   GEMM), with their quantizers; on a CUDA GPU or in Triton's interpreter (``TRITON_INTERPRET=1``).
@@ -563,17 +564,20 @@ class ScaledMMBackend:
         out_dtype = out.torch_dtype() if native(a.data) else torch.float32
         m, n = a.data.shape[0], b.data.shape[0]
         if blockwise_kind(a.spec, b.spec) is not None:
-            from ..kernels.layouts import is_gemm_layout, scaled_mm_scale, to_gemm_layout
+            from ..kernels.layouts import is_gemm_layout, pad_rows, scaled_mm_scale, to_gemm_layout
 
             a, b = (q if is_gemm_layout(q) else to_gemm_layout(q) for q in (a, b))
+            a = pad_rows(a)  # M a multiple of 4: a decode step's few rows, a prefill's any number
             v2 = _scaled_mm_v2()
             api = "v2" if v2 is not None else "legacy"
             sa, sb = scaled_mm_scale(a, "a", api), scaled_mm_scale(b, "b", api)
             if v2 is not None:
                 f, st = v2
                 rb = st.BlockWise128x128 if b.spec.block == Block(TILE, TILE) else st.BlockWise1x128
-                return f(a.data, b.data.t(), sa, st.BlockWise1x128, sb, rb, output_dtype=out_dtype)
-            return torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=out_dtype)
+                y = f(a.data, b.data.t(), sa, st.BlockWise1x128, sb, rb, output_dtype=out_dtype)
+            else:
+                y = torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=out_dtype)
+            return y if y.shape[0] == m else y[:m]
         for op in (a, b):  # K-major operands: scales must be one per row (or one in all)
             if op.spec.block not in (Block(0, 0), Block(1, 0)) and op.scale.numel() != 1:
                 raise JetrlError(f"backend scaled_mm got an operand with {op.spec.block.name} scales along K")
