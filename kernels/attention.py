@@ -39,7 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import _TL_FP8, FP_FUSION, _abs_bits, _amax, _divisor, _group_scale, _interpreting, _scaled, _to_bf16
+from jetrl_cli.precision.formats import Block
+from jetrl_cli.precision.quant import CastSpec, QTensor
+
+from .fp8 import unsupported as fp8_unsupported
+from .fp8 import _TL_FP8, FP_FUSION, _interpreting, _rows_quantized, _to_bf16
 
 DEC_BLOCK_M, DEC_BLOCK_N, DEC_WARPS, DEC_STAGES = 16, 64, 4, 3
 LOG2E = 1.4426950408889634
@@ -69,10 +73,11 @@ def pv_accumulate(p, v, acc, alpha, BF16: tl.constexpr, F32_DOT: tl.constexpr, I
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, REP, D, qk_scale,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, os_ptr, B, REP, D, qk_scale,
                    sqb, sqh, sqd, skb, skh, skw, skd, svb, svh, svw, svd,
                    sksb, sksh, sksw, svsb, svsh, svsw, spb, sob, soh, sod,
                    SCALED: tl.constexpr, F32_DOT: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.constexpr,
+                   QUANT: tl.constexpr, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -116,6 +121,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, REP, D, 
         m_i = m_new
     out = tl.math.div_rn(acc, l_i[:, None])
     out = _to_bf16(out, INTERPRET) if BF16 else out
+    if QUANT:  # o_proj's FP8 1x128 input: a head's D = 128 outputs are one group of its row (seq)
+        y, s = _rows_quantized(out.to(tl.float32), FMAX, FLOOR, POW2)
+        tl.store(os_ptr + head.to(tl.int64) * B + seq, s, mask=row_ok)  # (b, heads) grid, strides (1, b)
+        out = y.to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + seq * sob + head[:, None] * soh + rd[None, :] * sod, out, mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -151,7 +160,7 @@ def check_kv_scales(where: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, quantize_out: CastSpec | None = None):
     """One decode step's attention: query (s, head) attends to keys ``0 .. q_pos[s]`` of sequence s.
 
     q: (b, heads, 1, d), bf16 or fp32, any strides; k, v: (b, kv_heads, w, d) in q's dtype, or FP8
@@ -160,7 +169,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     (query head i reads KV head i // (heads / kv_heads)). q_pos: (b,) or (b, 1) int, the new token's
     key index (its key already written); keys past it are never read, so they may hold anything.
     Returns (b, heads, 1, d) in q's dtype. Forward only. Positions are not checked against w (that
-    would cost a host sync per step): 0 <= q_pos < w is the caller's to keep."""
+    would cost a host sync per step): 0 <= q_pos < w is the caller's to keep.
+
+    ``quantize_out`` (FP8, 1x128; bf16 q with d = 128): instead, the output as the next GEMM's
+    (o_proj's) Fprop operand, written by the same kernel: a QTensor of data (b, heads * d) and scales
+    (b, heads) with strides (1, b) -- ``kernels.fp8.quantize_act(out, rows)`` of the bf16 output
+    reshaped to (b, heads * d), bit for bit, without the bf16 output written or read back."""
     where = "decode_attention"
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[2] != 1:
         raise ValueError(f"{where}: q must be (b, heads, 1, d) and k, v (b, kv_heads, w, d) alike, got "
@@ -176,23 +190,48 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
         raise ValueError(f"{where}: q_pos must be an int32/int64 (b,) or (b, 1) tensor, got {q_pos.dtype} "
                          f"with {q_pos.numel()} elements for b={b}")
     _check_device(where, q, k, v, ks, vs, q_pos)
+    quant = quantize_out
+    if quant is not None:
+        why = out_quant_unsupported(quant, q.dtype, d)
+        if why is not None:
+            raise ValueError(f"{where}: quantize_out: {why}")
     rep = h // hk
-    out = torch.empty((b, h, 1, d), dtype=q.dtype, device=q.device)
+    if quant is None:
+        out = torch.empty((b, h, 1, d), dtype=q.dtype, device=q.device)
+        out_s = out
+    else:  # data (b, heads * d) row-major, seen as (b, heads, 1, d); scales (b, heads), strides (1, b)
+        out = torch.empty((b, h * d), dtype=quant.format.torch_dtype(), device=q.device)
+        out_s = torch.empty((h, b), dtype=torch.float32, device=q.device).t()
     if out.numel() == 0:
-        return out
+        return out if quant is None else QTensor(out, out_s, quant)
+    o4 = out if quant is None else out.view(b, h, 1, d)
     interp = _interpreting()
     bf16 = q.dtype == torch.bfloat16
     sks = ks.stride() if scaled else (0, 0, 0)
     svs = vs.stride() if scaled else (0, 0, 0)
     _decode_kernel[(b, hk)](
-        q, k, v, ks, vs, q_pos, out, rep, d, (d ** -0.5 if scale is None else float(scale)) * LOG2E,
+        q, k, v, ks, vs, q_pos, o4, out_s, b, rep, d, (d ** -0.5 if scale is None else float(scale)) * LOG2E,
         q.stride(0), q.stride(1), q.stride(3), *k.stride(), *v.stride(), *sks, *svs, q_pos.stride(0),
-        out.stride(0), out.stride(1), out.stride(3),
+        o4.stride(0), o4.stride(1), o4.stride(3),
         SCALED=scaled, F32_DOT=interp or not bf16, BF16=bf16, INTERPRET=interp,
+        QUANT=quant is not None, FMAX=quant.format.max if quant else 1.0,
+        FLOOR=quant.amax_floor if quant else 0.0, POW2=bool(quant and quant.pow2_scale),
         BLOCK_M=max(DEC_BLOCK_M, triton.next_power_of_2(rep)), BLOCK_N=DEC_BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=DEC_WARPS, num_stages=DEC_STAGES,
         enable_fp_fusion=FP_FUSION)
-    return out
+    return out if quant is None else QTensor(out, out_s, quant)
+
+
+OUT_GROUP = 128  # the head size whose output row is exactly one 1x128 group of o_proj's input
+
+
+def out_quant_unsupported(spec: CastSpec, q_dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why ``decode_attention`` cannot write its output as ``spec``'s operand (None: it can)."""
+    if spec.block != Block(1, OUT_GROUP):
+        return f"writes 1x{OUT_GROUP} groups, not {spec.short_str()}"
+    if head_dim != OUT_GROUP or q_dtype != torch.bfloat16:
+        return f"needs bf16 queries with head_dim {OUT_GROUP} (one group per head), got {q_dtype} and {head_dim}"
+    return fp8_unsupported(None, spec.format, spec.amax_floor)
 
 
 def dequantized_reference(k, v, kv_scales, dtype):
@@ -230,8 +269,8 @@ def _kv_store_kernel(x_ptr, idx_ptr, data_ptr, scale_ptr, R, HK, T, D, sxb, sxh,
     d_ok = rd < D
     src = (r // (HK * T)).to(tl.int64) * sxb + ((r // T) % HK) * sxh + (r % T) * sxt
     x = tl.load(x_ptr + src[:, None] + rd[None, :] * sxd, mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    s = _group_scale(_amax(_abs_bits(x), 1), FMAX, FLOOR, POW2)
-    q = _scaled(x, _divisor(s, POW2)[:, None], FMAX, POW2).to(OUT)
+    q, s = _rows_quantized(x, FMAX, FLOOR, POW2)
+    q = q.to(OUT)
     dst = tl.load(idx_ptr + r, mask=ok, other=0).to(tl.int64)
     tl.store(data_ptr + dst[:, None] * D + rd[None, :], q, mask=ok[:, None] & d_ok[None, :])
     tl.store(scale_ptr + dst, s, mask=ok)

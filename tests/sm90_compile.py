@@ -217,6 +217,9 @@ def cases():
                     attention.decode_attention(q1, kv8, kv8, torch.full((b,), w - 1), kv_scales=(s8, s8))))
         out.append((f"decode_attention bf16 cache w={width}", None, lambda q1=q1, w=width:
                     attention.decode_attention(q1, cache[:, :, :w], cache[:, :, :w], torch.full((b,), w - 1))))
+    o_spec = CastSpec(Format.FP8_E4M3, Block(1, 128))  # o_proj's input, written by the attention kernel
+    out.append(("decode_attention fp8 cache w=1024 fp8 out", None, lambda q1=q1: attention.decode_attention(
+        q1, cache8, cache8, torch.full((b,), 1023), kv_scales=(scales8, scales8), quantize_out=o_spec)))
     kv_spec = CastSpec(Format.FP8_E4M3, Block.parse("row"))
     for dtype in (torch.float32, bf):  # a decode step's keys (RoPE's fp32) and values (the GEMM's bf16) into the cache
         x = torch.zeros(b, 1, kv_heads, d, dtype=dtype).transpose(1, 2)

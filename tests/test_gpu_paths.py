@@ -1330,6 +1330,48 @@ def test_decode_steps_read_an_fp8_kv_cache_as_stored(forced_native, monkeypatch)
         "op": llama.KV_READ, "device": str(m.lm_head.weight.device), "kernel": "triton, read as stored", "runs": True}
 
 
+def test_decode_attention_writes_o_projs_fp8_input_in_the_rollout(forced_native, monkeypatch):
+    """An FP8 flow's decode step over the cache (``kernels.attention``, here over an FP8 cache) writes
+    o_proj's FP8 1x128 input in the attention kernel (head_dim 128: a head is one group), so no
+    quantizer runs between them: the same tokens and logprobs, bit for bit, as with the attention's
+    bf16 output quantized by o_proj's own quantizer."""
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    from jetrl_cli.engine.base import make_payload
+    from jetrl_cli.engine.embedded import EmbeddedEngine
+    from jetrl_cli.kernels import attention
+    from jetrl_cli.models import llama
+    from jetrl_cli.precision import parse_flow
+
+    from .triton_interp_fix import fixed_fp8_conversion
+
+    flow = parse_flow({"base": "fp8-unified", "rollout": {"kv_cache": "fp8_e4m3 row", "linear": {"backend": "triton"}},
+                       "train": {g: {"backend": "triton"} for g in ("fprop", "dgrad", "wgrad")}}, source="<test>")
+    seed = torch.seed() % 2**31
+    m = _model(seed=seed, hidden=512, layers=1, vocab=128).to(TRITON_DEV)
+    assert m.config.head_dim == 128
+    fused = []
+    decode = attention.decode_attention
+    monkeypatch.setattr(attention, "decode_attention",
+                        lambda *a, **k: fused.append(k.get("quantize_out") is not None) or decode(*a, **k))
+    sp = SamplingParams(max_new_tokens=3, temperature=1.0, n=2)
+    prompts = [[5, 9, 3], [7, 2, 11, 4, 8], [1]]
+    runs = []
+    with fixed_fp8_conversion():
+        for own_kernel in (True, False):
+            if not own_kernel:
+                monkeypatch.setattr(llama.Attention, "_o_proj_operand", lambda *a: None)
+            fused.clear()
+            eng = EmbeddedEngine(m, flow, 32, max_batch=8, cuda_graphs=False)
+            eng.load_weights(make_payload(m, flow))
+            out = eng.generate(prompts, sp, seed=seed % 1000)
+            runs.append([(c.tokens, c.logprobs) for g in out for c in g])
+            assert fused and all(f is own_kernel for f in fused[1:]), fused  # (the first: the device check)
+    assert runs[0] == runs[1]
+
+
 def test_a_kernel_that_cannot_read_the_fp8_cache_falls_back_and_says_why(forced_native, monkeypatch):
     """Checked once per device before the first decode step: where the FP8-reading kernel cannot
     compile or launch (or the GPU predates FP8 conversions), decode steps dequantize the cache for

@@ -86,6 +86,53 @@ def test_decode_attention_reads_an_fp8_cache_as_its_dequantized_values(att, fp8,
     assert (out.double() - ref).abs().max() < 2e-2
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_decode_attention_writes_o_projs_fp8_input_bit_for_bit(att, cache, pow2):
+    """With ``quantize_out`` the kernel writes its output as o_proj's FP8 1x128 operand (a head's 128
+    outputs are one group of the token's row): bit for bit the reference quantizer on the kernel's
+    own bf16 output, in the GEMM's layout (scales (b, heads), strides (1, b)), and the bf16 output is
+    never written. A head whose values are all zero (its group's scale at the amax floor) included."""
+    from jetrl_cli.kernels.layouts import is_gemm_layout
+    from jetrl_cli.precision.formats import Block, Format
+    from jetrl_cli.precision.quant import CastSpec, quantize
+
+    from .triton_interp_fix import fixed_fp8_conversion
+
+    g = gen(13)
+    b, hk, rep, w, d = 5, 2, 3, 70, 128
+    q = randn(b, hk * rep, 1, d, g=g, dtype=BF16)
+    k, v = randn(b, hk, w, d, g=g, dtype=BF16), randn(b, hk, w, d, g=g, dtype=BF16, scale=4.0)
+    v[1, 0] = 0  # sequence 1's first KV head: every value zero, so its query heads' outputs are zero
+    pos = torch.randint(0, w, (b,), generator=g).to(DEV)
+    scales = None
+    if cache == "fp8":
+        (k, ks), (v, vs) = fp8_cache(k), fp8_cache(v)
+        scales = (ks, vs)
+    spec = CastSpec(Format.FP8_E4M3, Block(1, 128), pow2)
+    with fixed_fp8_conversion():  # the interpreter's fp32 -> fp8 cast is wrong (tests/triton_interp_fix.py)
+        got = att.decode_attention(q, k, v, pos, kv_scales=scales, quantize_out=spec)
+    out = att.decode_attention(q, k, v, pos, kv_scales=scales)
+    want = quantize(out.reshape(b, -1).float(), spec)
+    assert got.spec == spec and is_gemm_layout(got) and got.scale.stride() == (1, b)
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(got.scale, want.scale)
+    assert got.scale[1, :rep].eq(spec.amax_floor / Format.FP8_E4M3.max).all() or pow2
+
+
+def test_decode_attention_refuses_an_output_quantizer_it_cannot_run(att):
+    from jetrl_cli.precision.formats import Block, Format
+    from jetrl_cli.precision.quant import CastSpec
+
+    q = torch.randn(2, 4, 1, 64, device=DEV).bfloat16()
+    k = torch.randn(2, 2, 8, 64, device=DEV).bfloat16()
+    pos = torch.tensor([3, 5], device=DEV)
+    with pytest.raises(ValueError, match="quantize_out: needs bf16 queries with head_dim 128"):
+        att.decode_attention(q, k, k, pos, quantize_out=CastSpec(Format.FP8_E4M3, Block(1, 128)))
+    with pytest.raises(ValueError, match="quantize_out: writes 1x128 groups, not"):
+        att.decode_attention(q, k, k, pos, quantize_out=CastSpec(Format.FP8_E4M3, Block(1, 0)))
+
+
 def test_the_invariant_kernel_reads_an_fp8_cache_with_the_trainers_bits(att):
     """Batch-invariant mode: a decode step over the FP8 cache (bytes and scales) gives the bits of the
     trainer's full-sequence call on the dequantized keys and values, at every position."""

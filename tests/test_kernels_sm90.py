@@ -163,14 +163,17 @@ def test_reading_an_fp8_cache_adds_only_its_dequantization(report):
 
 def test_decode_attention_runs_on_the_tensor_cores_without_spills(report):
     """The decode kernel (GQA heads packed into 16 rows): mma.sync on bf16 with fp32 accumulation,
-    over a bf16 cache and an FP8 one (dequantized in registers), at every key width."""
+    over a bf16 cache and an FP8 one (dequantized in registers), at every key width; writing o_proj's
+    FP8 input too, with the quantizer's IEEE division."""
     kernels = [k for k in report["kernels"] if k["case"].startswith("decode_attention")]
-    assert len(kernels) == 6
+    assert len(kernels) == 7
     for k in kernels:
         assert k["ptx_mma"] == ["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"], (k["case"], k["ptx_mma"])
         assert k["stack"] == 0 and k["shared"] <= 227 * 1024, k["case"]
         if "fp8" in k["case"]:
             assert "cvt.rn.f16x2.e4m3x2" in k["ptx_fp"], k["case"]
+    (out8,) = [k for k in kernels if k["case"].endswith("fp8 out")]
+    assert "div.rn.f32" in out8["ptx_fp"] and "div.full.f32" not in out8["ptx_fp"], out8["ptx_fp"]
 
 
 def test_kv_store_quantizes_with_the_references_rounding(report):

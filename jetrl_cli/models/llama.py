@@ -739,7 +739,11 @@ class Attention(nn.Module):
                 k, v = cast_kv(k, self.kv_spec), cast_kv(v, self.kv_spec)
                 cache.store(layer, idx, k, v)
             if in_kernel:
-                out = _cache_attention(q, cache, layer, width, mask, self.attention_format())
+                fmt = self.attention_format()
+                out = _cache_attention(q, cache, layer, width, mask, fmt, self._o_proj_operand(q, mask))
+                if isinstance(out, QTensor):  # o_proj's FP8 input, written by the attention kernel
+                    y = linear_group((self.o_proj,), None, self.o_proj, x_op=out, x_dtype=fmt.torch_dtype())
+                    return y.reshape(b, t, y.shape[-1])
                 return linear_group((self.o_proj,), out, self.o_proj, input_kept=True)
             # natively straight in the dtype attention reads (the same bits as through fp32)
             dt = self.attention_format().torch_dtype() if native(qkv) else k.dtype
@@ -768,6 +772,21 @@ class Attention(nn.Module):
 
     def attention_format(self) -> Format:
         return attention_format(self.kv_spec)
+
+    def _o_proj_operand(self, q: torch.Tensor, mask: Masking) -> CastSpec | None:
+        """o_proj's FP8 1x128 input spec where the decode attention kernel can write that operand
+        itself (``kernels.attention.decode_attention(quantize_out=)``: a head of 128 is one group),
+        bit for bit what o_proj's quantizer makes of the kernel's bf16 output; else None. Rollout
+        decode steps only (no autograd), not in the batch-invariant mode (its own kernel)."""
+        if mask.invariant or torch.is_grad_enabled():
+            return None
+        fused = fused_input_quantizer((self.o_proj,), q)
+        if fused is None:
+            return None
+        from ..kernels.attention import out_quant_unsupported
+
+        spec = fused[1]
+        return spec if out_quant_unsupported(spec, self.attention_format().torch_dtype(), q.shape[-1]) is None else None
 
     def _rope_dtype(self, x: torch.Tensor) -> torch.dtype:
         """What RoPE returns queries and keys in: bf16 on the native path when attention reads bf16
@@ -916,11 +935,13 @@ def _time_kv_reads(cache: KVCache, heads: int, calls: int | None = None) -> dict
     return {name: device_time_ms(fn, k.device, **kw) for name, fn in fns.items()}
 
 
-def _cache_attention(q, cache: KVCache, layer: int, width: int, mask: Masking, fmt: Format) -> torch.Tensor:
+def _cache_attention(q, cache: KVCache, layer: int, width: int, mask: Masking, fmt: Format,
+                     out_spec: CastSpec | None = None):
     """A decode step's attention over the cache as stored (``kernels.attention``): bf16, or FP8 whose
     keys and values are read as 1 byte plus their row's scale and dequantized in registers to exactly
     the bf16 value ``_kv_values`` would give; the batch-invariant mode reads an FP8 cache through the
-    invariant kernel. Returns (b, 1, heads * d) in ``fmt``."""
+    invariant kernel. Returns (b, 1, heads * d) in ``fmt``; with ``out_spec`` (``Attention._o_proj_operand``)
+    the kernel's output quantized as o_proj's input instead: a QTensor (b, heads * d)."""
     b, h, t, d = q.shape
     qn = q.to(fmt.torch_dtype())
     k, v = cache.kv[2 * layer, :, :, :width], cache.kv[2 * layer + 1, :, :, :width]
@@ -933,7 +954,9 @@ def _cache_attention(q, cache: KVCache, layer: int, width: int, mask: Masking, f
     else:
         from ..kernels.attention import decode_attention
 
-        out = decode_attention(qn, k, v, mask.q_index, kv_scales=scales)
+        out = decode_attention(qn, k, v, mask.q_index, kv_scales=scales, quantize_out=out_spec)
+        if out_spec is not None:
+            return out
     return out.transpose(1, 2).reshape(b, t, h * d)
 
 
