@@ -12,9 +12,14 @@ GEMM consumes (``kernels/layouts.py`` describes them and why each exists):
   and quantized 1x128 (the down projection's Fprop operand), and [g, u]'s own 1x128 copy (what the
   backward keeps with ``save_fp8_activations``): the SwiGLU output is never written in high
   precision. ``swiglu_quantize_t`` is the backward's: from that FP8 copy, h quantized 128x1 and
-  transposed (the down projection's Wgrad operand). Compiled for sm_90a with Triton 3.9 they take
-  126-130 registers per thread (32 x 128 tiles, 4 warps) and 190 (128 x 128 tiles, 8 warps), no
-  spills (``tests/sm90_compile.py``).
+  transposed (the down projection's Wgrad operand). ``swiglu_grad_quantize`` writes the SwiGLU
+  gradient d[g, u], computed from that copy and the down projection's input gradient, straight into
+  the gate/up projections' Dgrad (1x128) and Wgrad (128x1, transposed) operands: d[g, u] is never
+  written in bf16 to be read back by ``quantize_act``. Each of its programs makes one half (d[g] or
+  d[u]) of a 128 x 128 tile; the two halves of a tile are neighbouring programs, so the second read
+  of the tile's dy and g is meant to hit L2 (not measured). Compiled for sm_90a with Triton 3.9
+  they take 126-130 registers per thread (32 x 128 tiles, 4 warps) and 184-190 (128 x 128 tiles, 8
+  warps), no spills (``tests/sm90_compile.py``).
 - ``blockwise_mm``: ``a @ b.T`` for FP8 operands with 1x128 or 128x128 scales along K, fp32
   accumulation per 128-wide K block, scales applied to each block's partial sum before it is added
   (DeepSeek-V3's promotion rule), fp32 or bf16 output; it reads any scale strides. A decode step's
@@ -181,6 +186,16 @@ def _act_quant_kernel(x_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, K, M_PAD, stride
     inb = row_ok[:, None] & col_ok[None, :]
     x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :] * stride_xk, mask=inb, other=0.0,
                 eviction_policy="evict_first").to(tl.float32)
+    _store_tile(x, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk, rm, rk, row_ok, col_ok, M, K, M_PAD, FMAX, FLOOR, POW2,
+                OUT, ROWS, COLS, ZERO_PAD)
+
+
+@triton.jit
+def _store_tile(x, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk, rm, rk, row_ok, col_ok, M, K, M_PAD, FMAX: tl.constexpr,
+                FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                ZERO_PAD: tl.constexpr):
+    """A 128x128 tile ``x`` (fp32; rows ``rm``, columns ``rk`` = group ``pk`` of a T x K tensor) quantized
+    1x128 (``ROWS``) and 128x1 (``COLS``) into ``quantize_act``'s outputs."""
     ax = _abs_bits(x)
     # both amaxes first, so the bits of |x| are dead before either output is computed (221 -> ~170
     # registers per thread for the fused case, sm_90a, Triton 3.9: tests/sm90_compile.py)
@@ -191,7 +206,7 @@ def _act_quant_kernel(x_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, K, M_PAD, stride
     if ROWS:  # 1x128: one scale per row of the tile; data (M, K) row-major, scale (M, gK) column-major
         tl.store(sr_ptr + pk.to(tl.int64) * M + rm, s_row, mask=row_ok)
         q = _scaled(x, _divisor(s_row, POW2)[:, None], FMAX, POW2)
-        tl.store(qr_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :], q.to(OUT), mask=inb)
+        tl.store(qr_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :], q.to(OUT), mask=row_ok[:, None] & col_ok[None, :])
     if COLS:  # 128x1: one scale per column; written as x^T (K, M_PAD) and its (K, gM) grid, strides (1, K)
         _store_cols(x, s_col, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, K, M_PAD, FMAX, POW2, OUT, ZERO_PAD)
 
@@ -245,6 +260,40 @@ def _swiglu_quant_t_kernel(q_ptr, s_ptr, qt_ptr, st_ptr, M, I, M_PAD, stride_qm,
     h = _silu_mul(g, u)  # as swiglu_quantize computes it
     s = _group_scale(_amax(_abs_bits(h), 0), FMAX, FLOOR, POW2)  # 128x1: one scale per column of h
     _store_cols(h, s, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, FMAX, POW2, OUT, ZERO_PAD)
+
+
+@triton.jit
+def _swiglu_grad_quant_kernel(q_ptr, s_ptr, gy_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, I, M_PAD, stride_qm,
+                              stride_sm, stride_sk, stride_gm, stride_gk, FMAX: tl.constexpr, FLOOR: tl.constexpr,
+                              POW2: tl.constexpr, OUT: tl.constexpr, ROUND_BF16: tl.constexpr,
+                              INTERPRET: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                              ZERO_PAD: tl.constexpr, T: tl.constexpr):
+    half = tl.program_id(0)  # 0: d[g], 1: d[u]; the two programs of a tile run side by side (gy, g: one DRAM read)
+    pk = tl.program_id(1)  # gy's 128-wide column tile: d[g]'s group pk, d[u]'s group I/128 + pk
+    pm = tl.program_id(2)
+    rm = pm * T + tl.arange(0, T)
+    rk = pk * T + tl.arange(0, T)
+    row_ok = rm < M
+    col_ok = rk < I
+    inb = row_ok[:, None] & col_ok[None, :]
+    at = q_ptr + rm.to(tl.int64)[:, None] * stride_qm
+    s_at = s_ptr + rm.to(tl.int64) * stride_sm
+    gy = tl.load(gy_ptr + rm.to(tl.int64)[:, None] * stride_gm + rk[None, :] * stride_gk, mask=inb, other=0.0)
+    g = tl.load(at + rk[None, :], mask=inb, other=0.0).to(tl.float32) * tl.load(
+        s_at + pk * stride_sk, mask=row_ok, other=1.0)[:, None]
+    sig = tl.div_rn(1.0, 1.0 + tl.exp(-g))  # as precision.linear's ``_silu_mul_grad`` computes it
+    # d[g] = gy * u * sig * (1 + g * (1 - sig)), d[u] = gy * g * sig (* 1: exact), in that order of operations
+    # (one path for both halves, u read by d[g]'s program only: 185 registers per thread, sm_90a, where
+    # an if/else took 252)
+    dg = (rm * 0 + half) == 0  # a vector: the interpreter takes no scalar in a load's mask
+    u = tl.load(at + (I + rk)[None, :], mask=inb & dg[:, None], other=0.0).to(tl.float32) * tl.load(
+        s_at + (pk + I // T) * stride_sk, mask=row_ok & dg, other=1.0)[:, None]
+    a = tl.where(dg[:, None], u, g)
+    d = gy.to(tl.float32) * a * sig * tl.where(dg[:, None], 1.0 + g * (1.0 - sig), 1.0)
+    if ROUND_BF16:  # the gradient's dtype: the values its Dgrad and Wgrad casts would read
+        d = _to_bf16(d, INTERPRET).to(tl.float32)
+    _store_tile(d, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk + half * (I // T), rm, half * I + rk, row_ok, col_ok, M,
+                2 * I, M_PAD, FMAX, FLOOR, POW2, OUT, ROWS, COLS, ZERO_PAD)
 
 
 @triton.jit
@@ -494,6 +543,54 @@ def swiglu_quantize_t(gu: QTensor, gu_dtype: torch.dtype, fmt: Format = Format.F
             FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], ROUND_BF16=gu_dtype is torch.bfloat16,
             INTERPRET=_interpreting(), ZERO_PAD=m_pad > m, T=TILE, num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION)
     return QTensor(qt, st, CastSpec(fmt, Block(1, TILE), pow2_scale, amax_floor))
+
+
+def swiglu_grad_quantize(gu: QTensor, gy: torch.Tensor, out_dtype: torch.dtype, fmt: Format = Format.FP8_E4M3,
+                         pow2_scale: bool = False, amax_floor: float = DEFAULT_AMAX_FLOOR, rows: bool = True,
+                         cols: bool = True, pad_tokens_to: int = 1) -> tuple[QTensor | None, QTensor | None]:
+    """The gated MLP's input gradient as its GEMMs read it: d[g, u] of ``silu(g) * u`` for the down
+    projection's input gradient ``gy`` (T x I), at the values of the FP8 1x128 copy of [g, u] (T x 2I)
+    the forward kept, computed in fp32 (``precision.linear._swiglu_grad_fp8``'s math), rounded to
+    ``out_dtype`` (bf16 or fp32: the gradient's dtype), and quantized as ``quantize_act`` quantizes
+    it -- ``rows`` 1x128 (the gate/up projections' Dgrad operand, T x 2I) and ``cols`` 128x1,
+    transposed (their Wgrad operand, 2I x T_pad) -- from one read of the copy and ``gy``: d[g, u] is
+    never written (at 16 x 512 tokens of the 1.5B shape, 0.29 GB of bf16 per layer written and read
+    back). The quantization is ``quantize_act``'s of those values, bit for bit; the values are the
+    reference's but for Triton's ``exp`` (torch's differs in last bits), as in ``swiglu_quantize``."""
+    if gu.spec.block != Block(1, TILE) or gu.data.dim() != 2:
+        raise ValueError(f"swiglu_grad_quantize: takes a 2-D 1x128 copy of [g, u], got {gu.spec.block.name} "
+                         f"data of shape {tuple(gu.data.shape)}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"swiglu_grad_quantize: out_dtype must be bfloat16 or float32, not {out_dtype}")
+    why = unsupported(gy, fmt, amax_floor)
+    if why is not None:
+        raise ValueError(f"swiglu_grad_quantize: {why}")
+    m, k2 = gu.data.shape
+    if k2 % (2 * TILE) or gu.data.stride(1) != 1:
+        raise ValueError(f"swiglu_grad_quantize: [g, u] must be {2 * TILE}-aligned halves with unit column "
+                         f"stride, got shape {tuple(gu.data.shape)}, strides {gu.data.stride()}")
+    i = k2 // 2
+    if gy.shape != (m, i):
+        raise ValueError(f"swiglu_grad_quantize: gy must be {m} x {i} (tokens x half of [g, u]), "
+                         f"got {tuple(gy.shape)}")
+    if pad_tokens_to < 1:
+        raise ValueError(f"swiglu_grad_quantize: pad_tokens_to must be >= 1, got {pad_tokens_to}")
+    m_pad = round_up(m, pad_tokens_to)
+    dt, dev = fmt.torch_dtype(), gy.device
+    qr = torch.empty((m, k2), dtype=dt, device=dev) if rows else None
+    sr = torch.empty((k2 // TILE, m), dtype=torch.float32, device=dev).t() if rows else None
+    qt = torch.empty((k2, m_pad), dtype=dt, device=dev) if cols else None
+    st = torch.empty((cdiv(m_pad, TILE), k2), dtype=torch.float32, device=dev).t() if cols else None
+    if (rows or cols) and m_pad and i:
+        dummy = torch.empty(1, dtype=torch.float32, device=dev)
+        _swiglu_grad_quant_kernel[(2, i // TILE, cdiv(m_pad if cols else m, TILE))](
+            gu.data, gu.scale, gy, qr if rows else dummy, sr if rows else dummy, qt if cols else dummy,
+            st if cols else dummy, m, i, m_pad, gu.data.stride(0), gu.scale.stride(0), gu.scale.stride(1),
+            gy.stride(0), gy.stride(1), FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt],
+            ROUND_BF16=out_dtype is torch.bfloat16, INTERPRET=_interpreting(), ROWS=rows, COLS=cols,
+            ZERO_PAD=cols and m_pad > m, T=TILE, num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION)
+    spec = CastSpec(fmt, Block(1, TILE), pow2_scale, amax_floor)
+    return (QTensor(qr, sr, spec) if rows else None), (QTensor(qt, st, spec) if cols else None)
 
 
 NORM_ROWS = 4  # rows per program of the RMSNorm quantizer (4 x 128 fp32 tiles at 4 warps)

@@ -152,6 +152,8 @@ def cases():
         out.append((f"swiglu_quantize pow2={pow2}", None, lambda gu=gu, p=pow2: fp8.swiglu_quantize(gu, pow2_scale=p, save=True)))
         out.append((f"swiglu_quantize_t pow2={pow2}", None, lambda p=pow2: fp8.swiglu_quantize_t(
             _qtensor(4096, 2 * inter, 1), bf, pow2_scale=p, pad_tokens_to=128)))
+        out.append((f"swiglu_grad_quantize pow2={pow2}", None, lambda p=pow2: fp8.swiglu_grad_quantize(
+            _qtensor(4096, 2 * inter, 1), torch.zeros(4096, inter, dtype=bf), bf, pow2_scale=p, pad_tokens_to=128)))
         res, wn = torch.zeros(4096, hidden), torch.ones(hidden)  # fp32 residual stream, bf16 attention output
         out.append((f"rms_norm_quantize train pow2={pow2}", None, lambda r=res, p=pow2: fp8.rms_norm_quantize(
             r, r.to(bf), wn, 1e-6, torch.float32, pow2_scale=p, write_y=True, rsqrt=True)))

@@ -67,10 +67,10 @@ def test_every_scenario_runs(report):
     assert len(report["rollout"]) >= 5
     # the fp8-unified scenario's FP8 KV cache is read as stored (the kernel's launch stood in)
     assert report["triton_launches"].get("decode_attention", 0) > 0 and report["triton_launches"].get("kv_store", 0) > 0
-    # the Triton quantizers' wrappers, on the device: activations, weights, SwiGLU both ways, the
-    # norms that quantize their GEMM's input, INT8 rows
+    # the Triton quantizers' wrappers, on the device: activations, weights, SwiGLU both ways and its
+    # gradient, the norms that quantize their GEMM's input, INT8 rows
     for kernel in ("_act_quant_kernel", "_weight_quant_kernel", "_swiglu_quant_kernel", "_swiglu_quant_t_kernel",
-                   "_rms_norm_quant_kernel", "_row_quant_kernel"):
+                   "_swiglu_grad_quant_kernel", "_rms_norm_quant_kernel", "_row_quant_kernel"):
         assert report["triton_launches"].get(kernel, 0) > 0, kernel
 
 

@@ -991,6 +991,90 @@ def test_fp8_mlp_input_is_made_from_gu_by_one_kernel_in_rollout_and_training(sav
         assert ((got.float() - want.float()).norm() / want.float().norm()) < 0.02
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_the_mlp_backward_writes_the_gate_up_operands_from_the_swiglu_gradient(x_grad, forced_native, monkeypatch):
+    """With ``save_fp8_activations`` on a kernel backend, a gated MLP is one autograd function whose
+    backward writes the gate/up projections' FP8 Dgrad and Wgrad operands straight from the SwiGLU
+    gradient (``swiglu_grad_quantize``): no bf16 d[g, u] is written, and ``quantize_act`` never reads
+    one. Its forward is ``swiglu_down(linear_group(...))``'s bit for bit, and its gradients are the
+    op-by-op backward's (SwiGLU gradient, then the quantizer) bit for bit when that one computes
+    with the kernel's exp (the interpreter's: numpy's), within FP8 rounding with torch's. Without
+    an input gradient, only the Wgrad operand is made."""
+    from jetrl_cli.precision import linear, parse_flow
+    from jetrl_cli.precision.linear import gated_mlp, linear_group, swiglu_down
+
+    from .test_kernels_quant import numpy_exp
+    from .triton_interp_fix import fixed_fp8_conversion
+
+    gemms = {g: {"backend": "triton"} for g in ("fprop", "dgrad", "wgrad")}
+    prec = parse_flow({"base": "fp8-unified", "rollout": {"linear": {"backend": "triton"}},
+                       "train": {**gemms, "save_fp8_activations": True}}, source="<test>").train.linear
+    dev = TRITON_DEV
+    g = gen(torch.seed() % 2**31)
+    rows, hidden, inter = 150, 128, 256
+    owner = torch.nn.Module()
+
+    def layer(n, k):
+        return JetLinear(torch.nn.Parameter(torch.randn(n, k, generator=g).to(dev) / k ** 0.5), None, prec)
+
+    gate, up, down = layer(inter, hidden), layer(inter, hidden), layer(hidden, inter)
+    x = torch.randn(3, rows // 3, hidden, generator=g).to(dev).bfloat16().requires_grad_(x_grad)
+    gy = torch.randn(3, rows // 3, hidden, generator=g).to(dev).bfloat16()
+    fp8 = gemm.triton_fp8_kernels()
+    calls = []
+    grad_quantize, quantize_act = fp8.swiglu_grad_quantize, fp8.quantize_act
+    monkeypatch.setattr(fp8, "swiglu_grad_quantize",
+                        lambda *a, **k: calls.append(("dgu", k["rows"], k["cols"])) or grad_quantize(*a, **k))
+    monkeypatch.setattr(fp8, "quantize_act", lambda *a, **k: calls.append(tuple(a[0].shape)) or quantize_act(*a, **k))
+    dgu_written, fns = [], []
+
+    class Outputs(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.numel() >= rows * 2 * inter and out.dtype.itemsize > 1:
+                dgu_written.append(func)
+            return out
+
+    def run():
+        for p in (x, gate.weight, up.weight, down.weight):
+            p.grad = None
+        y = gated_mlp((gate, up), x, owner, down)
+        fns.append(type(y.grad_fn).__name__)
+        with Outputs():
+            y.backward(gy)
+        return y.detach(), [None if p.grad is None else p.grad.clone() for p in (x, gate.weight, up.weight, down.weight)]
+
+    def grad_numpy_exp(data, scale, cols, gh, out_dtype):  # the reference's math with the interpreter's exp
+        gv, uv = linear._halves_values(data, scale, cols)
+        gh, sig = gh.float(), 1 / (1 + numpy_exp(-gv))
+        return torch.cat([(gh * uv * sig * (1 + gv * (1 - sig))).to(out_dtype), (gh * gv * sig).to(out_dtype)], -1)
+
+    with fixed_fp8_conversion():
+        with torch.no_grad():
+            plain = swiglu_down(linear_group((gate, up), x, owner), down)
+        y, got = run()
+        assert calls[-1] == ("dgu", x_grad, True) and (rows, 2 * inter) not in calls and dgu_written == []
+        assert torch.equal(y, plain)
+        calls.clear()
+        monkeypatch.setattr(linear, "_dgu_casts", lambda *a: None)  # op by op: d[g, u] in bf16, then quantize_act
+        if not torch.cuda.is_available():
+            monkeypatch.setattr(linear, "_swiglu_grad_fp8", grad_numpy_exp)
+        y_ref, want = run()
+        assert (rows, 2 * inter) in calls and not any(c[0] == "dgu" for c in calls) and dgu_written
+    assert fns == ["_GatedMLPFnBackward", "_SwiGLUDownFnBackward"]
+    assert torch.equal(y_ref, y) and (got[0] is None) is (not x_grad)
+    for a, b in zip(got, want):
+        if b is None:
+            continue
+        if torch.cuda.is_available():
+            assert ((a.float() - b.float()).norm() / b.float().norm()) < 0.02
+        else:
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("save", [False, True])
 def test_a_norm_writes_its_gemms_fp8_input_in_rollout_and_training(save, forced_native, monkeypatch):
     """On a kernel backend each decoder layer's two norms write the FP8 1x128 operand of the q/k/v and

@@ -210,6 +210,65 @@ def test_swiglu_transposed_quantizer_is_the_reference_on_the_fp8_copy(fp8, shape
         fp8.swiglu_quantize_t(copy, torch.float16)
 
 
+def swiglu_grad_fp32(values, gy, dtype, exp=torch.exp):
+    """d[g, u] of ``silu(g) * u`` in fp32 in ``precision.linear``'s form, each half rounded to ``dtype``."""
+    g, u = values.chunk(2, dim=-1)
+    gy = gy.float()
+    sig = 1 / (1 + exp(-g))
+    return torch.cat([(gy * u * sig * (1 + g * (1 - sig))).to(dtype), (gy * g * sig).to(dtype)], dim=-1).float()
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("shape,fmt,pow2,dtype,gy_dtype,pad_to", [
+    ((2, 256), E4, False, torch.bfloat16, torch.bfloat16, 128), ((130, 512), E5, True, torch.float32, torch.float32, 1),
+    ((129, 768), E4, True, torch.bfloat16, torch.float32, 256), ((256, 256), E4, False, torch.float32, torch.bfloat16, 1)])
+def test_swiglu_gradient_quantizer_is_the_reference_on_the_fp8_copy(fp8, shape, fmt, pow2, dtype, gy_dtype, pad_to):
+    """``swiglu_grad_quantize``: d[g, u] at the values of the FP8 copy of [g, u], rounded to the
+    gradient's dtype, quantized 1x128 (Dgrad's operand) and 128x1 transposed (Wgrad's) -- what
+    ``quantize_act`` gives on that gradient, bit for bit with the interpreter's exp (numpy's); with
+    torch's exp, the FP8 data of the two differ by one step at most, and rarely. A NaN in gy reaches
+    the groups it belongs to and no others; either output alone is the same bytes."""
+    m, k2 = shape
+    i = k2 // 2
+    gu = spread(m, k2, seed=m * 13 + k2, dtype=dtype)
+    copy = quantize(gu, CastSpec(E4, B1x128))
+    gy = spread(m, i, seed=m * 17 + k2, dtype=gy_dtype)
+    gy[-1, 3] = float("nan")  # d[g] and d[u] of the last token, column 3 of each half
+    rows, cols = fp8.swiglu_grad_quantize(copy, gy, dtype, fmt, pow2_scale=pow2, pad_tokens_to=pad_to)
+    spec = CastSpec(fmt, B1x128, pow2)
+    values = dequantize(copy)
+    if not torch.cuda.is_available():
+        d = swiglu_grad_fp32(values, gy, dtype, numpy_exp)
+        check_rows(rows, d, spec)
+        check_cols(cols, d, spec, pad_to)
+    d = swiglu_grad_fp32(values, gy, dtype)
+    for got, want in ((rows, quantize(d, spec)), (cols, expected_cols(d, spec, pad_to))):
+        differ = (bytes_of(got.data).int() - bytes_of(want.data).int()).abs()
+        finite = ~(got.data.float().isnan() | want.data.float().isnan())
+        assert int(differ[finite].max()) <= 1 and float((differ[finite] > 0).float().mean()) <= 1e-3
+    nan_rows = rows.scale.isnan().nonzero().tolist()
+    assert nan_rows == [[m - 1, 0], [m - 1, i // 128]]
+    assert int(cols.scale.isnan().sum()) == 2 and bool(cols.scale[3, (m - 1) // 128].isnan())
+    r_only, none = fp8.swiglu_grad_quantize(copy, gy, dtype, fmt, pow2_scale=pow2, cols=False)
+    none2, c_only = fp8.swiglu_grad_quantize(copy, gy, dtype, fmt, pow2_scale=pow2, rows=False, pad_tokens_to=pad_to)
+    assert none is None and none2 is None
+    assert same_data(r_only.data, rows.data) and same_scales(r_only.scale, rows.scale)
+    assert same_data(c_only.data, cols.data) and same_scales(c_only.scale, cols.scale)
+
+
+@needs_triton
+def test_swiglu_gradient_quantizer_refuses_what_it_cannot_read(fp8):
+    copy = quantize(torch.randn(4, 256), CastSpec(E4, B1x128))
+    with pytest.raises(ValueError, match="swiglu_grad_quantize: gy must be 4 x 128"):
+        fp8.swiglu_grad_quantize(copy, torch.randn(4, 256), torch.bfloat16)
+    with pytest.raises(ValueError, match="swiglu_grad_quantize: out_dtype must be bfloat16 or float32"):
+        fp8.swiglu_grad_quantize(copy, torch.randn(4, 128), torch.float16)
+    with pytest.raises(ValueError, match="swiglu_grad_quantize: takes a 2-D 1x128 copy"):
+        fp8.swiglu_grad_quantize(quantize(torch.randn(4, 256), CastSpec(E4, B128x1)), torch.randn(4, 128),
+                                 torch.bfloat16)
+
+
 @needs_triton
 def test_swiglu_quantizer_takes_whole_groups_only(fp8):
     with pytest.raises(ValueError, match="swiglu_quantize: gu's width must be a multiple of 256"):

@@ -201,10 +201,10 @@ def _hopper_scaled_mm():
 
 @contextlib.contextmanager
 def fused_quantizers(run=lambda kind, fn, *tensors: fn(*tensors)):
-    """jetrl's SwiGLU quantizers (``kernels.fp8.swiglu_quantize`` / ``swiglu_quantize_t``), which
-    ``swiglu_down`` takes on a kernel backend where Triton runs, and its RMSNorm quantizer
-    (``rms_norm_quantize``, which ``models.llama.norm_linear`` takes there), taken on the (fake)
-    CPU tensors too: their reference (the SwiGLU or the norm, and the quantizer) runs, as
+    """jetrl's SwiGLU quantizers (``kernels.fp8.swiglu_quantize`` / ``swiglu_quantize_t`` /
+    ``swiglu_grad_quantize``), which ``gated_mlp`` takes on a kernel backend where Triton runs, and its
+    RMSNorm quantizer (``rms_norm_quantize``, which ``models.llama.norm_linear`` takes there), taken
+    on the (fake) CPU tensors too: their reference (the SwiGLU or the norm, and the quantizer) runs, as
     ``run(kind, fn, *tensors)`` with ``kind`` ``"swiglu"`` or ``"norm"`` (a counter may take it as the
     one kernel it is on a GPU; its temporaries are the reference's, not the kernel's)."""
     from jetrl_cli.models import llama
@@ -232,6 +232,15 @@ def fused_quantizers(run=lambda kind, fn, *tensors: fn(*tensors)):
                 h = linear._swiglu_math_fp8(data, scale, 128, gu_dtype, torch.float32)
                 return quant.quantize(h, CastSpec(fmt, Block(128, 1), pow2_scale, amax_floor)).t()
             return run("swiglu", reference, q.data, q.scale)
+
+        @staticmethod
+        def swiglu_grad_quantize(q, gy, out_dtype, fmt, pow2_scale, amax_floor, rows=True, cols=True,
+                                 pad_tokens_to=1):
+            def reference(data, scale, gy):
+                d = linear._swiglu_grad_fp8(data, scale, 128, gy, out_dtype)
+                return (quant.quantize(d, CastSpec(fmt, Block(1, 128), pow2_scale, amax_floor)) if rows else None,
+                        quant.quantize(d, CastSpec(fmt, Block(128, 1), pow2_scale, amax_floor)).t() if cols else None)
+            return run("swiglu", reference, q.data, q.scale, gy)
 
         @staticmethod
         def rms_norm_quantize(x, delta, w, eps, out, fmt, pow2_scale, amax_floor, write_y=False, rsqrt=False):

@@ -225,8 +225,9 @@ def triton_pairs(traffic: Traffic):
     reads its tensor once and writes both copies in their GEMM layouts (one kernel),
     ``cast_weight_pair`` writes W and W^T from one read of W (here: the reference quantizer and a
     transpose, counted as that one kernel), ``swiglu_quantize`` makes down's FP8 input (and the
-    FP8 copy of [g, u]) from one read of [g, u] and ``swiglu_quantize_t`` down's Wgrad operand from
-    that copy (here: the reference SwiGLU and quantizer), and ``rms_norm_quantize`` a residual add,
+    FP8 copy of [g, u]) from one read of [g, u], ``swiglu_quantize_t`` down's Wgrad operand from
+    that copy and ``swiglu_grad_quantize`` the gate/up GEMMs' dy operands from it and down's input
+    gradient (here: the reference SwiGLU and quantizer), and ``rms_norm_quantize`` a residual add,
     the norm after it and the next GEMM's FP8 input (here: the reference norm and quantizer)."""
     plain_pair = gemm.cast_pair
 

@@ -48,8 +48,8 @@ from ..precision.flow import LinearPrecision
 from ..precision.formats import Block, Format
 from ..precision.fuse import fused
 from ..precision.gemm import F64_BITS, device_time_ms, fixed_point, kernel_choice, native, note_kernel
-from ..precision.linear import (JetLinear, fused_input_quantizer, group_weight, input_dtype, linear_group,
-                                swiglu_down)
+from ..precision.linear import (JetLinear, fused_input_quantizer, gated_mlp, group_weight, input_dtype,
+                                linear_group)
 from ..precision.quant import CastSpec, QTensor, dequantize, fake_quantize, quantize, round_to
 
 
@@ -210,9 +210,12 @@ def _add_norm_backward(ctx, gs, gy) -> tuple:
     return gx, gd, gw, None, None
 
 
-def norm_linear(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, mods: tuple, owner: nn.Module) -> tuple:
+def norm_linear(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, mods: tuple, owner: nn.Module,
+                down: JetLinear | None = None) -> tuple:
     """``(s, linear_group(mods, norm(s)))`` with ``s = x + delta`` (``s = x`` without ``delta``): a
-    residual connection, the norm after it and the linear layers that read the norm's output.
+    residual connection, the norm after it and the linear layers that read the norm's output. With
+    ``down``, ``mods`` are a gated MLP's gate and up projections and the second item is the MLP's
+    output, ``gated_mlp(mods, norm(s), owner, down)``.
 
     Where those layers quantize their input FP8 1x128 with jetrl's Triton kernels
     (``fused_input_quantizer``), the norm's own kernel writes that operand
@@ -220,21 +223,26 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, mods
     memory (one kernel in place of two), and the trainer's forward takes the same kernel, writing
     the output too (the Wgrad operand is made from it), so the two agree bit for bit. Not in the
     batch-invariant mode, whose norm is ``kernels.invariant``'s."""
+    def linears(h, x_op=None, x_dtype=None):
+        if down is None:
+            return linear_group(mods, h, owner, x_op=x_op, x_dtype=x_dtype)
+        return gated_mlp(mods, h, owner, down, x_op=x_op, x_dtype=x_dtype)
+
     quant = None if norm.invariant else fused_input_quantizer(mods, x)
     if quant is None:
         s, h = norm.add_forward(x, delta, input_dtype(mods, x))
-        return s, linear_group(mods, h, owner)
+        return s, linears(h)
     n = x.shape[-1]
     x2, d2 = x.reshape(-1, n), None if delta is None else delta.reshape(-1, n)
     if not norm.tracks(x, delta):
         fp8, spec = quant
         s, _, _, rows = fp8.rms_norm_quantize(x2, d2, norm.weight, norm.eps, x.dtype, spec.format,
                                               spec.pow2_scale, spec.amax_floor)
-        y = linear_group(mods, None, owner, x_op=rows, x_dtype=x.dtype)
+        y = linears(None, x_op=rows, x_dtype=x.dtype)
     else:
         *s, h, data, scale = _NormQuantFn.apply(x2, d2, norm.weight, norm.eps, quant)
         s = s[0] if s else None
-        y = linear_group(mods, h, owner, x_op=QTensor(data, scale, quant[1]))
+        y = linears(h, x_op=QTensor(data, scale, quant[1]))
     return (x if s is None else s.reshape(x.shape)), y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -981,7 +989,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, h, bias=cfg.mlp_bias)
 
     @property
-    def gate_up(self) -> tuple:  # run by ``DecoderLayer``: the norm before them, then ``swiglu_down``
+    def gate_up(self) -> tuple:  # run by ``DecoderLayer``: the norm before them, then ``gated_mlp``
         return self.gate_proj, self.up_proj
 
 
@@ -1000,9 +1008,8 @@ class DecoderLayer(nn.Module):
         next layer's first norm: no add of its own, with the same bits as adding it here."""
         a, m = self.self_attn, self.mlp
         x, qkv = norm_linear(self.input_layernorm, x, delta, a.qkv, a)
-        x, gu = norm_linear(self.post_attention_layernorm, x, a.attend(qkv, x.dtype, cos, sin, mask, cache, layer),
-                            m.gate_up, m)
-        return x, swiglu_down(gu, m.down_proj)
+        return norm_linear(self.post_attention_layernorm, x, a.attend(qkv, x.dtype, cos, sin, mask, cache, layer),
+                           m.gate_up, m, m.down_proj)
 
 
 def layer_output(out: tuple) -> torch.Tensor:

@@ -605,12 +605,9 @@ def cast_pair(x: torch.Tensor, rows: CastSpec | None, cols: CastSpec | None, bac
     multiple of 128 (what blockwise ``scaled_mm`` needs; the product is unchanged). Otherwise each
     is cast on its own by its backend. Bit-identical either way."""
     be_rows, be_cols = backends
-    tri = kernel_quantizers(x, backends) if x.dim() == 2 else None
-    specs = [c for c in (rows, cols) if c is not None]
-    if tri is not None and specs and all(c.format.is_fp8 for c in specs) and len(
-            {(c.format, c.pow2_scale, c.amax_floor) for c in specs}) == 1 and (
-            rows is None or rows.block == Block(1, TILE)) and (cols is None or cols.block == Block(TILE, 1)):
-        c = specs[0]
+    tri = kernel_quantizers(x, backends) if x.dim() == 2 and one_read_pair(rows, cols) else None
+    if tri is not None:
+        c = rows or cols
         return tri.quantize_act(x, c.format, c.pow2_scale, c.amax_floor, rows=rows is not None,
                                 cols=cols is not None, pad_tokens_to=TILE)
     r = cast_operand(x, rows, be_rows) if rows is not None else None
@@ -619,6 +616,17 @@ def cast_pair(x: torch.Tensor, rows: CastSpec | None, cols: CastSpec | None, bac
     if r is not None and not rows.is_scaled and not cols.is_scaled and rows.format is cols.format:
         return r, transpose_operand(r)  # one dense cast serves both (a dense cast has no groups)
     return r, transpose_operand(cast_operand(x, cols, be_cols))
+
+
+def one_read_pair(rows: CastSpec | None, cols: CastSpec | None) -> bool:
+    """Whether jetrl's Triton quantizer (``quantize_act``) makes this pair of casts of one tensor from one
+    read, where it runs: FP8 1x128 ``rows`` and 128x1 ``cols`` of one format, scaling and floor,
+    either None. Then ``cast_pair`` takes it, and a kernel that computes such a tensor may write
+    those operands itself in its layouts (``kernels.fp8.swiglu_grad_quantize``)."""
+    specs = [c for c in (rows, cols) if c is not None]
+    return bool(specs) and all(c.format.is_fp8 for c in specs) and len(
+        {(c.format, c.pow2_scale, c.amax_floor) for c in specs}) == 1 and (
+        rows is None or rows.block == Block(1, TILE)) and (cols is None or cols.block == Block(TILE, 1))
 
 
 def cast_weight_pair(w: torch.Tensor, spec: CastSpec, backends) -> tuple | None:

@@ -50,6 +50,7 @@ from .gemm import (
     finish,
     kernel_quantizers,
     native,
+    one_read_pair,
     operand_values,
     resolve,
     run_gemm,
@@ -586,27 +587,38 @@ def _transposed_cast(t: torch.Tensor, cast: CastSpec, spec: GemmSpec, device) ->
     return cast_pair(t, None, cast, (be, be))[1]
 
 
-def _linear_backward(ctx, mods: tuple, gy2: torch.Tensor, x_dtype, need_x: bool, need_w: list, need_b: list,
-                     x_operand, wsum: WgradSum | None = None) -> tuple:
+def _dgrad_weight(ctx, mods: tuple) -> Operand | None:
+    """The group's Dgrad operand (W^T of all its layers), None where one GEMM per layer is needed."""
+    return mods[0].dgrad_weight() if len(mods) == 1 else getattr(ctx, "dgrad_weight", None)
+
+
+def _linear_backward(ctx, mods: tuple, gy2: torch.Tensor | None, x_dtype, need_x: bool, need_w: list, need_b: list,
+                     x_operand, wsum: WgradSum | None = None, gy_ops: tuple | None = None) -> tuple:
     """Dgrad, Wgrad and bias gradients of a group of linears for ``gy2`` (tokens x sum(N_i)).
     ``x_operand()``: Wgrad's operand b (x^T, K x tokens), fetched only if a weight needs a grad.
-    ``wsum``: a single layer's Wgrad is added into it (``WgradSum``) rather than returned alone."""
+    ``wsum``: a single layer's Wgrad is added into it (``WgradSum``) rather than returned alone.
+    ``gy_ops``: dy's Dgrad and Wgrad operands (those ``cast_pair`` makes), already made by the kernel
+    that computed dy; ``gy2`` is then None, and the group has a Dgrad operand and no bias."""
     prec: LinearPrecision = mods[0].precision
-    dev = gy2.device
-    sizes = [m.out_features for m in mods]
-    parts = gy2.split(sizes, dim=1) if len(mods) > 1 else (gy2,)
     dg, wg = prec.dgrad, prec.wgrad
-    be_d, be_w = backend_for(dg, "dgrad", dev), backend_for(wg, "wgrad", dev)
-    wt = None
-    if need_x:
-        wt = mods[0].dgrad_weight() if len(mods) == 1 else getattr(ctx, "dgrad_weight", None)
-    # dy's Dgrad and Wgrad operands from one read of dy (Dgrad's: unless one GEMM per layer)
-    gy_rows, gy_t = cast_pair(gy2, dg.a if wt is not None else None, wg.a if any(need_w) else None, (be_d, be_w))
+    wt = _dgrad_weight(ctx, mods) if need_x else None
+    if gy_ops is not None:
+        gy_rows, gy_t = gy_ops
+        dev = (gy_rows if gy_rows is not None else gy_t).data.device
+        assert not any(need_b) and (wt is not None or not need_x), "dy's operands serve one Dgrad GEMM, no bias"
+    else:
+        dev = gy2.device
+        be_d, be_w = backend_for(dg, "dgrad", dev), backend_for(wg, "wgrad", dev)
+        # dy's Dgrad and Wgrad operands from one read of dy (Dgrad's: unless one GEMM per layer)
+        gy_rows, gy_t = cast_pair(gy2, dg.a if wt is not None else None, wg.a if any(need_w) else None,
+                                  (be_d, be_w))
+    sizes = [m.out_features for m in mods]
     gx = None
     if wt is not None:
         gx = finish(run_gemm(gy_rows, wt, dg, "dgrad", dev), dg.out, x_dtype)
     elif need_x:  # no operand spans the group's weights: a GEMM per layer, the results added
-        for m, g in zip(mods, parts):
+        be_d = backend_for(dg, "dgrad", dev)
+        for m, g in zip(mods, gy2.split(sizes, dim=1) if len(mods) > 1 else (gy2,)):
             part = finish(run_gemm(cast_operand(g, dg.a, be_d), m.dgrad_weight(), dg, "dgrad", dev), dg.out, x_dtype)
             gx = part if gx is None else gx + part
     grads_w = [None] * len(mods)
@@ -616,66 +628,76 @@ def _linear_backward(ctx, mods: tuple, gy2: torch.Tensor, x_dtype, need_x: bool,
         else:
             gw = finish(run_gemm(gy_t, x_operand(), wg, "wgrad", dev), wg.out, mods[0].weight.dtype)
             grads_w = list(gw.split(sizes, dim=0)) if len(mods) > 1 else [gw]
-    grads_b = [g.sum(0, dtype=torch.float32).to(m.bias.dtype) if need else None  # no fp32 copy of g
-               for m, g, need in zip(mods, parts, need_b)] if mods[0].bias is not None else []
+    grads_b = [None] * len(need_b)
+    if any(need_b):
+        parts = gy2.split(sizes, dim=1) if len(mods) > 1 else (gy2,)
+        grads_b = [g.sum(0, dtype=torch.float32).to(m.bias.dtype) if need else None  # no fp32 copy of g
+                   for m, g, need in zip(mods, parts, need_b)]
     return gx, grads_w, grads_b
 
 
-def _save_operand(ctx, op: Operand) -> None:
-    """Save a Wgrad operand through autograd (so saved-tensor hooks see its bytes)."""
-    if isinstance(op, QTensor):
-        ctx.q_spec = op.spec
-        ctx.save_for_backward(op.data, op.scale)
-    else:
-        ctx.q_spec = None
-        ctx.save_for_backward(op)
+def _save_operands(ctx, *ops: Operand) -> None:
+    """Save Wgrad operands through autograd (so saved-tensor hooks see their bytes)."""
+    ctx.q_specs = [op.spec if isinstance(op, QTensor) else None for op in ops]
+    ctx.save_for_backward(*[t for op in ops for t in ((op.data, op.scale) if isinstance(op, QTensor) else (op,))])
 
 
-def _saved_operand(ctx) -> Operand:
-    saved = ctx.saved_tensors
-    return QTensor(saved[0], saved[1], ctx.q_spec) if ctx.q_spec is not None else saved[0]
+def _saved_operands(ctx) -> list:
+    saved, out = iter(ctx.saved_tensors), []
+    for spec in ctx.q_specs:
+        out.append(QTensor(next(saved), next(saved), spec) if spec is not None else next(saved))
+    return out
+
+
+def _group_forward(st, x2: torch.Tensor, group: _Group, needs_x_grad: bool) -> tuple:
+    """A linear group's forward with autograd (``_LinearGroupFn``'s, and the gate/up projections' of
+    ``_GatedMLPFn``): ``(y, the Wgrad operand to save)``, its backward's state put on ``st``."""
+    mods = group.mods
+    prec: LinearPrecision = mods[0].precision
+    st.mods, st.x_dtype = mods, x2.dtype
+    _count_forward(st, group.owner)
+    st.wgrad_sum = _wgrad_sum(mods)
+    st.dgrad_weight = group_dgrad_weight(group) if len(mods) > 1 and needs_x_grad else None
+    st.fp8_saved = prec.save_fp8_activations and not group.input_kept
+    xa = group.x_op
+    if st.fp8_saved:  # Fprop's operand and the saved FP8 x^T (groups along tokens), from one read of x
+        dev = x2.device
+        rows, xt = cast_pair(x2, prec.fprop.a if xa is None else None, prec.wgrad.b,
+                             (backend_for(prec.fprop, "fprop", dev), backend_for(prec.wgrad, "wgrad", dev)))
+        return linear_forward(x2, group.weight, group.bias, prec.fprop, x_op=rows if xa is None else xa), xt
+    y = linear_forward(x2, group.weight, group.bias, prec.fprop, x_op=xa)
+    wb = prec.wgrad.b
+    return y, x2 if wb.is_scaled or wb.format is Format.FP32 or not native(x2) else x2.to(wb.format.torch_dtype())
+
+
+def _group_backward(st, saved: Operand, gy2: torch.Tensor | None, need_x: bool, need_w: list, need_b: list,
+                    gy_ops: tuple | None = None) -> tuple:
+    """The backward of ``_group_forward`` from the operand it saved: ``(gx, weight grads, bias grads)``."""
+    mods = st.mods
+
+    def x_operand():
+        return saved if st.fp8_saved else _wgrad_operand_of_input(saved, mods[0].precision.wgrad, saved.device)
+
+    out = _linear_backward(st, mods, gy2, st.x_dtype, need_x, need_w, need_b, x_operand, st.wgrad_sum, gy_ops)
+    st.wgrad_sum = None
+    _backward_done(st)
+    return out
 
 
 class _LinearGroupFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group: _Group, *params):
-        mods = group.mods
-        prec: LinearPrecision = mods[0].precision
-        x2 = x.reshape(-1, x.shape[-1])
-        ctx.mods, ctx.x_shape, ctx.x_dtype = mods, x.shape, x.dtype
-        _count_forward(ctx, group.owner)
-        ctx.wgrad_sum = _wgrad_sum(mods)
-        ctx.dgrad_weight = group_dgrad_weight(group) if len(mods) > 1 and ctx.needs_input_grad[0] else None
-        ctx.fp8_saved = prec.save_fp8_activations and not group.input_kept
-        xa = group.x_op
-        if ctx.fp8_saved:  # Fprop's operand and the saved FP8 x^T (groups along tokens), from one read of x
-            dev = x2.device
-            rows, xt = cast_pair(x2, prec.fprop.a if xa is None else None, prec.wgrad.b,
-                                 (backend_for(prec.fprop, "fprop", dev), backend_for(prec.wgrad, "wgrad", dev)))
-            y = linear_forward(x2, group.weight, group.bias, prec.fprop, x_op=rows if xa is None else xa)
-            _save_operand(ctx, xt)
-        else:
-            y = linear_forward(x2, group.weight, group.bias, prec.fprop, x_op=xa)
-            wb = prec.wgrad.b
-            keep = x2 if wb.is_scaled or wb.format is Format.FP32 or not native(x2) else x2.to(wb.format.torch_dtype())
-            _save_operand(ctx, keep)
+        y, saved = _group_forward(ctx, x.reshape(-1, x.shape[-1]), group, ctx.needs_input_grad[0])
+        _save_operands(ctx, saved)
+        ctx.x_shape = x.shape
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, gy):
-        mods = ctx.mods
-        n = len(mods)
+        n = len(ctx.mods)
         need = ctx.needs_input_grad
-
-        def x_operand():
-            op = _saved_operand(ctx)
-            return op if ctx.fp8_saved else _wgrad_operand_of_input(op, mods[0].precision.wgrad, gy.device)
-
-        gx, grads_w, grads_b = _linear_backward(ctx, mods, gy.reshape(-1, gy.shape[-1]), ctx.x_dtype, need[0],
-                                                list(need[2:2 + n]), list(need[2 + n:]), x_operand,
-                                                ctx.wgrad_sum)
-        ctx.wgrad_sum = None
-        _backward_done(ctx)
+        gx, grads_w, grads_b = _group_backward(ctx, _saved_operands(ctx)[0], gy.reshape(-1, gy.shape[-1]), need[0],
+                                               list(need[2:2 + n]), list(need[2 + n:]))
         return (None if gx is None else gx.reshape(ctx.x_shape), None, *grads_w, *grads_b)
 
 
@@ -826,56 +848,162 @@ def _swiglu_t_kernel(q, gu_dtype: torch.dtype, wg: GemmSpec):
     return fp8 if fp8 is not None and fp8.unsupported(None, b.format, b.amax_floor) is None else None
 
 
+def _swiglu_down_forward(st, gu2: torch.Tensor, group: _Group, save: CastSpec | None, kernel) -> tuple:
+    """``down(silu(g) * u)`` with autograd (``_SwiGLUDownFn``'s, and ``_GatedMLPFn``'s end): ``(y, what
+    the backward keeps of gu: its FP8 copy, or gu)``, the backward's state put on ``st``."""
+    prec: LinearPrecision = group.mods[0].precision
+    kept = None  # gu's FP8 copy for the backward, when the kernel made it
+    if kernel is not None:  # ``_swiglu_kernel``'s choice, the rollout's too
+        y, kept = _swiglu_down_by_kernel(kernel, gu2, group, save == prec.fprop.a)
+    else:
+        y = linear_forward(_swiglu_math(gu2, torch.float32), group.weight, group.bias, prec.fprop)
+    if save is None:
+        kept = gu2
+    elif kept is None:
+        kept = cast_operand(gu2, save, backend_for(prec.fprop, "fprop", gu2.device))
+    st.mods, st.gu_dtype = group.mods, gu2.dtype
+    _count_forward(st, group.owner)
+    return y, kept
+
+
+def _swiglu_down_backward(st, q: Operand, gy2: torch.Tensor, need_gu: bool, need_w: list, need_b: list,
+                          dgu_casts: tuple | None = None) -> tuple:
+    """The backward of ``_swiglu_down_forward`` from what it kept of gu (``q``): ``(d[g, u], down's weight
+    grads, bias grads)``. ``dgu_casts = (kernels.fp8, rows, cols)``: d[g, u] is returned as the gate/up
+    projections' Dgrad and Wgrad operands (``rows``, ``cols``: their casts, either None when not
+    needed), made by ``swiglu_grad_quantize`` from ``q`` (an FP8 copy) without writing d[g, u]."""
+    mods = st.mods
+    wg = mods[0].precision.wgrad
+    kernel = _swiglu_t_kernel(q, st.gu_dtype, wg)
+    if kernel is not None:  # down's Wgrad operand h^T straight from the FP8 copy: h never written
+        b = wg.b
+
+        def x_operand():
+            return kernel.swiglu_quantize_t(q, st.gu_dtype, b.format, b.pow2_scale, b.amax_floor, TILE)
+    else:
+        if isinstance(q, QTensor):  # the FP8 copy of gu (rows x 2I, 1x128 groups), never dequantized whole
+            h = _swiglu_math_fp8(q.data, q.scale, q.spec.block.cols, st.gu_dtype, torch.float32)
+        else:
+            h = _swiglu_math(q, torch.float32)
+
+        def x_operand():  # down's input, as the forward has it
+            return _wgrad_operand_of_input(h, wg, gy2.device)
+    gh, grads_w, grads_b = _linear_backward(st, mods, gy2, torch.float32, need_gu, need_w, need_b, x_operand)
+    _backward_done(st)
+    dgu = None
+    if need_gu and dgu_casts is not None:
+        fp8, rows, cols = dgu_casts
+        c = rows or cols
+        dgu = fp8.swiglu_grad_quantize(q, gh, st.gu_dtype, c.format, c.pow2_scale, c.amax_floor, rows=rows is not None,
+                                       cols=cols is not None, pad_tokens_to=TILE)
+    elif need_gu:
+        if isinstance(q, QTensor):
+            dgu = _swiglu_grad_fp8(q.data, q.scale, q.spec.block.cols, gh, st.gu_dtype)
+        else:
+            dgu = _swiglu_grad(q, gh, st.gu_dtype)
+    return dgu, grads_w, grads_b
+
+
 class _SwiGLUDownFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gu, group: _Group, save: CastSpec | None, kernel, *params):
-        prec: LinearPrecision = group.mods[0].precision
-        gu2 = gu.reshape(-1, gu.shape[-1])
-        kept = None  # gu's FP8 copy for the backward, when the kernel made it
-        if kernel is not None:  # ``_swiglu_kernel``'s choice, the rollout's too
-            y, kept = _swiglu_down_by_kernel(kernel, gu2, group, save == prec.fprop.a)
-        else:
-            y = linear_forward(_swiglu_math(gu2, torch.float32), group.weight, group.bias, prec.fprop)
-        if save is None:
-            kept = gu2
-        elif kept is None:
-            kept = cast_operand(gu2, save, backend_for(prec.fprop, "fprop", gu2.device))
-        _save_operand(ctx, kept)
-        ctx.mods, ctx.gu_shape, ctx.gu_dtype = group.mods, gu.shape, gu.dtype
-        _count_forward(ctx, group.owner)
+        y, kept = _swiglu_down_forward(ctx, gu.reshape(-1, gu.shape[-1]), group, save, kernel)
+        _save_operands(ctx, kept)
+        ctx.gu_shape = gu.shape
         return y.reshape(*gu.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, gy):
-        mods = ctx.mods
-        q = _saved_operand(ctx)
         need = ctx.needs_input_grad
-        wg = mods[0].precision.wgrad
-        kernel = _swiglu_t_kernel(q, ctx.gu_dtype, wg)
-        if kernel is not None:  # down's Wgrad operand h^T straight from the FP8 copy: h never written
-            b = wg.b
+        dgu, grads_w, grads_b = _swiglu_down_backward(ctx, _saved_operands(ctx)[0], gy.reshape(-1, gy.shape[-1]),
+                                                      need[0], [need[4]], list(need[5:]))
+        return (None if dgu is None else dgu.reshape(ctx.gu_shape), None, None, None, *grads_w, *grads_b)
 
-            def x_operand():
-                return kernel.swiglu_quantize_t(q, ctx.gu_dtype, b.format, b.pow2_scale, b.amax_floor, TILE)
-        else:
-            if isinstance(q, QTensor):  # the FP8 copy of gu (rows x 2I, 1x128 groups), never dequantized whole
-                h = _swiglu_math_fp8(q.data, q.scale, q.spec.block.cols, ctx.gu_dtype, torch.float32)
-            else:
-                h = _swiglu_math(q, torch.float32)
 
-            def x_operand():  # down's input, as the forward has it
-                return _wgrad_operand_of_input(h, wg, gy.device)
-        gh, grads_w, grads_b = _linear_backward(
-            ctx, mods, gy.reshape(-1, gy.shape[-1]), torch.float32, need[0], [need[4]], list(need[5:]), x_operand)
-        _backward_done(ctx)
-        dgu = None
-        if need[0]:
-            if isinstance(q, QTensor):
-                dgu = _swiglu_grad_fp8(q.data, q.scale, q.spec.block.cols, gh, ctx.gu_dtype)
-            else:
-                dgu = _swiglu_grad(q, gh, ctx.gu_dtype)
-            dgu = dgu.reshape(ctx.gu_shape)
-        return (dgu, None, None, None, *grads_w, *grads_b)
+def gated_mlp(mods: Sequence["JetLinear"], x: torch.Tensor | None, owner: nn.Module, down: "JetLinear",
+              x_op: Operand | None = None, x_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A gated MLP: ``swiglu_down(linear_group(mods, x, owner, x_op=x_op, x_dtype=x_dtype), down)``,
+    ``mods`` the gate and up projections (their outputs [g, u]).
+
+    The same bits in every case. In training with ``save_fp8_activations``, where the gate/up
+    projections' Dgrad and Wgrad cast their dy FP8 1x128 and 128x1 by jetrl's Triton quantizer, the
+    two are one autograd function whose backward writes the SwiGLU gradient d[g, u] straight into
+    those operands (``kernels.fp8.swiglu_grad_quantize``, from the FP8 copy of [g, u] and down's
+    input gradient): d[g, u] is never written in bf16 to be read back by the quantizer (0.6 GB of
+    traffic per layer at 16 x 512 tokens of the 1.5B shape)."""
+    mods = tuple(mods)
+    casts = None if x is None else _dgu_casts(mods, down, x)
+    if casts is None:
+        return swiglu_down(linear_group(mods, x, owner, x_op=x_op, x_dtype=x_dtype), down)
+    gate = _Group(mods, *group_weight(mods, owner), owner, x_op=x_op)
+    down_group = _Group((down,), *group_weight((down,), down), down)
+    params = [m.weight for m in mods] + [down.weight] + ([down.bias] if down.bias is not None else [])
+    return _GatedMLPFn.apply(x, gate, down_group, casts, *params)
+
+
+def _dgu_casts(mods: tuple, down: "JetLinear", x: torch.Tensor) -> tuple | None:
+    """``(kernels.fp8, Dgrad's cast, Wgrad's cast)`` of the gate/up projections' dy where ``gated_mlp``
+    runs as one autograd function (the backward writes those operands from the SwiGLU gradient's
+    registers), else None: with autograd, ``save_fp8_activations`` (the FP8 copy of [g, u] the kernel
+    reads), no gate/up bias, [g, u] whole 128-wide groups, and where ``cast_pair`` would quantize dy
+    with Triton's ``quantize_act`` (``one_read_pair``)."""
+    if _SEPARATE or not mods or not _uniform(mods) or mods[0].bias is not None or not torch.is_grad_enabled():
+        return None
+    if not (x.requires_grad or any(m.weight.requires_grad for m in mods)):
+        return None
+    prec: LinearPrecision = mods[0].precision
+    if swiglu_save_spec(down.precision) is None or sum(m.out_features for m in mods) % (2 * TILE):
+        return None
+    dg, wg = prec.dgrad, prec.wgrad
+    if not one_read_pair(dg.a, wg.a):
+        return None
+    fp8 = kernel_quantizers(x, (backend_for(dg, "dgrad", x.device), backend_for(wg, "wgrad", x.device)))
+    if fp8 is None or fp8.unsupported(None, dg.a.format, dg.a.amax_floor) is not None:
+        return None
+    return fp8, dg.a, wg.a
+
+
+class _GatedMLPFn(torch.autograd.Function):
+    """``gated_mlp`` with autograd: the gate/up projections' ``_LinearGroupFn`` and ``_SwiGLUDownFn`` in
+    one function, so that the SwiGLU gradient reaches the gate/up GEMMs as their FP8 operands."""
+
+    @staticmethod
+    def forward(ctx, x, gate: _Group, down: _Group, casts: tuple, *params):
+        x2 = x.reshape(-1, x.shape[-1])
+        ctx.gate, ctx.down = _State(), _State()
+        gu2, x_saved = _group_forward(ctx.gate, x2, gate, ctx.needs_input_grad[0])
+        prec = down.mods[0].precision  # down's input as ``swiglu_down`` makes it
+        y, kept = _swiglu_down_forward(ctx.down, gu2, down, swiglu_save_spec(prec), _swiglu_kernel(gu2, prec))
+        _save_operands(ctx, x_saved, kept)
+        ctx.x_shape, ctx.casts = x.shape, casts
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, gy):
+        x_saved, q = _saved_operands(ctx)
+        need = ctx.needs_input_grad
+        mods = ctx.gate.mods
+        n = len(mods)
+        need_x, need_gate_w, need_down = need[0], list(need[4:4 + n]), need[4 + n:]
+        need_gu = need_x or any(need_gate_w)
+        fp8, rows, cols = ctx.casts
+        ctx.casts = None
+        # the operands straight from the SwiGLU gradient: unless Dgrad needs a GEMM per layer
+        fused = need_gu and ctx.down.gu_dtype in (torch.bfloat16, torch.float32) and (
+            not need_x or _dgrad_weight(ctx.gate, mods) is not None)
+        casts = (fp8, rows if need_x else None, cols if any(need_gate_w) else None) if fused else None
+        dgu, grads_down_w, grads_down_b = _swiglu_down_backward(
+            ctx.down, q, gy.reshape(-1, gy.shape[-1]), need_gu, [need_down[0]], list(need_down[1:]), casts)
+        gx, grads_gate_w = None, [None] * n
+        if need_gu:
+            gx, grads_gate_w, _ = _group_backward(ctx.gate, x_saved, None if fused else dgu, need_x, need_gate_w, [],
+                                                  gy_ops=dgu if fused else None)
+        return (None if gx is None else gx.reshape(ctx.x_shape), None, None, None, *grads_gate_w, *grads_down_w,
+                *grads_down_b)
+
+
+class _State:
+    """One part's backward state in an autograd function of several (``_GatedMLPFn``)."""
 
 
 def swiglu_save_spec(prec: LinearPrecision) -> CastSpec | None:
