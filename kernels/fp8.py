@@ -237,23 +237,35 @@ def _swiglu_quant_kernel(gu_ptr, qh_ptr, sh_ptr, qg_ptr, sg_ptr, M, I, stride_m,
 
 
 @triton.jit
+def _copy_tile(q_ptr, s_ptr, pm, pk, M, I, stride_qm, stride_sm, T: tl.constexpr):
+    """Tile (``pm``, ``pk``) of the SwiGLU backward kernels: its rows and h's columns, their masks, and
+    the rows' pointers into the FP8 copy of [g, u] (data, scales)."""
+    rm = pm * T + tl.arange(0, T)
+    rk = pk * T + tl.arange(0, T)
+    row_ok = rm < M
+    col_ok = rk < I
+    inb = row_ok[:, None] & col_ok[None, :]
+    return rm, rk, row_ok, col_ok, inb, q_ptr + rm.to(tl.int64)[:, None] * stride_qm, s_ptr + rm.to(tl.int64) * stride_sm
+
+
+@triton.jit
+def _copy_group(at, s_at, cols, group, mask, row_ok, stride_sk):
+    """fp32 values of the FP8 1x128 copy of [g, u] at rows ``at`` (data) / ``s_at`` (scales), columns
+    ``cols``: its 128-wide group ``group``."""
+    return tl.load(at + cols[None, :], mask=mask, other=0.0).to(tl.float32) * tl.load(
+        s_at + group * stride_sk, mask=row_ok, other=1.0)[:, None]
+
+
+@triton.jit
 def _swiglu_quant_t_kernel(q_ptr, s_ptr, qt_ptr, st_ptr, M, I, M_PAD, stride_qm, stride_sm, stride_sk,
                            FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
                            ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, ZERO_PAD: tl.constexpr,
                            T: tl.constexpr):
     pm = tl.program_id(0)
     pk = tl.program_id(1)  # h's 128-wide column tile: g's group pk and u's group I/128 + pk
-    rm = pm * T + tl.arange(0, T)
-    rk = pk * T + tl.arange(0, T)
-    row_ok = rm < M
-    col_ok = rk < I
-    inb = row_ok[:, None] & col_ok[None, :]
-    at = q_ptr + rm.to(tl.int64)[:, None] * stride_qm
-    s_at = s_ptr + rm.to(tl.int64) * stride_sm
-    g = tl.load(at + rk[None, :], mask=inb, other=0.0).to(tl.float32) * tl.load(
-        s_at + pk * stride_sk, mask=row_ok, other=1.0)[:, None]
-    u = tl.load(at + (I + rk)[None, :], mask=inb, other=0.0).to(tl.float32) * tl.load(
-        s_at + (pk + I // T) * stride_sk, mask=row_ok, other=1.0)[:, None]
+    rm, rk, row_ok, col_ok, inb, at, s_at = _copy_tile(q_ptr, s_ptr, pm, pk, M, I, stride_qm, stride_sm, T)
+    g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
+    u = _copy_group(at, s_at, I + rk, pk + I // T, inb, row_ok, stride_sk)
     if ROUND_BF16:  # the values the forward's bf16 [g, u] had
         g = _to_bf16(g, INTERPRET).to(tl.float32)
         u = _to_bf16(u, INTERPRET).to(tl.float32)
@@ -271,23 +283,15 @@ def _swiglu_grad_quant_kernel(q_ptr, s_ptr, gy_ptr, qr_ptr, sr_ptr, qt_ptr, st_p
     half = tl.program_id(0)  # 0: d[g], 1: d[u]; the two programs of a tile run side by side (gy, g: one DRAM read)
     pk = tl.program_id(1)  # gy's 128-wide column tile: d[g]'s group pk, d[u]'s group I/128 + pk
     pm = tl.program_id(2)
-    rm = pm * T + tl.arange(0, T)
-    rk = pk * T + tl.arange(0, T)
-    row_ok = rm < M
-    col_ok = rk < I
-    inb = row_ok[:, None] & col_ok[None, :]
-    at = q_ptr + rm.to(tl.int64)[:, None] * stride_qm
-    s_at = s_ptr + rm.to(tl.int64) * stride_sm
+    rm, rk, row_ok, col_ok, inb, at, s_at = _copy_tile(q_ptr, s_ptr, pm, pk, M, I, stride_qm, stride_sm, T)
     gy = tl.load(gy_ptr + rm.to(tl.int64)[:, None] * stride_gm + rk[None, :] * stride_gk, mask=inb, other=0.0)
-    g = tl.load(at + rk[None, :], mask=inb, other=0.0).to(tl.float32) * tl.load(
-        s_at + pk * stride_sk, mask=row_ok, other=1.0)[:, None]
+    g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
     sig = tl.div_rn(1.0, 1.0 + tl.exp(-g))  # as precision.linear's ``_silu_mul_grad`` computes it
     # d[g] = gy * u * sig * (1 + g * (1 - sig)), d[u] = gy * g * sig (* 1: exact), in that order of operations
     # (one path for both halves, u read by d[g]'s program only: 185 registers per thread, sm_90a, where
     # an if/else took 252)
     dg = (rm * 0 + half) == 0  # a vector: the interpreter takes no scalar in a load's mask
-    u = tl.load(at + (I + rk)[None, :], mask=inb & dg[:, None], other=0.0).to(tl.float32) * tl.load(
-        s_at + (pk + I // T) * stride_sk, mask=row_ok & dg, other=1.0)[:, None]
+    u = _copy_group(at, s_at, I + rk, pk + I // T, inb & dg[:, None], row_ok & dg, stride_sk)
     a = tl.where(dg[:, None], u, g)
     d = gy.to(tl.float32) * a * sig * tl.where(dg[:, None], 1.0 + g * (1.0 - sig), 1.0)
     if ROUND_BF16:  # the gradient's dtype: the values its Dgrad and Wgrad casts would read
@@ -511,6 +515,26 @@ def swiglu_quantize(gu: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale:
     return QTensor(qh, sh, spec), (QTensor(qg, sg, spec) if save else None)
 
 
+def _gu_copy_shape(gu: QTensor, where: str, what: str, dtype: torch.dtype, x: torch.Tensor | None, fmt: Format,
+                   amax_floor: float) -> tuple[int, int]:
+    """``(T, I)`` of the FP8 1x128 copy of [g, u] (T x 2I) that the SwiGLU backward kernels read, with
+    ``dtype`` (named ``what``) bf16 or fp32 and ``x`` (another input, or None) one they take; a
+    ValueError naming ``where`` otherwise."""
+    if gu.spec.block != Block(1, TILE) or gu.data.dim() != 2:
+        raise ValueError(f"{where}: takes a 2-D 1x128 copy of [g, u], got {gu.spec.block.name} "
+                         f"data of shape {tuple(gu.data.shape)}")
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"{where}: {what} must be bfloat16 or float32, not {dtype}")
+    why = unsupported(x, fmt, amax_floor)
+    if why is not None:
+        raise ValueError(f"{where}: {why}")
+    m, k2 = gu.data.shape
+    if k2 % (2 * TILE) or gu.data.stride(1) != 1:
+        raise ValueError(f"{where}: [g, u] must be {2 * TILE}-aligned halves with unit column stride, "
+                         f"got shape {tuple(gu.data.shape)}, strides {gu.data.stride()}")
+    return m, k2 // 2
+
+
 def swiglu_quantize_t(gu: QTensor, gu_dtype: torch.dtype, fmt: Format = Format.FP8_E4M3,
                       pow2_scale: bool = False, amax_floor: float = DEFAULT_AMAX_FLOOR,
                       pad_tokens_to: int = 1) -> QTensor:
@@ -520,19 +544,7 @@ def swiglu_quantize_t(gu: QTensor, gu_dtype: torch.dtype, fmt: Format = Format.F
     (zeros in columns T..), scale (I, T_pad/128) with strides (1, I), spec 1x128 -- what
     ``quantize_act(h, rows=False)`` gives for that h. h is never written (at 16 x 512 tokens of the
     1.5B shape: 0.29 GB of fp32 h per layer, written and read back)."""
-    if gu.spec.block != Block(1, TILE) or gu.data.dim() != 2:
-        raise ValueError(f"swiglu_quantize_t: takes a 2-D 1x128 copy of [g, u], got {gu.spec.block.name} "
-                         f"data of shape {tuple(gu.data.shape)}")
-    if gu_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"swiglu_quantize_t: gu_dtype must be bfloat16 or float32, not {gu_dtype}")
-    why = unsupported(None, fmt, amax_floor)
-    if why is not None:
-        raise ValueError(f"swiglu_quantize_t: {why}")
-    m, k2 = gu.data.shape
-    if k2 % (2 * TILE) or gu.data.stride(1) != 1:
-        raise ValueError(f"swiglu_quantize_t: [g, u] must be {2 * TILE}-aligned halves with unit column stride, "
-                         f"got shape {tuple(gu.data.shape)}, strides {gu.data.stride()}")
-    i = k2 // 2
+    m, i = _gu_copy_shape(gu, "swiglu_quantize_t", "gu_dtype", gu_dtype, None, fmt, amax_floor)
     m_pad = round_up(m, pad_tokens_to)
     dev = gu.data.device
     qt = torch.empty((i, m_pad), dtype=fmt.torch_dtype(), device=dev)
@@ -557,19 +569,8 @@ def swiglu_grad_quantize(gu: QTensor, gy: torch.Tensor, out_dtype: torch.dtype, 
     never written (at 16 x 512 tokens of the 1.5B shape, 0.29 GB of bf16 per layer written and read
     back). The quantization is ``quantize_act``'s of those values, bit for bit; the values are the
     reference's but for Triton's ``exp`` (torch's differs in last bits), as in ``swiglu_quantize``."""
-    if gu.spec.block != Block(1, TILE) or gu.data.dim() != 2:
-        raise ValueError(f"swiglu_grad_quantize: takes a 2-D 1x128 copy of [g, u], got {gu.spec.block.name} "
-                         f"data of shape {tuple(gu.data.shape)}")
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"swiglu_grad_quantize: out_dtype must be bfloat16 or float32, not {out_dtype}")
-    why = unsupported(gy, fmt, amax_floor)
-    if why is not None:
-        raise ValueError(f"swiglu_grad_quantize: {why}")
-    m, k2 = gu.data.shape
-    if k2 % (2 * TILE) or gu.data.stride(1) != 1:
-        raise ValueError(f"swiglu_grad_quantize: [g, u] must be {2 * TILE}-aligned halves with unit column "
-                         f"stride, got shape {tuple(gu.data.shape)}, strides {gu.data.stride()}")
-    i = k2 // 2
+    m, i = _gu_copy_shape(gu, "swiglu_grad_quantize", "out_dtype", out_dtype, gy, fmt, amax_floor)
+    k2 = 2 * i
     if gy.shape != (m, i):
         raise ValueError(f"swiglu_grad_quantize: gy must be {m} x {i} (tokens x half of [g, u]), "
                          f"got {tuple(gy.shape)}")
