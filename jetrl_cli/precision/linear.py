@@ -998,6 +998,8 @@ class _GatedMLPFn(torch.autograd.Function):
         if need_gu:
             gx, grads_gate_w, _ = _group_backward(ctx.gate, x_saved, None if fused else dgu, need_x, need_gate_w, [],
                                                   gy_ops=dgu if fused else None)
+        else:
+            _backward_done(ctx.gate)
         return (None if gx is None else gx.reshape(ctx.x_shape), None, None, None, *grads_gate_w, *grads_down_w,
                 *grads_down_b)
 
