@@ -1030,7 +1030,7 @@ def run_gemm(a: Operand, b: Operand, spec, gemm: str, device: torch.device,
         if isinstance(b, ExactOperand) or exact_dense_spec(spec, gemm, device):
             return add_bias(exact_dense_mm(operand_values(a), b, spec.a.format, spec.b.format), bias)
         return dense_mm(a, b, spec.out, bias)
-    chosen = res.backend_at((a.data if isinstance(a, QTensor) else a).shape[0]) if res.by_rows else res.backend
+    chosen = res.backend_at((a.data if isinstance(a, QTensor) else a).shape[0])
     first = _BACKENDS[chosen]
     why = first.shape_unsupported(a, b)
     if why is None:

@@ -453,8 +453,14 @@ def _fp8_input_kernels(prec: LinearPrecision, x: torch.Tensor):
     a = prec.fprop.a
     if not (a.format.is_fp8 and a.block == Block(1, TILE)):
         return None
-    fp8 = kernel_quantizers(x, (backend_for(prec.fprop, "fprop", x.device),))
-    return fp8 if fp8 is not None and fp8.unsupported(None, a.format, a.amax_floor) is None else None
+    return _quantizers_for(x, (backend_for(prec.fprop, "fprop", x.device),), a)
+
+
+def _quantizers_for(x: torch.Tensor, backends, cast: CastSpec):
+    """``kernels.fp8`` where its Triton quantizers cast for one of ``backends`` where ``x`` is
+    (``kernel_quantizers``) and take ``cast``'s format and floor; else None."""
+    fp8 = kernel_quantizers(x, backends)
+    return fp8 if fp8 is not None and fp8.unsupported(None, cast.format, cast.amax_floor) is None else None
 
 
 @dataclass
@@ -613,12 +619,16 @@ def _linear_backward(ctx, mods: tuple, gy2: torch.Tensor | None, x_dtype, need_x
         gy_rows, gy_t = cast_pair(gy2, dg.a if wt is not None else None, wg.a if any(need_w) else None,
                                   (be_d, be_w))
     sizes = [m.out_features for m in mods]
+
+    def parts():  # dy's share of each layer (high precision: where no operand was made from all of dy)
+        return gy2.split(sizes, dim=1) if len(mods) > 1 else (gy2,)
+
     gx = None
     if wt is not None:
         gx = finish(run_gemm(gy_rows, wt, dg, "dgrad", dev), dg.out, x_dtype)
     elif need_x:  # no operand spans the group's weights: a GEMM per layer, the results added
         be_d = backend_for(dg, "dgrad", dev)
-        for m, g in zip(mods, gy2.split(sizes, dim=1) if len(mods) > 1 else (gy2,)):
+        for m, g in zip(mods, parts()):
             part = finish(run_gemm(cast_operand(g, dg.a, be_d), m.dgrad_weight(), dg, "dgrad", dev), dg.out, x_dtype)
             gx = part if gx is None else gx + part
     grads_w = [None] * len(mods)
@@ -630,9 +640,8 @@ def _linear_backward(ctx, mods: tuple, gy2: torch.Tensor | None, x_dtype, need_x
             grads_w = list(gw.split(sizes, dim=0)) if len(mods) > 1 else [gw]
     grads_b = [None] * len(need_b)
     if any(need_b):
-        parts = gy2.split(sizes, dim=1) if len(mods) > 1 else (gy2,)
         grads_b = [g.sum(0, dtype=torch.float32).to(m.bias.dtype) if need else None  # no fp32 copy of g
-                   for m, g, need in zip(mods, parts, need_b)]
+                   for m, g, need in zip(mods, parts(), need_b)]
     return gx, grads_w, grads_b
 
 
@@ -844,8 +853,7 @@ def _swiglu_t_kernel(q, gu_dtype: torch.dtype, wg: GemmSpec):
             and b.block == Block(TILE, 1) and gu_dtype in (torch.bfloat16, torch.float32)
             and q.data.shape[-1] % (2 * TILE) == 0 and q.data.stride(-1) == 1):
         return None
-    fp8 = kernel_quantizers(q.data, (backend_for(wg, "wgrad", q.data.device),))
-    return fp8 if fp8 is not None and fp8.unsupported(None, b.format, b.amax_floor) is None else None
+    return _quantizers_for(q.data, (backend_for(wg, "wgrad", q.data.device),), b)
 
 
 def _swiglu_down_forward(st, gu2: torch.Tensor, group: _Group, save: CastSpec | None, kernel) -> tuple:
@@ -957,10 +965,8 @@ def _dgu_casts(mods: tuple, down: "JetLinear", x: torch.Tensor) -> tuple | None:
     dg, wg = prec.dgrad, prec.wgrad
     if not one_read_pair(dg.a, wg.a):
         return None
-    fp8 = kernel_quantizers(x, (backend_for(dg, "dgrad", x.device), backend_for(wg, "wgrad", x.device)))
-    if fp8 is None or fp8.unsupported(None, dg.a.format, dg.a.amax_floor) is not None:
-        return None
-    return fp8, dg.a, wg.a
+    fp8 = _quantizers_for(x, (backend_for(dg, "dgrad", x.device), backend_for(wg, "wgrad", x.device)), dg.a)
+    return None if fp8 is None else (fp8, dg.a, wg.a)
 
 
 class _GatedMLPFn(torch.autograd.Function):
