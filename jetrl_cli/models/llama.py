@@ -726,11 +726,12 @@ class Attention(nn.Module):
         b, t, _ = qkv.shape
         c = self.cfg
         h, hk = c.num_attention_heads, c.num_key_value_heads
-        # RoPE on queries and keys in one pass (elementwise: the same bits as two passes), in fp32
-        qkv = qkv.reshape(b, t, h + 2 * hk, c.head_dim).transpose(1, 2)
         # split, not sliced: the backward joins the parts' gradients in one kernel, where each slice's
-        # backward writes a zero-filled gradient of the whole input and autograd adds them up
-        qk, v = qkv.split((h + hk, hk), dim=1)
+        # backward writes a zero-filled gradient of the whole input and autograd adds them up; split
+        # before the heads move to dim 1, so that join writes the q/k/v GEMM's (tokens x features)
+        # layout itself (after the move it wrote heads-first, and a copy put the heads back)
+        qk, v = (p.transpose(1, 2) for p in qkv.reshape(b, t, h + 2 * hk, c.head_dim).split((h + hk, hk), dim=2))
+        # RoPE on queries and keys in one pass (elementwise: the same bits as two passes), in fp32
         qk = rope(qk, cos, sin, self._rope_dtype(qkv))
         q, k = qk.split((h, hk), dim=1)
         if native(qkv) and v.requires_grad:  # attention saves v: a view would keep all of q/k/v (8x at 1.5B)
