@@ -15,11 +15,12 @@ GEMM consumes (``kernels/layouts.py`` describes them and why each exists):
   transposed (the down projection's Wgrad operand). ``swiglu_grad_quantize`` writes the SwiGLU
   gradient d[g, u], computed from that copy and the down projection's input gradient, straight into
   the gate/up projections' Dgrad (1x128) and Wgrad (128x1, transposed) operands: d[g, u] is never
-  written in bf16 to be read back by ``quantize_act``. Each of its programs makes one half (d[g] or
-  d[u]) of a 128 x 128 tile; the two halves of a tile are neighbouring programs, so the second read
-  of the tile's dy and g is meant to hit L2 (not measured). Compiled for sm_90a with Triton 3.9
-  they take 126-130 registers per thread (32 x 128 tiles, 4 warps) and 184-190 (128 x 128 tiles, 8
-  warps), no spills (``tests/sm90_compile.py``).
+  written in bf16 to be read back by ``quantize_act``; asked to, it also makes ``swiglu_quantize_t``'s
+  output, so the backward reads the copy once. Each of its programs makes one part (d[g], d[u] or
+  h^T) of a 128 x 128 tile; a tile's parts are neighbouring programs, so the second reads of the
+  tile's dy, g and u are meant to hit L2 (not measured). Compiled for sm_90a with Triton 3.9 the
+  SwiGLU kernels take 126-130 registers per thread (32 x 128 tiles, 4 warps) and 184-207 (128 x 128
+  tiles, 8 warps), no spills (``tests/sm90_compile.py``).
 - ``blockwise_mm``: ``a @ b.T`` for FP8 operands with 1x128 or 128x128 scales along K, fp32
   accumulation per 128-wide K block, scales applied to each block's partial sum before it is added
   (DeepSeek-V3's promotion rule), fp32 or bf16 output; it reads any scale strides. A decode step's
@@ -266,6 +267,16 @@ def _swiglu_quant_t_kernel(q_ptr, s_ptr, qt_ptr, st_ptr, M, I, M_PAD, stride_qm,
     rm, rk, row_ok, col_ok, inb, at, s_at = _copy_tile(q_ptr, s_ptr, pm, pk, M, I, stride_qm, stride_sm, T)
     g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
     u = _copy_group(at, s_at, I + rk, pk + I // T, inb, row_ok, stride_sk)
+    _store_h_cols(g, u, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, FMAX, FLOOR, POW2, OUT, ROUND_BF16,
+                  INTERPRET, ZERO_PAD)
+
+
+@triton.jit
+def _store_h_cols(g, u, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, FMAX: tl.constexpr,
+                  FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr, ROUND_BF16: tl.constexpr,
+                  INTERPRET: tl.constexpr, ZERO_PAD: tl.constexpr):
+    """A tile of h = silu(g) * u (``g``, ``u``: fp32 values of the FP8 copy of [g, u]) as the down
+    projection's Wgrad operand: 128x1 quantized, written transposed (``swiglu_quantize_t``'s output)."""
     if ROUND_BF16:  # the values the forward's bf16 [g, u] had
         g = _to_bf16(g, INTERPRET).to(tl.float32)
         u = _to_bf16(u, INTERPRET).to(tl.float32)
@@ -275,29 +286,37 @@ def _swiglu_quant_t_kernel(q_ptr, s_ptr, qt_ptr, st_ptr, M, I, M_PAD, stride_qm,
 
 
 @triton.jit
-def _swiglu_grad_quant_kernel(q_ptr, s_ptr, gy_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, I, M_PAD, stride_qm,
-                              stride_sm, stride_sk, stride_gm, stride_gk, FMAX: tl.constexpr, FLOOR: tl.constexpr,
-                              POW2: tl.constexpr, OUT: tl.constexpr, ROUND_BF16: tl.constexpr,
+def _swiglu_grad_quant_kernel(q_ptr, s_ptr, gy_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, qh_ptr, sh_ptr, M, I, M_PAD,
+                              stride_qm, stride_sm, stride_sk, stride_gm, stride_gk, FMAX: tl.constexpr,
+                              FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr, ROUND_BF16: tl.constexpr,
                               INTERPRET: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                               ZERO_PAD: tl.constexpr, T: tl.constexpr):
-    half = tl.program_id(0)  # 0: d[g], 1: d[u]; the two programs of a tile run side by side (gy, g: one DRAM read)
+    # 0: d[g], 1: d[u], 2 (when launched): h^T; a tile's programs run side by side (gy, g, u: one DRAM read)
+    part = tl.program_id(0)
     pk = tl.program_id(1)  # gy's 128-wide column tile: d[g]'s group pk, d[u]'s group I/128 + pk
     pm = tl.program_id(2)
     rm, rk, row_ok, col_ok, inb, at, s_at = _copy_tile(q_ptr, s_ptr, pm, pk, M, I, stride_qm, stride_sm, T)
-    gy = tl.load(gy_ptr + rm.to(tl.int64)[:, None] * stride_gm + rk[None, :] * stride_gk, mask=inb, other=0.0)
-    g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
-    sig = tl.div_rn(1.0, 1.0 + tl.exp(-g))  # as precision.linear's ``_silu_mul_grad`` computes it
-    # d[g] = gy * u * sig * (1 + g * (1 - sig)), d[u] = gy * g * sig (* 1: exact), in that order of operations
-    # (one path for both halves, u read by d[g]'s program only: 185 registers per thread, sm_90a, where
-    # an if/else took 252)
-    dg = (rm * 0 + half) == 0  # a vector: the interpreter takes no scalar in a load's mask
-    u = _copy_group(at, s_at, I + rk, pk + I // T, inb & dg[:, None], row_ok & dg, stride_sk)
-    a = tl.where(dg[:, None], u, g)
-    d = gy.to(tl.float32) * a * sig * tl.where(dg[:, None], 1.0 + g * (1.0 - sig), 1.0)
-    if ROUND_BF16:  # the gradient's dtype: the values its Dgrad and Wgrad casts would read
-        d = _to_bf16(d, INTERPRET).to(tl.float32)
-    _store_tile(d, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk + half * (I // T), rm, half * I + rk, row_ok, col_ok, M,
-                2 * I, M_PAD, FMAX, FLOOR, POW2, OUT, ROWS, COLS, ZERO_PAD)
+    if part == 2:  # down's Wgrad operand h^T (its own program: within d[g]'s, 255 registers and spills)
+        g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
+        u = _copy_group(at, s_at, I + rk, pk + I // T, inb, row_ok, stride_sk)
+        _store_h_cols(g, u, qh_ptr, sh_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, FMAX, FLOOR, POW2, OUT, ROUND_BF16,
+                      INTERPRET, ZERO_PAD)
+    else:
+        half = part
+        gy = tl.load(gy_ptr + rm.to(tl.int64)[:, None] * stride_gm + rk[None, :] * stride_gk, mask=inb, other=0.0)
+        g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
+        sig = tl.div_rn(1.0, 1.0 + tl.exp(-g))  # as precision.linear's ``_silu_mul_grad`` computes it
+        # d[g] = gy * u * sig * (1 + g * (1 - sig)), d[u] = gy * g * sig (* 1: exact), in that order of
+        # operations (one path for both halves, u read by d[g]'s program only: 185 registers per thread,
+        # sm_90a, where an if/else took 252)
+        dg = (rm * 0 + half) == 0  # a vector: the interpreter takes no scalar in a load's mask
+        u = _copy_group(at, s_at, I + rk, pk + I // T, inb & dg[:, None], row_ok & dg, stride_sk)
+        a = tl.where(dg[:, None], u, g)
+        d = gy.to(tl.float32) * a * sig * tl.where(dg[:, None], 1.0 + g * (1.0 - sig), 1.0)
+        if ROUND_BF16:  # the gradient's dtype: the values its Dgrad and Wgrad casts would read
+            d = _to_bf16(d, INTERPRET).to(tl.float32)
+        _store_tile(d, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk + half * (I // T), rm, half * I + rk, row_ok, col_ok,
+                    M, 2 * I, M_PAD, FMAX, FLOOR, POW2, OUT, ROWS, COLS, ZERO_PAD)
 
 
 @triton.jit
@@ -559,7 +578,8 @@ def swiglu_quantize_t(gu: QTensor, gu_dtype: torch.dtype, fmt: Format = Format.F
 
 def swiglu_grad_quantize(gu: QTensor, gy: torch.Tensor, out_dtype: torch.dtype, fmt: Format = Format.FP8_E4M3,
                          pow2_scale: bool = False, amax_floor: float = DEFAULT_AMAX_FLOOR, rows: bool = True,
-                         cols: bool = True, pad_tokens_to: int = 1) -> tuple[QTensor | None, QTensor | None]:
+                         cols: bool = True, pad_tokens_to: int = 1,
+                         h_cols: bool = False) -> tuple[QTensor | None, QTensor | None, QTensor | None]:
     """The gated MLP's input gradient as its GEMMs read it: d[g, u] of ``silu(g) * u`` for the down
     projection's input gradient ``gy`` (T x I), at the values of the FP8 1x128 copy of [g, u] (T x 2I)
     the forward kept, computed in fp32 (``precision.linear._swiglu_grad_fp8``'s math), rounded to
@@ -568,7 +588,13 @@ def swiglu_grad_quantize(gu: QTensor, gy: torch.Tensor, out_dtype: torch.dtype, 
     transposed (their Wgrad operand, 2I x T_pad) -- from one read of the copy and ``gy``: d[g, u] is
     never written (at 16 x 512 tokens of the 1.5B shape, 0.29 GB of bf16 per layer written and read
     back). The quantization is ``quantize_act``'s of those values, bit for bit; the values are the
-    reference's but for Triton's ``exp`` (torch's differs in last bits), as in ``swiglu_quantize``."""
+    reference's but for Triton's ``exp`` (torch's differs in last bits), as in ``swiglu_quantize``.
+
+    Returns ``(rows, cols, h^T)``, each None when not asked for. ``h_cols``: from the same read, the
+    down projection's Wgrad operand too, ``swiglu_quantize_t(gu, out_dtype, ...)`` bit for bit (h at
+    [g, u] rounded to ``out_dtype``, the forward's dtype of [g, u] and so of its gradient): the
+    backward then reads the copy of [g, u] once, not twice (0.15 GB per layer at 16 x 512 tokens of
+    the 1.5B shape)."""
     m, i = _gu_copy_shape(gu, "swiglu_grad_quantize", "out_dtype", out_dtype, gy, fmt, amax_floor)
     k2 = 2 * i
     if gy.shape != (m, i):
@@ -582,16 +608,18 @@ def swiglu_grad_quantize(gu: QTensor, gy: torch.Tensor, out_dtype: torch.dtype, 
     sr = torch.empty((k2 // TILE, m), dtype=torch.float32, device=dev).t() if rows else None
     qt = torch.empty((k2, m_pad), dtype=dt, device=dev) if cols else None
     st = torch.empty((cdiv(m_pad, TILE), k2), dtype=torch.float32, device=dev).t() if cols else None
-    if (rows or cols) and m_pad and i:
+    qh = torch.empty((i, m_pad), dtype=dt, device=dev) if h_cols else None
+    sh = torch.empty((cdiv(m_pad, TILE), i), dtype=torch.float32, device=dev).t() if h_cols else None
+    if (rows or cols or h_cols) and m_pad and i:
         dummy = torch.empty(1, dtype=torch.float32, device=dev)
-        _swiglu_grad_quant_kernel[(2, i // TILE, cdiv(m_pad if cols else m, TILE))](
-            gu.data, gu.scale, gy, qr if rows else dummy, sr if rows else dummy, qt if cols else dummy,
-            st if cols else dummy, m, i, m_pad, gu.data.stride(0), gu.scale.stride(0), gu.scale.stride(1),
-            gy.stride(0), gy.stride(1), FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt],
-            ROUND_BF16=out_dtype is torch.bfloat16, INTERPRET=_interpreting(), ROWS=rows, COLS=cols,
-            ZERO_PAD=cols and m_pad > m, T=TILE, num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION)
+        _swiglu_grad_quant_kernel[(3 if h_cols else 2, i // TILE, cdiv(m_pad if cols or h_cols else m, TILE))](
+            gu.data, gu.scale, gy, *(t if t is not None else dummy for t in (qr, sr, qt, st, qh, sh)), m, i, m_pad,
+            gu.data.stride(0), gu.scale.stride(0), gu.scale.stride(1), gy.stride(0), gy.stride(1), FMAX=fmt.max,
+            FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], ROUND_BF16=out_dtype is torch.bfloat16,
+            INTERPRET=_interpreting(), ROWS=rows, COLS=cols, ZERO_PAD=m_pad > m, T=TILE, num_warps=NUM_WARPS,
+            enable_fp_fusion=FP_FUSION)
     spec = CastSpec(fmt, Block(1, TILE), pow2_scale, amax_floor)
-    return (QTensor(qr, sr, spec) if rows else None), (QTensor(qt, st, spec) if cols else None)
+    return tuple(QTensor(q, sc, spec) if q is not None else None for q, sc in ((qr, sr), (qt, st), (qh, sh)))
 
 
 NORM_ROWS = 4  # rows per program of the RMSNorm quantizer (4 x 128 fp32 tiles at 4 warps)

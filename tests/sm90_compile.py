@@ -154,6 +154,9 @@ def cases():
             _qtensor(4096, 2 * inter, 1), bf, pow2_scale=p, pad_tokens_to=128)))
         out.append((f"swiglu_grad_quantize pow2={pow2}", None, lambda p=pow2: fp8.swiglu_grad_quantize(
             _qtensor(4096, 2 * inter, 1), torch.zeros(4096, inter, dtype=bf), bf, pow2_scale=p, pad_tokens_to=128)))
+        out.append((f"swiglu_grad_quantize h_cols pow2={pow2}", None, lambda p=pow2: fp8.swiglu_grad_quantize(
+            _qtensor(4096, 2 * inter, 1), torch.zeros(4096, inter, dtype=bf), bf, pow2_scale=p, pad_tokens_to=128,
+            h_cols=True)))
         res, wn = torch.zeros(4096, hidden), torch.ones(hidden)  # fp32 residual stream, bf16 attention output
         out.append((f"rms_norm_quantize train pow2={pow2}", None, lambda r=res, p=pow2: fp8.rms_norm_quantize(
             r, r.to(bf), wn, 1e-6, torch.float32, pow2_scale=p, write_y=True, rsqrt=True)))

@@ -1005,7 +1005,7 @@ def test_the_mlp_backward_writes_the_gate_up_operands_from_the_swiglu_gradient(x
     """With ``save_fp8_activations`` on a kernel backend, a gated MLP is one autograd function whose
     backward writes the gate/up projections' FP8 Dgrad and Wgrad operands straight from the SwiGLU
     gradient (``swiglu_grad_quantize``): no bf16 d[g, u] is written, and ``quantize_act`` never reads
-    one. Its forward is ``swiglu_down(linear_group(...))``'s bit for bit, and its gradients are the
+    one; the same kernel makes down's Wgrad operand h^T (no ``swiglu_quantize_t``). Its forward is ``swiglu_down(linear_group(...))``'s bit for bit, and its gradients are the
     op-by-op backward's (SwiGLU gradient, then the quantizer) bit for bit when that one computes
     with the kernel's exp (the interpreter's: numpy's), within FP8 rounding with torch's. Without
     an input gradient, only the Wgrad operand is made."""
@@ -1031,9 +1031,10 @@ def test_the_mlp_backward_writes_the_gate_up_operands_from_the_swiglu_gradient(x
     gy = torch.randn(3, rows // 3, hidden, generator=g).to(dev).bfloat16()
     fp8 = gemm.triton_fp8_kernels()
     calls = []
-    grad_quantize, quantize_act = fp8.swiglu_grad_quantize, fp8.quantize_act
-    monkeypatch.setattr(fp8, "swiglu_grad_quantize",
-                        lambda *a, **k: calls.append(("dgu", k["rows"], k["cols"])) or grad_quantize(*a, **k))
+    grad_quantize, quantize_act, h_t = fp8.swiglu_grad_quantize, fp8.quantize_act, fp8.swiglu_quantize_t
+    monkeypatch.setattr(fp8, "swiglu_grad_quantize", lambda *a, **k: calls.append(
+        ("dgu", k["rows"], k["cols"], k.get("h_cols", False))) or grad_quantize(*a, **k))
+    monkeypatch.setattr(fp8, "swiglu_quantize_t", lambda *a, **k: calls.append("h_t") or h_t(*a, **k))
     monkeypatch.setattr(fp8, "quantize_act", lambda *a, **k: calls.append(tuple(a[0].shape)) or quantize_act(*a, **k))
     dgu_written, fns = [], []
 
@@ -1062,14 +1063,15 @@ def test_the_mlp_backward_writes_the_gate_up_operands_from_the_swiglu_gradient(x
         with torch.no_grad():
             plain = swiglu_down(linear_group((gate, up), x, owner), down)
         y, got = run()
-        assert calls[-1] == ("dgu", x_grad, True) and (rows, 2 * inter) not in calls and dgu_written == []
+        assert calls[-1] == ("dgu", x_grad, True, True) and "h_t" not in calls
+        assert (rows, 2 * inter) not in calls and dgu_written == []
         assert torch.equal(y, plain)
         calls.clear()
         monkeypatch.setattr(linear, "_dgu_casts", lambda *a: None)  # op by op: d[g, u] in bf16, then quantize_act
         if not torch.cuda.is_available():
             monkeypatch.setattr(linear, "_swiglu_grad_fp8", grad_numpy_exp)
         y_ref, want = run()
-        assert (rows, 2 * inter) in calls and not any(c[0] == "dgu" for c in calls) and dgu_written
+        assert (rows, 2 * inter) in calls and "h_t" in calls and not any(c[0] == "dgu" for c in calls) and dgu_written
     assert fns == ["_GatedMLPFnBackward", "_SwiGLUDownFnBackward"]
     assert torch.equal(y_ref, y) and (got[0] is None) is (not x_grad)
     for a, b in zip(got, want):

@@ -228,14 +228,16 @@ def test_swiglu_gradient_quantizer_is_the_reference_on_the_fp8_copy(fp8, shape, 
     gradient's dtype, quantized 1x128 (Dgrad's operand) and 128x1 transposed (Wgrad's) -- what
     ``quantize_act`` gives on that gradient, bit for bit with the interpreter's exp (numpy's); with
     torch's exp, the FP8 data of the two differ by one step at most, and rarely. A NaN in gy reaches
-    the groups it belongs to and no others; either output alone is the same bytes."""
+    the groups it belongs to and no others; either output alone is the same bytes. With ``h_cols``
+    it also writes ``swiglu_quantize_t``'s output (down's Wgrad operand), the same bytes."""
     m, k2 = shape
     i = k2 // 2
     gu = spread(m, k2, seed=m * 13 + k2, dtype=dtype)
     copy = quantize(gu, CastSpec(E4, B1x128))
     gy = spread(m, i, seed=m * 17 + k2, dtype=gy_dtype)
     gy[-1, 3] = float("nan")  # d[g] and d[u] of the last token, column 3 of each half
-    rows, cols = fp8.swiglu_grad_quantize(copy, gy, dtype, fmt, pow2_scale=pow2, pad_tokens_to=pad_to)
+    rows, cols, h_t = fp8.swiglu_grad_quantize(copy, gy, dtype, fmt, pow2_scale=pow2, pad_tokens_to=pad_to,
+                                               h_cols=True)
     spec = CastSpec(fmt, B1x128, pow2)
     values = dequantize(copy)
     if not torch.cuda.is_available():
@@ -250,11 +252,18 @@ def test_swiglu_gradient_quantizer_is_the_reference_on_the_fp8_copy(fp8, shape, 
     nan_rows = rows.scale.isnan().nonzero().tolist()
     assert nan_rows == [[m - 1, 0], [m - 1, i // 128]]
     assert int(cols.scale.isnan().sum()) == 2 and bool(cols.scale[3, (m - 1) // 128].isnan())
-    r_only, none = fp8.swiglu_grad_quantize(copy, gy, dtype, fmt, pow2_scale=pow2, cols=False)
-    none2, c_only = fp8.swiglu_grad_quantize(copy, gy, dtype, fmt, pow2_scale=pow2, rows=False, pad_tokens_to=pad_to)
-    assert none is None and none2 is None
+    r_only, none, none_h = fp8.swiglu_grad_quantize(copy, gy, dtype, fmt, pow2_scale=pow2, cols=False)
+    none2, c_only, _ = fp8.swiglu_grad_quantize(copy, gy, dtype, fmt, pow2_scale=pow2, rows=False,
+                                                pad_tokens_to=pad_to)
+    none3, none4, h_only = fp8.swiglu_grad_quantize(copy, gy, dtype, fmt, pow2_scale=pow2, rows=False, cols=False,
+                                                    pad_tokens_to=pad_to, h_cols=True)
+    assert none is None and none2 is None and none_h is None and none3 is None and none4 is None
     assert same_data(r_only.data, rows.data) and same_scales(r_only.scale, rows.scale)
     assert same_data(c_only.data, cols.data) and same_scales(c_only.scale, cols.scale)
+    want_h = fp8.swiglu_quantize_t(copy, dtype, fmt, pow2_scale=pow2, pad_tokens_to=pad_to)
+    for got in (h_t, h_only):
+        assert got.data.shape == want_h.data.shape and got.scale.stride() == want_h.scale.stride()
+        assert same_data(got.data, want_h.data) and same_scales(got.scale, want_h.scale)
 
 
 @needs_triton

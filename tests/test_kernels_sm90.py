@@ -99,7 +99,8 @@ def test_the_swiglu_quantizers_divide_exactly(report):
     scale's) and take the hardware's ``exp`` (``ex2.approx``, torch's is ``expf``): which is why h's
     last bits may differ from torch's SwiGLU, and why the rollout and the trainer share the kernel."""
     by_case = {k["case"]: k for k in report["kernels"]}
-    for case in ("swiglu_quantize pow2=False", "swiglu_quantize_t pow2=False", "swiglu_grad_quantize pow2=False"):
+    for case in ("swiglu_quantize pow2=False", "swiglu_quantize_t pow2=False", "swiglu_grad_quantize pow2=False",
+                 "swiglu_grad_quantize h_cols pow2=False"):
         fp = by_case[case]["ptx_fp"]
         assert "div.rn.f32" in fp and not any(op.startswith(("div.full", "div.approx")) for op in fp), (case, fp)
         assert any(op.startswith("ex2.approx") for op in fp), case

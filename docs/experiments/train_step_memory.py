@@ -235,11 +235,13 @@ def fused_quantizers(run=lambda kind, fn, *tensors: fn(*tensors)):
 
         @staticmethod
         def swiglu_grad_quantize(q, gy, out_dtype, fmt, pow2_scale, amax_floor, rows=True, cols=True,
-                                 pad_tokens_to=1):
+                                 pad_tokens_to=1, h_cols=False):
             def reference(data, scale, gy):
                 d = linear._swiglu_grad_fp8(data, scale, 128, gy, out_dtype)
+                h = linear._swiglu_math_fp8(data, scale, 128, out_dtype, torch.float32) if h_cols else None
                 return (quant.quantize(d, CastSpec(fmt, Block(1, 128), pow2_scale, amax_floor)) if rows else None,
-                        quant.quantize(d, CastSpec(fmt, Block(128, 1), pow2_scale, amax_floor)).t() if cols else None)
+                        quant.quantize(d, CastSpec(fmt, Block(128, 1), pow2_scale, amax_floor)).t() if cols else None,
+                        quant.quantize(h, CastSpec(fmt, Block(128, 1), pow2_scale, amax_floor)).t() if h_cols else None)
             return run("swiglu", reference, q.data, q.scale, gy)
 
         @staticmethod

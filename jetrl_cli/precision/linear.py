@@ -601,7 +601,8 @@ def _dgrad_weight(ctx, mods: tuple) -> Operand | None:
 def _linear_backward(ctx, mods: tuple, gy2: torch.Tensor | None, x_dtype, need_x: bool, need_w: list, need_b: list,
                      x_operand, wsum: WgradSum | None = None, gy_ops: tuple | None = None) -> tuple:
     """Dgrad, Wgrad and bias gradients of a group of linears for ``gy2`` (tokens x sum(N_i)).
-    ``x_operand()``: Wgrad's operand b (x^T, K x tokens), fetched only if a weight needs a grad.
+    ``x_operand(gx)``: Wgrad's operand b (x^T, K x tokens), fetched only if a weight needs a grad,
+    after Dgrad (``gx``: its result, or None), so a kernel may make it with the next gradient.
     ``wsum``: a single layer's Wgrad is added into it (``WgradSum``) rather than returned alone.
     ``gy_ops``: dy's Dgrad and Wgrad operands (those ``cast_pair`` makes), already made by the kernel
     that computed dy; ``gy2`` is then None, and the group has a Dgrad operand and no bias."""
@@ -634,9 +635,9 @@ def _linear_backward(ctx, mods: tuple, gy2: torch.Tensor | None, x_dtype, need_x
     grads_w = [None] * len(mods)
     if any(need_w):
         if wsum is not None:
-            grads_w = [wsum.add(gy_t, x_operand(), wg, dev)]
+            grads_w = [wsum.add(gy_t, x_operand(gx), wg, dev)]
         else:
-            gw = finish(run_gemm(gy_t, x_operand(), wg, "wgrad", dev), wg.out, mods[0].weight.dtype)
+            gw = finish(run_gemm(gy_t, x_operand(gx), wg, "wgrad", dev), wg.out, mods[0].weight.dtype)
             grads_w = list(gw.split(sizes, dim=0)) if len(mods) > 1 else [gw]
     grads_b = [None] * len(need_b)
     if any(need_b):
@@ -684,7 +685,7 @@ def _group_backward(st, saved: Operand, gy2: torch.Tensor | None, need_x: bool, 
     """The backward of ``_group_forward`` from the operand it saved: ``(gx, weight grads, bias grads)``."""
     mods = st.mods
 
-    def x_operand():
+    def x_operand(_gx):
         return saved if st.fp8_saved else _wgrad_operand_of_input(saved, mods[0].precision.wgrad, saved.device)
 
     out = _linear_backward(st, mods, gy2, st.x_dtype, need_x, need_w, need_b, x_operand, st.wgrad_sum, gy_ops)
@@ -879,14 +880,28 @@ def _swiglu_down_backward(st, q: Operand, gy2: torch.Tensor, need_gu: bool, need
     """The backward of ``_swiglu_down_forward`` from what it kept of gu (``q``): ``(d[g, u], down's weight
     grads, bias grads)``. ``dgu_casts = (kernels.fp8, rows, cols)``: d[g, u] is returned as the gate/up
     projections' Dgrad and Wgrad operands (``rows``, ``cols``: their casts, either None when not
-    needed), made by ``swiglu_grad_quantize`` from ``q`` (an FP8 copy) without writing d[g, u]."""
+    needed), made by ``swiglu_grad_quantize`` from ``q`` (an FP8 copy) without writing d[g, u]; where
+    down's Wgrad operand h^T has those casts' format and scaling, the same kernel makes it too, after
+    down's Dgrad (one read of the copy, not two)."""
     mods = st.mods
     wg = mods[0].precision.wgrad
     kernel = _swiglu_t_kernel(q, st.gu_dtype, wg)
+    b = wg.b
+    with_h = None  # d[g, u]'s operands, when made with h^T
+    joint = False  # whether h^T is made with them
+    if need_gu and dgu_casts is not None:
+        fp8, rows, cols = dgu_casts
+        c = rows or cols
+        grad_casts = dict(fmt=c.format, pow2_scale=c.pow2_scale, amax_floor=c.amax_floor, rows=rows is not None,
+                          cols=cols is not None, pad_tokens_to=TILE)
+        joint = kernel is not None and (b.format, b.pow2_scale, b.amax_floor) == (c.format, c.pow2_scale, c.amax_floor)
     if kernel is not None:  # down's Wgrad operand h^T straight from the FP8 copy: h never written
-        b = wg.b
 
-        def x_operand():
+        def x_operand(gh):
+            nonlocal with_h
+            if gh is not None and joint:  # with d[g, u]'s operands, from one read of the copy
+                *with_h, h_t = fp8.swiglu_grad_quantize(q, gh, st.gu_dtype, h_cols=True, **grad_casts)
+                return h_t
             return kernel.swiglu_quantize_t(q, st.gu_dtype, b.format, b.pow2_scale, b.amax_floor, TILE)
     else:
         if isinstance(q, QTensor):  # the FP8 copy of gu (rows x 2I, 1x128 groups), never dequantized whole
@@ -894,16 +909,13 @@ def _swiglu_down_backward(st, q: Operand, gy2: torch.Tensor, need_gu: bool, need
         else:
             h = _swiglu_math(q, torch.float32)
 
-        def x_operand():  # down's input, as the forward has it
+        def x_operand(_gh):  # down's input, as the forward has it
             return _wgrad_operand_of_input(h, wg, gy2.device)
     gh, grads_w, grads_b = _linear_backward(st, mods, gy2, torch.float32, need_gu, need_w, need_b, x_operand)
     _backward_done(st)
     dgu = None
     if need_gu and dgu_casts is not None:
-        fp8, rows, cols = dgu_casts
-        c = rows or cols
-        dgu = fp8.swiglu_grad_quantize(q, gh, st.gu_dtype, c.format, c.pow2_scale, c.amax_floor, rows=rows is not None,
-                                       cols=cols is not None, pad_tokens_to=TILE)
+        dgu = tuple(with_h) if with_h is not None else fp8.swiglu_grad_quantize(q, gh, st.gu_dtype, **grad_casts)[:2]
     elif need_gu:
         if isinstance(q, QTensor):
             dgu = _swiglu_grad_fp8(q.data, q.scale, q.spec.block.cols, gh, st.gu_dtype)
