@@ -1673,6 +1673,42 @@ def test_native_bf16_weights_are_held_once(forced_native):
         token_logprobs(m, b, SamplingParams()).sum().backward()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or TRITON_INTERPRET=1")
+def test_fp8_trainer_groups_hold_each_weight_once(forced_native):
+    """In an FP8 trainer group (gate/up, q/k/v) each layer's forward weight is its rows of the
+    group's stacked FP8 weight, data and scales (its own quantization, the same bytes, is dropped:
+    0.9 GB held twice through a step at the 1.5B shape), and its Dgrad weight is still the W^T its
+    quantizer wrote from the same read, which the group's Dgrad operand is made from."""
+    from jetrl_cli.precision import parse_flow
+    from jetrl_cli.precision.linear import group_dgrad_weight, group_weight, _Group
+
+    from .triton_interp_fix import fixed_fp8_conversion
+
+    gemms = {g: {"backend": "triton"} for g in ("fprop", "dgrad", "wgrad")}
+    prec = parse_flow({"base": "fp8-unified", "rollout": {"linear": {"backend": "triton"}}, "train": gemms},
+                      source="<test>").train.linear
+    g = gen(torch.seed() % 2**31)
+    owner = torch.nn.Module()
+    mods = tuple(JetLinear(torch.nn.Parameter(torch.randn(n, 256, generator=g).to(TRITON_DEV) / 16), None, prec)
+                 for n in (256, 128, 128))
+    with fixed_fp8_conversion():
+        own = [quantize(m.weight.detach(), prec.fprop.b) for m in mods]
+        w = group_weight(mods, owner)[0]
+        wt = group_dgrad_weight(_Group(mods, w, None, owner))
+    assert isinstance(w, QTensor) and isinstance(wt, QTensor)
+    start = 0
+    for m, q in zip(mods, own):
+        n = m.out_features
+        held = m.quantized_weight()
+        assert held.data.untyped_storage().data_ptr() == w.data.untyped_storage().data_ptr()
+        assert held.scale.untyped_storage().data_ptr() == w.scale.untyped_storage().data_ptr()
+        assert torch.equal(held.data.view(torch.uint8), q.data.view(torch.uint8))
+        assert torch.equal(held.scale, q.scale) and torch.equal(w.scale[start // 128:(start + n) // 128], q.scale)
+        assert torch.equal(wt.data[:, start:start + n].view(torch.uint8), q.data.t().view(torch.uint8))
+        start += n
+
+
 def test_native_bf16_group_input_gradient_is_one_gemm(forced_native, monkeypatch):
     """A fused group's (q/k/v, gate/up) input gradient: one GEMM against the stacked weight, summed
     in fp32, where per-layer GEMMs would add bf16 partial results. Checked against float64."""

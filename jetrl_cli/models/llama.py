@@ -1154,7 +1154,7 @@ class LlamaForCausalLM(nn.Module):
         fused group (q/k/v, gate/up) become views into the group's stacked operand, which is then
         the only copy. For a model that reads its weights but never trains them: a GPU rollout
         engine, a frozen reference policy."""
-        from ..precision.linear import _group_key
+        from ..precision.linear import _group_key, stack_rows
         from ..precision.quant import QTensor
 
         for mod in self.modules():
@@ -1164,19 +1164,15 @@ class LlamaForCausalLM(nn.Module):
             if len(mods) == 1 or any(x._wfixed is None for x in mods):
                 continue
             w, b = group_weight(mods, owner)
-            dense = isinstance(w, torch.Tensor) and native(w)
-            if not dense and (not isinstance(w, QTensor) or w.spec.block.rows not in (1, 128)):
+            if not (isinstance(w, torch.Tensor) and native(w) or isinstance(w, QTensor)):
                 continue
-            r = 1 if dense else w.spec.block.rows
             start = 0
             for x in mods:
-                n = x.out_features
-                q = x._wfixed
-                if n % r:
+                part = stack_rows(w, start, x.out_features)
+                if part is None:
                     break
-                x._wfixed = w[start:start + n] if dense else QTensor(
-                    w.data[start:start + n], w.scale[start // r:(start + n) // r], q.spec)
-                start += n
+                x._wfixed = part
+                start += x.out_features
             owner.__dict__["_jet_group_cache"] = (_group_key(mods), w, b)
 
     def freeze_weights(self) -> None:
