@@ -67,11 +67,13 @@ def test_every_scenario_runs(report):
     assert len(report["rollout"]) >= 5
     # the fp8-unified scenario's FP8 KV cache is read as stored (the kernel's launch stood in)
     assert report["triton_launches"].get("decode_attention", 0) > 0 and report["triton_launches"].get("kv_store", 0) > 0
-    # the Triton quantizers' wrappers, on the device: activations, weights, SwiGLU both ways and its
-    # gradient, the norms that quantize their GEMM's input, INT8 rows
-    for kernel in ("_act_quant_kernel", "_weight_quant_kernel", "_swiglu_quant_kernel", "_swiglu_quant_t_kernel",
-                   "_swiglu_grad_quant_kernel", "_rms_norm_quant_kernel", "_row_quant_kernel"):
+    # the Triton quantizers' wrappers, on the device: activations, weights, SwiGLU forward and its
+    # backward (its gradient with down's h^T: swiglu_quantize_t alone is for a frozen gate/up), the
+    # norms that quantize their GEMM's input, INT8 rows
+    for kernel in ("_act_quant_kernel", "_weight_quant_kernel", "_swiglu_quant_kernel", "_swiglu_grad_quant_kernel",
+                   "_rms_norm_quant_kernel", "_row_quant_kernel"):
         assert report["triton_launches"].get(kernel, 0) > 0, kernel
+    assert report["triton_launches"].get("_swiglu_quant_t_kernel", 0) == 0
 
 
 def test_rollout_stays_on_the_device_and_syncs_only_at_stop_checks(report):
