@@ -29,7 +29,8 @@ How each op is counted (a ``TorchDispatchMode`` under the fake-tensor counting o
   Triton quantizers make unnecessary, are not counted. Where a GPU makes two copies in one kernel
   -- a Fprop and a Wgrad copy of one tensor (``cast_pair``), W and W^T (``cast_weight_pair``),
   down's input and the copy of [g, u] from [g, u] (``swiglu_quantize``) -- this counts one, as it
-  counts the backward's h^T from that copy (``swiglu_quantize_t``).
+  counts the backward's h^T from that copy (``swiglu_quantize_t``, or ``swiglu_grad_quantize`` with the
+  gradient's operands).
 - The ``transformers`` row runs eagerly under bf16 autocast: each of its casts is a kernel, as on
   a GPU. It clips no gradients (as ``jetrl bench train`` runs it); jetrl's rows do, and here their
   clipping multiply is always counted (the host reads of fake values get made-up answers, and the
