@@ -307,8 +307,8 @@ def _swiglu_grad_quant_kernel(q_ptr, s_ptr, gy_ptr, qr_ptr, sr_ptr, qt_ptr, st_p
         g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
         sig = tl.div_rn(1.0, 1.0 + tl.exp(-g))  # as precision.linear's ``_silu_mul_grad`` computes it
         # d[g] = gy * u * sig * (1 + g * (1 - sig)), d[u] = gy * g * sig (* 1: exact), in that order of
-        # operations (one path for both halves, u read by d[g]'s program only: 185 registers per thread,
-        # sm_90a, where an if/else took 252)
+        # operations (one path for both halves, u read by d[g]'s program only: 202-207 registers per
+        # thread with the h^T branch beside it, sm_90a, where an if/else between the halves took 252)
         dg = (rm * 0 + half) == 0  # a vector: the interpreter takes no scalar in a load's mask
         u = _copy_group(at, s_at, I + rk, pk + I // T, inb & dg[:, None], row_ok & dg, stride_sk)
         a = tl.where(dg[:, None], u, g)

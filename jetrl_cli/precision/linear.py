@@ -923,7 +923,7 @@ def _swiglu_down_backward(st, q: Operand, gy2: torch.Tensor, need_gu: bool, need
 
         def x_operand(gh):
             nonlocal with_h
-            if gh is not None and joint:  # with d[g, u]'s operands, from one read of the copy
+            if joint:  # with d[g, u]'s operands, from one read of the copy (Dgrad has made gh)
                 *with_h, h_t = fp8.swiglu_grad_quantize(q, gh, st.gu_dtype, h_cols=True, **grad_casts)
                 return h_t
             return kernel.swiglu_quantize_t(q, st.gu_dtype, b.format, b.pow2_scale, b.amax_floor, TILE)
