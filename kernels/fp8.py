@@ -265,18 +265,19 @@ def _swiglu_quant_t_kernel(q_ptr, s_ptr, qt_ptr, st_ptr, M, I, M_PAD, stride_qm,
     pm = tl.program_id(0)
     pk = tl.program_id(1)  # h's 128-wide column tile: g's group pk and u's group I/128 + pk
     rm, rk, row_ok, col_ok, inb, at, s_at = _copy_tile(q_ptr, s_ptr, pm, pk, M, I, stride_qm, stride_sm, T)
-    g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
-    u = _copy_group(at, s_at, I + rk, pk + I // T, inb, row_ok, stride_sk)
-    _store_h_cols(g, u, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, FMAX, FLOOR, POW2, OUT, ROUND_BF16,
-                  INTERPRET, ZERO_PAD)
+    _store_h_cols(at, s_at, qt_ptr, st_ptr, pm, pk, rm, rk, row_ok, col_ok, inb, stride_sk, I, M_PAD, FMAX, FLOOR,
+                  POW2, OUT, ROUND_BF16, INTERPRET, ZERO_PAD, T)
 
 
 @triton.jit
-def _store_h_cols(g, u, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, FMAX: tl.constexpr,
-                  FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr, ROUND_BF16: tl.constexpr,
-                  INTERPRET: tl.constexpr, ZERO_PAD: tl.constexpr):
-    """A tile of h = silu(g) * u (``g``, ``u``: fp32 values of the FP8 copy of [g, u]) as the down
-    projection's Wgrad operand: 128x1 quantized, written transposed (``swiglu_quantize_t``'s output)."""
+def _store_h_cols(at, s_at, qt_ptr, st_ptr, pm, pk, rm, rk, row_ok, col_ok, inb, stride_sk, I, M_PAD,
+                  FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
+                  ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, ZERO_PAD: tl.constexpr, T: tl.constexpr):
+    """Tile (``pm``, ``pk``) of h = silu(g) * u, at the values of the FP8 copy of [g, u] (``_copy_tile``'s
+    pointers), as the down projection's Wgrad operand: 128x1 quantized, written transposed
+    (``swiglu_quantize_t``'s output)."""
+    g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
+    u = _copy_group(at, s_at, I + rk, pk + I // T, inb, row_ok, stride_sk)
     if ROUND_BF16:  # the values the forward's bf16 [g, u] had
         g = _to_bf16(g, INTERPRET).to(tl.float32)
         u = _to_bf16(u, INTERPRET).to(tl.float32)
@@ -297,10 +298,8 @@ def _swiglu_grad_quant_kernel(q_ptr, s_ptr, gy_ptr, qr_ptr, sr_ptr, qt_ptr, st_p
     pm = tl.program_id(2)
     rm, rk, row_ok, col_ok, inb, at, s_at = _copy_tile(q_ptr, s_ptr, pm, pk, M, I, stride_qm, stride_sm, T)
     if part == 2:  # down's Wgrad operand h^T (its own program: within d[g]'s, 255 registers and spills)
-        g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
-        u = _copy_group(at, s_at, I + rk, pk + I // T, inb, row_ok, stride_sk)
-        _store_h_cols(g, u, qh_ptr, sh_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, FMAX, FLOOR, POW2, OUT, ROUND_BF16,
-                      INTERPRET, ZERO_PAD)
+        _store_h_cols(at, s_at, qh_ptr, sh_ptr, pm, pk, rm, rk, row_ok, col_ok, inb, stride_sk, I, M_PAD, FMAX, FLOOR,
+                      POW2, OUT, ROUND_BF16, INTERPRET, ZERO_PAD, T)
     else:
         half = part
         gy = tl.load(gy_ptr + rm.to(tl.int64)[:, None] * stride_gm + rk[None, :] * stride_gk, mask=inb, other=0.0)
@@ -466,6 +465,19 @@ def _check(x: torch.Tensor, fmt: Format, amax_floor: float, where: str) -> None:
         raise ValueError(f"{where}: {why}")
 
 
+def _rows_out(m: int, k: int, dt: torch.dtype, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers of a 1x128 operand (m x k): data row-major, scale (m, ceil(k/128)) with strides (1, m)."""
+    return (torch.empty((m, k), dtype=dt, device=dev),
+            torch.empty((cdiv(k, TILE), m), dtype=torch.float32, device=dev).t())
+
+
+def _cols_out(k: int, m_pad: int, dt: torch.dtype, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers of a 128x1 copy of an m x k tensor written transposed (the K-major Wgrad operand):
+    data (k, m_pad) row-major, scale (k, ceil(m_pad/128)) with strides (1, k)."""
+    return (torch.empty((k, m_pad), dtype=dt, device=dev),
+            torch.empty((cdiv(m_pad, TILE), k), dtype=torch.float32, device=dev).t())
+
+
 def quantize_act(x: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale: bool = False,
                  amax_floor: float = DEFAULT_AMAX_FLOOR, rows: bool = True, cols: bool = True,
                  pad_tokens_to: int = 1) -> tuple[QTensor | None, QTensor | None]:
@@ -483,10 +495,8 @@ def quantize_act(x: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale: boo
     m_pad = round_up(m, pad_tokens_to)
     gk, gm = cdiv(k, TILE), cdiv(m_pad if cols else m, TILE)
     dt, dev = fmt.torch_dtype(), x.device
-    qr = torch.empty((m, k), dtype=dt, device=dev) if rows else None
-    sr = torch.empty((gk, m), dtype=torch.float32, device=dev).t() if rows else None
-    qt = torch.empty((k, m_pad), dtype=dt, device=dev) if cols else None
-    st = torch.empty((gm, k), dtype=torch.float32, device=dev).t() if cols else None
+    qr, sr = _rows_out(m, k, dt, dev) if rows else (None, None)
+    qt, st = _cols_out(k, m_pad, dt, dev) if cols else (None, None)
     if (rows or cols) and gm * gk > 0:
         dummy = torch.empty(1, dtype=torch.float32, device=dev)
         _act_quant_kernel[(gm, gk)](
@@ -521,10 +531,8 @@ def swiglu_quantize(gu: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale:
                          f"128-wide groups), got {k2}")
     i = k2 // 2
     dt, dev = fmt.torch_dtype(), gu.device
-    qh = torch.empty((m, i), dtype=dt, device=dev)
-    sh = torch.empty((i // TILE, m), dtype=torch.float32, device=dev).t()
-    qg = torch.empty((m, k2), dtype=dt, device=dev) if save else None
-    sg = torch.empty((k2 // TILE, m), dtype=torch.float32, device=dev).t() if save else None
+    qh, sh = _rows_out(m, i, dt, dev)
+    qg, sg = _rows_out(m, k2, dt, dev) if save else (None, None)
     if m and i:
         _swiglu_quant_kernel[(cdiv(m, SWIGLU_ROWS), i // TILE)](
             gu, qh, sh, qg if save else qh, sg if save else sh, m, i, gu.stride(0), gu.stride(1),
@@ -566,8 +574,7 @@ def swiglu_quantize_t(gu: QTensor, gu_dtype: torch.dtype, fmt: Format = Format.F
     m, i = _gu_copy_shape(gu, "swiglu_quantize_t", "gu_dtype", gu_dtype, None, fmt, amax_floor)
     m_pad = round_up(m, pad_tokens_to)
     dev = gu.data.device
-    qt = torch.empty((i, m_pad), dtype=fmt.torch_dtype(), device=dev)
-    st = torch.empty((cdiv(m_pad, TILE), i), dtype=torch.float32, device=dev).t()
+    qt, st = _cols_out(i, m_pad, fmt.torch_dtype(), dev)
     if m_pad and i:
         _swiglu_quant_t_kernel[(cdiv(m_pad, TILE), i // TILE)](
             gu.data, gu.scale, qt, st, m, i, m_pad, gu.data.stride(0), gu.scale.stride(0), gu.scale.stride(1),
@@ -604,12 +611,9 @@ def swiglu_grad_quantize(gu: QTensor, gy: torch.Tensor, out_dtype: torch.dtype, 
         raise ValueError(f"swiglu_grad_quantize: pad_tokens_to must be >= 1, got {pad_tokens_to}")
     m_pad = round_up(m, pad_tokens_to)
     dt, dev = fmt.torch_dtype(), gy.device
-    qr = torch.empty((m, k2), dtype=dt, device=dev) if rows else None
-    sr = torch.empty((k2 // TILE, m), dtype=torch.float32, device=dev).t() if rows else None
-    qt = torch.empty((k2, m_pad), dtype=dt, device=dev) if cols else None
-    st = torch.empty((cdiv(m_pad, TILE), k2), dtype=torch.float32, device=dev).t() if cols else None
-    qh = torch.empty((i, m_pad), dtype=dt, device=dev) if h_cols else None
-    sh = torch.empty((cdiv(m_pad, TILE), i), dtype=torch.float32, device=dev).t() if h_cols else None
+    qr, sr = _rows_out(m, k2, dt, dev) if rows else (None, None)
+    qt, st = _cols_out(k2, m_pad, dt, dev) if cols else (None, None)
+    qh, sh = _cols_out(i, m_pad, dt, dev) if h_cols else (None, None)
     if (rows or cols or h_cols) and m_pad and i:
         dummy = torch.empty(1, dtype=torch.float32, device=dev)
         _swiglu_grad_quant_kernel[(3 if h_cols else 2, i // TILE, cdiv(m_pad if cols or h_cols else m, TILE))](
@@ -661,8 +665,7 @@ def rms_norm_quantize(x: torch.Tensor, delta: torch.Tensor | None, weight: torch
     s = torch.empty((m, n), dtype=s_dtype, device=dev) if delta is not None else None
     y = torch.empty((m, n), dtype=out_dtype, device=dev) if write_y else None
     r = torch.empty((m,), dtype=torch.float32, device=dev) if rsqrt else None
-    q = torch.empty((m, n), dtype=fmt.torch_dtype(), device=dev)
-    sc = torch.empty((cdiv(n, TILE), m), dtype=torch.float32, device=dev).t()
+    q, sc = _rows_out(m, n, fmt.torch_dtype(), dev)
     if m and n:
         dummy = q  # never written through: its flag is off
         _rms_norm_quant_kernel[(cdiv(m, NORM_ROWS),)](
