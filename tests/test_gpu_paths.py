@@ -611,13 +611,30 @@ def test_a_native_gemm_adds_into_the_sum_in_place(forced_native):
     assert torch.equal(out16, c + a16.float() @ b16.float().T)
 
 
-def test_attention_backward_joins_the_q_k_v_gradients_in_one_kernel(forced_native):
+def test_attention_backward_joins_the_q_k_v_gradients_in_one_kernel(forced_native, monkeypatch):
     """q, k and v are split from the q/k/v GEMM's output, not sliced: a slice's backward writes a
     zero-filled gradient of the whole output and autograd adds them up (4 such kernels and 2 adds
-    per layer, with slices), where a split's backward is one concatenation per split. The split is
-    of the tokens-first layout, so that concatenation writes what the GEMM's backward reads: no copy
-    moves the heads back after it (split heads-first, it took one per layer)."""
+    per layer, with slices). The join is in RoPE's backward's fused function (``_split_rope_grad``,
+    compiled on a GPU), written in the tokens-first layout that the GEMM's backward reads: outside
+    the fused functions no concatenation runs (autograd's split backward took two per layer: q with
+    k, then with v) and no copy moves the heads back (split heads-first, it took one per layer)."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from jetrl_cli.models import llama
+    from jetrl_cli.precision import fuse, linear
+
+    inside = []  # non-empty: within a fused function (compiled on a GPU): its ops are not counted
+    code = fuse.fused(lambda x: x).__code__
+    for mod in (llama, linear):
+        for name, fn in list(vars(mod).items()):
+            if callable(fn) and getattr(fn, "__code__", None) is code:
+                def one_kernel(*args, _fn=fn):
+                    inside.append(1)
+                    try:
+                        return _fn(*args)
+                    finally:
+                        inside.pop()
+                monkeypatch.setattr(mod, name, one_kernel)
 
     def backward_ops(layers: int) -> list[str]:
         m = random_model(tiny_config("qwen2", hidden=128, layers=layers, vocab=256), seed=4, std=0.05)
@@ -627,7 +644,8 @@ def test_attention_backward_joins_the_q_k_v_gradients_in_one_kernel(forced_nativ
 
         class Ops(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                ops.append(func.overloadpacket.__name__)
+                if not inside:
+                    ops.append(func.overloadpacket.__name__)
                 return func(*args, **(kwargs or {}))
 
         with Ops():
@@ -639,32 +657,49 @@ def test_attention_backward_joins_the_q_k_v_gradients_in_one_kernel(forced_nativ
     per_layer.subtract(one)
     assert per_layer["slice_backward"] == 0, two
     assert per_layer["clone"] == 0 and per_layer["copy_"] == 0, per_layer  # (native path: the GPU's)
+    assert per_layer["cat"] == 0, sorted(per_layer.items())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rope_backward_is_the_rotation_by_the_negative_angle(dtype, monkeypatch):
-    """RoPE's backward is RoPE by the negative angle (one fused kernel on a GPU, where autograd
-    through the op-by-op rotation is a roll, two products and a sum in fp32 and two casts, over the
-    queries and keys of every layer): the same bits as autograd's, for bf16 and fp32 queries."""
+@pytest.mark.parametrize("contiguous_v", [False, True])
+def test_split_rope_backward_is_the_rotation_by_the_negative_angle_in_the_gemm_layout(dtype, contiguous_v,
+                                                                                     monkeypatch):
+    """q/k/v split from the GEMM's output and RoPE on q and k, with autograd: the backward is one
+    function (compiled on a GPU: RoPE by the negative angle on q's and k's gradients, written
+    with v's into the GEMM's tokens-first layout), where autograd's op-by-op backward joined q's and
+    k's gradients, rotated them (a roll, two products and a sum in fp32, two casts) and joined the
+    result with v's. The same bits as autograd's, for bf16 and fp32 inputs."""
     from jetrl_cli.models import llama
-    from jetrl_cli.models.llama import apply_rope, rope
+    from jetrl_cli.models.llama import apply_rope, split_rope
 
     calls = []
-    fused_rope = llama._rope
-    monkeypatch.setattr(llama, "_rope", lambda *a: calls.append(a[2]) or fused_rope(*a))
+    grad_fn = llama._split_rope_grad
+    monkeypatch.setattr(llama, "_split_rope_grad", lambda *a: calls.append(a) or grad_fn(*a))
     g = gen(torch.seed() % 2**31)
-    b, heads, t, d = 2, 5, 7, 16
+    b, h, hk, t, d = 2, 4, 2, 7, 16
     ang = torch.rand(b, 1, t, d // 2, generator=g) * 6
     cos = torch.cat([ang.cos(), ang.cos()], -1)
     sin = torch.cat([-ang.sin(), ang.sin()], -1)  # rotate_half's signs folded in, as the model's table
-    x = torch.randn(b, heads, t, d, generator=g).to(dtype).requires_grad_(True)
-    gy = torch.randn(b, heads, t, d, generator=g).to(dtype)
-    want, = torch.autograd.grad(apply_rope(x.float(), cos, sin).to(dtype), x, gy)
-    y = rope(x, cos, sin, dtype)
-    assert torch.equal(y, apply_rope(x.float(), cos, sin).to(dtype))
-    got, = torch.autograd.grad(y, x, gy)
-    assert got.dtype == dtype and torch.equal(got, want)
-    assert len(calls) == 2 and torch.equal(calls[1], -sin)  # the forward, then the backward: one fused call
+    x = torch.randn(b, t, h + 2 * hk, d, generator=g).to(dtype).requires_grad_(True)
+    grads = [torch.randn(b, n, t, d, generator=g).to(dt) for n, dt in ((h, dtype), (hk, dtype), (hk, dtype))]
+
+    def op_by_op(x):
+        qk, v = (p.transpose(1, 2) for p in x.split((h + hk, hk), dim=2))
+        q, k = apply_rope(qk.float(), cos, sin).to(dtype).split((h, hk), dim=1)
+        return q, k, v
+
+    want_out = op_by_op(x)
+    want = torch.autograd.grad(want_out, x, grads)[0]
+    out = split_rope(x, h, hk, cos, sin, dtype, contiguous_v)
+    for o, w in zip(out, want_out):
+        assert torch.equal(o, w)
+    assert out[2].is_contiguous() == contiguous_v
+    got, = torch.autograd.grad(out, x, grads)
+    assert got.dtype == dtype and got.is_contiguous() and torch.equal(got, want)
+    assert len(calls) == 1  # one fused call
+    with torch.no_grad():  # no autograd: the same forward
+        for o, w in zip(split_rope(x, h, hk, cos, sin, dtype, contiguous_v), want_out):
+            assert torch.equal(o, w)
 
 
 @pytest.mark.parametrize("out", [torch.float32, torch.bfloat16])
