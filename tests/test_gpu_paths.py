@@ -1675,6 +1675,41 @@ def test_attention_saves_its_values_not_the_whole_qkv_projection(forced_native):
     assert qkv_bytes not in heads, heads
 
 
+@pytest.mark.parametrize("held", [False, True])
+def test_native_group_weight_is_cast_straight_into_the_stack(forced_native, held):
+    """A native dense group's (q/k/v, gate/up) stacked weight is made by casting each layer's fp32
+    master weight straight into its rows: one read of each master and one write of the stack, no
+    per-layer bf16 copy concatenated afterwards (a second write and read of every weight per
+    update). With a stack already held (after an update), into that one, in place. The same bits
+    as the layers' casts, concatenated."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from jetrl_cli.precision.linear import group_weight
+
+    g = gen(torch.seed() % 2**31)
+    prec = named_flow("bf16").train.linear
+    mods = tuple(JetLinear(torch.nn.Parameter(torch.randn(n, 64, generator=g) / 8), None, prec) for n in (128, 32, 32))
+    owner = torch.nn.Module()
+    before = group_weight(mods, owner)[0] if held else None
+    with torch.no_grad():
+        for m in mods:
+            m.weight.add_(torch.randn(m.weight.shape, generator=g) / 64)
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        w = group_weight(mods, owner)[0]
+    assert torch.equal(w, torch.cat([m.weight.detach().to(torch.bfloat16) for m in mods]))
+    written = [o for o in ops if o not in ("slice", "detach", "view", "empty")]
+    assert written == ["copy_"] * len(mods), ops  # no separate cast, no concatenation
+    if held:
+        assert w is before
+
+
 def test_native_bf16_weights_are_held_once(forced_native):
     """A bf16 trainer layer's Dgrad weight W^T is a view of the forward's bf16 W (a contiguous copy
     would hold a second bf16 copy of every weight for the whole run), and a fused group's layers

@@ -9,14 +9,15 @@ its memory traffic and launches, and what one implementation does that the other
 How each op is counted (a ``TorchDispatchMode`` under the fake-tensor counting of
 ``train_step_memory.py``; the second of two updates):
 
-- A **kernel** is an aten op that is not a view (``OpOverload.is_view``, ``_unsafe_view``) nor a
-  metadata query (``prim::device``), including in-place ones and copies/casts. Its bytes are the
-  sizes of its tensor inputs (read) and outputs (written, or updated in place: the schema's
-  mutated arguments), each tensor once; a broadcast input counts the elements it has, not the
-  elements it is broadcast to. A gather (``embedding``, ``index_select``, ``gather``, ``index``)
-  reads the rows it takes, not its whole table; a scatter (``index_copy_``, ``index_put_``,
-  ``scatter_``) writes the rows it is given and reads no more of its target. Kernels run in the
-  fake-tensor mode's own bookkeeping are not jetrl's and are not seen.
+- A **kernel** is an aten op that is not a view (``OpOverload.is_view``, ``_unsafe_view``), a
+  metadata query (``prim::device``) nor an allocation (``empty``), including in-place ones and
+  copies/casts. Its bytes are the sizes of its tensor inputs (read) and outputs (written, or
+  updated in place: the schema's mutated arguments), each tensor once; a broadcast input counts
+  the elements it has, not the elements it is broadcast to. A gather (``embedding``,
+  ``index_select``, ``gather``, ``index``) reads the rows it takes, not its whole table; a scatter
+  (``index_copy_``, ``index_put_``, ``scatter_``) writes the rows it is given and reads no more of
+  its target; ``copy_``, ``fill_`` and ``zero_`` write their target without reading it. Kernels
+  run in the fake-tensor mode's own bookkeeping are not jetrl's and are not seen.
 - jetrl's **fused** elementwise chains (``precision/fuse.py``: RMSNorm, SwiGLU, RoPE and their
   backward passes, the token logprobs' backward), compiled into one kernel each on a GPU, count as
   one kernel whose bytes are the chain's tensor arguments and results; the ops inside are not
@@ -79,8 +80,13 @@ _SDPA_FWD = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficie
 
 _GATHERS = {"embedding", "index_select", "gather", "index"}  # (table, indices): reads only the rows taken
 _SCATTERS = {"index_copy_", "index_put_", "scatter_"}  # (self, ..., values): writes only the values' rows
+_OVERWRITES = {"copy_", "fill_", "zero_"}  # in place, without reading what they write over
 _NOT_KERNELS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten._unsafe_view.default,
-                torch.ops.aten.lift_fresh.default, torch.ops.aten.detach.default}
+                torch.ops.aten.lift_fresh.default, torch.ops.aten.detach.default,
+                # allocations: no kernel runs, nothing is read or written
+                torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+                torch.ops.aten.new_empty_strided.default}
 
 
 def _tensors(x) -> list[torch.Tensor]:
@@ -104,6 +110,17 @@ def _mutated(func, args, kwargs) -> list[torch.Tensor]:
             v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
             got += _tensors(v)
     return got
+
+
+def _fresh(func, out):
+    """An op's results that are new tensors: not those its schema returns as an argument's alias (an
+    in-place op's ``self``, an ``out=``; counted once, as written, by ``_mutated``)."""
+    rets = func._schema.returns
+    if not rets:
+        return None
+    if len(rets) == 1:
+        return None if rets[0].alias_info is not None else out
+    return [o for o, r in zip(out, rets) if r.alias_info is None]
 
 
 def _bytes(ts) -> int:
@@ -166,7 +183,10 @@ class Traffic(TorchDispatchMode):
             return out
         name = func.overloadpacket.__name__
         ins = _tensors((args, kwargs))
-        outs = [t for t in _tensors(out) if not any(t is i for i in ins)] + _mutated(func, args, kwargs)
+        written = _mutated(func, args, kwargs)
+        outs = [t for t in _tensors(_fresh(func, out)) if not any(t is i for i in ins)] + written
+        if name in _OVERWRITES:
+            ins = [t for t in ins if not any(t is w for w in written)]
         if name in _GATHERS:  # reads the rows it gathers (as many bytes as it writes), not the table
             ins = ins[1:] + outs
         elif name in _SCATTERS:  # writes the rows it is given, into a tensor it does not read
