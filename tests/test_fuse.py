@@ -23,8 +23,8 @@ from jetrl_cli.precision import apply_flow, fuse, named_flow, parse_flow
 from jetrl_cli.rl.mismatch import reference_flow
 from jetrl_cli.rl.trainer import Batch, token_logprobs
 
-ALL = ["add_rms_norm", "add_rms_norm_grads", "gathered_log_softmax_grad", "rms_norm", "rms_norm_grads", "rope",
-       "split_rope_grad", "swiglu_grad", "swiglu_math"]
+ALL = ["add_rms_norm", "add_rms_norm_grads", "rms_norm", "rms_norm_grads", "rope", "split_rope_grad", "swiglu_grad",
+       "swiglu_math", "vocab_slice_grad"]
 
 
 def fused_in_a_step(flow: str) -> list[str]:

@@ -71,6 +71,7 @@ from jetrl_cli.models import llama  # noqa: E402
 from jetrl_cli.precision import fuse, gemm, linear, quant  # noqa: E402
 from jetrl_cli.precision.formats import Block  # noqa: E402
 from jetrl_cli.precision.quant import QTensor  # noqa: E402
+from jetrl_cli.rl import head_grad  # noqa: E402
 
 GB = 1e9
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "scaled_mm", "_int_mm", "_scaled_mm_v2"}
@@ -204,7 +205,7 @@ class Traffic(TorchDispatchMode):
 def _fused_wrappers():
     """Every ``@fused`` function of jetrl, as (module, attribute name)."""
     code = fuse.fused(lambda x: x).__code__
-    for mod in (linear, llama, sampling):
+    for mod in (linear, llama, sampling, head_grad):
         for k, v in vars(mod).items():
             if callable(v) and getattr(v, "__code__", None) is code:
                 yield mod, k

@@ -57,6 +57,16 @@ def gathered_logprobs(logits: torch.Tensor, targets: torch.Tensor, params: Sampl
     return _log_softmax(x, invariant).gather(-1, targets[:, None])[:, 0]
 
 
+def gathered_logprobs_lse(logits: torch.Tensor, targets: torch.Tensor, params: SamplingParams,
+                          invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gathered_logprobs`` without autograd (the same bits) and each row's log-normalizer of the
+    sampling distribution, ``score[target] - logprob`` (the trainer's vocabulary-sliced backward
+    recomputes the probabilities from it: ``rl.head_grad``)."""
+    x = _sampling_scores(logits, params)
+    lp = _log_softmax(x, invariant).gather(-1, targets[:, None])[:, 0]
+    return lp, x.gather(-1, targets[:, None])[:, 0] - lp
+
+
 def _sampling_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """What the log-softmax of the sampling distribution takes: fp32 logits over the temperature,
     with the tokens top-k / top-p drop at -inf."""

@@ -191,20 +191,22 @@ _ADDMM_OUT_DTYPE: dict[str, bool] = {}  # device type -> whether addmm(out_dtype
 
 
 def accumulate_gemm(acc: torch.Tensor | None, a: Operand, b: Operand, spec, gemm: str, device: torch.device,
-                    dtype: torch.dtype) -> torch.Tensor:
+                    dtype: torch.dtype, overwrite: bool = False) -> torch.Tensor:
     """``acc + a @ b.T`` in ``dtype``, into ``acc`` (a gradient sum, in its parameter's dtype; None
-    before the first term). The product is what ``run_gemm`` computes, rounded to ``spec.out``,
-    then added. A native dense GEMM with fp32 products and sum adds in its epilogue instead: one
-    ``addmm`` into ``acc`` (beta = 1; bf16 operands through ``out_dtype``), so the product is never
-    written as a tensor of its own and no separate add reads it back. Same sum, one rounding per
-    term either way; which way ran is recorded (``note_kernel``)."""
+    before the first term); with ``overwrite``, ``a @ b.T`` written into ``acc`` (its old values
+    not read). The product is what ``run_gemm`` computes, rounded to ``spec.out``, then added. A
+    native dense GEMM with fp32 products and sum adds in its epilogue instead: one ``addmm`` into
+    ``acc`` (an ``mm`` into it, to overwrite; bf16 operands through ``out_dtype``), so the product
+    is never written as a tensor of its own and no separate add reads it back. Same sum, one rounding
+    per term either way; which way ran is recorded (``note_kernel``)."""
     if acc is not None and _fusable_sum(acc, a, b, spec, gemm, device):
         key = device.type
         try:
             if a.dtype is acc.dtype:
-                return acc.addmm_(a, b.t())
+                return torch.mm(a, b.t(), out=acc) if overwrite else acc.addmm_(a, b.t())
             if _ADDMM_OUT_DTYPE.get(key, True):
-                out = torch.addmm(acc, a, b.t(), out_dtype=acc.dtype, out=acc)
+                out = (torch.mm(a, b.t(), out_dtype=acc.dtype, out=acc) if overwrite
+                       else torch.addmm(acc, a, b.t(), out_dtype=acc.dtype, out=acc))
                 if key not in _ADDMM_OUT_DTYPE:
                     _ADDMM_OUT_DTYPE[key] = True
                     note_kernel(f"{gemm} sum", device, "addmm into the sum (out_dtype)")
@@ -215,7 +217,9 @@ def accumulate_gemm(acc: torch.Tensor | None, a: Operand, b: Operand, spec, gemm
                         why=f"addmm(out_dtype=) cannot add into an fp32 sum here: {str(e).splitlines()[0][:120]}")
     g = finish(run_gemm(a, b, spec, gemm, device), spec.out, dtype)
     g = g if g.dtype is dtype else g.to(dtype)
-    return g if acc is None else acc.add_(g)
+    if acc is None:
+        return g
+    return acc.copy_(g) if overwrite else acc.add_(g)
 
 
 def _fusable_sum(acc: torch.Tensor, a, b, spec, gemm: str, device: torch.device) -> bool:

@@ -563,6 +563,14 @@ def _backward_done(ctx) -> None:
         ctx.dgrad_weight = None
 
 
+def release_after_backward(layer: "JetLinear") -> None:
+    """A backward that read ``layer``'s cached weights outside its own autograd function (the
+    trainer's vocabulary-sliced lm_head backward) drops them as ``_backward_done`` would: within
+    ``releasing_weights``, unless a counted forward of the layer still needs them."""
+    if _PENDING is not None and layer not in _PENDING:
+        _release_weights((layer,), layer)
+
+
 def _release_weights(mods, owner: nn.Module) -> None:
     """Drop a group's cached weight operands (rebuilt from the master weights by the next forward).
     Not for a layer holding a loaded quantized weight (a rollout engine's): that is its only copy."""

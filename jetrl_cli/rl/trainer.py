@@ -7,11 +7,12 @@ engine's KV cache), so the trainer's scores reproduce the engine's numerics exac
 precisions agree.
 
 Logprobs are computed without a ``[batch, seq, vocab]`` tensor: only completion positions are
-scored, ``LOGPROB_CHUNK_ELEMENTS`` logits at a time, and with autograd each chunk's logits are
-recomputed in the backward instead of kept (``token_logprobs``); the chunks' lm_head weight
-gradients add into one buffer (``summing_wgrad``). Each row goes through the same ``logits`` ->
-``sampling_logprobs`` as in the rollout engine (``gathered_logprobs``: its values at the tokens,
-with a one-pass backward), so the two still agree bit for bit.
+scored, ``LOGPROB_CHUNK_ELEMENTS`` logits at a time. Each row goes through the same ``logits`` ->
+``sampling_logprobs`` as in the rollout engine (``gathered_logprobs``: its values at the tokens), so
+the two agree bit for bit. With autograd the logits are recomputed in the backward instead of kept:
+over vocabulary slices of all rows, from each row's log-normalizer (``rl.head_grad``), or, for
+top-k / top-p sampling and an 8-bit lm_head, chunk by chunk of rows, the chunks' lm_head weight
+gradients added into one buffer (``summing_wgrad``).
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from ..engine.sampling import SamplingParams, gathered_logprobs, invariant_for
 from ..errors import JetrlError
 from ..precision.gemm import configure_cuda_numerics
 from ..precision.linear import JetLinear, apply_flow, mark_updated, releasing_weights, summing_wgrad
+from .head_grad import head_logprobs, sliced_backward_applies
 
-# Logits held at once: 128M fp32 values (512 MiB), whatever the vocab. Each chunk's backward also
-# reads and writes the whole lm_head weight gradient it adds into (vocab x hidden fp32: 933 MB for
-# Qwen2.5-1.5B), so chunks are few and large: 768 rows at a 152K vocabulary (11 chunks for 8192
-# tokens; 1 << 25 made it 220 rows and 38 chunks), a multiple of 128 rows for the GEMMs.
+# Logits held at once: 128M fp32 values (512 MiB), whatever the vocab: 768 rows at a 152K vocabulary,
+# a multiple of 128 rows for the GEMMs; the backward's vocabulary slices hold as many. A row-chunked
+# backward also reads and writes the whole lm_head weight gradient per chunk (vocab x hidden fp32:
+# 933 MB for Qwen2.5-1.5B), so chunks are few and large (1 << 25 made it 220 rows and 38 chunks).
 LOGPROB_CHUNK_ELEMENTS = 1 << 27
 _OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 from .algos import CorrectionConfig, importance, policy_loss
@@ -100,15 +102,18 @@ def _chunk_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: Sam
 
 def target_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     """``log p(targets[i] | h[i])`` under the sampling distribution, for rows ``h`` (n, hidden),
-    a chunk of rows at a time; with autograd, every chunk's logits are recomputed in the backward
-    rather than kept (one extra lm_head forward per update, instead of vocab-sized activations),
-    and the chunks' lm_head weight gradients are summed in one buffer, handed to autograd once."""
+    a chunk of rows at a time. With autograd the logits are recomputed in the backward rather than
+    kept (one extra lm_head forward per update, instead of vocab-sized activations): over vocabulary
+    slices (``head_grad.head_logprobs``) where it applies, else chunk by chunk (a checkpoint each),
+    the chunks' lm_head weight gradients summed in one buffer, handed to autograd once."""
     n = h.shape[0]
     step = max(1, LOGPROB_CHUNK_ELEMENTS // model.config.vocab_size)
     step = step // 128 * 128 or step
     grad = torch.is_grad_enabled() and h.requires_grad
     if n <= step and not grad:
         return _chunk_logprobs(model, h, targets, sampling)
+    if grad and sliced_backward_applies(model, sampling):
+        return head_logprobs(model, h, targets, sampling, step, LOGPROB_CHUNK_ELEMENTS)
     head = getattr(model, "lm_head", None)
     parts = []
     with summing_wgrad(head) if grad and isinstance(head, JetLinear) else contextlib.nullcontext():
