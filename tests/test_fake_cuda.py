@@ -107,7 +107,7 @@ def test_training_update_stays_on_the_device_and_reads_twice_per_minibatch(repor
         assert r["optimizer_state"] == ["cuda torch.float32"], name
         # the lm_head's two logprob chunks: the second Wgrad adds into the first's fp32 sum in the GEMM
         # (addmm(out_dtype=), passing the checks of torch 2.11's CUDA kernel: tests/fake_cuda.py)
-        assert r["wgrad_sum"]["kernel"] == "addmm into the sum (out_dtype)", (name, r["wgrad_sum"])
+        assert r["wgrad_sum"]["kernel"] == "GEMM into the sum (out_dtype)", (name, r["wgrad_sum"])
         assert r["stats"] == ["clip_frac", "grad_norm", "loss", "pg_loss"], name
         reads = r["update_reads"]
         (values,) = [k for k in reads if "torch.stack([t.float() for t in flat]" in k]

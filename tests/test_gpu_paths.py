@@ -1385,7 +1385,7 @@ def test_a_bf16_wgrad_adds_into_its_fp32_sum_in_the_gemm_on_gpu(monkeypatch):
     acc = c.clone()
     out = gemm.accumulate_gemm(acc, a, b, spec, "wgrad", dev, torch.float32)
     choice = gemm.kernel_choice("wgrad sum", dev)
-    assert choice["kernel"] == "addmm into the sum (out_dtype)", choice
+    assert choice["kernel"] == "GEMM into the sum (out_dtype)", choice
     assert out.data_ptr() == acc.data_ptr()
     ref = c.double() + a.double() @ b.double().T
     assert error_stats(ref, out)["rel_err"] < 1e-5  # fp32 accumulation over 768 products, one add

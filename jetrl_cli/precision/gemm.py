@@ -209,12 +209,13 @@ def accumulate_gemm(acc: torch.Tensor | None, a: Operand, b: Operand, spec, gemm
                        else torch.addmm(acc, a, b.t(), out_dtype=acc.dtype, out=acc))
                 if key not in _ADDMM_OUT_DTYPE:
                     _ADDMM_OUT_DTYPE[key] = True
-                    note_kernel(f"{gemm} sum", device, "addmm into the sum (out_dtype)")
+                    note_kernel(f"{gemm} sum", device, "GEMM into the sum (out_dtype)")
                 return out
         except (RuntimeError, TypeError, NotImplementedError) as e:
             _ADDMM_OUT_DTYPE[key] = False
             note_kernel(f"{gemm} sum", device, "mm, then add",
-                        why=f"addmm(out_dtype=) cannot add into an fp32 sum here: {str(e).splitlines()[0][:120]}")
+                        why=f"{'mm' if overwrite else 'addmm'}(out_dtype=) cannot write into an fp32 sum here: "
+                            f"{str(e).splitlines()[0][:120]}")
     g = finish(run_gemm(a, b, spec, gemm, device), spec.out, dtype)
     g = g if g.dtype is dtype else g.to(dtype)
     if acc is None:
