@@ -709,6 +709,26 @@ def test_a_native_gemm_adds_into_the_sum_in_place(forced_native):
     assert torch.equal(out16, c + a16.float() @ b16.float().T)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_native_gemm_overwrites_rows_of_a_buffer_in_place(forced_native, dtype):
+    """``accumulate_gemm(..., overwrite=True)`` writes ``a @ b.T`` into a given buffer (rows of a
+    gradient: the vocabulary-sliced lm_head backward), not reading what was there (NaN here): fp32
+    operands in the GEMM itself (an ``mm`` into it), bf16 ones where torch has no ``out_dtype`` mm
+    (CPU) through a product, copied. Within fp32 rounding of the float64 product; the rest of the
+    buffer untouched."""
+    spec = GemmSpec(CastSpec(Format.BF16 if dtype is torch.bfloat16 else Format.FP32),
+                    CastSpec(Format.BF16 if dtype is torch.bfloat16 else Format.FP32), Format.FP32)
+    dev = torch.device("cpu")
+    g = gen(torch.seed() % 2**31)
+    a, b = torch.randn(48, 40, generator=g).to(dtype), torch.randn(32, 40, generator=g).to(dtype)
+    buf = torch.full((100, 32), float("nan"))
+    out = gemm.accumulate_gemm(buf[20:68], a, b, spec, "wgrad", dev, torch.float32, overwrite=True)
+    assert out.data_ptr() == buf[20:68].data_ptr()
+    ref = a.double() @ b.double().T
+    assert error_stats(ref, buf[20:68])["rel_err"] < 1e-6
+    assert buf[:20].isnan().all() and buf[68:].isnan().all()
+
+
 def test_attention_backward_joins_the_q_k_v_gradients_in_one_kernel(forced_native, monkeypatch):
     """q, k and v are split from the q/k/v GEMM's output, not sliced: a slice's backward writes a
     zero-filled gradient of the whole output and autograd adds them up (4 such kernels and 2 adds
