@@ -31,9 +31,7 @@ from ..engine.sampling import SamplingParams, gathered_logprobs_lse, invariant_f
 from ..precision.formats import Format
 from ..precision.fuse import fused
 from ..precision.gemm import accumulate_gemm, dense_cast, finish, native, run_gemm, transpose_operand
-from ..precision.linear import JetLinear, release_after_backward
-
-TILE = 128
+from ..precision.linear import TILE, JetLinear, release_after_backward
 
 
 def sliced_backward_applies(model, sampling: SamplingParams) -> bool:
