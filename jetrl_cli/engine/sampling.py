@@ -54,7 +54,7 @@ def gathered_logprobs(logits: torch.Tensor, targets: torch.Tensor, params: Sampl
     x = _sampling_scores(logits, params)
     if torch.is_grad_enabled() and x.requires_grad:
         return _GatheredLogSoftmax.apply(x, targets, invariant)
-    return _log_softmax(x, invariant).gather(-1, targets[:, None])[:, 0]
+    return _at(_log_softmax(x, invariant), targets)
 
 
 def gathered_logprobs_lse(logits: torch.Tensor, targets: torch.Tensor, params: SamplingParams,
@@ -63,8 +63,13 @@ def gathered_logprobs_lse(logits: torch.Tensor, targets: torch.Tensor, params: S
     sampling distribution, ``score[target] - logprob`` (the trainer's vocabulary-sliced backward
     recomputes the probabilities from it: ``rl.head_grad``)."""
     x = _sampling_scores(logits, params)
-    lp = _log_softmax(x, invariant).gather(-1, targets[:, None])[:, 0]
-    return lp, x.gather(-1, targets[:, None])[:, 0] - lp
+    lp = _at(_log_softmax(x, invariant), targets)
+    return lp, _at(x, targets) - lp
+
+
+def _at(t: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``t[i, targets[i]]`` for each row i."""
+    return t.gather(-1, targets[:, None])[:, 0]
 
 
 def _sampling_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -102,7 +107,7 @@ class _GatheredLogSoftmax(torch.autograd.Function):
     def forward(ctx, x, targets, invariant):
         lp = _log_softmax(x, invariant)
         ctx.save_for_backward(lp, targets)
-        return lp.gather(-1, targets[:, None])[:, 0]
+        return _at(lp, targets)
 
     @staticmethod
     def backward(ctx, g):
