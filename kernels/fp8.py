@@ -82,6 +82,7 @@ quantize`` on a GPU.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -90,7 +91,7 @@ import triton.language as tl
 from jetrl_cli.precision.formats import Block, Format
 from jetrl_cli.precision.quant import DEFAULT_AMAX_FLOOR, CastSpec, QTensor
 
-from .layouts import cdiv, padded_groups, round_up
+from .layouts import cdiv, padded_groups, round_up, scale_buffer
 
 TILE = 128
 # Contraction of a * b + c into one fused multiply-add, pinned at every launch: Triton 3.9 warns that
@@ -370,8 +371,8 @@ def _rms_norm_quant_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, r_ptr, q_ptr, sc_p
 
 @triton.jit
 def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_wn, stride_wk, GN, GK, L4, L4T,
-                         FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
-                         TRANS: tl.constexpr, T: tl.constexpr):
+                         STRIDE_QT, PAD_S, PAD_ST, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr,
+                         OUT: tl.constexpr, TRANS: tl.constexpr, T: tl.constexpr):
     pn = tl.program_id(0)
     pk = tl.program_id(1)
     rn = pn * T + tl.arange(0, T)
@@ -384,13 +385,15 @@ def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_wn, s
     q = _scaled(x, _divisor(s, POW2), FMAX, POW2).to(OUT)
     pad = tl.arange(0, 4)
     ones = tl.full((4,), 1.0, tl.float32)
-    tl.store(s_ptr + pn * L4 + pk, s)  # (GN, L4) buffer, pad entries 1.0 (written by the last K tile)
-    tl.store(s_ptr + pn * L4 + GK + pad, ones, mask=pad < tl.where(pk == GK - 1, L4 - GK, 0))
+    # scales into a buffer with rows L4 apart; the PAD_S entries after a row's GK (1.0) written by
+    # the last K tile
+    tl.store(s_ptr + pn * L4 + pk, s)
+    tl.store(s_ptr + pn * L4 + GK + pad, ones, mask=pad < tl.where(pk == GK - 1, PAD_S, 0))
     tl.store(q_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :], q, mask=inb)
-    if TRANS:  # W^T (K, N) and its (GK, L4T) buffer: the same block scale on the transposed grid
-        tl.store(st_ptr + pk * L4T + pn, s)
-        tl.store(st_ptr + pk * L4T + GN + pad, ones, mask=pad < tl.where(pn == GN - 1, L4T - GN, 0))
-        tl.store(qt_ptr + rk.to(tl.int64)[:, None] * N + rn[None, :], tl.trans(q),
+    if TRANS:  # W^T (K, N), rows STRIDE_QT apart, and its buffer (rows L4T apart; PAD_ST pads after
+        tl.store(st_ptr + pk * L4T + pn, s)  # GN): the same block scale on the transposed grid
+        tl.store(st_ptr + pk * L4T + GN + pad, ones, mask=pad < tl.where(pn == GN - 1, PAD_ST, 0))
+        tl.store(qt_ptr + rk.to(tl.int64)[:, None] * STRIDE_QT + rn[None, :], tl.trans(q),
                  mask=(rk < K)[:, None] & (rn < N)[None, :])
 
 
@@ -696,15 +699,70 @@ def quantize_weight(w: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale: 
     s = torch.empty((gn, l4), dtype=torch.float32, device=dev)
     qt = torch.empty((k, n), dtype=dt, device=dev) if transposed else None
     st = torch.empty((gk, l4t), dtype=torch.float32, device=dev) if transposed else None
-    if gn * gk > 0:
-        _weight_quant_kernel[(gn, gk)](
-            w, q, s, qt if transposed else s, st if transposed else s, n, k, w.stride(0), w.stride(1),
-            gn, gk, l4, l4t, FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt],
-            TRANS=transposed, T=TILE, num_warps=NUM_WARPS,
-            enable_fp_fusion=FP_FUSION)
+    _launch_weight_quant(w, q, s, qt, st, fmt, pow2_scale, amax_floor, l4 - gk, l4t - gn)
     spec = CastSpec(fmt, Block(TILE, TILE), pow2_scale, amax_floor)
     out = QTensor(q, s[:, :gk], spec)
     return (out, QTensor(qt, st[:, :gn], spec)) if transposed else out
+
+
+def _launch_weight_quant(w, q, s, qt, st, fmt: Format, pow2_scale: bool, amax_floor: float, pad_s: int,
+                         pad_st: int) -> None:
+    """W (N x K) into q (N, K) row-major and the rows of scale buffer s; with ``qt``, W^T into qt
+    (K, N; unit column stride, any row stride) and the columns of scale buffer st. ``pad_s`` /
+    ``pad_st``: how many pad entries (1.0) follow the block scales in each row of s / st."""
+    n, k = w.shape
+    gn, gk = cdiv(n, TILE), cdiv(k, TILE)
+    if gn * gk == 0:
+        return
+    trans = qt is not None
+    _weight_quant_kernel[(gn, gk)](
+        w, q, s, qt if trans else s, st if trans else s, n, k, w.stride(0), w.stride(1),
+        gn, gk, s.stride(0), st.stride(0) if trans else 0, qt.stride(0) if trans else 0, pad_s, pad_st,
+        FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], TRANS=trans, T=TILE,
+        num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION)
+
+
+def quantize_weight_stack(ws: Sequence[torch.Tensor], fmt: Format = Format.FP8_E4M3, pow2_scale: bool = False,
+                          amax_floor: float = DEFAULT_AMAX_FLOOR, transposed: bool = False,
+                          held: tuple[QTensor, QTensor | None] | None = None) -> tuple[QTensor, QTensor | None]:
+    """The weights of a linear group (each W_i N_i x K; every N_i but the last a multiple of 128)
+    quantized 128x128 as ``quantize_weight`` does, each written where it lies in the group's
+    operands: W stacked along N (sum N_i x K: the Fprop operand), and with ``transposed`` the W_i^T
+    side by side (K x sum N_i: the group's Dgrad operand). Bit for bit the concatenation of the
+    layers' own ``quantize_weight`` results, in the GEMM layout, from one read of each weight and no
+    concatenation (which read and wrote both FP8 copies again: 3.4 GB per update of the Qwen2.5-1.5B
+    shape's q/k/v and gate/up). ``held``: a previous result of the same shapes, written in place
+    (its addresses kept); else new buffers. ``(W, W^T or None)``."""
+    for w in ws:
+        _check(w, fmt, amax_floor, "quantize_weight_stack")
+    sizes = [w.shape[0] for w in ws]
+    k, total, dev = ws[0].shape[1], sum(sizes), ws[0].device
+    if any(w.shape[1] != k for w in ws) or any(n % TILE for n in sizes[:-1]):
+        raise ValueError(f"quantize_weight_stack: weights {[tuple(w.shape) for w in ws]}: each needs the same K, "
+                         f"and every N but the last a multiple of {TILE}")
+    gk, gtot = cdiv(k, TILE), cdiv(total, TILE)
+    spec = CastSpec(fmt, Block(TILE, TILE), pow2_scale, amax_floor)
+    def fits(op, shape) -> bool:  # a held operand to write into: the shape, spec and layout we make
+        return (isinstance(op, QTensor) and op.spec == spec and op.data.shape == shape and op.data.device == dev
+                and op.data.is_contiguous() and op.scale.stride() == (padded_groups(shape[1]), 1))
+
+    if held is not None and fits(held[0], (total, k)) and (fits(held[1], (k, total)) if transposed else held[1] is None):
+        wq, wt = held
+        s, st = scale_buffer(wq), scale_buffer(wt) if transposed else None
+    else:
+        dt = fmt.torch_dtype()
+        s = torch.empty((gtot, padded_groups(k)), dtype=torch.float32, device=dev)
+        wq = QTensor(torch.empty((total, k), dtype=dt, device=dev), s[:, :gk], spec)
+        st = torch.empty((gk, padded_groups(total)), dtype=torch.float32, device=dev) if transposed else None
+        wt = QTensor(torch.empty((k, total), dtype=dt, device=dev), st[:, :gtot], spec) if transposed else None
+    start = 0
+    for i, (w, n) in enumerate(zip(ws, sizes)):  # W^T's row pads: after the last layer's columns
+        g0, last = start // TILE, i == len(ws) - 1
+        _launch_weight_quant(w, wq.data[start:start + n], s[g0:], wt.data[:, start:] if transposed else None,
+                             st[:, g0:] if transposed else None, fmt, pow2_scale, amax_floor,
+                             s.shape[1] - gk, st.shape[1] - gtot if transposed and last else 0)
+        start += n
+    return wq, wt
 
 
 def quantize(x: torch.Tensor, spec: CastSpec) -> QTensor | None:

@@ -632,12 +632,14 @@ def test_logprob_chunks_add_their_lm_head_weight_gradients_into_one_buffer(monke
     """The row-chunked logprob backward (what top-k / top-p sampling and an 8-bit lm_head take):
     each chunk's lm_head Wgrad adds into one buffer, and only the last chunk's backward hands
     autograd a gradient (the sum). The gradients are bit for bit those of autograd summing the
-    chunks' own: the same terms, added in the order they arrive, the tied embedding's last."""
+    chunks' own: the same terms, added in the order they arrive, the tied embedding's last (here
+    as a dense gradient: its rows added into the sum are the next test's)."""
     import dataclasses
 
     from jetrl_cli.precision import linear
 
     monkeypatch.setattr(trainer_mod, "sliced_backward_applies", lambda *a: False)
+    monkeypatch.setattr(linear.RowGradSlot, "put", lambda *a: None)
     vocab = 256
     gemm.set_force_native(native)
     gemm.reset_resolutions()
@@ -661,7 +663,7 @@ def test_logprob_chunks_add_their_lm_head_weight_gradients_into_one_buffer(monke
         summed = grads()
         assert [g is not None for g in handed] == [False] * 4 + [True]
         assert handed[-1].shape == (vocab, 128) and handed[-1].dtype == torch.float32
-        monkeypatch.setattr(trainer_mod, "summing_wgrad", lambda mod: contextlib.nullcontext())
+        monkeypatch.setattr(trainer_mod, "summing_wgrad", lambda *a: contextlib.nullcontext())
         handed.clear()
         each = grads()
         assert handed == []
@@ -671,6 +673,86 @@ def test_logprob_chunks_add_their_lm_head_weight_gradients_into_one_buffer(monke
         if native:  # CPU has no addmm(out_dtype=): each product is made, then added, and that is recorded
             why = gemm.kernel_choice("wgrad sum", torch.device("cpu"))
             assert why["kernel"] == "mm, then add" and "out_dtype" in why["why"], why
+    finally:
+        gemm.set_force_native(False)
+        gemm.reset_resolutions()
+
+
+@pytest.mark.parametrize("native, sliced", [(False, True), (False, False), (True, True)])
+def test_a_tied_embedding_adds_its_rows_into_the_lm_head_weight_gradient(monkeypatch, native, sliced):
+    """With tied embeddings the embedding's backward adds each token's gradient row, in token order,
+    into the weight gradient the lm_head's backward wrote (vocabulary slices, or the row chunks'
+    sum): no dense vocab x hidden embedding gradient is written and added (a zero-fill, then a read
+    of both and a write: 3.7 GB at the Qwen2.5-1.5B shape). Every other gradient is the dense
+    path's bit for bit, and so is each embedding row whose token occurs at most once; a row whose
+    token repeats is the head's row plus the tokens' rows added one by one."""
+    import dataclasses
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from jetrl_cli.models import llama
+    from jetrl_cli.precision import linear
+
+    vocab = 256
+    gemm.set_force_native(native)
+    gemm.reset_resolutions()
+    try:
+        if not sliced:
+            monkeypatch.setattr(trainer_mod, "sliced_backward_applies", lambda *a: False)
+        monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", 16 * vocab)
+        cfg = dataclasses.replace(tiny_config("qwen2", hidden=128, layers=1, vocab=vocab), tie_word_embeddings=True)
+        base = random_model(cfg, seed=int(torch.randint(0, 2**31, ())), std=0.05)
+        apply_flow(base, named_flow("bf16"), "train")
+        b = _batch(vocab, n=3, t=30, seed=int(torch.randint(0, 2**31, ())))
+        b.ids[1, 3:9] = b.ids[0, 5]  # a token repeated within a row and across rows
+        b.ids[2, 10:12] = b.ids[0, 5]
+        seen = {}
+        real_backward = llama._EmbedRows.backward
+
+        def backward(ctx, g):
+            seen["ids"], seen["g"] = ctx.saved_tensors[0].clone(), g.clone()
+            seen["head"] = None if ctx.slot.grad is None else ctx.slot.grad.clone()
+            return real_backward(ctx, g)
+
+        monkeypatch.setattr(llama._EmbedRows, "backward", staticmethod(backward))
+
+        def grads():
+            m = copy.deepcopy(base)
+            ops = []
+
+            class Ops(TorchDispatchMode):
+                def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                    ops.append(func.overloadpacket.__name__)
+                    return func(*args, **(kwargs or {}))
+
+            lp = token_logprobs(m, b, SamplingParams(temperature=0.7))
+            with Ops():
+                (lp * torch.randn(lp.shape, generator=gen(3))).sum().backward()
+            assert m.lm_head.weight is m.model.embed_tokens.weight
+            return {n: p.grad for n, p in m.named_parameters()}, ops
+
+        rows, ops = grads()
+        assert "embedding_dense_backward" not in ops and "index_put_" in ops, ops
+        ids, g, head = seen["ids"].reshape(-1), seen["g"].reshape(-1, 128), seen["head"]
+        assert head is not None and head.shape == (vocab, 128)
+        want = head.clone()
+        for i, t in enumerate(ids.tolist()):  # one add per token, in token order
+            want[t] += g[i].to(want.dtype)
+        emb = rows.pop("model.embed_tokens.weight")
+        assert torch.equal(emb, want)
+
+        monkeypatch.setattr(linear.RowGradSlot, "put", lambda *a: None)  # the dense path
+        dense, ops = grads()
+        assert "embedding_dense_backward" in ops and "index_put_" not in ops
+        dense_emb = dense.pop("model.embed_tokens.weight")
+        assert rows.keys() == dense.keys()
+        for n, grad in rows.items():
+            assert torch.equal(grad, dense[n]), n
+        counts = torch.bincount(ids, minlength=vocab)
+        assert counts.max() >= 9
+        once = counts <= 1
+        assert torch.equal(emb[once], dense_emb[once])
+        assert torch.allclose(emb, dense_emb, rtol=1e-5, atol=1e-7)
     finally:
         gemm.set_force_native(False)
         gemm.reset_resolutions()
@@ -989,6 +1071,78 @@ def test_a_group_without_a_stacked_dgrad_operand_quantizes_each_share_of_dy_in_p
             m(x).backward(g)
     assert copies == []
     assert torch.equal(got, x.grad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("sizes, k", [((256, 128, 96), 384), ((128, 128), 128)])
+def test_a_trainers_fp8_group_is_quantized_into_its_stacked_operands(sizes, k, forced_native, monkeypatch):
+    """A trainer's FP8 group (q/k/v, gate/up) gets its stacked W (Fprop) and its W^T side by side
+    (Dgrad) from the weight quantizer writing each layer where it lies: no concatenation of FP8 data
+    or scales (which read and wrote both copies again). The operands are the layers' reference
+    quantizations concatenated, bit for bit, in the GEMM layout (scale pad entries 1.0); after an
+    update they are rewritten in place; the group's gradients are those of the concatenating path."""
+    from jetrl_cli.kernels import layouts
+    from jetrl_cli.precision import linear
+
+    from .triton_interp_fix import fixed_fp8_conversion
+
+    g = gen(torch.seed() % 2**31)
+    mods = _fp8_group("triton", sizes, TRITON_DEV)
+    for m in mods:  # k wide, values of every magnitude; one block all zeros
+        m.weight = torch.nn.Parameter((torch.randn(m.out_features, k, generator=g) * torch.rand(m.out_features, 1, generator=g) * 3
+                                       ).to(TRITON_DEV))
+        m.in_features = k
+    with torch.no_grad():
+        mods[0].weight[:128, :128] = 0
+    spec = mods[0].precision.fprop.b
+    owner = torch.nn.Module()
+    ops = []
+
+    class Ops(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def check():
+        ops.clear()
+        with fixed_fp8_conversion(), Ops():
+            w, _ = linear.group_weight(mods, owner)
+            wt = linear.group_dgrad_weight(linear._Group(mods, w, None, owner))
+        assert "cat" not in ops, ops
+        ref = [quantize(m.weight.detach().float(), spec) for m in mods]
+        want_w = QTensor(torch.cat([r.data for r in ref]), torch.cat([r.scale for r in ref]), spec)
+        want_t = QTensor(torch.cat([r.data.t() for r in ref], 1), torch.cat([r.scale.t() for r in ref], 1), spec)
+        for got, want in ((w, want_w), (wt, want_t)):
+            assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+            assert torch.equal(got.scale, want.scale) and layouts.is_gemm_layout(got)
+            assert torch.all(layouts.scale_buffer(got)[:, got.scale.shape[1]:] == 1.0)
+        return w, wt
+
+    w, wt = check()
+    with torch.no_grad():
+        for m in mods:
+            m.weight.mul_(torch.rand(m.weight.shape, generator=g).to(TRITON_DEV) + 0.5)
+    linear.mark_updated([m.weight for m in mods])
+    w2, wt2 = check()
+    assert w2.data.data_ptr() == w.data.data_ptr() and wt2.data.data_ptr() == wt.data.data_ptr()  # in place
+
+    x = torch.randn(40, k, generator=g).to(TRITON_DEV).bfloat16()
+    gy = torch.randn(40, sum(sizes), generator=g).to(TRITON_DEV).bfloat16()
+
+    def grads(stacked: bool):
+        monkeypatch.setattr(linear, "_stack_fp8", real if stacked else (lambda *a: None))
+        owner.__dict__.clear()
+        for m in mods:
+            m._cache, m.weight.grad = {}, None
+        xi = x.clone().requires_grad_(True)
+        with fixed_fp8_conversion():
+            linear.linear_group(mods, xi, owner).backward(gy)
+        return [xi.grad] + [m.weight.grad for m in mods]
+
+    real = linear._stack_fp8
+    for a, b in zip(grads(True), grads(False)):
+        assert torch.equal(a, b)
 
 
 def test_out_of_memory_names_train_micro_batch(monkeypatch):

@@ -418,6 +418,33 @@ def test_weight_quantizer_and_its_transpose_are_the_reference(fp8, shape, fmt, p
 
 
 @needs_triton
+@pytest.mark.parametrize("sizes,k,fmt,pow2,dtype", [((256, 128, 40), 300, E4, False, torch.float32),
+                                                   ((128, 384), 128, E5, True, torch.bfloat16)])
+def test_weight_stack_is_the_layers_quantizations_side_by_side(fp8, sizes, k, fmt, pow2, dtype):
+    """``quantize_weight_stack``: the layers' 128x128 quantizations written where they lie in the
+    group's stacked W and side-by-side W^T -- the concatenation of ``quantize_weight``'s results, bit
+    for bit, in the GEMM layout; written in place into held operands; layers whose N (before the
+    last) is not a whole number of blocks refused."""
+    ws = [(spread(n, k, seed=n + i) * 0.02).to(dtype) for i, n in enumerate(sizes)]
+    w, wt = fp8.quantize_weight_stack(ws, fmt, pow2_scale=pow2, transposed=True)
+    ref = [fp8.quantize_weight(x, fmt, pow2_scale=pow2, transposed=True) for x in ws]
+    for got, parts, dim in ((w, [r[0] for r in ref], 0), (wt, [r[1] for r in ref], 1)):
+        assert got.spec == parts[0].spec and layouts.is_gemm_layout(got)
+        assert torch.equal(bytes_of(got.data), torch.cat([bytes_of(p.data) for p in parts], dim))
+        assert same_scales(got.scale, torch.cat([p.scale for p in parts], dim))
+        assert torch.all(layouts.scale_buffer(got)[:, got.scale.shape[1]:] == 1.0)
+    again = fp8.quantize_weight_stack([x * 2 for x in ws], fmt, pow2_scale=pow2, transposed=True, held=(w, wt))
+    assert again[0].data.data_ptr() == w.data.data_ptr() and again[1].data.data_ptr() == wt.data.data_ptr()
+    fresh = fp8.quantize_weight_stack([x * 2 for x in ws], fmt, pow2_scale=pow2, transposed=True)
+    assert torch.equal(bytes_of(w.data), bytes_of(fresh[0].data)) and torch.equal(bytes_of(wt.data), bytes_of(fresh[1].data))
+    alone, none = fp8.quantize_weight_stack(ws, fmt, pow2_scale=pow2)
+    assert none is None
+    assert torch.equal(bytes_of(alone.data), torch.cat([bytes_of(r[0].data) for r in ref]))
+    with pytest.raises(ValueError, match="every N but the last a multiple of 128"):
+        fp8.quantize_weight_stack([ws[-1], ws[0]] if sizes[-1] % 128 else [ws[0][:100], ws[1]], fmt)
+
+
+@needs_triton
 def test_quantize_dispatch_keeps_the_natural_layouts(fp8):
     """``fp8.quantize(x, spec)`` (the triton backend's cast) returns the reference's shapes; its
     128x1 result is a view of the x^T the kernel wrote, so ``.t()`` (Wgrad) copies no data."""

@@ -15,7 +15,10 @@ by then).
 ``FakeTensor``s (shapes, dtypes and lifetimes without memory or arithmetic; the batch stays real),
 and the few values the step reads on the host (finiteness checks, statistics) are answered with
 made-up ones, which the step's allocations do not depend on. At a size both can run, the fake count
-equals the real one. FP8 flows need ``--fake``: their GEMMs then run through ``scaled_mm`` with the
+equals the real one but where the CPU lacks a GPU kernel: a GEMM of bf16 operands written into an
+fp32 buffer (CUDA's ``addmm`` with ``out_dtype``; the lm_head's sliced Wgrad) makes the product
+whole on CPU and then copies it, a temporary the fake count (which takes the CUDA op) does not
+hold. FP8 flows need ``--fake``: their GEMMs then run through ``scaled_mm`` with the
 operands a Hopper GPU gets (FP8 data and scales; the device check is skipped, fake tensors compute
 nothing), where a real CPU run would take the emulated backend and its float64 operands.
 
@@ -64,12 +67,17 @@ SOURCES = os.path.dirname(os.path.dirname(os.path.abspath(gemm.__file__))) + os.
 TORCH = os.path.dirname(torch.__file__) + os.sep
 
 
+BIG_FACTORY = 1 << 24  # bytes
+
+
 class Counting(TorchDispatchMode):
     """The dispatch mode a step is counted under (inside ``MemTracker``'s), for two things.
 
     - With ``fake`` (``--fake``): ops with a fake input run in that ``FakeTensorMode`` (host tensors
-      are lifted), the others for real. Host reads of fake values get made-up answers: True, 1,
-      0.5, all rows for ``nonzero``.
+      are lifted), the others for real, except factories (no tensor input) of a tensor of
+      ``BIG_FACTORY`` bytes or more, which make a fake one (an in-place op on a real buffer with a
+      fake operand would otherwise write a lifted copy: a tensor a plain run never allocates).
+      Host reads of fake values get made-up answers: True, 1, 0.5, all rows for ``nonzero``.
     - Always: autograd's engine sums two gradients for one tensor (a tied embedding's, a residual
       stream's) in place when it holds the only reference to one of them, but never while a
       dispatch mode is active (it treats the tensors as subclasses then), so under ``MemTracker``
@@ -89,7 +97,13 @@ class Counting(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is torch.ops.aten.add.Tensor and not kwargs and _engine_sum(args):
             return args[0].add_(args[1])
-        if self.fake is None or not any(isinstance(t, FakeTensor) for t in pytree.tree_leaves((args, kwargs))):
+        leaves = pytree.tree_leaves((args, kwargs))
+        if self.fake is not None and not any(isinstance(t, torch.Tensor) for t in leaves):  # a factory
+            with self.fake:
+                out = func(*args, **kwargs)
+            if isinstance(out, FakeTensor) and out.untyped_storage().nbytes() >= BIG_FACTORY:
+                return out
+        if self.fake is None or not any(isinstance(t, FakeTensor) for t in leaves):
             return func(*args, **kwargs)
         if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
             dt = args[0].dtype
@@ -202,15 +216,17 @@ def _hopper_scaled_mm():
 @contextlib.contextmanager
 def fused_quantizers(run=lambda kind, fn, *tensors: fn(*tensors)):
     """jetrl's SwiGLU quantizers (``kernels.fp8.swiglu_quantize`` / ``swiglu_quantize_t`` /
-    ``swiglu_grad_quantize``), which ``gated_mlp`` takes on a kernel backend where Triton runs, and its
-    RMSNorm quantizer (``rms_norm_quantize``, which ``models.llama.norm_linear`` takes there), taken
-    on the (fake) CPU tensors too: their reference (the SwiGLU or the norm, and the quantizer) runs, as
-    ``run(kind, fn, *tensors)`` with ``kind`` ``"swiglu"`` or ``"norm"`` (a counter may take it as the
-    one kernel it is on a GPU; its temporaries are the reference's, not the kernel's)."""
+    ``swiglu_grad_quantize``), which ``gated_mlp`` takes on a kernel backend where Triton runs, its
+    RMSNorm quantizer (``rms_norm_quantize``, which ``models.llama.norm_linear`` takes there) and its
+    group weight quantizer (``quantize_weight_stack``, which a trainer's FP8 q/k/v and gate/up take),
+    taken on the (fake) CPU tensors too: their reference (the SwiGLU or the norm, and the quantizer)
+    runs, as ``run(kind, fn, *tensors)`` with ``kind`` ``"swiglu"``, ``"norm"`` or ``"weight"`` (a
+    counter may take it as the one kernel it is on a GPU; its temporaries are the reference's, not
+    the kernel's)."""
     from jetrl_cli.models import llama
     from jetrl_cli.precision import linear, quant
     from jetrl_cli.precision.formats import Block
-    from jetrl_cli.precision.quant import CastSpec
+    from jetrl_cli.precision.quant import CastSpec, QTensor
 
     class Kernels:
         @staticmethod
@@ -251,6 +267,33 @@ def fused_quantizers(run=lambda kind, fn, *tensors: fn(*tensors)):
                 q = quant.quantize(y, CastSpec(fmt, Block(1, 128), pow2_scale, amax_floor))
                 return (None if delta is None else s), (y if write_y else None), (r[:, 0] if rsqrt else None), q
             return run("norm", reference, x, delta, w)
+
+        @staticmethod
+        def quantize_weight_stack(ws, fmt, pow2_scale, amax_floor, transposed=False, held=None):
+            from jetrl_cli.kernels.layouts import cdiv, padded_groups
+
+            spec = CastSpec(fmt, Block(128, 128), pow2_scale, amax_floor)
+            k, total, dev = ws[0].shape[1], sum(w.shape[0] for w in ws), ws[0].device
+            gk, gt = cdiv(k, 128), cdiv(total, 128)
+            wq = QTensor(torch.empty((total, k), dtype=fmt.torch_dtype(), device=dev),
+                         torch.empty((gt, padded_groups(k)), device=dev)[:, :gk], spec)
+            wt = QTensor(torch.empty((k, total), dtype=fmt.torch_dtype(), device=dev),
+                         torch.empty((gk, padded_groups(total)), device=dev)[:, :gt], spec) if transposed else None
+            start = 0
+            for w in ws:  # one kernel per layer, writing its rows of W and its columns of W^T
+                n, g0 = w.shape[0], start // 128
+
+                def reference(w, start=start, n=n, g0=g0):
+                    q = quant.quantize(w, spec)
+                    rows = wq.data[start:start + n].copy_(q.data)
+                    wq.scale[g0:g0 + q.scale.shape[0]].copy_(q.scale)
+                    if not transposed:
+                        return rows
+                    wt.scale[:, g0:g0 + q.scale.shape[0]].copy_(q.scale.t())
+                    return rows, wt.data[:, start:start + n].copy_(q.data.t())
+                run("weight", reference, w)
+                start += n
+            return wq, wt
 
     plain = linear.kernel_quantizers
     linear.kernel_quantizers = lambda x, backends: Kernels if any(

@@ -275,7 +275,8 @@ def triton_pairs(traffic: Traffic):
     for mod in (gemm, linear):
         mod.cast_pair, mod.cast_weight_pair = cast_pair, weight_pair
     try:
-        names = {"swiglu": "quantize (Triton)", "norm": "fused add_rms_norm + quantize (Triton)"}
+        names = {"swiglu": "quantize (Triton)", "weight": "quantize (Triton)",
+                 "norm": "fused add_rms_norm + quantize (Triton)"}
         with tsm.fused_quantizers(lambda kind, fn, *tensors: traffic.kernel(names[kind], fn, *tensors)):
             yield
     finally:

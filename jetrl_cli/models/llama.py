@@ -48,8 +48,8 @@ from ..precision.flow import LinearPrecision
 from ..precision.formats import Block, Format
 from ..precision.fuse import fused
 from ..precision.gemm import F64_BITS, device_time_ms, fixed_point, kernel_choice, native, note_kernel
-from ..precision.linear import (JetLinear, fused_input_quantizer, gated_mlp, group_weight, input_dtype,
-                                linear_group)
+from ..precision.linear import (JetLinear, RowGradSlot, fused_input_quantizer, gated_mlp, group_weight,
+                                input_dtype, linear_group)
 from ..precision.quant import CastSpec, QTensor, dequantize, fake_quantize, quantize, round_to
 
 
@@ -1038,6 +1038,29 @@ def layer_output(out: tuple) -> torch.Tensor:
     return x + delta
 
 
+class _EmbedRows(torch.autograd.Function):
+    """The token embedding whose backward adds each token's gradient row into the tied lm_head's
+    weight gradient (``RowGradSlot``), in token order, in place; without one in the slot, the dense
+    gradient ``nn.Embedding`` returns."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, slot: RowGradSlot) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.slot, ctx.rows = slot, weight.shape[0]
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, g):
+        (ids,) = ctx.saved_tensors
+        into = ctx.slot.take()
+        if into is None:
+            return None, torch.ops.aten.embedding_dense_backward(g, ids, ctx.rows, -1, False), None
+        # deterministic on both devices: a row's adds run in token order (CPU serially, CUDA in the
+        # stable-sorted order of its index_put kernel)
+        into.index_put_((ids.reshape(-1),), g.reshape(-1, g.shape[-1]).to(into.dtype), accumulate=True)
+        return None, None, None
+
+
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -1057,6 +1080,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._batch_invariant = False
+        self.embed_slot: RowGradSlot | None = None  # the last training forward's (``_embed``)
 
     # -- shared pieces ---------------------------------------------------------------------
 
@@ -1097,13 +1121,24 @@ class LlamaForCausalLM(nn.Module):
         mask = Masking(q_index, key_keep, width, causal_from_zero)
         mask.invariant = self.batch_invariant
         with fuse.suspended(self.batch_invariant):  # its forward op by op (see precision.fuse)
-            x = self.model.embed_tokens(input_ids)
+            x = self._embed(input_ids)
             if cache is not None:  # decided once per forward, for every layer
                 mask.reads_cache = _reads_cache_as_stored(x, cache, mask, self.config.num_attention_heads)
             delta = None  # each layer's MLP output, added in the next layer's first norm
             for i, layer in enumerate(self.model.layers):
                 x, delta = layer(x, cos, sin, mask, cache, i, delta)
             return self.model.norm(x + delta)  # a module call: its hooks see the final hidden state
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embedding. In a training forward of a tied model (its lm_head's weight is the
+        embedding's) a fresh ``RowGradSlot`` (``embed_slot``) lets the backward add the embedding's
+        rows into the lm_head's weight gradient."""
+        emb = self.model.embed_tokens
+        self.embed_slot = None
+        if not (self.lm_head.weight is emb.weight and emb.weight.requires_grad and torch.is_grad_enabled()):
+            return emb(input_ids)
+        self.embed_slot = RowGradSlot(emb.weight)
+        return _EmbedRows.apply(input_ids, emb.weight, self.embed_slot)
 
     def logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits of hidden states (any leading dims): the lm_head in the flow's precision;

@@ -263,6 +263,13 @@ def group_weight(mods, owner: nn.Module):
         with torch.no_grad():
             w = _stack_dense(mods, spec, None if hit is None else hit[1])
             if w is None:
+                pair = _stack_fp8(mods, hit, owner)
+                if pair is not None:
+                    w, wt = pair
+                    owner.__dict__["_jet_group_dgrad"] = (key, wt)
+                    for m in mods:
+                        m._cache.pop("dgrad", None)
+            if w is None:
                 w = concat_operands([m.quantized_weight() for m in mods], spec, dev)
             b = None
             if mods[0].bias is not None:  # natively in the GEMM's output dtype (no cast per call)
@@ -299,6 +306,33 @@ def _stack_dense(mods, spec: GemmSpec, held: Operand | None) -> torch.Tensor | N
         out[start:start + m.out_features].copy_(m.weight.detach())
         start += m.out_features
     return out
+
+
+def _stack_fp8(mods, hit, owner: nn.Module) -> tuple[QTensor, QTensor] | None:
+    """A trainer's FP8 group (128x128 weight blocks, W and W^T from one read: ``cast_weight_pair``'s
+    case): ``(W stacked, W^T side by side)``, each layer quantized by the Triton kernel straight into
+    its rows and columns (``kernels.fp8.quantize_weight_stack``) -- into the operands held from
+    before when they still fit. Quantizing each layer and concatenating read and wrote both FP8
+    copies once more (3.4 GB per update at the Qwen2.5-1.5B shape). None where the operands are made
+    otherwise (the same values): one layer, a loaded weight, a frozen or rollout layer, the
+    emulated backend, a layer that is not a whole number of blocks tall before the last one."""
+    p = mods[0].precision
+    spec, w0 = p.fprop, mods[0].weight
+    if (len(mods) < 2 or p.dgrad.b != spec.b or not spec.b.format.is_fp8 or spec.b.block != Block(TILE, TILE)
+            or any(m._wfixed is not None or not m.weight.requires_grad for m in mods)
+            or any(m.out_features % TILE for m in mods[:-1]) or not native(w0)):
+        return None
+    dev = w0.device
+    backends = (backend_for(spec, "fprop", dev), backend_for(p.dgrad, "dgrad", dev))
+    if resolve(spec, "fprop", dev).backend == "emulated" or backends[1].name == "emulated":
+        return None  # (the emulated backend multiplies the exact form: concat_operands, dgrad_weight)
+    tri = kernel_quantizers(w0, backends)
+    if tri is None:
+        return None
+    held = owner.__dict__.get("_jet_group_dgrad")
+    held = (hit[1], held[1]) if hit is not None and held is not None else None
+    return tri.quantize_weight_stack([m.weight.detach() for m in mods], spec.b.format, spec.b.pow2_scale,
+                                     spec.b.amax_floor, transposed=True, held=held)
 
 
 def _native_stack(mods, w) -> bool:
@@ -595,10 +629,11 @@ class WgradSum:
     gradient of its own (vocab x hidden fp32 for the lm_head: 0.93 GB at a 152K vocabulary and 1536
     hidden), and autograd receives one gradient for the weight, as from a single GEMM."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, rows: "RowGradSlot | None" = None):
         self.weight = weight
         self.pending = 0  # counted forwards whose backward has not run
         self.acc: torch.Tensor | None = None
+        self.rows = rows
 
     def add(self, a: Operand, b: Operand, spec: GemmSpec, device) -> torch.Tensor | None:
         self.acc = accumulate_gemm(self.acc, a, b, spec, "wgrad", device, self.weight.dtype)
@@ -606,20 +641,49 @@ class WgradSum:
         if self.pending > 0:
             return None
         out, self.acc = self.acc, None
+        if self.rows is not None:
+            self.rows.put(self.weight, out)
         return out
 
 
+class RowGradSlot:
+    """Hands a tied weight's gradient from the lm_head's backward to the token embedding's, which
+    adds its rows into it in place (``models.llama.embed_rows``) instead of returning a dense
+    vocab x hidden gradient for autograd to add (a zero-fill, then a read of both and a write:
+    3.7 GB at a 152K x 1536 fp32 embedding).
+
+    One slot per training forward of a model with tied embeddings, made by the embedding's forward.
+    The lm_head's backward ``put``s the weight gradient it hands autograd; the embedding's backward,
+    which runs later in the same pass (the embedding is the graph's first op), ``take``s it. Until
+    autograd's sum of the two is handed on, nothing else reads that gradient. Taken once: a second
+    backward through the same graph, or a head whose backward does not put one, gets the dense
+    gradient."""
+
+    __slots__ = ("weight", "grad", "open")
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight, self.grad, self.open = weight, None, True
+
+    def put(self, weight: torch.Tensor, grad: torch.Tensor | None) -> None:
+        if self.open and weight is self.weight and grad is not None and grad.shape == weight.shape:
+            self.grad = grad
+
+    def take(self) -> torch.Tensor | None:
+        grad, self.grad, self.open = self.grad, None, False
+        return grad
+
+
 @contextlib.contextmanager
-def summing_wgrad(mod: "JetLinear"):
+def summing_wgrad(mod: "JetLinear", rows: RowGradSlot | None = None):
     """Within: each autograd forward of ``mod`` (a single layer, as the lm_head runs) adds its weight
-    gradient into one ``WgradSum``, handed to autograd by the last of their backwards. Every such
-    forward's backward must run in one backward pass (the forwards feed one output), or the sum is
-    not handed on."""
+    gradient into one ``WgradSum``, handed to autograd by the last of their backwards (and ``put``
+    into ``rows``, a tied embedding's slot, when given). Every such forward's backward must run in
+    one backward pass (the forwards feed one output), or the sum is not handed on."""
     global _WGRAD_SUMS
     before = _WGRAD_SUMS
     _WGRAD_SUMS = dict(before or {})
     if mod.weight.requires_grad:
-        _WGRAD_SUMS[id(mod.weight)] = WgradSum(mod.weight)
+        _WGRAD_SUMS[id(mod.weight)] = WgradSum(mod.weight, rows)
     try:
         yield
     finally:

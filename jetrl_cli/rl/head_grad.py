@@ -63,6 +63,7 @@ class _HeadLogprobs(torch.autograd.Function):
             lses.append(lse)
         ctx.save_for_backward(h, targets, torch.cat(lses))
         ctx.model, ctx.sampling, ctx.elements = model, sampling, elements
+        ctx.rows = getattr(model, "embed_slot", None)  # a tied embedding adds its rows into our gw
         return torch.cat(parts)
 
     @staticmethod
@@ -72,6 +73,8 @@ class _HeadLogprobs(torch.autograd.Function):
         head = ctx.model.lm_head
         gx, gw = _sliced_grads(head, h, targets, lse, g, ctx.sampling, ctx.elements, need_h, need_w)
         release_after_backward(head)
+        if ctx.rows is not None:
+            ctx.rows.put(head.weight, gw)
         return gx, gw, None, None, None, None, None
 
 

@@ -116,7 +116,8 @@ def target_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: Sam
         return head_logprobs(model, h, targets, sampling, step, LOGPROB_CHUNK_ELEMENTS)
     head = getattr(model, "lm_head", None)
     parts = []
-    with summing_wgrad(head) if grad and isinstance(head, JetLinear) else contextlib.nullcontext():
+    rows = getattr(model, "embed_slot", None)
+    with summing_wgrad(head, rows) if grad and isinstance(head, JetLinear) else contextlib.nullcontext():
         for s in range(0, n, step):
             hc, tc = h[s:s + step], targets[s:s + step]
             if grad:
