@@ -1432,6 +1432,18 @@ def test_a_norm_writes_its_gemms_fp8_input_in_rollout_and_training(save, forced_
         return logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}, casts
 
     fp8_fills = []  # zero-filled "gradients" of the norms' FP8 outputs: none
+    widened = []  # bf16 -> fp32 casts of the norms' output gradients (without a port)
+    in_norm_grads = []  # within the norms' fused backward (one kernel on a GPU: its casts are in registers)
+    norm_grads = llama._add_rms_norm_grads
+
+    def counted_norm_grads(*args):
+        in_norm_grads.append(1)
+        try:
+            return norm_grads(*args)
+        finally:
+            in_norm_grads.pop()
+
+    monkeypatch.setattr(llama, "_add_rms_norm_grads", counted_norm_grads)
 
     class Fills(torch.utils._python_dispatch.TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -1439,6 +1451,9 @@ def test_a_norm_writes_its_gemms_fp8_input_in_rollout_and_training(save, forced_
             if isinstance(out, torch.Tensor) and out.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and \
                     func.overloadpacket.__name__ in ("zeros", "zeros_like", "new_zeros", "zero_", "fill_", "full"):
                 fp8_fills.append(func)
+            if func.overloadpacket.__name__ == "_to_copy" and args[0].dtype is torch.bfloat16 and \
+                    out.dtype is torch.float32 and out.shape == (18, 256) and not in_norm_grads:
+                widened.append(func)
             return out
 
     def torch_norm_quantize(x, delta, w, eps, out, fmt, pow2, floor, write_y=False, rsqrt=False):
@@ -1452,9 +1467,16 @@ def test_a_norm_writes_its_gemms_fp8_input_in_rollout_and_training(save, forced_
         assert calls == [False] * 4 and casts == 2  # two norms per layer, no output written
         got, _, casts = run("train")
         assert calls[4:] == [True] * 4 and casts == 2 and torch.equal(got, want)
+        # the norms' output gradients come back in the GEMMs' bf16 through a port, not cast to fp32
+        assert widened == []
         monkeypatch.setattr(fp8, "rms_norm_quantize", torch_norm_quantize)
         got, grads, _ = run("train")
         assert calls[8:] == [True] * 4
+        with monkeypatch.context() as mp:  # without the port: autograd casts each to fp32 first
+            mp.setattr(llama, "gradient_port", lambda *a: None)
+            _, no_port, _ = run("train")
+            assert len(widened) == 4 and all(torch.equal(no_port[n], g) for n, g in grads.items())
+            calls[12:] = []
         monkeypatch.setattr(llama, "fused_input_quantizer", lambda *a: None)
         want, ref, casts = run("train")
         assert casts == 6  # op by op: the norms' outputs cast by the quantizer

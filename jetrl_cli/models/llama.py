@@ -48,8 +48,8 @@ from ..precision.flow import LinearPrecision
 from ..precision.formats import Block, Format
 from ..precision.fuse import fused
 from ..precision.gemm import F64_BITS, device_time_ms, fixed_point, kernel_choice, native, note_kernel
-from ..precision.linear import (JetLinear, RowGradSlot, fused_input_quantizer, gated_mlp, group_weight,
-                                input_dtype, linear_group)
+from ..precision.linear import (JetLinear, RowGradSlot, fused_input_quantizer, gated_mlp, gradient_port,
+                                group_weight, input_dtype, linear_group)
 from ..precision.quant import CastSpec, QTensor, dequantize, fake_quantize, quantize, round_to
 
 
@@ -223,10 +223,10 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, mods
     memory (one kernel in place of two), and the trainer's forward takes the same kernel, writing
     the output too (the Wgrad operand is made from it), so the two agree bit for bit. Not in the
     batch-invariant mode, whose norm is ``kernels.invariant``'s."""
-    def linears(h, x_op=None, x_dtype=None):
+    def linears(h, x_op=None, x_dtype=None, x_values=None):
         if down is None:
-            return linear_group(mods, h, owner, x_op=x_op, x_dtype=x_dtype)
-        return gated_mlp(mods, h, owner, down, x_op=x_op, x_dtype=x_dtype)
+            return linear_group(mods, h, owner, x_op=x_op, x_dtype=x_dtype, x_values=x_values)
+        return gated_mlp(mods, h, owner, down, x_op=x_op, x_dtype=x_dtype, x_values=x_values)
 
     quant = None if norm.invariant else fused_input_quantizer(mods, x)
     if quant is None:
@@ -239,34 +239,42 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, mods
         s, _, _, rows = fp8.rms_norm_quantize(x2, d2, norm.weight, norm.eps, x.dtype, spec.format,
                                               spec.pow2_scale, spec.amax_floor)
         y = linears(None, x_op=rows, x_dtype=x.dtype)
-    else:
-        *s, h, data, scale = _NormQuantFn.apply(x2, d2, norm.weight, norm.eps, quant)
+    else:  # the norm's output h, and a port for its gradient in the GEMMs' Dgrad dtype (bf16)
+        port = gradient_port(mods, x)
+        *s, h, p, data, scale = _NormQuantFn.apply(x2, d2, norm.weight, norm.eps, quant, port)
         s = s[0] if s else None
-        y = linears(h, x_op=QTensor(data, scale, quant[1]))
+        xq = QTensor(data, scale, quant[1])
+        y = linears(h, x_op=xq) if port is None else linears(p, x_op=xq, x_values=h)
     return (x if s is None else s.reshape(x.shape)), y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class _NormQuantFn(torch.autograd.Function):
     """``norm_linear``'s norm with autograd: ``rms_norm_quantize``'s outputs (s when there is a
-    delta, then the norm's output and its FP8 operand's data and scales, not differentiable), and
-    the backward of ``_AddRMSNormFn`` (of ``_RMSNormFn`` without a delta) from s, the weight and the
-    kernel's per-row rsqrt."""
+    delta, then the norm's output, a gradient port for it or None, and its FP8 operand's data and
+    scales, not differentiable), and the backward of ``_AddRMSNormFn`` (of ``_RMSNormFn`` without a
+    delta) from s, the weight and the kernel's per-row rsqrt. With ``port`` (a dtype:
+    ``linear.gradient_port``) the norm's output is not differentiable and its gradient comes back
+    through the port, in that dtype (the norm's backward reads it in fp32 either way)."""
 
     @staticmethod
-    def forward(ctx, x, delta, w, eps, quant):
+    def forward(ctx, x, delta, w, eps, quant, port):
         fp8, spec = quant
         s, y, r, rows = fp8.rms_norm_quantize(x, delta, w, eps, x.dtype, spec.format, spec.pow2_scale,
                                               spec.amax_floor, write_y=True, rsqrt=True)
         ctx.save_for_backward(x if s is None else s, w, r[:, None])
         ctx.dtypes = (x.dtype, None if delta is None else delta.dtype)
-        ctx.mark_non_differentiable(rows.data, rows.scale)
+        ctx.port = port is not None
+        p = None if port is None else y.new_empty((), dtype=port).expand(y.shape)
+        ctx.mark_non_differentiable(rows.data, rows.scale, *([y] if ctx.port else []))
         ctx.set_materialize_grads(False)  # no zero-filled "gradients" of the FP8 operand (two kernels)
-        return (y, rows.data, rows.scale) if s is None else (s, y, rows.data, rows.scale)
+        return (y, p, rows.data, rows.scale) if s is None else (s, y, p, rows.data, rows.scale)
 
     @staticmethod
     def backward(ctx, *grads):
-        gs, gy = (None, grads[0]) if ctx.dtypes[1] is None else grads[:2]
-        return _add_norm_backward(ctx, gs, gy)
+        gs, grads = (None, grads) if ctx.dtypes[1] is None else (grads[0], grads[1:])
+        gy = grads[1] if ctx.port else grads[0]
+        gx, gd, gw, _, _ = _add_norm_backward(ctx, gs, gy)
+        return gx, gd, gw, None, None, None
 
 
 @fused

@@ -484,7 +484,8 @@ def input_dtype(mods: Sequence["JetLinear"], x: torch.Tensor) -> torch.dtype | N
 
 
 def linear_group(mods: Sequence["JetLinear"], x: torch.Tensor | None, owner: nn.Module, input_kept: bool = False,
-                 x_op: Operand | None = None, x_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 x_op: Operand | None = None, x_dtype: torch.dtype | None = None,
+                 x_values: torch.Tensor | None = None) -> torch.Tensor:
     """Linear layers reading the same ``x``, outputs concatenated along the last dim.
 
     The input is cast once and the forward is one GEMM on the concatenated weight (``group_weight``,
@@ -494,24 +495,45 @@ def linear_group(mods: Sequence["JetLinear"], x: torch.Tensor | None, owner: nn.
     Wgrad operand is quantized from it in the backward, to the same bits. ``x_op``: x's Fprop
     operand, already made by the kernel that computed x (``fused_input_quantizer``); without
     autograd x may then be None (never written; rows x K, ``x_dtype`` what its dtype would be), and
-    the result is 2-D."""
+    the result is 2-D. ``x_values``: x's values where ``x`` is a ``gradient_port`` (which only
+    carries x's gradient back, in its dtype)."""
     if _SEPARATE:
+        assert x_values is None, "a gradient port is for one group function (see gradient_port)"
         return torch.cat([m(x) for m in mods], dim=-1) if len(mods) > 1 else mods[0](x)
-    return _linear_group(tuple(mods), x, owner, input_kept, x_op, x_dtype)
+    return _linear_group(tuple(mods), x, owner, input_kept, x_op, x_dtype, x_values)
+
+
+def gradient_port(mods: Sequence["JetLinear"], x: torch.Tensor) -> torch.dtype | None:
+    """The dtype of a gradient port for ``x`` as ``linear_group(mods, ...)``'s or ``gated_mlp``'s
+    input, or None for none. Where the group's Dgrad writes x's gradient in a narrower dtype than
+    x's (a native FP8 group's bf16 Dgrad output for an fp32 norm output), x's producer may return,
+    beside x (then non-differentiable), a port: x's shape in that dtype, one element in memory
+    (expanded), never read, passed to the group as its autograd input with ``x_values=x``. x's
+    gradient then reaches the producer as the GEMM wrote it; autograd would cast it to x's dtype
+    first (a kernel, and a write of the fp32 copy: 4.2 GB per update at 16 x 512 tokens of the 1.5B
+    shape). None where the group would not run as one function, or the dtypes agree."""
+    mods = tuple(mods)
+    if _SEPARATE or not mods or (len(mods) > 1 and not _uniform(mods)) or not native(x):
+        return None
+    dt = mods[0].precision.dgrad.out.torch_dtype()
+    return dt if dt.itemsize < x.dtype.itemsize else None
 
 
 def _linear_group(mods: tuple, x: torch.Tensor | None, owner: nn.Module, input_kept: bool = False,
-                  x_op: Operand | None = None, x_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  x_op: Operand | None = None, x_dtype: torch.dtype | None = None,
+                  x_values: torch.Tensor | None = None) -> torch.Tensor:
     if len(mods) > 1 and not _uniform(mods):  # e.g. one layer switched to another precision (attribution)
+        assert x_values is None, "a gradient port is for one group function (see gradient_port)"
         return torch.cat([m(x) for m in mods], dim=-1)
     needs_grad = torch.is_grad_enabled() and (
         (x is not None and x.requires_grad)
         or any(m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad) for m in mods))
     w, b = group_weight(mods, owner)
     if not needs_grad:
-        return linear_forward(x, w, b, mods[0].precision.fprop, x_op=x_op, x_dtype=x_dtype)
+        return linear_forward(x if x_values is None else x_values, w, b, mods[0].precision.fprop, x_op=x_op,
+                              x_dtype=x_dtype)
     params = [m.weight for m in mods] + [m.bias for m in mods if m.bias is not None]
-    return _LinearGroupFn.apply(x, _Group(mods, w, b, owner, input_kept, x_op), *params)
+    return _LinearGroupFn.apply(x, _Group(mods, w, b, owner, input_kept, x_op, x_values), *params)
 
 
 def fused_input_quantizer(mods: Sequence["JetLinear"], x: torch.Tensor) -> tuple | None:
@@ -552,6 +574,7 @@ class _Group:
     owner: nn.Module
     input_kept: bool = False
     x_op: Operand | None = None  # x's Fprop operand, made with x (``fused_input_quantizer``)
+    x_values: torch.Tensor | None = None  # x's values, where autograd's x is a ``gradient_port``
 
 
 # --------------------------------------------------------------------------- releasing cached weights
@@ -783,7 +806,9 @@ def _group_forward(st, x2: torch.Tensor, group: _Group, needs_x_grad: bool) -> t
     ``_GatedMLPFn``): ``(y, the Wgrad operand to save)``, its backward's state put on ``st``."""
     mods = group.mods
     prec: LinearPrecision = mods[0].precision
-    st.mods, st.x_dtype = mods, x2.dtype
+    st.mods, st.x_dtype = mods, x2.dtype  # (a port's: x's gradient is written in it)
+    if group.x_values is not None:
+        x2 = group.x_values.reshape(-1, x2.shape[-1])
     _count_forward(st, group.owner)
     st.wgrad_sum = _wgrad_sum(mods)
     st.dgrad_weight = group_dgrad_weight(group) if len(mods) > 1 and needs_x_grad else None
@@ -1060,7 +1085,8 @@ class _SwiGLUDownFn(torch.autograd.Function):
 
 
 def gated_mlp(mods: Sequence["JetLinear"], x: torch.Tensor | None, owner: nn.Module, down: "JetLinear",
-              x_op: Operand | None = None, x_dtype: torch.dtype | None = None) -> torch.Tensor:
+              x_op: Operand | None = None, x_dtype: torch.dtype | None = None,
+              x_values: torch.Tensor | None = None) -> torch.Tensor:
     """A gated MLP: ``swiglu_down(linear_group(mods, x, owner, x_op=x_op, x_dtype=x_dtype), down)``,
     ``mods`` the gate and up projections (their outputs [g, u]).
 
@@ -1073,8 +1099,8 @@ def gated_mlp(mods: Sequence["JetLinear"], x: torch.Tensor | None, owner: nn.Mod
     mods = tuple(mods)
     casts = None if x is None else _dgu_casts(mods, down, x)
     if casts is None:
-        return swiglu_down(linear_group(mods, x, owner, x_op=x_op, x_dtype=x_dtype), down)
-    gate = _Group(mods, *group_weight(mods, owner), owner, x_op=x_op)
+        return swiglu_down(linear_group(mods, x, owner, x_op=x_op, x_dtype=x_dtype, x_values=x_values), down)
+    gate = _Group(mods, *group_weight(mods, owner), owner, x_op=x_op, x_values=x_values)
     down_group = _Group((down,), *group_weight((down,), down), down)
     params = [m.weight for m in mods] + [down.weight] + ([down.bias] if down.bias is not None else [])
     return _GatedMLPFn.apply(x, gate, down_group, casts, *params)
