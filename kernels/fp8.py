@@ -742,6 +742,7 @@ def quantize_weight_stack(ws: Sequence[torch.Tensor], fmt: Format = Format.FP8_E
                          f"and every N but the last a multiple of {TILE}")
     gk, gtot = cdiv(k, TILE), cdiv(total, TILE)
     spec = CastSpec(fmt, Block(TILE, TILE), pow2_scale, amax_floor)
+
     def fits(op, shape) -> bool:  # a held operand to write into: the shape, spec and layout we make
         return (isinstance(op, QTensor) and op.spec == spec and op.data.shape == shape and op.data.device == dev
                 and op.data.is_contiguous() and op.scale.stride() == (padded_groups(shape[1]), 1))

@@ -671,7 +671,7 @@ class WgradSum:
 
 class RowGradSlot:
     """Hands a tied weight's gradient from the lm_head's backward to the token embedding's, which
-    adds its rows into it in place (``models.llama.embed_rows``) instead of returning a dense
+    adds its rows into it in place (``models.llama._EmbedRows``) instead of returning a dense
     vocab x hidden gradient for autograd to add (a zero-fill, then a read of both and a write:
     3.7 GB at a 152K x 1536 fp32 embedding).
 
