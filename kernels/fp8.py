@@ -689,37 +689,10 @@ def quantize_weight(w: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale: 
     (ceil(N/128), round_up(ceil(K/128), 4)) buffer whose pad entries are 1.0 (``layouts.scale_buffer``).
     The transpose (Dgrad's operand): data (K, N) row-major, scale (ceil(K/128), ceil(N/128)) a view
     into a (ceil(K/128), round_up(ceil(N/128), 4)) buffer; equal to ``quantize(w, 128x128).t()``.
+    (A group of one weight: ``quantize_weight_stack``.)
     """
-    _check(w, fmt, amax_floor, "quantize_weight")
-    n, k = w.shape
-    gn, gk = cdiv(n, TILE), cdiv(k, TILE)
-    l4, l4t = padded_groups(k), padded_groups(n)
-    dt, dev = fmt.torch_dtype(), w.device
-    q = torch.empty((n, k), dtype=dt, device=dev)
-    s = torch.empty((gn, l4), dtype=torch.float32, device=dev)
-    qt = torch.empty((k, n), dtype=dt, device=dev) if transposed else None
-    st = torch.empty((gk, l4t), dtype=torch.float32, device=dev) if transposed else None
-    _launch_weight_quant(w, q, s, qt, st, fmt, pow2_scale, amax_floor, l4 - gk, l4t - gn)
-    spec = CastSpec(fmt, Block(TILE, TILE), pow2_scale, amax_floor)
-    out = QTensor(q, s[:, :gk], spec)
-    return (out, QTensor(qt, st[:, :gn], spec)) if transposed else out
-
-
-def _launch_weight_quant(w, q, s, qt, st, fmt: Format, pow2_scale: bool, amax_floor: float, pad_s: int,
-                         pad_st: int) -> None:
-    """W (N x K) into q (N, K) row-major and the rows of scale buffer s; with ``qt``, W^T into qt
-    (K, N; unit column stride, any row stride) and the columns of scale buffer st. ``pad_s`` /
-    ``pad_st``: how many pad entries (1.0) follow the block scales in each row of s / st."""
-    n, k = w.shape
-    gn, gk = cdiv(n, TILE), cdiv(k, TILE)
-    if gn * gk == 0:
-        return
-    trans = qt is not None
-    _weight_quant_kernel[(gn, gk)](
-        w, q, s, qt if trans else s, st if trans else s, n, k, w.stride(0), w.stride(1),
-        gn, gk, s.stride(0), st.stride(0) if trans else 0, qt.stride(0) if trans else 0, pad_s, pad_st,
-        FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], TRANS=trans, T=TILE,
-        num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION)
+    q, qt = _weight_stack([w], fmt, pow2_scale, amax_floor, transposed, None, "quantize_weight")
+    return (q, qt) if transposed else q
 
 
 def quantize_weight_stack(ws: Sequence[torch.Tensor], fmt: Format = Format.FP8_E4M3, pow2_scale: bool = False,
@@ -733,12 +706,17 @@ def quantize_weight_stack(ws: Sequence[torch.Tensor], fmt: Format = Format.FP8_E
     concatenation (which read and wrote both FP8 copies again: 3.4 GB per update of the Qwen2.5-1.5B
     shape's q/k/v and gate/up). ``held``: a previous result of the same shapes, written in place
     (its addresses kept); else new buffers. ``(W, W^T or None)``."""
+    return _weight_stack(ws, fmt, pow2_scale, amax_floor, transposed, held, "quantize_weight_stack")
+
+
+def _weight_stack(ws, fmt: Format, pow2_scale: bool, amax_floor: float, transposed: bool, held,
+                  where: str) -> tuple[QTensor, QTensor | None]:
     for w in ws:
-        _check(w, fmt, amax_floor, "quantize_weight_stack")
+        _check(w, fmt, amax_floor, where)
     sizes = [w.shape[0] for w in ws]
     k, total, dev = ws[0].shape[1], sum(sizes), ws[0].device
     if any(w.shape[1] != k for w in ws) or any(n % TILE for n in sizes[:-1]):
-        raise ValueError(f"quantize_weight_stack: weights {[tuple(w.shape) for w in ws]}: each needs the same K, "
+        raise ValueError(f"{where}: weights {[tuple(w.shape) for w in ws]}: each needs the same K, "
                          f"and every N but the last a multiple of {TILE}")
     gk, gtot = cdiv(k, TILE), cdiv(total, TILE)
     spec = CastSpec(fmt, Block(TILE, TILE), pow2_scale, amax_floor)
@@ -757,11 +735,18 @@ def quantize_weight_stack(ws: Sequence[torch.Tensor], fmt: Format = Format.FP8_E
         st = torch.empty((gk, padded_groups(total)), dtype=torch.float32, device=dev) if transposed else None
         wt = QTensor(torch.empty((k, total), dtype=dt, device=dev), st[:, :gtot], spec) if transposed else None
     start = 0
-    for i, (w, n) in enumerate(zip(ws, sizes)):  # W^T's row pads: after the last layer's columns
-        g0, last = start // TILE, i == len(ws) - 1
-        _launch_weight_quant(w, wq.data[start:start + n], s[g0:], wt.data[:, start:] if transposed else None,
-                             st[:, g0:] if transposed else None, fmt, pow2_scale, amax_floor,
-                             s.shape[1] - gk, st.shape[1] - gtot if transposed and last else 0)
+    for i, (w, n) in enumerate(zip(ws, sizes)):
+        # the layer's rows of W and of s (rows L4 apart: each row's pads after its K blocks), its
+        # columns of W^T (rows sum N apart) and of st (the pads after the last layer's columns)
+        gn, g0 = cdiv(n, TILE), start // TILE
+        pad_st = st.shape[1] - gtot if transposed and i == len(ws) - 1 else 0
+        qt, stv = (wt.data[:, start:], st[:, g0:]) if transposed else (s, s)
+        if gn * gk:
+            _weight_quant_kernel[(gn, gk)](
+                w, wq.data[start:start + n], s[g0:], qt, stv, n, k, w.stride(0), w.stride(1), gn, gk,
+                s.stride(0), stv.stride(0), qt.stride(0), s.shape[1] - gk, pad_st,
+                FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], TRANS=transposed, T=TILE,
+                num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION)
         start += n
     return wq, wt
 

@@ -263,12 +263,7 @@ def group_weight(mods, owner: nn.Module):
         with torch.no_grad():
             w = _stack_dense(mods, spec, None if hit is None else hit[1])
             if w is None:
-                pair = _stack_fp8(mods, hit, owner)
-                if pair is not None:
-                    w, wt = pair
-                    owner.__dict__["_jet_group_dgrad"] = (key, wt)
-                    for m in mods:
-                        m._cache.pop("dgrad", None)
+                w = _stack_fp8(mods, hit, owner, key)
             if w is None:
                 w = concat_operands([m.quantized_weight() for m in mods], spec, dev)
             b = None
@@ -308,11 +303,12 @@ def _stack_dense(mods, spec: GemmSpec, held: Operand | None) -> torch.Tensor | N
     return out
 
 
-def _stack_fp8(mods, hit, owner: nn.Module) -> tuple[QTensor, QTensor] | None:
+def _stack_fp8(mods, hit, owner: nn.Module, key: tuple) -> QTensor | None:
     """A trainer's FP8 group (128x128 weight blocks, W and W^T from one read: ``cast_weight_pair``'s
-    case): ``(W stacked, W^T side by side)``, each layer quantized by the Triton kernel straight into
-    its rows and columns (``kernels.fp8.quantize_weight_stack``) -- into the operands held from
-    before when they still fit. Quantizing each layer and concatenating read and wrote both FP8
+    case): W stacked, returned, and W^T side by side, cached as the group's Dgrad operand (``key``:
+    the group's, as ``group_dgrad_weight`` checks it), each layer quantized by the Triton kernel
+    straight into its rows and columns (``kernels.fp8.quantize_weight_stack``) -- into the operands
+    held from before when they still fit. Quantizing each layer and concatenating read and wrote both FP8
     copies once more (3.4 GB per update at the Qwen2.5-1.5B shape). None where the operands are made
     otherwise (the same values): one layer, a loaded weight, a frozen or rollout layer, the
     emulated backend, a layer that is not a whole number of blocks tall before the last one."""
@@ -331,8 +327,12 @@ def _stack_fp8(mods, hit, owner: nn.Module) -> tuple[QTensor, QTensor] | None:
         return None
     held = owner.__dict__.get("_jet_group_dgrad")
     held = (hit[1], held[1]) if hit is not None and held is not None else None
-    return tri.quantize_weight_stack([m.weight.detach() for m in mods], spec.b.format, spec.b.pow2_scale,
-                                     spec.b.amax_floor, transposed=True, held=held)
+    w, wt = tri.quantize_weight_stack([m.weight.detach() for m in mods], spec.b.format, spec.b.pow2_scale,
+                                      spec.b.amax_floor, transposed=True, held=held)
+    owner.__dict__["_jet_group_dgrad"] = (key, wt)
+    for m in mods:
+        m._cache.pop("dgrad", None)
+    return w
 
 
 def _native_stack(mods, w) -> bool:
