@@ -104,6 +104,7 @@ class Settings:
     prompt: int = 16
     new_tokens: int = 64
     train_batch: int = 16
+    micro_batch: int | None = None  # train: sequences per forward/backward (None: the whole batch)
     seq: int = 64
     e2e_steps: int = 3
     task_preset: str | None = "fp8-unified"  # rollout: also an RL-shaped batch from this preset's task
@@ -932,11 +933,12 @@ def bench_train(s: Settings) -> list[dict]:
     n, t = s.train_batch, s.seq
     batch, adv = _train_batch(mcfg.vocab_size, n, t, g)
     sp = SamplingParams(max_new_tokens=t - t // 2)
-    tcfg = TrainConfig(lr=1e-6, micro_batch=n)
+    mb = min(s.micro_batch or n, n)
+    tcfg = TrainConfig(lr=1e-6, micro_batch=mb)
     corr = CorrectionSection()
     ccfg = CorrectionConfig(corr.type, corr.tis_cap, corr.mis_low, corr.mis_high, corr.mis_level)
     rows = []
-    common = {"model": label, "batch": n, "seq": t}
+    common = {"model": label, "batch": n, "micro_batch": mb, "seq": t}
 
     def flow_row(name: str, flow) -> dict:
         tr = Trainer(make(dev), flow, tcfg, ccfg, sp, t)
@@ -949,7 +951,8 @@ def bench_train(s: Settings) -> list[dict]:
 
         tm = measure(one, s)
         tm.update(profile_once(one, s, f"train-{name}"))
-        saved, _ = _saved_bytes(lambda: token_logprobs(tr.model, batch, sp).sum())
+        first = batch if mb == n else batch.select(torch.arange(mb))  # what one forward saves
+        saved, _ = _saved_bytes(lambda: token_logprobs(tr.model, first, sp).sum())
         row = {"flow": name, "train": flow.train.linear.fprop.short_str(), "emulated": s.device == "cpu",
                **tm, "tokens_per_s": n * t / tm["s"], "saved_activation_bytes": saved, **common,
                "gemm_backends": backend_report()}
@@ -1018,21 +1021,24 @@ def _transformers_row(s: Settings, make, batch, adv, dev, common: dict) -> dict:
     cuda = s.device == "cuda"
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-6, **({"fused": True} if cuda else {"foreach": True}))
     ids, mask, a = batch.ids.to(dev), batch.mask.to(dev).float(), adv.to(dev)
+    mb = common["micro_batch"]
 
-    def logp():
+    def logp(rows: slice):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            logits = hf(ids).logits[:, :-1]
-        return torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+            logits = hf(ids[rows]).logits[:, :-1]
+        return torch.log_softmax(logits.float(), -1).gather(-1, ids[rows, 1:, None])[..., 0]
 
     def one():
-        loss = -(logp() * a[:, None] * mask).sum() / mask.sum()
-        loss.backward()
+        for i in range(0, len(ids), mb):  # autograd adds the micro-batches' gradients
+            rows = slice(i, i + mb)
+            loss = -(logp(rows) * a[rows, None] * mask[rows]).sum() / mask.sum()
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     tm = measure(one, s)
     tm.update(profile_once(one, s, f"train-{TRANSFORMERS_FLOW}"))
-    saved, _ = _saved_bytes(lambda: logp().sum())
+    saved, _ = _saved_bytes(lambda: logp(slice(0, mb)).sum())
     n, t = common["batch"], common["seq"]
     row = {"flow": TRANSFORMERS_FLOW, "train": "bf16 autocast" if cuda else "fp32", "emulated": False, **tm,
            "tokens_per_s": n * t / tm["s"], "saved_activation_bytes": saved, **common}
@@ -1305,7 +1311,9 @@ def render(res: dict, console) -> None:
                                   highlight=False)
     if "train" in r:
         x0 = r["train"][0]
-        t = Table(title=escape(f"train: one GRPO update, {x0['model']}, {x0['batch']} x {x0['seq']} tokens"),
+        micro = x0.get("micro_batch", x0["batch"])
+        per = f" in micro-batches of {micro}" if micro < x0["batch"] else ""
+        t = Table(title=escape(f"train: one GRPO update, {x0['model']}, {x0['batch']} x {x0['seq']} tokens{per}"),
                   title_justify="left")
         for c in ("flow", "fprop", "step s", "spread", "tokens/s", "step vs bf16", "step vs HF", "saved act MiB",
                   "act vs bf16", "peak MiB", "peak vs HF"):

@@ -520,6 +520,7 @@ def bench_cmd(
     batch: Annotated[int, typer.Option("--batch", help="rollout: sequences decoded together.")] = 64,
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="rollout: new tokens per sequence (stop tokens off).")] = 64,
     train_batch: Annotated[int, typer.Option("--train-batch", help="train: sequences per update.")] = 16,
+    micro_batch: Annotated[Optional[int], typer.Option("--micro-batch", help="train: sequences per forward and backward, their gradients accumulated (default: the whole --train-batch).")] = None,
     seq: Annotated[int, typer.Option("--seq", help="train: tokens per sequence.")] = 64,
     steps: Annotated[int, typer.Option("--steps", help="e2e: run steps per flow (the first is a warm-up).")] = 3,
     task_preset: Annotated[Optional[str], typer.Option("--task-preset", help="rollout: also time an RL-shaped batch: this preset's task prompts, groups, stop at EOS ('none': skip). Default: fp8-unified with --model tiny, none with a model of yours.")] = None,
@@ -538,7 +539,7 @@ def bench_cmd(
 
     modes = bench.parse_modes(mode)
     for name, v in (("--batch", batch), ("--new-tokens", new_tokens), ("--train-batch", train_batch), ("--seq", seq),
-                    ("--steps", steps), ("--repeats", repeats)):
+                    ("--steps", steps), ("--repeats", repeats), ("--micro-batch", 1 if micro_batch is None else micro_batch)):
         if v <= 0:
             raise JetrlError(f"{name} must be > 0, got {v}")
     if warmup < 0:
@@ -549,7 +550,7 @@ def bench_cmd(
     if layers is not None and layers <= 0:
         raise JetrlError(f"--layers must be > 0, got {layers}")
     s = bench.Settings(device=device, repeats=repeats, warmup=warmup, model=model, layers=layers, batch=batch,
-                       new_tokens=new_tokens, train_batch=train_batch, seq=seq, e2e_steps=steps,
+                       new_tokens=new_tokens, train_batch=train_batch, micro_batch=micro_batch, seq=seq, e2e_steps=steps,
                        task_preset=_bench_task_preset(task_preset, model), task_overrides=list(task_set or []),
                        profile_dir=None if profile is None else str(profile))
     if profile is not None and not set(modes) & {"rollout", "train"}:

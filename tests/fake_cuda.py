@@ -30,6 +30,7 @@ model directory written here).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -252,9 +253,24 @@ def _train_step(name: str) -> dict:
     from jetrl_cli.rl import trainer as trainer_mod
     from jetrl_cli.rl.trainer import Batch, Trainer
 
+    from jetrl_cli.models import llama
+    from jetrl_cli.precision import linear
+    from jetrl_cli.rl import head_grad
+
     flow, model = _flow(name), _model()
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(1, 512, (8, 160), generator=g)
+    sinks = []  # what the second micro-batches added their gradients into: linear groups, lm_head, embedding
+    real_sink = linear.grad_sink
+
+    def sink(weights):
+        into = real_sink(weights)
+        if into is not None:
+            sinks.append(f"{len(weights)} x {into.device.type} {into.dtype}")
+        return into
+
+    for mod in (linear, head_grad, llama):
+        mod.grad_sink = sink
     chunk, trainer_mod.LOGPROB_CHUNK_ELEMENTS = trainer_mod.LOGPROB_CHUNK_ELEMENTS, 128 * 512  # 2 logprob chunks
     b = Batch.build(ids[:, :32].tolist(), ids[:, 32:].tolist(), [[-1.0] * 128] * 8, [0.0] * 8,
                     [i // 2 for i in range(8)])
@@ -273,7 +289,10 @@ def _train_step(name: str) -> dict:
             state = [t for st in tr.opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     finally:
         trainer_mod.LOGPROB_CHUNK_ELEMENTS = chunk
+        for mod in (linear, head_grad, llama):
+            mod.grad_sink = real_sink
     return {"wgrad_sum": kernel_choice("wgrad sum", torch.device("cuda:0")), "update_reads": reads,
+            "grads_in_place": collections.Counter(sinks),
             "update_blocking_h2d": h2d, "stats": sorted(stats), "updates": tr.updates,
             "no_grad": [n for n, p in params if p.grad is None],
             "grads": sorted({f"{p.grad.device.type} {p.grad.dtype} of {p.dtype}" for _, p in params if p.grad is not None}),

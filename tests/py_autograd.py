@@ -6,7 +6,9 @@ nodes are callable on their own, though: ``node(*grads_of_its_outputs)`` returns
 ``node.next_functions``, and an ``AccumulateGrad`` node adds into its leaf's ``.grad``.
 ``backward`` walks the graph as the engine does: a node runs once every node that feeds it has,
 later-created nodes first; the gradients a node receives are summed in arrival order, each first
-summed to its input's shape and cast to its dtype. Tensor and node hooks are not run (jetrl's
+summed to its input's shape and cast to its dtype; nodes run with grad mode off, as the engine runs
+a backward without ``create_graph`` (so ``AccumulateGrad`` keeps or adds into ``.grad`` in place as
+there). Tensor and node hooks are not run (jetrl's
 training path registers none); saved-tensor hooks are, so non-reentrant activation checkpointing
 recomputes as usual.
 
@@ -53,6 +55,9 @@ def recording():
 
 
 def _run(node, grads: list) -> tuple:
+    if node.name() == "torch::autograd::AccumulateGrad":
+        _accumulate(node.variable, grads[0])
+        return ()
     if not isinstance(node, BackwardCFunction):
         out = node(*grads)
         return out if isinstance(out, tuple) else (out,)
@@ -63,6 +68,19 @@ def _run(node, grads: list) -> tuple:
     out = node.apply(*grads)
     out = out if isinstance(out, tuple) else (out,)
     return tuple(g for g, t in zip(out, getattr(node, _TENSOR_INPUTS)) if t)
+
+
+def _accumulate(leaf: torch.Tensor, g: torch.Tensor | None) -> None:
+    """What ``AccumulateGrad`` does with no other reference to ``g`` (as in the engine, where the
+    gradient it receives is its own; called from Python it would always copy it): the first gradient
+    is kept as it is where its strides are the leaf's (a view of a larger result stays one), later
+    ones are added in place."""
+    if g is None:
+        return
+    if leaf.grad is None:
+        leaf.grad = g.detach() if g.stride() == leaf.stride() else g.clone(memory_format=torch.contiguous_format)
+    else:
+        leaf.grad.add_(g)
 
 
 def _as_input(g: torch.Tensor, meta, node) -> torch.Tensor:
@@ -101,7 +119,8 @@ def backward(root: torch.Tensor, gradient: torch.Tensor | None = None) -> None:
     while ready:
         node = heapq.heappop(ready)[2]
         got = inbox.pop(node, {})
-        outs = _run(node, [got.get(i) for i in range(len(node._input_metadata))]) if got else ()
+        with torch.no_grad():  # as the engine runs a backward without create_graph
+            outs = _run(node, [got.get(i) for i in range(len(node._input_metadata))]) if got else ()
         for k, (nxt, slot) in enumerate(node.next_functions):
             if nxt is None:
                 continue

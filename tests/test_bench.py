@@ -203,7 +203,7 @@ def test_a_train_row_that_runs_out_of_memory_says_so_and_the_bench_goes_on(monke
     assert [r["flow"] for r in rows] == ["bf16", "fp8-unified", "transformers"]
     bf, u, hf = rows
     assert bf["s"] > 0 and bf["step_vs_bf16"] == 1.0 and bf["step_vs_transformers"] is None
-    assert u == {"flow": "fp8-unified", "model": "tiny-policy", "batch": 2, "seq": 16,
+    assert u == {"flow": "fp8-unified", "model": "tiny-policy", "batch": 2, "micro_batch": 2, "seq": 16,
                  "out_of_memory": "CUDA out of memory. Tried to allocate 4.64 GiB"}
     assert hf["out_of_memory"].endswith("(transformers)") and "s" not in hf
     assert_readable_at_80_columns(out, [f"{bf['s']:.3f}", "out of memory"])
@@ -226,6 +226,21 @@ def test_train_bench_keeps_the_first_layers():
     assert {r["model"] for r in out["results"]["train"]} == {"tiny-policy (1 layers)"}
     res = runner.invoke(app, ["bench", "train", "--layers", "9", *FAST])
     assert res.exit_code == 2 and "--layers 9: the model has 4 decoder layers (allowed: 1..4)" in res.output
+
+
+def test_train_bench_runs_micro_batches():
+    """``--micro-batch``: each row runs the update in micro-batches, their gradients accumulated
+    (jetrl's trainer, and the transformers baseline the same way); a forward saves one
+    micro-batch's activations."""
+    args = ("--train-batch", 4, "--seq", 8, "--flows", "bf16", "--layers", 1, *FAST)
+    rows = bench("train", "--micro-batch", 2, *args)["results"]["train"]
+    whole = bench("train", *args)["results"]["train"]
+    assert [(r["flow"], r["batch"], r["micro_batch"]) for r in rows] == [("bf16", 4, 2), ("transformers", 4, 2)]
+    assert [r["micro_batch"] for r in whole] == [4, 4]
+    for a, b in zip(rows, whole):
+        assert 0 < a["saved_activation_bytes"] < b["saved_activation_bytes"], a["flow"]
+    res = runner.invoke(app, ["bench", "train", "--micro-batch", "0", *FAST])
+    assert res.exit_code == 2 and "--micro-batch must be > 0, got 0" in res.output
 
 
 def test_profile_writes_each_rows_ops_by_self_time(tmp_path):

@@ -16,7 +16,8 @@ meta kernels give shapes, dtypes and devices; nothing is computed) while host te
   blockwise scale layouts), gradient clipping, fused AdamW -- leaves fp32 gradients and optimizer
   state on the device and reads the host twice per mini-batch: its values, and the finite check of
   the updated parameters; its micro-batches' inputs go to the device without a blocking copy (one
-  would wait for the work queued before it);
+  would wait for the work queued before it), and a micro-batch after the first adds its weight
+  gradients into the ``.grad`` the first left (``grads_in_place``);
 - ``jetrl bench train --device cuda`` (1.5B shape, one layer) runs every row, and ``auto`` keeps
   blockwise ``scaled_mm`` for Fprop, Dgrad and Wgrad (its probe once cast Wgrad's operands as no
   kernel takes them, which would have sent a GPU's Wgrad to the emulated path);
@@ -109,6 +110,11 @@ def test_training_update_stays_on_the_device_and_reads_twice_per_minibatch(repor
         # the lm_head's two logprob chunks: the second Wgrad adds into the first's fp32 sum in the GEMM
         # (addmm(out_dtype=), passing the checks of torch 2.11's CUDA kernel: tests/fake_cuda.py)
         assert r["wgrad_sum"]["kernel"] == "GEMM into the sum (out_dtype)", (name, r["wgrad_sum"])
+        # each mini-batch's second micro-batch adds its weight gradients where the first left them
+        # (``grads_in_place``), fp32 on the device: per layer q/k/v through one view of three .grads,
+        # gate/up through one of two, o and down; the lm_head's and the untied embedding's
+        assert r["grads_in_place"] == {"3 x cuda torch.float32": 2 * 2, "2 x cuda torch.float32": 2 * 2,
+                                       "1 x cuda torch.float32": 2 * (2 * 2 + 2)}, (name, r["grads_in_place"])
         assert r["stats"] == ["clip_frac", "grad_norm", "loss", "pg_loss"], name
         reads = r["update_reads"]
         (values,) = [k for k in reads if "torch.stack([t.float() for t in flat]" in k]

@@ -1145,6 +1145,133 @@ def test_a_trainers_fp8_group_is_quantized_into_its_stacked_operands(sizes, k, f
         assert torch.equal(a, b)
 
 
+def _in_place_grads(monkeypatch, base, batches, in_place: bool, after_first=None):
+    """Micro-batches' backwards (``batches``: ``(Batch, seed of the loss weights)``) into one copy of
+    ``base``'s gradients, those after the first within ``grads_in_place`` when ``in_place``:
+    ``(grads, the last backward's op names, {storage: rows} of the sums its Wgrad GEMMs added into,
+    the model)``. ``after_first(model)`` runs after the first backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from jetrl_cli.precision import linear
+    from jetrl_cli.rl import head_grad
+
+    sums = []
+    for mod in (linear, head_grad):
+        monkeypatch.setattr(mod, "accumulate_gemm", lambda acc, *a, real=mod.accumulate_gemm, **k:
+                            sums.append(acc) or real(acc, *a, **k))
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    m = copy.deepcopy(base)
+    for k, (b, seed) in enumerate(batches):
+        if k == 1 and after_first is not None:
+            after_first(m)
+        sums.clear()
+        ops = []
+        with linear.grads_in_place() if in_place and k else contextlib.nullcontext():
+            lp = token_logprobs(m, b, SamplingParams(temperature=0.7))
+            with Ops():
+                (lp * torch.randn(lp.shape, generator=gen(seed))).sum().backward()
+    into = {}
+    for a in sums:
+        if a is not None:
+            into.setdefault(a.untyped_storage()._cdata, set()).add(a.shape[0])
+    return {n: p.grad for n, p in m.named_parameters()}, ops, into, m
+
+
+@pytest.mark.parametrize("flow_name, tied, native, sliced", [
+    ("bf16", False, False, True), ("bf16", True, False, True), ("bf16", True, False, False),
+    ("fp8-unified", False, False, True), ("fp8-unified", True, False, True), ("bf16", False, True, True)])
+def test_a_micro_batch_adds_its_gradients_into_the_grads_held(monkeypatch, flow_name, tied, native, sliced):
+    """Within ``grads_in_place`` (the trainer's micro-batches after the first), a backward adds each
+    linear group's Wgrad into the ``.grad`` its weights hold -- q/k/v and gate/up through one view of
+    the back-to-back gradients the first micro-batch's group GEMM wrote -- the lm_head's too
+    (vocabulary slices, or the row chunks' sum), and the embedding's rows one token at a time: no
+    dense embedding gradient, and autograd adds nothing. The gradients are autograd's sums bit for
+    bit, but for the embedding: an untied one's rows differ only where a token repeats in the second
+    micro-batch (added one by one, not summed first); a tied one's add the head's and the rows' terms
+    into the held sum in turn."""
+    import dataclasses
+
+    from jetrl_cli.precision.linear import JetLinear
+
+    vocab = 256
+    gemm.set_force_native(native)
+    gemm.reset_resolutions()
+    try:
+        if not sliced:
+            monkeypatch.setattr(trainer_mod, "sliced_backward_applies", lambda *a: False)
+        monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", 16 * vocab)
+        cfg = dataclasses.replace(tiny_config("qwen2", hidden=128, layers=2, vocab=vocab), tie_word_embeddings=tied)
+        base = random_model(cfg, seed=int(torch.randint(0, 2**31, ())), std=0.05)
+        apply_flow(base, named_flow(flow_name), "train")
+        batches = [(_batch(vocab, n=n, t=30, seed=int(torch.randint(0, 2**31, ()))), int(torch.randint(0, 2**31, ())))
+                   for n in (3, 2)]
+        b2 = batches[1][0]
+        b2.ids[1, 3:9] = b2.ids[0, 5]  # a token repeated in the second micro-batch
+        summed, ops, into, m = _in_place_grads(monkeypatch, base, batches, True)
+        held = lambda mod: mod.weight.grad.untyped_storage()._cdata  # noqa: E731
+        linears = [mod for mod in m.modules() if isinstance(mod, JetLinear)]
+        assert len(linears) == 15 and all(held(mod) in into for mod in linears)  # each Wgrad added where held
+        assert "embedding_dense_backward" not in ops and "index_put_" in ops
+        attn, mlp = m.model.layers[0].self_attn, m.model.layers[0].mlp
+        assert attn.q_proj.out_features + attn.k_proj.out_features + attn.v_proj.out_features in into[held(attn.q_proj)]
+        assert mlp.gate_proj.out_features + mlp.up_proj.out_features in into[held(mlp.gate_proj)]  # a view of two
+
+        autograd, ops, into, m = _in_place_grads(monkeypatch, base, batches, False)
+        assert ("embedding_dense_backward" in ops) is not tied  # tied: rows into the head's gradient
+        assert not into.keys() & {p.grad.untyped_storage()._cdata for p in m.parameters()}
+        emb = "model.embed_tokens.weight"
+        assert summed.keys() == autograd.keys()
+        for n, g in summed.items():
+            if n != emb:
+                assert torch.equal(g, autograd[n]), n
+        counts = torch.bincount(b2.ids.reshape(-1), minlength=vocab)
+        assert counts.max() >= 7
+        if not tied:
+            assert torch.equal(summed[emb][counts <= 1], autograd[emb][counts <= 1])
+        # fp32 sums of a few terms in another order: a few ulps of the largest entry
+        scale = torch.finfo(torch.float32).eps * autograd[emb].abs().max()
+        assert (summed[emb] - autograd[emb]).abs().max() <= 16 * scale
+    finally:
+        gemm.set_force_native(False)
+        gemm.reset_resolutions()
+
+
+def test_a_gradient_with_a_hook_or_held_apart_goes_to_autograd(monkeypatch):
+    """Within ``grads_in_place``, a weight whose gradient autograd must see -- one with a hook, which
+    is called with the micro-batch's gradient as outside -- and a group whose gradients no longer lie
+    back to back (one replaced by a copy) hand autograd their gradients; the rest are added where
+    they are held, and every gradient is still autograd's sum bit for bit."""
+    vocab = 256
+    base = random_model(tiny_config("qwen2", hidden=128, layers=2, vocab=vocab), seed=int(torch.randint(0, 2**31, ())),
+                        std=0.05)
+    apply_flow(base, named_flow("bf16"), "train")
+    batches = [(_batch(vocab, n=n, t=30, seed=int(torch.randint(0, 2**31, ()))), int(torch.randint(0, 2**31, ())))
+               for n in (3, 2)]
+    calls = []
+
+    def after_first(m):
+        attn = m.model.layers[0].self_attn
+        attn.k_proj.weight.grad = attn.k_proj.weight.grad.clone()  # q/k/v's gradients apart
+        m.model.layers[1].mlp.down_proj.weight.register_hook(lambda g: calls.append(g.clone()))
+
+    summed, _, into, m = _in_place_grads(monkeypatch, base, batches, True, after_first)
+    held = lambda mod: mod.weight.grad.untyped_storage()._cdata  # noqa: E731
+    attn, down = m.model.layers[0].self_attn, m.model.layers[1].mlp.down_proj
+    assert not {held(attn.q_proj), held(attn.k_proj), held(attn.v_proj), held(down)} & into.keys()
+    assert held(attn.o_proj) in into and held(m.model.layers[1].self_attn.q_proj) in into
+    hooked = calls.pop()
+    autograd, _, _, _ = _in_place_grads(monkeypatch, base, batches, False, after_first)
+    assert torch.equal(hooked, calls.pop())  # the hook saw the same gradient
+    for n, g in summed.items():
+        if n != "model.embed_tokens.weight":
+            assert torch.equal(g, autograd[n]), n
+
+
 def test_out_of_memory_names_train_micro_batch(monkeypatch):
     from jetrl_cli.config import TrainConfig
     from jetrl_cli.rl.algos import CorrectionConfig

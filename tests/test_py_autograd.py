@@ -31,6 +31,27 @@ def test_small_graph_with_a_multi_output_node_a_reused_leaf_and_an_unused_output
         py_autograd.backward(x @ w)
 
 
+def test_leaves_keep_and_add_their_gradients_as_in_the_engine():
+    """The first backward keeps a leaf's gradient as it arrives (the three weights of a ``cat`` get
+    views of one buffer), the second adds into it in place; the same values as the engine's."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    ws = [torch.randn(4, 3, generator=g, requires_grad=True) for _ in range(3)]
+    x = torch.randn(5, 3, generator=g)
+
+    def run(backward):
+        for w in ws:
+            w.grad = None
+        backward((x @ torch.cat(ws).t()).sin().sum())
+        first = [w.grad for w in ws]
+        backward((x @ torch.cat(ws).t()).cos().sum())
+        assert all(w.grad is f for w, f in zip(ws, first))  # added in place
+        assert len({w.grad.untyped_storage()._cdata for w in ws}) == 1  # one buffer
+        return _grads(ws)
+
+    want = run(torch.Tensor.backward)
+    assert all(torch.equal(a, b) for a, b in zip(run(py_autograd.backward), want))
+
+
 @pytest.mark.parametrize("flow", ["bf16", "fp8-unified"])
 def test_policy_loss_backward_equals_torch_engine(flow, monkeypatch):
     """The trainer's loss: JetLinear's autograd functions, checkpointed logprob chunks, index_put."""

@@ -170,10 +170,33 @@ class WhereTracker(MemTracker):
             self.peak_live = [f"{b / GB:.3f} GB {what}" for b, what in live[:12]]
 
 
-def _peak(step, *external, where: bool = False) -> dict:
-    """The second call of ``step()``'s peak tensor bytes, by kind (MemTracker's categories)."""
+def _micro_batches(tracker: type) -> type:
+    """``tracker`` for a step of several micro-batches: it installs no gradient hooks on the weights
+    (with one, a micro-batch could not add its gradients where they are held: ``grad_sink``), so the
+    gradients count as the backward's temporaries, not as gradients (the total is the same); and
+    each micro-batch's forward starts the per-module statistics over (MemTracker refuses a model's
+    second forward)."""
+
+    class Tracker(tracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+        def _pre_fw_hook(self, module, inputs) -> None:
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:
+                self.reset_mod_stats()
+                super()._pre_fw_hook(module, inputs)
+
+    return Tracker
+
+
+def _peak(step, *external, where: bool = False, micro: bool = False) -> dict:
+    """The second call of ``step()``'s peak tensor bytes, by kind (MemTracker's categories); ``micro``:
+    a step of several micro-batches (``_micro_batches``)."""
     step()
-    mt = WhereTracker() if where else MemTracker()
+    tracker = WhereTracker if where else MemTracker
+    mt = (_micro_batches(tracker) if micro else tracker)()
     mt.track_external(*external)
     with mt:
         step()
@@ -304,10 +327,11 @@ def fused_quantizers(run=lambda kind, fn, *tensors: fn(*tensors)):
         linear.kernel_quantizers = plain
 
 
-def jetrl_peak(make, flow, batch, adv, t: int, release: bool, where: bool, measure=None) -> dict:
+def jetrl_peak(make, flow, batch, adv, t: int, release: bool, where: bool, measure=None,
+               micro_batch: int | None = None) -> dict:
     sp = SamplingParams(max_new_tokens=t - t // 2)
     kind, trainer_mod.adamw_kind = trainer_mod.adamw_kind, lambda cuda: {"fused": True}  # as on CUDA
-    tr = trainer_mod.Trainer(make(torch.device("cpu")), flow, TrainConfig(lr=1e-6, micro_batch=len(batch)),
+    tr = trainer_mod.Trainer(make(torch.device("cpu")), flow, TrainConfig(lr=1e-6, micro_batch=micro_batch or len(batch)),
                              CorrectionConfig(), sp, t)
     trainer_mod.adamw_kind = kind
     old = tr.score(batch)
@@ -321,28 +345,36 @@ def jetrl_peak(make, flow, batch, adv, t: int, release: bool, where: bool, measu
     if not release:
         trainer_mod.releasing_weights = contextlib.nullcontext
     try:
-        return (measure or _peak)(step, tr.model, tr.opt, where=where)
+        if measure is None:
+            return _peak(step, tr.model, tr.opt, where=where, micro=tr.cfg.micro_batch < len(batch))
+        return measure(step, tr.model, tr.opt, where=where)
     finally:
         trainer_mod.releasing_weights = before
 
 
-def transformers_peak(make, batch, adv, where: bool, building=contextlib.nullcontext, measure=None) -> dict:
+def transformers_peak(make, batch, adv, where: bool, building=contextlib.nullcontext, measure=None,
+                      micro_batch: int | None = None) -> dict:
     from jetrl_cli.models.transformers_ref import transformers_twin
 
     with building():  # the twin's module init too (fake with --fake)
         hf = transformers_twin(make(torch.device("cpu")), torch.float32).train()
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-6, fused=True)
     ids, mask = batch.ids, batch.mask.float()
+    mb = micro_batch or len(ids)
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = hf(ids).logits[:, :-1]
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
-        (-(logp * adv[:, None] * mask).sum() / mask.sum()).backward()
+        for s in range(0, len(ids), mb):  # autograd adds each micro-batch's gradients into .grad
+            i, m = ids[s:s + mb], mask[s:s + mb]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = hf(i).logits[:, :-1]
+            logp = torch.log_softmax(logits.float(), -1).gather(-1, i[:, 1:, None])[..., 0]
+            (-(logp * adv[s:s + mb, None] * m).sum() / mask.sum()).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return (measure or _peak)(step, hf, opt, where=where)
+    if measure is None:
+        return _peak(step, hf, opt, where=where, micro=mb < len(ids))
+    return measure(step, hf, opt, where=where)
 
 
 def model_arguments(ap: argparse.ArgumentParser, batch: int, seq: int) -> None:
@@ -351,6 +383,8 @@ def model_arguments(ap: argparse.ArgumentParser, batch: int, seq: int) -> None:
     ap.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (default: all)")
     ap.add_argument("--batch", type=int, default=batch)
     ap.add_argument("--seq", type=int, default=seq)
+    ap.add_argument("--micro-batch", type=int, default=None,
+                    help="sequences per forward and backward (default: the whole batch, one micro-batch)")
 
 
 def counted_setup(args, fake: bool):
@@ -378,16 +412,19 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers row")
     args = ap.parse_args()
     make, label, batch, adv, mode = counted_setup(args, args.fake)
-    out = {"model": label, "batch": args.batch, "seq": args.seq, "fake": args.fake, "peak_gb": {}}
+    out = {"model": label, "batch": args.batch, "seq": args.seq, "micro_batch": args.micro_batch or args.batch,
+           "fake": args.fake, "peak_gb": {}}
     with mode, _hopper_scaled_mm(), fused_quantizers():
         for name in args.flows.split(","):
             flow = _flow(name, args.fake)
-            out["peak_gb"][f"jetrl {name}"] = jetrl_peak(make, flow, batch, adv, args.seq, True, args.where)
+            out["peak_gb"][f"jetrl {name}"] = jetrl_peak(make, flow, batch, adv, args.seq, True, args.where,
+                                                         micro_batch=args.micro_batch)
             if args.no_release:
                 out["peak_gb"][f"jetrl {name}, caches kept"] = jetrl_peak(make, flow, batch, adv, args.seq, False,
-                                                                          args.where)
+                                                                          args.where, micro_batch=args.micro_batch)
         if not args.no_transformers:
-            out["peak_gb"]["transformers"] = transformers_peak(make, batch, adv, args.where, mode.building)
+            out["peak_gb"]["transformers"] = transformers_peak(make, batch, adv, args.where, mode.building,
+                                                               micro_batch=args.micro_batch)
     print(json.dumps(out, indent=1))
 
 

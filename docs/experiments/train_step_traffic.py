@@ -380,17 +380,20 @@ def main() -> None:
     args = ap.parse_args()
     make, label, batch, adv, mode = tsm.counted_setup(args, fake=True)
     traffic = Traffic()
-    out = {"model": label, "batch": args.batch, "seq": args.seq, "rows": {}}
+    out = {"model": label, "batch": args.batch, "seq": args.seq, "micro_batch": args.micro_batch or args.batch,
+           "rows": {}}
     with mode, tsm._hopper_scaled_mm():
         for name in args.flows.split(",") if args.decode else ():
             out["rows"][f"jetrl {name} decode step"] = decode_step(make, tsm._flow(name, True), args.batch, args.seq,
                                                                    traffic)
         for name in args.flows.split(",") if not args.decode else ():
             out["rows"][f"jetrl {name}"] = tsm.jetrl_peak(make, tsm._flow(name, True), batch, adv, args.seq, True,
-                                                          False, measure=measure(traffic, not args.no_fuse))
+                                                          False, measure=measure(traffic, not args.no_fuse),
+                                                          micro_batch=args.micro_batch)
         if not args.no_transformers and not args.decode:
             out["rows"]["transformers"] = tsm.transformers_peak(make, batch, adv, False, mode.building,
-                                                                measure=measure(traffic, False))
+                                                                measure=measure(traffic, False),
+                                                                micro_batch=args.micro_batch)
     for r in out["rows"].values():
         r["ops"] = dict(list(r["ops"].items())[:args.top])
     print(json.dumps(out, indent=1))

@@ -48,8 +48,8 @@ from ..precision.flow import LinearPrecision
 from ..precision.formats import Block, Format
 from ..precision.fuse import fused
 from ..precision.gemm import F64_BITS, device_time_ms, fixed_point, kernel_choice, native, note_kernel
-from ..precision.linear import (JetLinear, RowGradSlot, fused_input_quantizer, gated_mlp, gradient_port,
-                                group_weight, input_dtype, linear_group)
+from ..precision.linear import (JetLinear, RowGradSlot, fused_input_quantizer, gated_mlp, grad_sink,
+                                gradient_port, group_weight, input_dtype, linear_group)
 from ..precision.quant import CastSpec, QTensor, dequantize, fake_quantize, quantize, round_to
 
 
@@ -1047,22 +1047,25 @@ def layer_output(out: tuple) -> torch.Tensor:
 
 
 class _EmbedRows(torch.autograd.Function):
-    """The token embedding whose backward adds each token's gradient row into the tied lm_head's
-    weight gradient (``RowGradSlot``), in token order, in place; without one in the slot, the dense
-    gradient ``nn.Embedding`` returns."""
+    """The token embedding whose backward adds each token's gradient row, in token order and in
+    place, into the tied lm_head's weight gradient (``RowGradSlot``) or, within ``grads_in_place``,
+    into the ``.grad`` the weight holds (``grad_sink``); otherwise it returns the dense gradient
+    ``nn.Embedding`` returns."""
 
     @staticmethod
-    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, slot: RowGradSlot) -> torch.Tensor:
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, slot: RowGradSlot | None) -> torch.Tensor:
         ctx.save_for_backward(ids)
-        ctx.slot, ctx.rows = slot, weight.shape[0]
+        ctx.slot, ctx.weight = slot, weight
         return F.embedding(ids, weight)
 
     @staticmethod
     def backward(ctx, g):
         (ids,) = ctx.saved_tensors
-        into = ctx.slot.take()
+        weight, ctx.weight = ctx.weight, None
+        into = ctx.slot.take() if ctx.slot is not None else None
+        into = into if into is not None else grad_sink([weight])
         if into is None:
-            return None, torch.ops.aten.embedding_dense_backward(g, ids, ctx.rows, -1, False), None
+            return None, torch.ops.aten.embedding_dense_backward(g, ids, weight.shape[0], -1, False), None
         # deterministic on both devices: a row's adds run in token order (CPU serially, CUDA in the
         # stable-sorted order of its index_put kernel)
         into.index_put_((ids.reshape(-1),), g.reshape(-1, g.shape[-1]).to(into.dtype), accumulate=True)
@@ -1138,14 +1141,15 @@ class LlamaForCausalLM(nn.Module):
             return self.model.norm(x + delta)  # a module call: its hooks see the final hidden state
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The token embedding. In a training forward of a tied model (its lm_head's weight is the
-        embedding's) a fresh ``RowGradSlot`` (``embed_slot``) lets the backward add the embedding's
-        rows into the lm_head's weight gradient."""
+        """The token embedding. In a training forward its backward adds the tokens' rows in place
+        (``_EmbedRows``): in a tied model (its lm_head's weight is the embedding's) into the lm_head's
+        weight gradient, handed over in a fresh ``RowGradSlot`` (``embed_slot``)."""
         emb = self.model.embed_tokens
         self.embed_slot = None
-        if not (self.lm_head.weight is emb.weight and emb.weight.requires_grad and torch.is_grad_enabled()):
+        if not (emb.weight.requires_grad and torch.is_grad_enabled()):
             return emb(input_ids)
-        self.embed_slot = RowGradSlot(emb.weight)
+        if self.lm_head.weight is emb.weight:
+            self.embed_slot = RowGradSlot(emb.weight)
         return _EmbedRows.apply(input_ids, emb.weight, self.embed_slot)
 
     def logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -31,7 +31,7 @@ from ..engine.sampling import SamplingParams, gathered_logprobs_lse, invariant_f
 from ..precision.formats import Format
 from ..precision.fuse import fused
 from ..precision.gemm import accumulate_gemm, dense_cast, finish, native, run_gemm, transpose_operand
-from ..precision.linear import TILE, JetLinear, release_after_backward
+from ..precision.linear import TILE, JetLinear, grad_sink, release_after_backward
 
 
 def sliced_backward_applies(model, sampling: SamplingParams) -> bool:
@@ -71,15 +71,18 @@ class _HeadLogprobs(torch.autograd.Function):
         h, targets, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         head = ctx.model.lm_head
-        gx, gw = _sliced_grads(head, h, targets, lse, g, ctx.sampling, ctx.elements, need_h, need_w)
+        into = grad_sink([head.weight]) if need_w else None  # added into the .grad held: autograd gets none
+        gx, gw = _sliced_grads(head, h, targets, lse, g, ctx.sampling, ctx.elements, need_h, need_w, into)
         release_after_backward(head)
         if ctx.rows is not None:
             ctx.rows.put(head.weight, gw)
-        return gx, gw, None, None, None, None, None
+        return gx, None if into is not None else gw, None, None, None, None, None
 
 
 def _sliced_grads(head: JetLinear, h, targets, lse, g, sampling: SamplingParams, elements: int, need_h: bool,
-                  need_w: bool):
+                  need_w: bool, into: torch.Tensor | None = None):
+    """``(gx, gw)``: the gradients of ``g . logprobs`` w.r.t. ``h`` and the lm_head weight; the
+    weight's added into ``into`` (its ``.grad``, from ``grad_sink``) when given."""
     prec = head.precision
     fp, dg, wg = prec.fprop, prec.dgrad, prec.wgrad
     dg_sum = dataclasses.replace(dg, out=Format.FP32)  # slices' products add in fp32, rounded to dg.out once
@@ -93,7 +96,8 @@ def _sliced_grads(head: JetLinear, h, targets, lse, g, sampling: SamplingParams,
     v, n = wf.shape[0], h.shape[0]
     step = max(TILE, elements // max(n, 1) // TILE * TILE)
     gx = None
-    gw = torch.empty(head.weight.shape, dtype=head.weight.dtype, device=dev) if need_w else None
+    gw = into if into is not None or not need_w else torch.empty(head.weight.shape, dtype=head.weight.dtype,
+                                                                  device=dev)
     g = g.float()
     for v0 in range(0, v, step):
         v1 = min(v, v0 + step)
@@ -102,7 +106,7 @@ def _sliced_grads(head: JetLinear, h, targets, lse, g, sampling: SamplingParams,
         if need_h:
             gx = accumulate_gemm(gx, d, wt[:, v0:v1], dg_sum, "dgrad", dev, torch.float32)
         if need_w:
-            accumulate_gemm(gw[v0:v1], transpose_operand(d), ht, wg, "wgrad", dev, gw.dtype, overwrite=True)
+            accumulate_gemm(gw[v0:v1], transpose_operand(d), ht, wg, "wgrad", dev, gw.dtype, overwrite=into is None)
     if gx is not None:
         gx = finish(gx, dg.out, h.dtype)
         gx = gx if gx.dtype is h.dtype else gx.to(h.dtype)

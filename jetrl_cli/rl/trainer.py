@@ -26,7 +26,7 @@ import torch
 from ..engine.sampling import SamplingParams, gathered_logprobs, invariant_for
 from ..errors import JetrlError
 from ..precision.gemm import configure_cuda_numerics
-from ..precision.linear import JetLinear, apply_flow, mark_updated, releasing_weights, summing_wgrad
+from ..precision.linear import JetLinear, apply_flow, grads_in_place, mark_updated, releasing_weights, summing_wgrad
 from .head_grad import head_logprobs, sliced_backward_applies
 
 # Logits held at once: 128M fp32 values (512 MiB), whatever the vocab: 768 rows at a 152K vocabulary,
@@ -242,8 +242,9 @@ class Trainer:
                 denom = float(b.mask[idx].sum().clamp_min(1))
                 self.opt.zero_grad(set_to_none=True)
                 starts = range(0, len(idx), cfg.micro_batch)
-                parts = [self._micro_step(b, idx[s:s + cfg.micro_batch], adv, old, ref_logp, denom,
-                                          last=s == starts[-1]) for s in starts]
+                with grads_in_place():  # micro-batches after the first add into the gradients held
+                    parts = [self._micro_step(b, idx[s:s + cfg.micro_batch], adv, old, ref_logp, denom,
+                                              last=s == starts[-1]) for s in starts]
                 total = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], 2.0)
                 values, (gnorm, factor) = host_values(parts, total, clip_factor(total, cfg.grad_clip))
                 add_minibatch(agg, values, gnorm, step)
