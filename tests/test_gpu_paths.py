@@ -1174,7 +1174,7 @@ def _in_place_grads(monkeypatch, base, batches, in_place: bool, after_first=None
         with linear.grads_in_place() if in_place and k else contextlib.nullcontext():
             lp = token_logprobs(m, b, SamplingParams(temperature=0.7))
             with Ops():
-                (lp * torch.randn(lp.shape, generator=gen(seed))).sum().backward()
+                (lp * torch.randn(lp.shape, generator=gen(seed)).to(lp.device)).sum().backward()
     into = {}
     for a in sums:
         if a is not None:
@@ -1239,6 +1239,32 @@ def test_a_micro_batch_adds_its_gradients_into_the_grads_held(monkeypatch, flow_
     finally:
         gemm.set_force_native(False)
         gemm.reset_resolutions()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified"])
+def test_a_micro_batch_adds_its_gradients_into_the_grads_held_on_gpu(monkeypatch, flow_name):
+    """On CUDA, within ``grads_in_place``: a later micro-batch's bf16 Wgrad GEMMs add into the fp32
+    ``.grad`` (through the q/k/v and gate/up views too) with ``addmm(out_dtype=)``, and every gradient
+    agrees with autograd's sums to fp32 rounding (cuBLAS may order the epilogue's add differently)."""
+    vocab = 256
+    monkeypatch.setattr(gemm, "_ADDMM_OUT_DTYPE", {})
+    base = random_model(tiny_config("qwen2", hidden=256, layers=2, vocab=vocab), seed=int(torch.randint(0, 2**31, ())),
+                        std=0.05).cuda()
+    apply_flow(base, named_flow(flow_name), "train")
+    batches = [(_batch(vocab, n=n, t=40, seed=int(torch.randint(0, 2**31, ()))), int(torch.randint(0, 2**31, ())))
+               for n in (3, 2)]
+    summed, _, into, m = _in_place_grads(monkeypatch, base, batches, True)
+    attn = m.model.layers[0].self_attn
+    assert attn.q_proj.weight.grad.untyped_storage()._cdata in into
+    if flow_name == "bf16":
+        choice = gemm.kernel_choice("wgrad sum", torch.device("cuda"))
+        assert choice["kernel"] == "GEMM into the sum (out_dtype)", choice
+    autograd, _, _, _ = _in_place_grads(monkeypatch, base, batches, False)
+    eps = torch.finfo(torch.float32).eps
+    for n, g in summed.items():
+        assert (g - autograd[n]).abs().max() <= 16 * eps * autograd[n].abs().max(), n
 
 
 def test_a_gradient_with_a_hook_or_held_apart_goes_to_autograd(monkeypatch):
