@@ -678,6 +678,20 @@ def test_logprob_chunks_add_their_lm_head_weight_gradients_into_one_buffer(monke
         gemm.reset_resolutions()
 
 
+def _logprob_model(monkeypatch, flow_name: str, tied: bool, sliced: bool, layers: int, vocab: int):
+    """A random tiny model in ``flow_name``'s training precision whose logprobs run in chunks of 16
+    rows; ``sliced=False``: their backward by row chunks (``summing_wgrad``), not vocabulary slices."""
+    import dataclasses
+
+    if not sliced:
+        monkeypatch.setattr(trainer_mod, "sliced_backward_applies", lambda *a: False)
+    monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", 16 * vocab)
+    cfg = dataclasses.replace(tiny_config("qwen2", hidden=128, layers=layers, vocab=vocab), tie_word_embeddings=tied)
+    base = random_model(cfg, seed=int(torch.randint(0, 2**31, ())), std=0.05)
+    apply_flow(base, named_flow(flow_name), "train")
+    return base
+
+
 @pytest.mark.parametrize("native, sliced", [(False, True), (False, False), (True, True)])
 def test_a_tied_embedding_adds_its_rows_into_the_lm_head_weight_gradient(monkeypatch, native, sliced):
     """With tied embeddings the embedding's backward adds each token's gradient row, in token order,
@@ -686,8 +700,6 @@ def test_a_tied_embedding_adds_its_rows_into_the_lm_head_weight_gradient(monkeyp
     of both and a write: 3.7 GB at the Qwen2.5-1.5B shape). Every other gradient is the dense
     path's bit for bit, and so is each embedding row whose token occurs at most once; a row whose
     token repeats is the head's row plus the tokens' rows added one by one."""
-    import dataclasses
-
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from jetrl_cli.models import llama
@@ -697,12 +709,7 @@ def test_a_tied_embedding_adds_its_rows_into_the_lm_head_weight_gradient(monkeyp
     gemm.set_force_native(native)
     gemm.reset_resolutions()
     try:
-        if not sliced:
-            monkeypatch.setattr(trainer_mod, "sliced_backward_applies", lambda *a: False)
-        monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", 16 * vocab)
-        cfg = dataclasses.replace(tiny_config("qwen2", hidden=128, layers=1, vocab=vocab), tie_word_embeddings=True)
-        base = random_model(cfg, seed=int(torch.randint(0, 2**31, ())), std=0.05)
-        apply_flow(base, named_flow("bf16"), "train")
+        base = _logprob_model(monkeypatch, "bf16", tied=True, sliced=sliced, layers=1, vocab=vocab)
         b = _batch(vocab, n=3, t=30, seed=int(torch.randint(0, 2**31, ())))
         b.ids[1, 3:9] = b.ids[0, 5]  # a token repeated within a row and across rows
         b.ids[2, 10:12] = b.ids[0, 5]
@@ -1194,20 +1201,13 @@ def test_a_micro_batch_adds_its_gradients_into_the_grads_held(monkeypatch, flow_
     bit, but for the embedding: an untied one's rows differ only where a token repeats in the second
     micro-batch (added one by one, not summed first); a tied one's add the head's and the rows' terms
     into the held sum in turn."""
-    import dataclasses
-
     from jetrl_cli.precision.linear import JetLinear
 
     vocab = 256
     gemm.set_force_native(native)
     gemm.reset_resolutions()
     try:
-        if not sliced:
-            monkeypatch.setattr(trainer_mod, "sliced_backward_applies", lambda *a: False)
-        monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", 16 * vocab)
-        cfg = dataclasses.replace(tiny_config("qwen2", hidden=128, layers=2, vocab=vocab), tie_word_embeddings=tied)
-        base = random_model(cfg, seed=int(torch.randint(0, 2**31, ())), std=0.05)
-        apply_flow(base, named_flow(flow_name), "train")
+        base = _logprob_model(monkeypatch, flow_name, tied=tied, sliced=sliced, layers=2, vocab=vocab)
         batches = [(_batch(vocab, n=n, t=30, seed=int(torch.randint(0, 2**31, ()))), int(torch.randint(0, 2**31, ())))
                    for n in (3, 2)]
         b2 = batches[1][0]
