@@ -15,7 +15,7 @@ How each op is counted (a ``TorchDispatchMode`` under the fake-tensor counting o
   updated in place: the schema's mutated arguments), each tensor once; a broadcast input counts
   the elements it has, not the elements it is broadcast to. A gather (``embedding``,
   ``index_select``, ``gather``, ``index``) reads the rows it takes, not its whole table; a scatter
-  (``index_copy_``, ``index_put_``, ``scatter_``) writes the rows it is given and reads no more of
+  (``index_copy_``, ``index_put_``, ``index_add_``, ``scatter_``) writes the rows it is given and reads no more of
   its target; ``copy_``, ``fill_`` and ``zero_`` write their target without reading it. Kernels
   run in the fake-tensor mode's own bookkeeping are not jetrl's and are not seen.
 - jetrl's **fused** elementwise chains (``precision/fuse.py``: RMSNorm, SwiGLU, RoPE and their
@@ -80,7 +80,7 @@ _SDPA_FWD = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficie
 
 
 _GATHERS = {"embedding", "index_select", "gather", "index"}  # (table, indices): reads only the rows taken
-_SCATTERS = {"index_copy_", "index_put_", "scatter_"}  # (self, ..., values): writes only the values' rows
+_SCATTERS = {"index_copy_", "index_put_", "index_add_", "scatter_"}  # (self, ..., values): writes only the values' rows
 _OVERWRITES = {"copy_", "fill_", "zero_"}  # in place, without reading what they write over
 _NOT_KERNELS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten._unsafe_view.default,
                 torch.ops.aten.lift_fresh.default, torch.ops.aten.detach.default,
@@ -300,7 +300,7 @@ def _category(name: str) -> str:
         return "attention"
     if name.startswith("_fused_adam") or name.startswith("_foreach"):
         return "optimizer, clipping"
-    if name in ("_to_copy", "copy_", "clone", "contiguous", "cat", "stack", "index_put_", "index_put",
+    if name in ("_to_copy", "copy_", "clone", "contiguous", "cat", "stack", "index_put_", "index_put", "index_add_",
                 "index_select", "gather", "scatter", "constant_pad_nd", "new_zeros", "zeros_like", "fill_", "zero_",
                 "empty", "empty_strided", "empty_like", "new_empty_strided", "full", "scalar_tensor"):
         return "copies, casts, fills, gathers"

@@ -1047,10 +1047,10 @@ def layer_output(out: tuple) -> torch.Tensor:
 
 
 class _EmbedRows(torch.autograd.Function):
-    """The token embedding whose backward adds each token's gradient row, in token order and in
-    place, into the tied lm_head's weight gradient (``RowGradSlot``) or, within ``grads_in_place``,
-    into the ``.grad`` the weight holds (``grad_sink``); otherwise it returns the dense gradient
-    ``nn.Embedding`` returns."""
+    """The token embedding whose backward adds its gradient rows in place: each token's row, in
+    token order, into the tied lm_head's weight gradient (``RowGradSlot``); or, within
+    ``grads_in_place``, each token's rows summed (``_token_sums``) into the ``.grad`` the weight holds
+    (``grad_sink``). Otherwise it returns the dense gradient ``nn.Embedding`` returns."""
 
     @staticmethod
     def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, slot: RowGradSlot | None) -> torch.Tensor:
@@ -1062,14 +1062,38 @@ class _EmbedRows(torch.autograd.Function):
     def backward(ctx, g):
         (ids,) = ctx.saved_tensors
         weight, ctx.weight = ctx.weight, None
+        flat, rows = ids.reshape(-1), g.reshape(-1, g.shape[-1])
         into = ctx.slot.take() if ctx.slot is not None else None
-        into = into if into is not None else grad_sink([weight])
-        if into is None:
+        if into is not None:  # the tied lm_head's gradient, written by its backward
+            add_rows_(into, flat, rows.to(into.dtype))
+            return None, None, None
+        held = grad_sink([weight])
+        if held is None:
             return None, torch.ops.aten.embedding_dense_backward(g, ids, weight.shape[0], -1, False), None
-        # deterministic on both devices: a row's adds run in token order (CPU serially, CUDA in the
-        # stable-sorted order of its index_put kernel)
-        into.index_put_((ids.reshape(-1),), g.reshape(-1, g.shape[-1]).to(into.dtype), accumulate=True)
+        add_rows_(held, flat, _token_sums(flat, rows.to(held.dtype), weight.shape[0]))
         return None, None, None
+
+
+def add_rows_(dst: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``dst[index[i]] += rows[i]`` for each i in turn, deterministic whatever the thread count: on
+    CPU ``index_add_`` (serial over i, as ``embedding_dense_backward``; CPU ``index_put_`` with
+    accumulation adds in a thread-dependent order), on CUDA ``index_put_`` with accumulation (a
+    stable sort by index, then each index's rows in order; CUDA's ``index_add_`` uses atomics)."""
+    if dst.device.type == "cpu":
+        return dst.index_add_(0, index, rows)
+    return dst.index_put_((index,), rows, accumulate=True)
+
+
+def _token_sums(ids: torch.Tensor, rows: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Each token's ``rows`` summed in token order from zero, at the token's first position, zeros at
+    its others: added into a gradient (``add_rows_``) it adds what autograd adds there from
+    ``embedding_dense_backward`` -- bit for bit on CPU, where both sum a token's rows serially in token
+    order -- without a vocab x hidden gradient. No host sync: the first positions come from a
+    min-reduction into a vocab-sized index."""
+    n = ids.numel()
+    first = torch.full((vocab,), n, dtype=torch.long, device=ids.device)
+    first.scatter_reduce_(0, ids, torch.arange(n, device=ids.device), "amin")
+    return add_rows_(torch.zeros_like(rows), first[ids], rows)
 
 
 class DecoderModel(nn.Module):

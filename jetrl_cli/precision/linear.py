@@ -647,24 +647,26 @@ _INTO_GRADS = False  # within ``grads_in_place``
 
 @contextlib.contextmanager
 def grads_in_place():
-    """Within: a backward adds each ``JetLinear``'s weight gradient, and the token embedding's rows
-    (``models.llama._EmbedRows``), into the ``.grad`` the weight already holds, and hands autograd
-    none for it -- for a trainer's micro-batches after the first of an optimizer step.
+    """Within: a backward adds each ``JetLinear``'s weight gradient, and an untied token embedding's
+    rows (``models.llama._EmbedRows``), into the ``.grad`` the weight already holds, and hands
+    autograd none for it -- for a trainer's micro-batches after the first of an optimizer step.
 
     Autograd would receive the micro-batch's gradient as a tensor of its own and add it into
     ``.grad``: the GEMM writes it, the add reads it and ``.grad`` and writes ``.grad``. A native dense
     Wgrad GEMM (``accumulate_gemm``) adds into ``.grad`` in its epilogue instead: every weight's fp32
     gradient is read and written once, not written, read twice and written (at the Qwen2.5-1.5B
     shape 12.3 GB per micro-batch instead of 24.7). A product the GEMM cannot add into its output
-    (an FP8 ``_scaled_mm``'s) is added as autograd adds it. An embedding adds its tokens' rows into
-    ``.grad`` instead of returning a vocab x hidden gradient (a zero-fill, then the add). Megatron's
+    (an FP8 ``_scaled_mm``'s) is added as autograd adds it. An untied embedding adds its tokens'
+    summed rows into ``.grad`` instead of returning a vocab x hidden gradient (a zero-fill, the
+    rows, then the add). Megatron's
     ``gradient_accumulation_fusion`` and Transformer Engine's ``fuse_wgrad_accumulation`` do this.
 
     Where ``grad_sink`` finds nothing to add into (no ``.grad`` yet, a gradient hook on the weight,
     a distributed tensor, a backward that builds a graph), the gradient goes to autograd as outside.
-    The sum is the same as autograd's (``.grad`` plus the product, rounded once) wherever the product
-    is added whole; a tied or untied embedding's rows are added one token at a time rather than
-    summed first, so a repeated token's sum may round differently."""
+    The sums are autograd's: ``.grad`` plus the micro-batch's product, rounded once (bit for bit on
+    CPU; on a GPU cuBLAS may add in its epilogue in another order), and an untied embedding's token
+    sums (``models.llama._token_sums``). A tied lm_head's gradient is not added into ``.grad``: the
+    embedding's rows are added into it first (``RowGradSlot``), as autograd's sum has them."""
     global _INTO_GRADS
     before, _INTO_GRADS = _INTO_GRADS, True
     try:
@@ -723,7 +725,7 @@ class WgradSum:
         self.rows = rows
 
     def add(self, a: Operand, b: Operand, spec: GemmSpec, device) -> torch.Tensor | None:
-        if self.acc is None:
+        if self.acc is None and self.rows is None:  # a tied embedding adds its rows into the sum first
             self.acc = grad_sink([self.weight])
             self.in_grad = self.acc is not None
         self.acc = accumulate_gemm(self.acc, a, b, spec, "wgrad", device, self.weight.dtype)
