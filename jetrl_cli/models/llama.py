@@ -1090,7 +1090,7 @@ def _token_sums(ids: torch.Tensor, rows: torch.Tensor, vocab: int) -> torch.Tens
     ``embedding_dense_backward`` -- bit for bit on CPU, where both sum a token's rows serially in token
     order -- without a vocab x hidden gradient. No host sync: the first positions come from a
     min-reduction into a vocab-sized index."""
-    n = ids.numel()
+    n, ids = ids.numel(), ids.long()  # (scatter's index is int64)
     first = torch.full((vocab,), n, dtype=torch.long, device=ids.device)
     first.scatter_reduce_(0, ids, torch.arange(n, device=ids.device), "amin")
     return add_rows_(torch.zeros_like(rows), first[ids], rows)
