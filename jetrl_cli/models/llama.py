@@ -1067,7 +1067,7 @@ class _EmbedRows(torch.autograd.Function):
         if into is not None:  # the tied lm_head's gradient, written by its backward
             add_rows_(into, flat, rows.to(into.dtype))
             return None, None, None
-        held = grad_sink([weight])
+        held = grad_sink([weight]) if ctx.slot is None else None  # tied, without the head's: as autograd
         if held is None:
             return None, torch.ops.aten.embedding_dense_backward(g, ids, weight.shape[0], -1, False), None
         add_rows_(held, flat, _token_sums(flat, rows.to(held.dtype), weight.shape[0]))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -643,6 +644,7 @@ def _release_weights(mods, owner: nn.Module) -> None:
 # --------------------------------------------------------------------------- gradients added where they are held
 
 _INTO_GRADS = False  # within ``grads_in_place``
+_OPEN_SLOTS = weakref.WeakValueDictionary()  # id(tied weight) -> its newest ``RowGradSlot``
 
 
 @contextlib.contextmanager
@@ -658,15 +660,15 @@ def grads_in_place():
     shape 12.3 GB per micro-batch instead of 24.7). A product the GEMM cannot add into its output
     (an FP8 ``_scaled_mm``'s) is added as autograd adds it. An untied embedding adds its tokens'
     summed rows into ``.grad`` instead of returning a vocab x hidden gradient (a zero-fill, the
-    rows, then the add). Megatron's
-    ``gradient_accumulation_fusion`` and Transformer Engine's ``fuse_wgrad_accumulation`` do this.
+    rows, then the add). Megatron's ``gradient_accumulation_fusion`` and Transformer Engine's
+    ``fuse_wgrad_accumulation`` do this.
 
     Where ``grad_sink`` finds nothing to add into (no ``.grad`` yet, a gradient hook on the weight,
-    a distributed tensor, a backward that builds a graph), the gradient goes to autograd as outside.
-    The sums are autograd's: ``.grad`` plus the micro-batch's product, rounded once (bit for bit on
-    CPU; on a GPU cuBLAS may add in its epilogue in another order), and an untied embedding's token
-    sums (``models.llama._token_sums``). A tied lm_head's gradient is not added into ``.grad``: the
-    embedding's rows are added into it first (``RowGradSlot``), as autograd's sum has them."""
+    a distributed tensor, a backward that builds a graph, a tied weight whose embedding rows are
+    still to be added into the lm_head's gradient), the gradient goes to autograd as outside. The
+    sums are autograd's: ``.grad`` plus the micro-batch's product, rounded once (bit for bit on CPU;
+    on a GPU cuBLAS may add in its epilogue in another order), and an untied embedding's token sums
+    (``models.llama._token_sums``)."""
     global _INTO_GRADS
     before, _INTO_GRADS = _INTO_GRADS, True
     try:
@@ -679,15 +681,18 @@ def grad_sink(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """Within ``grads_in_place``: the tensor to add the stacked gradient of ``weights`` (their rows one
     after another) into -- a weight's ``.grad``, or one view of several that lie back to back in one
     buffer, as the gradients of a group's first backward do (autograd keeps the slices of the
-    group's one Wgrad result as its layers' ``.grad``); else None."""
+    group's one Wgrad result as its layers' ``.grad``); else None. None too for a tied weight whose
+    ``RowGradSlot`` is open: the embedding adds its rows into the lm_head's gradient before autograd
+    adds that into ``.grad``, and the sum keeps autograd's order."""
     if not _INTO_GRADS or torch.is_grad_enabled() or not weights:
         return None
     grads = []
     for w in weights:
-        g = w.grad
+        g, slot = w.grad, _OPEN_SLOTS.get(id(w))
         if (g is None or g.dtype is not w.dtype or g.shape != w.shape or not g.is_contiguous()
                 or is_traceable_wrapper_subclass(w) or is_traceable_wrapper_subclass(g)
-                or w._backward_hooks or getattr(w, "_post_accumulate_grad_hooks", None)):
+                or w._backward_hooks or getattr(w, "_post_accumulate_grad_hooks", None)
+                or (slot is not None and slot.open and slot.weight is w)):
             return None
         grads.append(g)
     first = grads[0]
@@ -725,7 +730,7 @@ class WgradSum:
         self.rows = rows
 
     def add(self, a: Operand, b: Operand, spec: GemmSpec, device) -> torch.Tensor | None:
-        if self.acc is None and self.rows is None:  # a tied embedding adds its rows into the sum first
+        if self.acc is None:
             self.acc = grad_sink([self.weight])
             self.in_grad = self.acc is not None
         self.acc = accumulate_gemm(self.acc, a, b, spec, "wgrad", device, self.weight.dtype)
@@ -751,10 +756,11 @@ class RowGradSlot:
     backward through the same graph, or a head whose backward does not put one, gets the dense
     gradient."""
 
-    __slots__ = ("weight", "grad", "open")
+    __slots__ = ("weight", "grad", "open", "__weakref__")
 
     def __init__(self, weight: torch.Tensor):
         self.weight, self.grad, self.open = weight, None, True
+        _OPEN_SLOTS[id(weight)] = self
 
     def put(self, weight: torch.Tensor, grad: torch.Tensor | None) -> None:
         if self.open and weight is self.weight and grad is not None and grad.shape == weight.shape:

@@ -71,8 +71,7 @@ class _HeadLogprobs(torch.autograd.Function):
         h, targets, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         head = ctx.model.lm_head
-        # added into the .grad held (autograd gets none), unless a tied embedding adds its rows into it first
-        into = grad_sink([head.weight]) if need_w and ctx.rows is None else None
+        into = grad_sink([head.weight]) if need_w else None  # added into the .grad held: autograd gets none
         gx, gw = _sliced_grads(head, h, targets, lse, g, ctx.sampling, ctx.elements, need_h, need_w, into)
         release_after_backward(head)
         if ctx.rows is not None:
