@@ -14,13 +14,17 @@ from jetrl_cli.precision.quant import CastSpec
 
 runner = CliRunner()
 FAST = ["--repeats", "1", "--warmup", "0", "--json", "--no-history"]
+# Where the Triton kernels run: a GPU machine's GPU, else CPU tensors in Triton's interpreter
+# (tests/conftest.py sets TRITON_INTERPRET=1 there). A CPU bench on a GPU machine has no interpreter:
+# its Triton rows are skipped, so the tests about them bench on the GPU there.
+TRITON_DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def bench(*args):
-    res = runner.invoke(app, ["bench", *[str(a) for a in args]], catch_exceptions=False)
+def bench(*args, device="cpu"):
+    res = runner.invoke(app, ["bench", *[str(a) for a in args], "--device", device], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
-    assert {"date", "jetrl", "torch", "device", "threads"} <= set(out["env"]) and out["env"]["device"] == "cpu"
+    assert {"date", "jetrl", "torch", "device", "threads"} <= set(out["env"]) and out["env"]["device"] == device
     return out
 
 
@@ -103,7 +107,7 @@ def test_attention_rows_time_every_decode_attention_with_its_error():
     from .triton_interp_fix import fixed_fp8_conversion
 
     with fixed_fp8_conversion():  # the interpreter's fp32 -> fp8 cast (kv_store) needs the test-only fix
-        out = bench("attention", "--shapes", "3x48", *FAST)
+        out = bench("attention", "--shapes", "3x48", *FAST, device=TRITON_DEV)
     stores = [r for r in out["results"]["attention"] if r.get("kind") == "store"]
     rows = [r for r in out["results"]["attention"] if "skipped" not in r and r.get("kind") != "store"]
     assert [r["variant"].split(":")[0] for r in stores][:2] == ["bf16", "fp8"]
@@ -131,7 +135,7 @@ def test_a_wrong_attention_kernel_is_caught(monkeypatch):
 
     right = attention.decode_attention
     monkeypatch.setattr(attention, "decode_attention", lambda *a, **k: right(*a, **k) * 1.02)
-    rows = [r for r in bench("attention", "--shapes", "2x32", *FAST)["results"]["attention"]
+    rows = [r for r in bench("attention", "--shapes", "2x32", *FAST, device=TRITON_DEV)["results"]["attention"]
             if "skipped" not in r and r.get("kind") != "store"]
     assert {r["variant"] for r in rows if not r["accuracy_ok"]} == {"fp8 cache, read as stored", "bf16 cache, triton"}
 
@@ -447,11 +451,19 @@ def test_rollout_rows_say_which_attention_read_the_kv_cache(forced_native):
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs a GPU or TRITON_INTERPRET=1")
     from jetrl_cli import bench as bench_mod
+    from jetrl_cli.models.llama import BF16_READ, CACHE_KERNELS, KV_READ
 
-    s = bench_mod.Settings(device="cuda" if torch.cuda.is_available() else "cpu", repeats=1, warmup=0, batch=2,
+    s = bench_mod.Settings(device=TRITON_DEV, repeats=1, warmup=0, batch=2,
                            new_tokens=3, task_preset=None, flows=("bf16", "bf16+fp8kv"))
     rows = {r["flow"]: r for r in bench_mod.bench_rollout(s) if r["engine"] == "jetrl embedded"}
-    assert rows["bf16+fp8kv"]["kv_attention"] == "triton, read as stored"
-    # a bf16 cache: SDPA where nothing is timed (Triton's interpreter), the faster of the two on a GPU
-    assert rows["bf16"]["kv_attention"].startswith("SDPA" if not torch.cuda.is_available() else ("SDPA", "triton"))
+    fp8_kv, bf16_kv = rows["bf16+fp8kv"]["kv_attention"], rows["bf16"]["kv_attention"]
+    if torch.cuda.is_available():
+        # a GPU times both ways to read the cache at the first decode step and keeps the faster one
+        # (llama._choose_cache_read): either kernel, followed by the timings that chose it
+        for label, op in ((fp8_kv, KV_READ), (bf16_kv, BF16_READ)):
+            assert label.startswith(tuple(f"{k} (timed at " for k in CACHE_KERNELS[op])), label
+    else:
+        # Triton's interpreter times nothing: an FP8 cache is read as stored, a bf16 one through SDPA
+        assert fp8_kv == "triton, read as stored"
+        assert bf16_kv.startswith("SDPA")
     assert rows["bf16+fp8kv"]["kv_bytes_per_token"] < 0.6 * rows["bf16"]["kv_bytes_per_token"]

@@ -41,13 +41,19 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fake_cuda.py")
+
+# Fake CUDA stands in for a GPU that is absent. Where a real one is present, torch's fake mode and the
+# real CUDA runtime meet in the subprocess (CUDA graph state, FakeTensor data pointers) and it crashes;
+# there the ``gpu``-marked tests (test_gpu_paths, test_engine_gpu_path, ...) run these paths for real.
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
+                                reason="a real GPU is here: fake CUDA is for CPU-only machines (the gpu tests run the real paths)")
 
 
 @pytest.fixture(scope="module")
 def report():
-    torch = pytest.importorskip("torch")
     if not torch.backends.cuda.is_built():
         pytest.skip(f"this torch ({torch.__version__}) is not built with CUDA: no fake CUDA tensors")
     proc = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, timeout=600,

@@ -231,10 +231,13 @@ def test_batch_invariant_forward_runs_op_by_op(native):
     """A batch-invariant model's forward is not fused (a compiled forward and the trainer's autograd
     twin need not round alike); its backward may be."""
     fuse.set_force(True, "aot_eager")
-    m = _model()
+    # the batch-invariant ops are Triton kernels: on the GPU where there is one, else CPU tensors in
+    # Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 there)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    m = _model().to(dev)
     apply_flow(m, parse_flow({"base": "bf16", "batch_invariant": True}, source="<test>"), "train")
     assert m.batch_invariant
-    ids = torch.randint(1, 256, (2, 12))
+    ids = torch.randint(1, 256, (2, 12)).to(dev)
     with torch.no_grad():
         m.hidden(ids)
     assert fuse.report() is None

@@ -121,7 +121,7 @@ def test_int8_gemm_is_the_scaled_mm_backend_bit_for_bit(int8, m, n, k, seed):
         got = int8.int8_mm(a, b, out_dtype)
         assert got.dtype is out_dtype and got.shape == (m, n)
         assert torch.equal(got.cpu(), _scaled_mm_reference(a, b, out_dtype)), f"seed {seed}, {out_dtype}"
-    ref = dequantize(a).double() @ dequantize(b).double().t()
+    ref = dequantize(a).cpu().double() @ dequantize(b).cpu().double().t()  # float64 on the CPU, as `finite` indexes
     finite = ref.isfinite().all(dim=1)
     assert error_stats(ref[finite], int8.int8_mm(a, b).cpu().double()[finite])["rel_err"] < 1e-6, f"seed {seed}"
 

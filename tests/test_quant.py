@@ -190,3 +190,26 @@ def test_bad_arguments():
         quantize(torch.ones(4, 4, dtype=torch.int32), CastSpec("e4m3"))
     assert math.isinf(error_stats(torch.ones(3), torch.ones(3))["sqnr_db"])
     assert ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max == 448
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fmt", [Format.FP8_E4M3, Format.FP8_E5M2, Format.INT8])
+def test_scales_are_the_correctly_rounded_quotient_on_every_device(device, fmt):
+    """``scale = amax / fmt.max`` rounded once, as the Triton quantizers' ``div_rn`` computes it. On
+    CUDA, torch divides by a Python number as a multiply by its fp32 reciprocal, 1 ulp off for some
+    amax: the H100 run found the reference's scales differing from the kernels' in the last bit.
+    The fp64 quotient rounded to fp32 is the correctly rounded one (fp64 has over 2 x 24 + 2 bits)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from jetrl_cli.precision.quant import compute_scale
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x = (torch.randn(256, 1024, generator=g) * torch.rand(256, 1, generator=g) * 10).to(device)
+    spec = CastSpec(fmt, Block.parse("1x128" if fmt.value.startswith("fp8") else "row"))
+    amax = x.abs().reshape(256, -1, spec.block.resolve(256, 1024)[1]).amax(-1)
+    want = (amax.double().clamp_min(spec.amax_floor) / fmt.max).float()
+    got = compute_scale(x, spec)
+    assert got.shape == want.shape and torch.equal(got, want)
+    # not vacuous: for some of these amax the reciprocal multiply (what CUDA did) rounds differently
+    recip = amax.clamp_min(spec.amax_floor) * torch.tensor(1 / fmt.max, dtype=torch.float32, device=device)
+    assert not torch.equal(recip, want)

@@ -117,6 +117,13 @@ def _untile(t: torch.Tensor, m: int, k: int) -> torch.Tensor:
     return y if y.shape == (m, k) else y[:m, :k]
 
 
+def divide(t: torch.Tensor, c: float) -> torch.Tensor:
+    """``t / c`` correctly rounded on every device, as the Triton kernels' ``div_rn``: on CUDA, torch
+    divides by a Python number as a multiply by its fp32 reciprocal (1 ulp off for some ``t``);
+    dividing by a 0-dim tensor on ``t``'s device divides."""
+    return t / torch.full((), c, dtype=t.dtype, device=t.device)
+
+
 def compute_scale(x2d: torch.Tensor, spec: CastSpec) -> torch.Tensor:
     """The fp32 dequantization scale of every block of a 2-D tensor (see the module rule).
 
@@ -126,7 +133,7 @@ def compute_scale(x2d: torch.Tensor, spec: CastSpec) -> torch.Tensor:
     xf = x2d if x2d.dtype is torch.float32 else x2d.float()
     amax = _tiles(xf, br, bc).abs().amax(dim=(1, 3))
     finite = torch.isfinite(amax)
-    scale = amax.clamp_min(spec.amax_floor) / spec.format.max
+    scale = divide(amax.clamp_min(spec.amax_floor), spec.format.max)
     if spec.pow2_scale:
         scale = _pow2_ceil(scale)
     return torch.where(finite, scale, torch.nan)
