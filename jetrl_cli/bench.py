@@ -110,6 +110,7 @@ class Settings:
     task_preset: str | None = "fp8-unified"  # rollout: also an RL-shaped batch from this preset's task
     task_overrides: list[str] = field(default_factory=list)  # key=value for that preset (its batch shape)
     profile_dir: str | None = None  # rollout/train: one more run of each row under torch.profiler
+    transformers: bool = True  # rollout/train: also time the transformers baseline rows (when installed)
     progress: object = None
 
     def say(self, msg: str) -> None:
@@ -175,11 +176,38 @@ def _stats(ts: list[float]) -> dict:
     return {"s": statistics.median(ts), "spread_s": max(ts) - min(ts), "repeats": len(ts)}
 
 
+TIMED_S = 0.02  # on a GPU: a timed run of a short call repeats it back to back for at least this long
+MAX_CALLS = 100
+
+
+def _timed_calls(fn, n: int) -> float:
+    """Seconds per call of ``n`` back-to-back calls between two CUDA events (after a synchronize)."""
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / 1e3 / n
+
+
 def measure(fn, s: Settings) -> dict:
-    """Median and spread of ``fn()`` over ``s.repeats`` runs after ``s.warmup`` warm-up runs."""
+    """Median and spread of ``fn()`` over ``s.repeats`` runs after ``s.warmup`` warm-up runs.
+
+    On a GPU a run of a call shorter than ``TIMED_S`` is that many calls back to back (at most
+    ``MAX_CALLS``), per call: one call between two events also times the host's launch of it while
+    the GPU waits (likely why the first H100 run's blockwise FP8 GEMMs at M = 4096 came out at 0.4x
+    of a bare ``_scaled_mm`` timed with ``do_bench``); back to back, the host enqueues while the GPU
+    runs, as in a training step, and a call whose host work outlasts its kernels still shows that.
+    ``calls`` in the result says how many."""
     for _ in range(s.warmup):
         fn()
-    return _stats([_timed(fn, s.device == "cuda")[0] for _ in range(s.repeats)])
+    if s.device != "cuda":
+        return _stats([_timed(fn, False)[0] for _ in range(s.repeats)])
+    one = _timed_calls(fn, 1)
+    n = max(1, min(MAX_CALLS, int(TIMED_S / max(one, 1e-9))))
+    return {**_stats([_timed_calls(fn, n) for _ in range(s.repeats)]), "calls": n}
 
 
 PROFILE_ROWS = 40  # ops in a profile's table
@@ -602,6 +630,17 @@ def _flow(name: str):
     return parse_flow(name, source="--flows")
 
 
+def _transformers(s: Settings):
+    """The transformers module for the baseline rows, or None (not installed, or ``--no-transformers``)."""
+    if not s.transformers:
+        return None
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers
+
+
 def bench_rollout(s: Settings) -> list[dict]:
     from .engine.base import make_payload
     from .engine.embedded import EmbeddedEngine
@@ -620,10 +659,7 @@ def bench_rollout(s: Settings) -> list[dict]:
     rows = []
     hp = "bf16" if s.device == "cuda" else "fp32"
     base = None
-    try:
-        import transformers
-    except ImportError:
-        transformers = None
+    transformers = _transformers(s)
     sp = SamplingParams(max_new_tokens=s.new_tokens, temperature=1.0, n=1, stop_token_ids=())
     plist = prompts.tolist()
     names = (["fp32"] if s.device == "cpu" else []) + list(s.flows)
@@ -1002,9 +1038,7 @@ def _transformers_train_row(s: Settings, make, batch, adv, dev, common: dict) ->
     """The baseline a user would write: the same model as a transformers model with fp32 master
     weights, bf16 autocast on CUDA (fp32 on CPU, where bf16 matmuls are ~40x slower), SDPA, fused
     AdamW (foreach on CPU), full-vocabulary log-softmax of the logits, policy-gradient loss."""
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
+    if _transformers(s) is None:
         return None
     s.say("train: transformers")
     _free(s.device)

@@ -140,6 +140,15 @@ def test_a_wrong_attention_kernel_is_caught(monkeypatch):
     assert {r["variant"] for r in rows if not r["accuracy_ok"]} == {"fp8 cache, read as stored", "bf16 cache, triton"}
 
 
+def test_no_transformers_leaves_out_the_baseline_rows():
+    """``--no-transformers``: the engines' rows alone (the baseline's ratios left empty), for a
+    process that must not hold transformers beside the engines (see ``docs/benchmarks.md``)."""
+    rows = bench("rollout", "--batch", 2, "--new-tokens", 4, "--flows", "bf16", "--no-transformers", *FAST)["results"]["rollout"]
+    assert {r["workload"][:4] for r in rows} == {"fixe", "task"} and all(r["engine"] == "jetrl embedded" for r in rows)
+    rows = bench("train", "--train-batch", 2, "--seq", 16, "--flows", "bf16", "--no-transformers", *FAST)["results"]["train"]
+    assert [r["flow"] for r in rows] == ["bf16"]
+
+
 def test_rollout_train_and_e2e_modes():
     out_r = bench("rollout", "--batch", 2, "--new-tokens", 4, "--flows", "bf16", *FAST)
     rows = out_r["results"]["rollout"]
@@ -467,3 +476,41 @@ def test_rollout_rows_say_which_attention_read_the_kv_cache(forced_native):
         assert fp8_kv == "triton, read as stored"
         assert bf16_kv.startswith("SDPA")
     assert rows["bf16+fp8kv"]["kv_bytes_per_token"] < 0.6 * rows["bf16"]["kv_bytes_per_token"]
+
+
+def test_short_calls_are_timed_back_to_back_on_a_gpu(monkeypatch):
+    """On a GPU ``measure`` times a call shorter than ``TIMED_S`` as many calls between two events
+    (per call), a long one alone. The GPU's clock is stood in for by a counter each call advances by
+    its own duration, so the per-call time is known exactly."""
+    from jetrl_cli import bench
+
+    clock = [0.0]
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = clock[0]
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    s = bench.Settings(device="cuda", repeats=3, warmup=1)
+    calls = []
+
+    def call(dt):
+        def fn():
+            calls.append(dt)
+            clock[0] += dt
+        return fn
+
+    short = bench.measure(call(1e-4), s)
+    assert short["calls"] == min(bench.MAX_CALLS, int(bench.TIMED_S / 1e-4)) > 1
+    assert short["s"] == pytest.approx(1e-4) and short["repeats"] == 3
+    assert len(calls) == 1 + 1 + 3 * short["calls"]  # warm-up, the probe, the timed runs
+    calls.clear()
+    long = bench.measure(call(0.05), s)
+    assert long["calls"] == 1 and long["s"] == pytest.approx(0.05) and len(calls) == 1 + 1 + 3

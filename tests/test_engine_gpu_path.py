@@ -346,6 +346,40 @@ def test_a_bf16_engine_holds_its_bf16_weights_once(model, forced_native):
     assert _samples(eng, sp) == _samples(kept, sp)
 
 
+@pytest.mark.parametrize("flow_name", ["fp8-rollout", "int8-rollout"])
+def test_an_8bit_engine_quantizes_a_full_precision_sync_once_and_holds_only_that(model, forced_native, flow_name):
+    """A ``weight_sync: hp`` flow with an 8-bit rollout (fp8-rollout, int8-rollout) sends full
+    weights; a GPU engine (forced native here) quantizes each linear weight once at the sync and
+    keeps only that operand, its master copy freed (the first H100 run: the FP8 engine held 7.6 GB
+    of weights, the bf16 one 3.8). It samples what an engine keeping the master copies samples, and
+    later syncs write into the held operands."""
+    from jetrl_cli.precision.quant import QTensor
+
+    flow = named_flow(flow_name)
+    assert flow.weight_sync.payload == "hp"
+    sp = SamplingParams(max_new_tokens=6, n=2)
+    eng = _engine(model, flow)
+    projs = [x for n, x in eng.model.named_modules() if n.endswith("_proj")]
+    assert projs and all(x.weight.numel() == 0 and isinstance(x._wfixed, QTensor) for x in projs)
+    linear = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
+    held = eng.weight_nbytes()
+    kept = EmbeddedEngine(model, flow, 64, max_batch=32, cuda_graphs=False)
+    kept.static = True
+    kept._holds_operand = lambda *a: False  # the engine as it was: master copies kept
+    kept.load_weights(make_payload(model, flow))
+    assert kept.weight_nbytes() >= held + linear * 4
+    assert _samples(eng, sp) == _samples(kept, sp)
+    trained = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    for version in (2, 3):
+        eng.load_weights(make_payload(trained, flow, version=version))
+        kept.load_weights(make_payload(trained, flow, version=version))
+    assert eng.weight_nbytes() == held
+    assert _samples(eng, sp) == _samples(kept, sp)
+
+
 def test_power_of_two_compaction():
     rows = [0, -1, 2, -1, -1, 5, 6, -1, 8, 9, -1, -1, 12, 13, 14, -1, -1, -1, 18, 19, 20, -1, -1, 23]
     live = sum(r >= 0 for r in rows)  # 13 of 24
