@@ -7,7 +7,8 @@ GEMM consumes (``kernels/layouts.py`` describes them and why each exists):
   along T; Wgrad's operands), the latter written already transposed as the K-major operand x^T
   (K, T_pad) with zero padding of T. Scales go straight into the GEMM's column-major grids.
 - ``quantize_weight(w)``: 128x128 blocks of W (N x K) and W^T (K x N) for Dgrad (its scales from
-  the same read, its bytes a transposing copy of W's); scales in the padded (ceil(N/128), round_up(ceil(K/128), 4)) buffers the GEMM reads.
+  the same read, its bytes a transposing copy of W's); scales in the padded
+  (ceil(N/128), round_up(ceil(K/128), 4)) buffers the GEMM reads.
 - ``swiglu_quantize(gu)``: from ONE read of a gated MLP's [g, u], ``silu(g) * u`` computed in fp32
   and quantized 1x128 (the down projection's Fprop operand), and [g, u]'s own 1x128 copy (what the
   backward keeps with ``save_fp8_activations``): the SwiGLU output is never written in high
@@ -751,7 +752,7 @@ def _weight_stack(ws, fmt: Format, pow2_scale: bool, amax_floor: float, transpos
             if transposed:  # W^T's bytes by torch's transposing copy: on sm_90 (Triton 3.6), the
                 # kernel's tl.trans of this tile wrote garbage into W^T for fp32 weights with
                 # non-power-of-two scales (trans in fp32 then cast did too). Once per update:
-                # N x K bytes read and written again (~1 ms for a 1.5B model's weights on an H100).
+                # N x K bytes read and written again.
                 wt.data[:, start:start + n].view(torch.uint8).copy_(wq.data[start:start + n].view(torch.uint8).t())
         start += n
     return wq, wt
