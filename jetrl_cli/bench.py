@@ -111,6 +111,7 @@ class Settings:
     task_overrides: list[str] = field(default_factory=list)  # key=value for that preset (its batch shape)
     profile_dir: str | None = None  # rollout/train: one more run of each row under torch.profiler
     transformers: bool = True  # rollout/train: also time the transformers baseline rows (when installed)
+    cuda_graphs: bool = True  # rollout: the embedded engines replay decode steps as CUDA graphs (GPU)
     progress: object = None
 
     def say(self, msg: str) -> None:
@@ -689,7 +690,7 @@ def bench_rollout(s: Settings) -> list[dict]:
     for name in names:
         s.say(f"rollout: embedded engine, {name}")
         flow = _flow(name)
-        eng = EmbeddedEngine(model, flow, s.prompt + s.new_tokens, max_batch=s.batch)
+        eng = EmbeddedEngine(model, flow, s.prompt + s.new_tokens, max_batch=s.batch, cuda_graphs=s.cuda_graphs)
         eng.load_weights(make_payload(model, flow))
         engines[name] = eng
 
@@ -870,7 +871,8 @@ def _rollout_task_rows(s: Settings, model, path, model_label: str, transformers,
     engines = {}
     for name in names:
         s.say(f"rollout: {label}: embedded engine, {name}")
-        eng = engines[name] = EmbeddedEngine(model, _flow(name), width, max_batch=cfg.rollout.max_batch)
+        eng = engines[name] = EmbeddedEngine(model, _flow(name), width, max_batch=cfg.rollout.max_batch,
+                                             cuda_graphs=s.cuda_graphs)
 
         def run_ours(eng=eng):
             return sum(len(c.tokens) for g in eng.generate(prompts, sp, seed=0) for c in g)

@@ -533,6 +533,7 @@ def bench_cmd(
     no_history: Annotated[bool, typer.Option("--no-history", metavar="", help="Do not append to the history file.")] = False,
     profile: Annotated[Optional[Path], typer.Option("--profile", help="rollout/train: run each row once more under torch.profiler and write its ops by self time (device time on a GPU) to DIR/ROW.txt.")] = None,
     no_fuse: Annotated[bool, typer.Option("--no-fuse", metavar="", help="On a GPU: run RMSNorm, SwiGLU and RoPE op by op (model.fuse: false), to measure what fusing them gives.")] = False,
+    no_cuda_graphs: Annotated[bool, typer.Option("--no-cuda-graphs", metavar="", help="rollout: the embedded engines decode eagerly (rollout.cuda_graphs: false), to measure what graphs give or to rule them out.")] = False,
     no_transformers: Annotated[bool, typer.Option("--no-transformers", metavar="", help="rollout/train: skip the transformers baseline rows (on an H100, static-cache generate() in the same process as two or more embedded engines once ended in a CUDA illegal memory access; see docs/benchmarks.md).")] = False,
 ):
     """Throughput per flow next to BF16: GEMMs, quantizers, rollout (vs generate()), training step, end to end."""
@@ -553,7 +554,8 @@ def bench_cmd(
     s = bench.Settings(device=device, repeats=repeats, warmup=warmup, model=model, layers=layers, batch=batch,
                        new_tokens=new_tokens, train_batch=train_batch, micro_batch=micro_batch, seq=seq, e2e_steps=steps,
                        task_preset=_bench_task_preset(task_preset, model), task_overrides=list(task_set or []),
-                       profile_dir=None if profile is None else str(profile), transformers=not no_transformers)
+                       profile_dir=None if profile is None else str(profile), transformers=not no_transformers,
+                       cuda_graphs=not no_cuda_graphs)
     if profile is not None and not set(modes) & {"rollout", "train"}:
         raise JetrlError("--profile applies to the rollout and train modes")
     if no_fuse:

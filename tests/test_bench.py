@@ -149,6 +149,25 @@ def test_no_transformers_leaves_out_the_baseline_rows():
     assert [r["flow"] for r in rows] == ["bf16"]
 
 
+def test_no_cuda_graphs_reaches_every_engine_the_rollout_bench_builds(monkeypatch):
+    """``--no-cuda-graphs``: every embedded engine of ``bench rollout`` (the fixed workload's and the
+    task's) is built to decode eagerly; by default with graphs (which only a GPU captures)."""
+    from jetrl_cli.engine import embedded
+
+    built = []
+    real = embedded.EmbeddedEngine.__init__
+
+    def init(self, *a, cuda_graphs=True, **k):
+        built.append(cuda_graphs)
+        real(self, *a, cuda_graphs=cuda_graphs, **k)
+
+    monkeypatch.setattr(embedded.EmbeddedEngine, "__init__", init)
+    for flag, want in (([], True), (["--no-cuda-graphs"], False)):
+        built.clear()
+        bench("rollout", "--batch", 2, "--new-tokens", 2, "--flows", "bf16", "--no-transformers", *flag, *FAST)
+        assert len(built) == 4 and set(built) == {want}, built  # fp32 and bf16, fixed and task workloads
+
+
 def test_rollout_train_and_e2e_modes():
     out_r = bench("rollout", "--batch", 2, "--new-tokens", 4, "--flows", "bf16", *FAST)
     rows = out_r["results"]["rollout"]
