@@ -6,8 +6,8 @@ GEMM consumes (``kernels/layouts.py`` describes them and why each exists):
   quantization (groups along K; Fprop's and Dgrad's operand a) *and* the 128x1 quantization (groups
   along T; Wgrad's operands), the latter written already transposed as the K-major operand x^T
   (K, T_pad) with zero padding of T. Scales go straight into the GEMM's column-major grids.
-- ``quantize_weight(w)``: 128x128 blocks of W (N x K) and W^T (K x N) for Dgrad (its scales from
-  the same read, its bytes a transposing copy of W's); scales in the padded
+- ``quantize_weight(w)``: 128x128 blocks of W (N x K) and W^T (K x N) for Dgrad (W's bytes and
+  scales copied transposed by torch); scales in the padded
   (ceil(N/128), round_up(ceil(K/128), 4)) buffers the GEMM reads.
 - ``swiglu_quantize(gu)``: from ONE read of a gated MLP's [g, u], ``silu(g) * u`` computed in fp32
   and quantized 1x128 (the down projection's Fprop operand), and [g, u]'s own 1x128 copy (what the
@@ -373,9 +373,8 @@ def _rms_norm_quant_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, r_ptr, q_ptr, sc_p
 
 
 @triton.jit
-def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, st_ptr, N, K, stride_wn, stride_wk, GN, GK, L4, L4T,
-                         PAD_S, PAD_ST, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr,
-                         OUT: tl.constexpr, TRANS: tl.constexpr, T: tl.constexpr):
+def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_wk, GK, L4, PAD_S, FMAX: tl.constexpr,
+                         FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr, T: tl.constexpr):
     pn = tl.program_id(0)
     pk = tl.program_id(1)
     rn = pn * T + tl.arange(0, T)
@@ -393,9 +392,6 @@ def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, st_ptr, N, K, stride_wn, stride_wk
     tl.store(s_ptr + pn * L4 + pk, s)
     tl.store(s_ptr + pn * L4 + GK + pad, ones, mask=pad < tl.where(pk == GK - 1, PAD_S, 0))
     tl.store(q_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :], q, mask=inb)
-    if TRANS:  # W^T's scale buffer (rows L4T apart; PAD_ST pads after GN): the same block scale on
-        tl.store(st_ptr + pk * L4T + pn, s)  # the transposed grid (its data: a copy, see _weight_stack)
-        tl.store(st_ptr + pk * L4T + GN + pad, ones, mask=pad < tl.where(pn == GN - 1, PAD_ST, 0))
 
 
 def _interpreting() -> bool:
@@ -685,7 +681,7 @@ def rms_norm_quantize(x: torch.Tensor, delta: torch.Tensor | None, weight: torch
 def quantize_weight(w: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale: bool = False,
                     amax_floor: float = DEFAULT_AMAX_FLOOR, transposed: bool = False) -> QTensor | tuple[QTensor, QTensor]:
     """``quantize(w, 128x128)`` for w (N x K); with ``transposed``, ``(that, its transpose)`` from one
-    read of w (W^T's bytes copied from W's).
+    read of w (W^T's bytes and scales copied transposed from W's).
 
     The QTensor of w: data (N, K) row-major, scale (ceil(N/128), ceil(K/128)) a view into a contiguous
     (ceil(N/128), round_up(ceil(K/128), 4)) buffer whose pad entries are 1.0 (``layouts.scale_buffer``).
@@ -737,24 +733,21 @@ def _weight_stack(ws, fmt: Format, pow2_scale: bool, amax_floor: float, transpos
         st = torch.empty((gk, padded_groups(total)), dtype=torch.float32, device=dev) if transposed else None
         wt = QTensor(torch.empty((k, total), dtype=dt, device=dev), st[:, :gtot], spec) if transposed else None
     start = 0
-    for i, (w, n) in enumerate(zip(ws, sizes)):
-        # the layer's rows of W and of s (rows L4 apart: each row's pads after its K blocks), its
-        # columns of W^T (rows sum N apart) and of st (the pads after the last layer's columns)
+    for w, n in zip(ws, sizes):  # the layer's rows of W and of s (rows L4 apart: each row's pads after its K blocks)
         gn, g0 = cdiv(n, TILE), start // TILE
-        pad_st = st.shape[1] - gtot if transposed and i == len(ws) - 1 else 0
-        stv = st[:, g0:] if transposed else s
         if gn * gk:
             _weight_quant_kernel[(gn, gk)](
-                w, wq.data[start:start + n], s[g0:], stv, n, k, w.stride(0), w.stride(1), gn, gk,
-                s.stride(0), stv.stride(0), s.shape[1] - gk, pad_st,
-                FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], TRANS=transposed, T=TILE,
+                w, wq.data[start:start + n], s[g0:], n, k, w.stride(0), w.stride(1), gk, s.stride(0), s.shape[1] - gk,
+                FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], T=TILE,
                 num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION)
-            if transposed:  # W^T's bytes by torch's transposing copy: on sm_90 (Triton 3.6), the
-                # kernel's tl.trans of this tile wrote garbage into W^T for fp32 weights with
-                # non-power-of-two scales (trans in fp32 then cast did too). Once per update:
-                # N x K bytes read and written again.
-                wt.data[:, start:start + n].view(torch.uint8).copy_(wq.data[start:start + n].view(torch.uint8).t())
         start += n
+    if transposed:  # the layers' W^T side by side is the stack's transpose: its bytes and block scales
+        # copied by torch (on sm_90, Triton 3.6, the kernel's tl.trans of a tile wrote garbage into
+        # W^T for fp32 weights with non-power-of-two scales, also transposed in fp32 before the cast).
+        # Once per update: the N x K bytes read and written again.
+        wt.data.view(torch.uint8).copy_(wq.data.view(torch.uint8).t())
+        st[:, :gtot].copy_(s[:, :gk].t())
+        st[:, gtot:] = 1.0
     return wq, wt
 
 
