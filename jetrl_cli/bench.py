@@ -112,6 +112,7 @@ class Settings:
     profile_dir: str | None = None  # rollout/train: one more run of each row under torch.profiler
     transformers: bool = True  # rollout/train: also time the transformers baseline rows (when installed)
     cuda_graphs: bool = True  # rollout: the embedded engines replay decode steps as CUDA graphs (GPU)
+    quant_warps: tuple[int, ...] = ()  # quantize: time the 128x128-tile Triton kernels at each (default: theirs)
     progress: object = None
 
     def say(self, msg: str) -> None:
@@ -145,6 +146,16 @@ def parse_shapes(text: str, dims: int, want: str | None = None) -> list[tuple[in
             raise JetrlError(f"--shapes: {part.strip()!r} is not {want} with positive integers (e.g. {example})")
         out.append(vals)
     return out
+
+
+def parse_warps(text: str) -> tuple[int, ...]:
+    """``--warps 8,16``: warp counts for the 128x128-tile quantizers."""
+    out = []
+    for part in text.split(","):
+        if part.strip() not in ("4", "8", "16", "32"):
+            raise JetrlError(f"--warps: {part.strip()!r} is not a warp count (allowed 4, 8, 16, 32, comma-separated)")
+        out.append(int(part))
+    return tuple(dict.fromkeys(out))
 
 
 def check_device(device: str) -> None:
@@ -429,43 +440,65 @@ def bench_quantize(s: Settings) -> list[dict]:
 
     dev = torch.device(s.device)
     dtype = torch.bfloat16 if s.device == "cuda" else torch.float32  # the activation dtype of each device
+    dname = str(dtype).replace("torch.", "")
+    kernels = _triton_quantizers(s.device)
+    warps = s.quant_warps or ((kernels.NUM_WARPS,) if kernels is not None else ())
     rows = []
+
+    def timed(shape, name, backend, fn, moved, copy_bw, **extra):
+        t = measure(fn, s)
+        rows.append({"shape": shape, "quantizer": name, "dtype": dname, "backend": backend, **extra,
+                     "emulated": s.device == "cpu", **t, "bytes": moved, "gb_per_s": moved / t["s"] / 1e9,
+                     "vs_copy": (moved / t["s"]) / copy_bw})
+        return rows[-1]
+
     for m, k in s.quant_shapes:
         s.say(f"quantize {m}x{k}")
+        shape = f"{m}x{k}"
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(torch.seed() % 2**31)).to(dev, dtype)
         dst = torch.empty_like(x)
         t = measure(lambda: dst.copy_(x), s)
         copy_bytes = 2 * x.numel() * x.element_size()
         copy_bw = copy_bytes / t["s"]
-        rows.append({"shape": f"{m}x{k}", "quantizer": "copy (ceiling)", "dtype": str(dtype).replace("torch.", ""),
+        rows.append({"shape": shape, "quantizer": "copy (ceiling)", "dtype": dname,
                      **t, "bytes": copy_bytes, "gb_per_s": copy_bw / 1e9, "vs_copy": 1.0})
-        kernels = _triton_quantizers(s.device)
         for name, spec in quantizers():
             if spec.block.rows > m or spec.block.cols > k:
                 continue
             q = quantize(x, spec)
             moved = x.numel() * x.element_size() + q.nbytes()
-            impls = [("torch (reference)", lambda spec=spec: quantize(x, spec))]
+            impls = [("torch (reference)", None, lambda spec=spec: quantize(x, spec))]
             if kernels is not None and triton_quantize(x, spec) is not None:
-                impls.append(("triton", lambda spec=spec: triton_quantize(x, spec)))
-            for backend, fn in impls:
-                got = fn()
-                same = torch.equal(got.data.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(
-                    got.scale.nan_to_num(-1.0), q.scale.nan_to_num(-1.0))
-                t = measure(fn, s)
-                rows.append({"shape": f"{m}x{k}", "quantizer": name, "dtype": str(dtype).replace("torch.", ""),
-                             "backend": backend, "emulated": s.device == "cpu", **t, "bytes": moved,
-                             "gb_per_s": moved / t["s"] / 1e9, "vs_copy": (moved / t["s"]) / copy_bw,
-                             "sqnr_db": error_stats(x.float(), dequantize(got))["sqnr_db"], "matches_reference": same})
-        if kernels is not None:
-            fn = lambda: kernels.quantize_act(x)  # noqa: E731  (1x128 and 128x1 from one read)
-            r, c = fn()
-            moved = x.numel() * x.element_size() + r.nbytes() + c.nbytes()
-            t = measure(fn, s)
-            rows.append({"shape": f"{m}x{k}", "quantizer": "fp8 1x128 + 128x1 fused", "dtype": str(dtype).replace("torch.", ""),
-                         "backend": "triton", "emulated": s.device == "cpu", **t, "bytes": moved,
-                         "gb_per_s": moved / t["s"] / 1e9, "vs_copy": (moved / t["s"]) / copy_bw,
-                         "sqnr_db": error_stats(x.float(), dequantize(r))["sqnr_db"], "matches_reference": None})
+                impls += [("triton", w, lambda spec=spec: triton_quantize(x, spec)) for w in warps]
+            for backend, w, fn in impls:
+                with kernels.tile_warps(w) if w else contextlib.nullcontext():
+                    got = fn()
+                    same = torch.equal(got.data.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(
+                        got.scale.nan_to_num(-1.0), q.scale.nan_to_num(-1.0))
+                    timed(shape, name, backend, fn, moved, copy_bw, **({"warps": w} if w else {}),
+                          sqnr_db=error_stats(x.float(), dequantize(got))["sqnr_db"], matches_reference=same)
+        if kernels is None:
+            continue
+        r, c = kernels.quantize_act(x)  # 1x128 and 128x1 from one read
+        moved = x.numel() * x.element_size() + r.nbytes() + c.nbytes()
+        sqnr = error_stats(x.float(), dequantize(r))["sqnr_db"]
+        for w in warps:
+            with kernels.tile_warps(w):
+                timed(shape, "fp8 1x128 + 128x1 fused", "triton", lambda: kernels.quantize_act(x), moved, copy_bw,
+                      warps=w, sqnr_db=sqnr, matches_reference=None)
+        if k % 128 == 0:  # the SwiGLU backward of an MLP with I = k
+            _, copy = kernels.swiglu_quantize(torch.cat([x, x.flip(0)], 1), save=True)  # [g, u]'s FP8 copy
+            outs = kernels.swiglu_grad_quantize(copy, x, dtype, pad_tokens_to=128, h_cols=True)
+            moved = copy.nbytes() + x.numel() * x.element_size() + sum(o.nbytes() for o in outs)
+            g, u = dequantize(copy).float().chunk(2, dim=1)  # d[g, u] in fp32 at the copy's values
+            sig, gy = torch.sigmoid(g), x.float()
+            want = torch.cat([gy * u * sig * (1 + g * (1 - sig)), gy * g * sig], 1)
+            sqnr = error_stats(want, dequantize(outs[0]).float())["sqnr_db"]
+            for w in warps:
+                with kernels.tile_warps(w):
+                    timed(shape, "fp8 SwiGLU backward (d[g,u] 1x128 + 128x1, h^T)", "triton",
+                          lambda: kernels.swiglu_grad_quantize(copy, x, dtype, pad_tokens_to=128, h_cols=True),
+                          moved, copy_bw, warps=w, sqnr_db=sqnr, matches_reference=None)
     return rows
 
 
@@ -996,6 +1029,7 @@ def bench_train(s: Settings) -> list[dict]:
                "gemm_backends": backend_report()}
         if s.device == "cuda":
             row["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+            row["allocator_per_step"] = allocator_events(one)
         return row
 
     for name, flow in _train_flows(s.flows):
@@ -1020,6 +1054,20 @@ def bench_train(s: Settings) -> list[dict]:
 
 
 TRANSFORMERS_FLOW = "transformers"
+ALLOCATOR_EVENTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def allocator_events(step) -> dict:
+    """What CUDA's caching allocator did during one more ``step()`` (after the timed ones): its
+    retries (an allocation that failed, freed the cache and tried again: a device-wide
+    synchronisation), and its ``cudaMalloc`` / ``cudaFree`` calls (each a synchronising driver call).
+    A steady training step at a fixed shape should show none; a step near the memory limit shows
+    them, and its time then includes waits the GPU's kernels do not account for."""
+    before = torch.cuda.memory_stats()
+    step()
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
+    return {k: after.get(k, 0) - before.get(k, 0) for k in ALLOCATOR_EVENTS}
 
 
 def _unless_out_of_memory(s: Settings, name: str, common: dict, make_row) -> dict:
@@ -1074,12 +1122,14 @@ def _transformers_row(s: Settings, make, batch, adv, dev, common: dict) -> dict:
 
     tm = measure(one, s)
     tm.update(profile_once(one, s, f"train-{TRANSFORMERS_FLOW}"))
+    alloc = allocator_events(one) if cuda else None
     saved, _ = _saved_bytes(lambda: logp(slice(0, mb)).sum())
     n, t = common["batch"], common["seq"]
     row = {"flow": TRANSFORMERS_FLOW, "train": "bf16 autocast" if cuda else "fp32", "emulated": False, **tm,
            "tokens_per_s": n * t / tm["s"], "saved_activation_bytes": saved, **common}
     if cuda:
         row["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+        row["allocator_per_step"] = alloc
     del hf, opt
     return row
 
@@ -1179,6 +1229,11 @@ def _gpu_targets(results: dict) -> list[dict]:
             v = min(best.values())
             add(f"{what} >= {T[key]}x cuBLAS BF16 (M=4096, 7-8B shapes, worst shape)", v, v >= T[key])
     q = [r for r in results.get("quantize", []) if r.get("backend") == "triton"]
+    if any("warps" in r for r in q):  # a --warps sweep: each kernel at its fastest setting
+        best: dict[tuple, float] = {}
+        for r in q:
+            best[(r["shape"], r["quantizer"])] = max(best.get((r["shape"], r["quantizer"]), 0.0), r["vs_copy"])
+        q = [{"vs_copy": v} for v in best.values()]
     if q:
         v = min(r["vs_copy"] for r in q)
         add(f"every Triton quantizer >= {T['quantize_vs_copy']}x copy bandwidth (worst)", v, v >= T["quantize_vs_copy"])
@@ -1288,10 +1343,13 @@ def render(res: dict, console) -> None:
             console.print(escape(f"not run: {variant} @ {backend}: {why}"), highlight=False)
     if "quantize" in r:
         t = Table(title="quantize: bandwidth vs a copy of the same tensor", title_justify="left")
+        s_warps = len({x["warps"] for x in r["quantize"] if "warps" in x}) > 1  # a --warps sweep
         for c in ("shape", "quantizer", "dtype", "ms", "GB/s", "vs copy", "SQNR dB"):
             t.add_column(c, justify="left" if c in ("shape", "quantizer", "dtype") else "right")
         for x in r["quantize"]:
-            t.add_row(x["shape"], x["quantizer"] + (" @ triton" if x.get("backend") == "triton" else ""), x["dtype"], f"{1e3 * x['s']:.3f}", f"{x['gb_per_s']:.1f}",
+            where = (" @ triton" + (f" ({x['warps']} warps)" if "warps" in x and s_warps else "")
+                     if x.get("backend") == "triton" else "")
+            t.add_row(x["shape"], x["quantizer"] + where, x["dtype"], f"{1e3 * x['s']:.3f}", f"{x['gb_per_s']:.1f}",
                       f"{x['vs_copy']:.2f}", _f(x.get("sqnr_db"), "{:.1f}"))
         print_table(console, t, keep=2)
     if "attention" in r:
@@ -1368,6 +1426,11 @@ def render(res: dict, console) -> None:
         for x in r["train"]:
             if "out_of_memory" in x:
                 console.print(escape(f"{x['flow']}: out of memory: {x['out_of_memory']}"), highlight=False)
+            ev = x.get("allocator_per_step") or {}
+            if any(ev.values()):  # a step that makes the allocator wait (see allocator_events)
+                console.print(escape(f"{x['flow']}: per step, the CUDA allocator retried {ev.get('num_alloc_retries', 0)}"
+                                     f" allocations, called cudaMalloc {ev.get('num_device_alloc', 0)} and cudaFree "
+                                     f"{ev.get('num_device_free', 0)} times"), highlight=False)
         if any(x.get("gemm_backends") is not None for x in r["train"]):
             from .live import backend_lines
 

@@ -293,6 +293,9 @@ def kv_store(x: torch.Tensor, idx: torch.Tensor, data: torch.Tensor, scales: tor
     fmt = spec.format
     if fmt not in (Format.FP8_E4M3, Format.FP8_E5M2) or spec.block.name != "row":
         raise ValueError(f"{where}: the cache's spec must be fp8_e4m3 or fp8_e5m2 with row scales, got {spec}")
+    why = fp8_unsupported(None, fmt, spec.amax_floor)
+    if why is not None:
+        raise ValueError(f"{where}: {why}")
     if data.dtype != fmt.torch_dtype() or data.dim() != 2 or data.shape[1] != d or not data.is_contiguous():
         raise ValueError(f"{where}: data must be a contiguous ({'rows'}, {d}) {fmt.torch_dtype()} tensor, got "
                          f"{data.dtype} {tuple(data.shape)}")

@@ -33,15 +33,17 @@ Numerics (bit for bit the reference's): ``amax`` over the finite values of a gro
 group holds a NaN or an infinity; data ``= cast(clamp(x / scale, -fmt_max, fmt_max))`` rounded to
 nearest even. Two GPU facts shape the code. Triton's ``/`` on fp32 compiles to ``div.full.f32``, an
 approximate division (up to 2 ulp off), which can move a value across an FP8 rounding boundary; the
-kernels divide with ``tl.div_rn`` (IEEE, what torch computes). With power-of-two scales ``1 / scale``
-is exact, so ``x * (1 / scale)`` equals ``x / scale`` and costs one multiply. The amax is an
+kernels compute the IEEE quotient (what torch computes): ``1 / scale`` once per group with
+``tl.div_rn``, then per element a multiply by it and two FMA corrections (``_quotient``: Markstein's
+theorem makes the result the correctly rounded quotient). With power-of-two scales ``1 / scale`` is
+exact, so ``x * (1 / scale)`` equals ``x / scale`` and costs one multiply. The amax is an
 integer max over the bits of ``|x|`` (sign bit cleared): for non-negative floats integer order is
 float order and every NaN lies above +inf, so this one reduction yields both the amax and the
 non-finite flag (the amax is NaN or inf exactly when the group holds a non-finite value), with no
-per-element select. The clamp keeps NaN and is one instruction on sm_90 (``fmin.NaN.xorsign.abs``);
-for finite groups ``|x / scale|`` exceeds fmt_max by at most 2 ulp, which rounds to fmt_max anyway,
-so it only spares the result any dependence on how a converter treats overflow (the interpreter's
-does not saturate; the GPU's ``cvt.rn.satfinite`` does).
+per-element select. The kernels leave the reference's clamp out: for finite groups the correctly
+rounded ``|x / scale|`` exceeds fmt_max by at most one fp32 ulp, which the round-to-nearest cast
+takes to fmt_max anyway (``_scaled``; the GPU's ``cvt.rn.satfinite`` and the tests' interpreter
+cast alike).
 
 Memory-speed design for Hopper (H100: 3.35 TB/s HBM3 by spec; a device copy measures ~2.75 TB/s,
 ``shared/notes/gpu-h100.md``). The fused act quantizer moves 2 bytes in (bf16) and 1 + 1 out per
@@ -53,19 +55,25 @@ per-element work small:
   (32 KB of bf16, 16-byte vector loads along K when rows are 16-byte aligned: Triton specializes
   such strides), reduces it along K (1x128 amax per row: registers and warp shuffles) and along T
   (128x1 amax per column: across warps through shared memory), and writes every output from those
-  registers. Per element: a convert, an AND, one integer max per direction, and per output one IEEE
-  divide (a multiply with pow2 scales), one clamp and half a packed cvt: about 25 instructions in
-  all without pow2 scales, about 10 with them (an estimate from the PTX each op lowers to, not a
-  measurement). Nothing is read twice and nothing is written twice.
-- 8 warps hold the fp32 tile in 64 registers per thread; the grid is (token tiles, K tiles), for
-  8192 x 8192 4096 programs of 64 KB of traffic each: many waves over 132 SMs, a short tail. What
-  the compiler makes of it (sm_90a, ``tests/sm90_compile.py``; no spills): the fused 1x128 + 128x1
-  quantizer takes ~170 registers per thread with Triton 3.9 and with 3.6 (the H100 machine's), so
-  ONE program per SM (65536 / (170 x 256) < 2), whose 32 KB load no other program's compute
-  overlaps; the 1x128-only and 128x1-only programs take 96 and ~120, two per SM; the weight
-  quantizer ~100 with Triton 3.9 but 168 (233 with pow2 scales) with 3.6. Whether the fused kernel
-  still beats two separate ones (one read of x, but half the programs in flight) is for ``jetrl
-  bench quantize`` on a GPU to say: it times all three.
+  registers. Per element: a convert, an AND, one integer max per direction, and per output a
+  multiply and four FMAs (the division, below; one multiply with pow2 scales) and half a packed
+  cvt: 38 SASS instructions per element for the fused quantizer (2432 per thread at 8 warps, 64
+  elements each), everything counted. Nothing is read twice and nothing is written twice.
+- 8 warps hold the fp32 tile in 64 registers per thread (``NUM_WARPS``: 16 is the alternative,
+  timed by ``jetrl bench quantize --warps 8,16``); the grid is (token tiles, K tiles), for 8192 x 8192
+  4096 programs of 64 KB of traffic each: many waves over 132 SMs, a short tail. What the compiler
+  makes of it (sm_90a, Triton 3.9, ``tests/sm90_compile.py``; no spills): the fused 1x128 + 128x1
+  quantizer takes 171 registers per thread, so ONE program per SM (65536 / (171 x 256) < 2), whose
+  load no other program's compute overlaps; the 1x128-only quantizer 99 and the weight quantizer
+  103, two per SM. Whether the fused kernel still beats two separate ones (one read of x, but half
+  the programs in flight) is for ``jetrl bench quantize`` on a GPU to say: it times all three.
+- No division per element: a group's scale is divided into 1 once (``_divisor``), and each element's
+  quotient is ``x * (1 / s)`` with two FMA corrections (``_quotient``), bit for bit the IEEE
+  division. ``div_rn`` per element was a multi-function-unit reciprocal, a range check and about
+  six FMAs (sm_90a SASS: 129 reciprocals per thread in the fused quantizer, 450 in the SwiGLU
+  backward). With the clamp gone too (``_scaled``), the fused quantizer's SASS went from 3760 to 2432
+  instructions per thread and the SwiGLU backward's from 10600 to 8712 (8 warps); the first H100
+  run measured the 3760 version.
 - Every store is whole, contiguous lines: the 1x128 data is 128 bytes of a row per group; the
   transposed 128x1 data is 128 bytes of a row of x^T per tile row (Triton turns the tile around
   through shared memory so that the store is coalesced along T); a tile's 128 row scales are 512
@@ -82,6 +90,7 @@ quantize`` on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 
@@ -95,11 +104,48 @@ from jetrl_cli.precision.quant import DEFAULT_AMAX_FLOOR, CastSpec, QTensor
 from .layouts import cdiv, padded_groups, round_up, scale_buffer
 
 TILE = 128
+MIN_SCALE = 2.0**-64  # the smallest scale the kernels take (``_quotient``'s precondition)
 # Contraction of a * b + c into one fused multiply-add, pinned at every launch: Triton 3.9 warns that
 # its default turns from on to off in 3.10, which would change the GEMMs' and reductions' last bits
 # between Triton versions. On, as every measurement and compile check here was made.
 FP_FUSION = True
-NUM_WARPS = 8  # a 128x128 fp32 tile is 64 registers per thread at 8 warps (the kernels use more: above)
+# Warps of the 128x128-tile kernels (act, weight and SwiGLU backward quantizers). Compiled for sm_90a
+# (Triton 3.9; registers per thread / SASS instructions per thread, 128x128 tile):
+#   at 8 warps:  fused act 171 / 2432, 1x128-only 99 / 952, weight 103 / 840, SwiGLU backward 204 / 8712
+#   at 16 warps: fused act  96 / 1680, 1x128-only 57 / 560,  weight  59 / 520, SwiGLU backward 127 / 5168
+# 16 warps issue 18-38% more instructions per tile (the per-thread fixed work is spread over half
+# the elements) but keep twice the warps in flight per SM (the fused and SwiGLU kernels run one
+# program per SM either way: 8 or 16 warps). Which is faster is for ``jetrl bench quantize --warps
+# 8,16`` on a GPU to say (unmeasured); the bits do not depend on it (every reduction is a max, every
+# other step elementwise).
+NUM_WARPS = 8
+
+
+@contextlib.contextmanager
+def tile_warps(n: int):
+    """Launch the 128x128-tile kernels at ``n`` warps inside the block (``jetrl bench quantize --warps``)."""
+    global NUM_WARPS
+    if n not in (4, 8, 16, 32):
+        raise ValueError(f"tile_warps: allowed 4, 8, 16 or 32 warps, got {n}")
+    old, NUM_WARPS = NUM_WARPS, n
+    try:
+        yield
+    finally:
+        NUM_WARPS = old
+
+
+def _interpreter_fma_is_exact() -> bool:
+    """Whether Triton's interpreter rounds ``tl.fma`` once (Triton 3.7 on; 3.6 multiplies, then adds)."""
+    try:
+        from triton._C.libtriton import interpreter
+    except ImportError:
+        return False
+    return hasattr(interpreter, "fma_fp32")
+
+
+# Divide by a group's scale with its reciprocal and two FMA corrections (``_quotient``), bit for bit
+# ``tl.div_rn``; where the kernels run in an interpreter whose FMA rounds twice, divide.
+MARKSTEIN = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1" or _interpreter_fma_is_exact())
 
 
 @triton.jit
@@ -133,29 +179,54 @@ def _group_scale(amax, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constex
 
 @triton.jit
 def _divisor(s, POW2: tl.constexpr):
-    """What the data is scaled by: 1 / s, exact for a power of two, or s itself (divided by)."""
-    if POW2:
-        return tl.div_rn(1.0, s)
-    return s
+    """``1 / s`` correctly rounded: one IEEE division per scale (a group's, not each element's); exact
+    for a power of two."""
+    return tl.div_rn(1.0, s)
 
 
 @triton.jit
-def _scaled(x, d, FMAX: tl.constexpr, POW2: tl.constexpr):
-    """clamp(x / s) in fp32, NaN kept (the cast to FP8 follows)."""
+def _quotient(x, s, r):
+    """``x / s`` correctly rounded (``tl.div_rn``'s result) from ``r = 1 / s`` correctly rounded, with
+    no division per element: ``q = x * r`` (within 1.5 ulp), then twice ``q -= (q * s - x) * r``
+    with the residual exact in an FMA. The first correction brings q within 1 ulp; from there the
+    second returns the correctly rounded quotient (Markstein's theorem: r within half an ulp of
+    1 / s, q within 1 ulp of x / s, no underflow of the residual). The residual is taken as
+    ``q * s - x`` (not ``x - q * s``) so a zero x keeps its sign. Preconditions, kept by
+    ``unsupported``: s a normal number >= 2^-64 (the floor), so 1 / s is finite, and any quotient
+    that can round to a non-zero FP8 or INT8 value has a residual far above the subnormal range;
+    for |x / s| < 2^-18 any error is rounded away by the cast. About 5 instructions per element
+    against ~10 and a multi-function-unit reciprocal for ``div_rn``."""
+    q = x * r
+    q = tl.fma(-tl.fma(q, s, -x), r, q)
+    return tl.fma(-tl.fma(q, s, -x), r, q)
+
+
+@triton.jit
+def _scaled(x, s, r, FMAX: tl.constexpr, POW2: tl.constexpr):
+    """``x / s`` in fp32, NaN kept (the cast to FP8 or INT8 follows); ``r`` is ``_divisor(s)``.
+
+    The reference's clamp to [-fmt_max, fmt_max] is left out: it changes nothing. ``|x| <= amax``
+    and ``s = RN(max(amax, floor) / fmt_max)`` (or its power-of-two ceiling, which is larger) put the
+    exact ``|x / s|`` at most ``fmt_max * (1 + 2^-24)``, so its correctly rounded value is at most
+    fmt_max plus one fp32 ulp, which the round-to-nearest cast takes to fmt_max (the next FP8 value
+    up is 1/8 of fmt_max away; INT8: 127). NaN and infinity make the group's scale NaN, and the
+    quotient NaN. Per element that saves two compares and two selects per output (on sm_90 with
+    Triton 3.6, ``tl.clamp(propagate_nan=ALL)`` there also made transposed FP8 stores write garbage
+    bytes: triton-lang/triton#11111)."""
     if POW2:
-        y = x * d
-    else:
-        y = tl.div_rn(x, d)
-    # Two selects, not tl.clamp(propagate_nan=ALL): on sm_90 (Triton 3.6) its min.NaN / max.NaN made
-    # the transposed FP8 stores write garbage bytes (NaN in W^T and x^T; triton-lang/triton#11111).
-    return tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y))
+        y = x * r
+    elif MARKSTEIN:
+        y = _quotient(x, s, r)
+    else:  # an interpreter whose tl.fma rounds twice (Triton before 3.7): the division itself
+        y = tl.div_rn(x, s)
+    return y
 
 
 @triton.jit
 def _rows_quantized(x, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr):
-    """A tile's 1x128 quantization, one group per row: ``(clamp(x / s) in fp32, s)``."""
+    """A tile's 1x128 quantization, one group per row: ``(x / s in fp32, s)``."""
     s = _group_scale(_amax(_abs_bits(x), 1), FMAX, FLOOR, POW2)
-    return _scaled(x, _divisor(s, POW2)[:, None], FMAX, POW2), s
+    return _scaled(x, s[:, None], _divisor(s, POW2)[:, None], FMAX, POW2), s
 
 
 @triton.jit
@@ -164,7 +235,7 @@ def _store_cols(x, s, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, K, M_PAD, FMAX
     """A tile's 128x1 quantization with its column scales ``s``, written as x^T (K, M_PAD) and its
     (K, gM) scale grid, strides (1, K); padding tokens are zeros even in a NaN group."""
     tl.store(st_ptr + pm.to(tl.int64) * K + rk, s, mask=col_ok)
-    q = _scaled(x, _divisor(s, POW2)[None, :], FMAX, POW2)
+    q = _scaled(x, s[None, :], _divisor(s, POW2)[None, :], FMAX, POW2)
     if ZERO_PAD:
         q = tl.where(row_ok[:, None], q, 0.0)
     tl.store(qt_ptr + rk.to(tl.int64)[:, None] * M_PAD + rm[None, :], tl.trans(q.to(OUT)),
@@ -210,7 +281,7 @@ def _store_tile(x, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk, rm, rk, row_ok, col_o
         s_col = _group_scale(_amax(ax, 0), FMAX, FLOOR, POW2)
     if ROWS:  # 1x128: one scale per row of the tile; data (M, K) row-major, scale (M, gK) column-major
         tl.store(sr_ptr + pk.to(tl.int64) * M + rm, s_row, mask=row_ok)
-        q = _scaled(x, _divisor(s_row, POW2)[:, None], FMAX, POW2)
+        q = _scaled(x, s_row[:, None], _divisor(s_row, POW2)[:, None], FMAX, POW2)
         tl.store(qr_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :], q.to(OUT), mask=row_ok[:, None] & col_ok[None, :])
     if COLS:  # 128x1: one scale per column; written as x^T (K, M_PAD) and its (K, gM) grid, strides (1, K)
         _store_cols(x, s_col, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, K, M_PAD, FMAX, POW2, OUT, ZERO_PAD)
@@ -384,7 +455,7 @@ def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_wk, GK, L4
                 eviction_policy="evict_first").to(tl.float32)
     amax = tl.max(tl.max(_abs_bits(x), 1), 0).to(tl.float32, bitcast=True)
     s = _group_scale(amax, FMAX, FLOOR, POW2)
-    q = _scaled(x, _divisor(s, POW2), FMAX, POW2).to(OUT)
+    q = _scaled(x, s, _divisor(s, POW2), FMAX, POW2).to(OUT)
     pad = tl.arange(0, 4)
     ones = tl.full((4,), 1.0, tl.float32)
     # scales into a buffer with rows L4 apart; the PAD_S entries after a row's GK (1.0) written by
@@ -454,8 +525,8 @@ def unsupported(x: torch.Tensor | None, fmt: Format, amax_floor: float) -> str |
         return f"the Triton quantizers take a 2-D tensor, got shape {tuple(x.shape)}"
     if x is not None and x.dtype not in _INPUTS:
         return f"the Triton quantizers take bfloat16, float16 or float32 input, not {x.dtype}"
-    if not amax_floor >= fmt.max * 2.0**-126:  # keeps every scale a normal fp32 number
-        return f"the Triton quantizers need amax_floor >= {fmt.max * 2.0**-126:.3g} for {fmt.value}, got {amax_floor}"
+    if not amax_floor >= fmt.max * MIN_SCALE:  # every scale >= 2^-64: what ``_quotient`` needs
+        return f"the Triton quantizers need amax_floor >= {fmt.max * MIN_SCALE:.3g} for {fmt.value}, got {amax_floor}"
     return None
 
 

@@ -36,7 +36,7 @@ from jetrl_cli.precision.formats import Block, Format
 from jetrl_cli.precision.gemm import INT8_K_LIMIT as K_LIMIT
 from jetrl_cli.precision.quant import CastSpec, QTensor
 
-from .fp8 import DECODE_ROWS, FP_FUSION, _abs_bits, _divisor, _group_scale, _interpreting, _scaled, _to_bf16, decode_tiles
+from .fp8 import DECODE_ROWS, FP_FUSION, MIN_SCALE, _abs_bits, _divisor, _group_scale, _interpreting, _scaled, _to_bf16, decode_tiles
 
 QMAX = tl.constexpr(127.0)  # Format.INT8.max
 ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding it rounds |y| <= 2^22 to an integer, half to even
@@ -56,15 +56,15 @@ def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk,
         amax = tl.maximum(amax, tl.max(_abs_bits(x.to(tl.float32)), 1))
     s = _group_scale(amax.to(tl.float32, bitcast=True), QMAX, FLOOR, POW2)
     tl.store(s_ptr + rm, s, mask=row_ok)
-    d = _divisor(s, POW2)[:, None]
+    r = _divisor(s, POW2)[:, None]
     q_row = q_ptr + rm.to(tl.int64)[:, None] * K
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         inb = row_ok[:, None] & (rk < K)[None, :]
         x = tl.load(x_row + rk[None, :] * stride_xk, mask=inb, other=0.0).to(tl.float32)
-        y = _scaled(x, d, QMAX, POW2)
-        r = (y + ROUND) - ROUND
-        tl.store(q_row + rk[None, :], tl.where(r == r, r, 0.0).to(tl.int8), mask=inb)
+        y = _scaled(x, s[:, None], r, QMAX, POW2)
+        n = (y + ROUND) - ROUND
+        tl.store(q_row + rk[None, :], tl.where(n == n, n, 0.0).to(tl.int8), mask=inb)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -100,8 +100,8 @@ def unsupported(x: torch.Tensor, spec: CastSpec) -> str | None:
         return f"the Triton INT8 quantizer takes a 2-D tensor with rows, got shape {tuple(x.shape)}"
     if x.dtype not in _INPUTS:
         return f"the Triton INT8 quantizer takes bfloat16, float16 or float32 input, not {x.dtype}"
-    if not spec.amax_floor >= QMAX.value * 2.0**-126:  # keeps every scale a normal fp32 number
-        return f"the Triton INT8 quantizer needs amax_floor >= {QMAX.value * 2.0**-126:.3g}, got {spec.amax_floor}"
+    if not spec.amax_floor >= QMAX.value * MIN_SCALE:  # every scale >= 2^-64: ``fp8._quotient``'s precondition
+        return f"the Triton INT8 quantizer needs amax_floor >= {QMAX.value * MIN_SCALE:.3g}, got {spec.amax_floor}"
     return None
 
 

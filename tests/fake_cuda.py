@@ -324,7 +324,8 @@ def _pretend_bench():
             super().__init__()
 
     fakes = {"Event": _Event, "get_device_name": lambda *a: "fake H100", "max_memory_allocated": lambda *a: 1 << 30,
-             "reset_peak_memory_stats": lambda *a: None, "empty_cache": lambda *a: None}
+             "reset_peak_memory_stats": lambda *a: None, "empty_cache": lambda *a: None,
+             "memory_stats": lambda *a: {"num_alloc_retries": 0, "num_device_alloc": 0}}
     with contextlib.ExitStack() as stack:
         for name, fake in fakes.items():
             stack.enter_context(mock.patch.object(torch.cuda, name, fake))

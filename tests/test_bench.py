@@ -84,8 +84,38 @@ def test_quantize_rows_against_copy():
     tri = [r for r in rows if r.get("backend") == "triton"]
     if tri:  # a GPU, or TRITON_INTERPRET=1 (tests/conftest.py on CPU)
         assert {r["quantizer"] for r in tri} >= {"fp8 1x128 (activations)", "fp8 128x128 (weights)",
-                                                 "fp8 1x128 + 128x1 fused"}
+                                                 "fp8 1x128 + 128x1 fused",
+                                                 "fp8 SwiGLU backward (d[g,u] 1x128 + 128x1, h^T)"}
         assert all(r["matches_reference"] for r in tri if r["matches_reference"] is not None)
+
+
+def test_quantize_times_the_tile_kernels_at_each_warp_count():
+    """``--warps 8,16``: every 128x128-tile Triton row once per warp count (the same bits), the table
+    naming them; the target takes each kernel at its faster setting."""
+    import os
+
+    from jetrl_cli.bench import targets
+
+    from .triton_interp_fix import fixed_fp8_conversion
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or Triton's interpreter")
+    with fixed_fp8_conversion():
+        res = runner.invoke(app, ["bench", "quantize", "--shapes", "130x256", "--warps", "8,16", "--repeats", "1",
+                                  "--warmup", "0", "--no-history"])
+    assert res.exit_code == 0, res.output
+    assert "16 warps" in res.stdout and "8 warps" in res.stdout  # the rows say which
+    with fixed_fp8_conversion():
+        rows = bench("quantize", "--shapes", "130x256", "--warps", "8,16", *FAST)["results"]["quantize"]
+    tri = [r for r in rows if r.get("backend") == "triton"]
+    assert sorted({r["warps"] for r in tri}) == [8, 16]
+    by_kernel = {}
+    for r in tri:
+        by_kernel.setdefault(r["quantizer"], []).append(r)
+        assert r["matches_reference"] is not False
+    assert all(len(v) == 2 for v in by_kernel.values())
+    worst = [t for t in targets({"quantize": rows}, "cuda") if t["target"].startswith("every Triton quantizer")][0]
+    assert worst["value"] == min(max(r["vs_copy"] for r in v) for v in by_kernel.values())
 
 
 def test_quantize_catches_a_wrong_triton_quantizer():
@@ -369,6 +399,8 @@ def test_task_shaped_rollout_batch_is_opt_in_for_a_users_model(given, model, wan
     (["gemm", "--device", "tpu"], "--device 'tpu': allowed cpu, cuda"),
     (["train", "--seq", "1"], "--seq must be >= 2"),
     (["gemm", "--profile", "p"], "--profile applies to the rollout and train modes"),
+    (["quantize", "--warps", "8,7"], "--warps: '7' is not a warp count (allowed 4, 8, 16, 32, comma-separated)"),
+    (["gemm", "--warps", "8"], "--warps applies to the quantize mode"),
 ])
 def test_bad_input_is_one_line(args, msg):
     res = runner.invoke(app, ["bench", *args, "--no-history"])
@@ -533,3 +565,28 @@ def test_short_calls_are_timed_back_to_back_on_a_gpu(monkeypatch):
     calls.clear()
     long = bench.measure(call(0.05), s)
     assert long["calls"] == 1 and long["s"] == pytest.approx(0.05) and len(calls) == 1 + 1 + 3
+
+
+def test_train_rows_say_when_the_cuda_allocator_made_a_step_wait():
+    """On a GPU each train row counts the caching allocator's retries and cudaMalloc / cudaFree calls in
+    one more step (``allocator_events``); the table says so when there were any (a step near the
+    memory limit waits on them), and nothing when there were none."""
+    import io
+
+    from rich.console import Console
+
+    from jetrl_cli import bench as bench_mod
+
+    out = bench("train", "--train-batch", 2, "--seq", 8, "--flows", "bf16", "--layers", 1, *FAST)
+    row = out["results"]["train"][0]
+    assert "allocator_per_step" not in row  # CPU: no allocator to ask
+
+    def text(events):
+        con = Console(width=120, file=io.StringIO())
+        bench_mod.render({**out, "results": {"train": [{**row, "allocator_per_step": events}]}}, con)
+        return con.file.getvalue()
+
+    quiet = dict.fromkeys(bench_mod.ALLOCATOR_EVENTS, 0)
+    assert "allocator" not in text(quiet)
+    line = "bf16: per step, the CUDA allocator retried 2 allocations, called cudaMalloc 7 and cudaFree 5 times"
+    assert line in text({**quiet, "num_alloc_retries": 2, "num_device_alloc": 7, "num_device_free": 5})

@@ -187,3 +187,32 @@ def test_three_ranks_uneven_shares_match_with_the_fixed_order_reduction(tmp_path
             assert g[k] == pytest.approx(r[k], rel=1e-5, abs=1e-6), k
     first = [s["tokens"] for s in samples(single) if s["step"] == 1]
     assert [s["tokens"] for s in samples(native) if s["step"] == 1] == first  # same weights at step 1
+
+
+# ---------------------------------------------------------------------------------- GPU
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("exact", ["0", "1"])
+def test_one_nccl_rank_reproduces_the_plain_gpu_run(tmp_path, exact):
+    """Issue 17's GPU target: ``jetrl run --nproc 1`` on a GPU (torchrun, NCCL for CUDA tensors, FSDP2
+    over one rank; FSDP's own reduce-scatter and sharded norm by default, ``JETRL_EXACT_REDUCTION=1``
+    the fixed-order sum) against the plain run on the same GPU with the same seed: the same rollout
+    tokens and rewards, and every metric equal (one rank's reduce-scatter is its own gradient)."""
+    cfg = ["model.device=cuda", "train.steps=3", "rollout.prompts_per_step=4", "rollout.n=4",
+           "train.micro_batch=8", "eval.every=0", "run.checkpoint_every=0"]
+    plain, ranked = tmp_path / "plain", tmp_path / "ranked"
+    jetrl("run", "fp8-unified", "-o", plain, *sets(cfg))
+    jetrl("run", "fp8-unified", "--nproc", 1, "-o", ranked, *sets(cfg), extra_env={"JETRL_EXACT_REDUCTION": exact})
+    ref, got = metrics(plain), metrics(ranked)
+    assert [m["step"] for m in got] == [m["step"] for m in ref] and len(ref) == 4
+    assert [(s["group"], s["tokens"], s["reward"]) for s in samples(ranked)] == [
+        (s["group"], s["tokens"], s["reward"]) for s in samples(plain)]
+    assert got == ref

@@ -418,3 +418,79 @@ def test_no_capture_stream_means_eager_decoding_said_why(model):
     assert _samples(eng, sp) == _samples(_engine(model, f, static=False), sp)
     assert eng.graphs.disabled == "capture failed: RuntimeError: CUDA driver version is insufficient for CUDA runtime version"
     assert eng.graphs.captures == 0
+
+
+def test_a_capture_gets_its_own_cublas_workspace_inside_the_graph_pool(monkeypatch):
+    """``_CudaGraphAPI.record`` drops torch's cuBLAS workspaces right before the capture (so the
+    captured GEMMs allocate theirs inside the graph's pool, which lives as long as the graph) and
+    right after it (so eager GEMMs never use pool memory), also when the capture fails: a workspace
+    from the eager warm-up, captured by address, was freed by ``torch.compile``'s CUDA graphs
+    (``transformers``' static-cache ``generate()``) and then released by the next engine's capture,
+    and the first engine's replay hit an illegal memory access on an H100."""
+    from jetrl_cli.engine import graphs as graphs_mod
+
+    events = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: events.append("clear"), raising=False)
+
+    @contextlib.contextmanager
+    def capture(graph, pool=None, stream=None):
+        events.append(("capture", graph, pool, stream))
+        yield
+        events.append("captured")
+
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    api = graphs_mod._CudaGraphAPI()
+    api.stream = "side stream"
+    assert api.record("g", "pool", lambda: events.append("step") or "logits") == "logits"
+    assert events == ["clear", ("capture", "g", "pool", "side stream"), "step", "captured", "clear"]
+    events.clear()
+    with pytest.raises(RuntimeError, match="not permitted"):
+        api.record("g", "pool", lambda: (_ for _ in ()).throw(RuntimeError("operation not permitted")))
+    assert events[0] == "clear" and events[-1] == "clear"
+
+
+REPLAY_AFTER_WORKSPACES_FREED = r"""
+import torch
+from jetrl_cli.engine.base import make_payload
+from jetrl_cli.engine.embedded import EmbeddedEngine
+from jetrl_cli.engine.sampling import SamplingParams
+from jetrl_cli.models.shapes import random_model
+from jetrl_cli.models.tiny import tiny_config
+from jetrl_cli.precision import named_flow
+
+f = named_flow("bf16")
+m = random_model(tiny_config("qwen2", hidden=512, layers=2, vocab=4096), seed=5, std=0.05).cuda()
+sp = SamplingParams(max_new_tokens=40, temperature=1.0, n=4)
+prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+eager = EmbeddedEngine(m, f, 64, max_batch=32, cuda_graphs=False)
+eager.load_weights(make_payload(m, f))
+want = [[c.tokens for c in g] for g in eager.generate(prompts, sp, 11)]
+a = EmbeddedEngine(m, f, 64, max_batch=32, cuda_graphs=True)
+a.load_weights(make_payload(m, f))
+assert [[c.tokens for c in g] for g in a.generate(prompts, sp, 11)] == want  # a's graphs captured
+torch._C._cuda_clearCublasWorkspaces()  # what torch.compile's CUDA graphs do at each recording
+b = EmbeddedEngine(m, f, 64, max_batch=32, cuda_graphs=True)  # its capture calls empty_cache()
+b.load_weights(make_payload(m, f))
+b.generate(prompts, sp, 11)
+junk = [torch.full((1 << 20,), float("nan"), device="cuda") for _ in range(64)]  # reuse freed memory
+got = [[c.tokens for c in g] for g in a.generate(prompts, sp, 11)]  # a's graphs replayed
+torch.cuda.synchronize()
+assert a.graphs.disabled is None and a.graphs.captures >= 1, a.graphs.disabled
+assert got == want, "a replayed graph sampled other tokens"
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graphs_replay_after_torch_compile_frees_the_cublas_workspaces(tmp_path):
+    """The H100 crash, reduced: engine a captures its decode graphs; cuBLAS workspaces are freed (as
+    ``torch.compile``'s CUDA graphs free them); engine b captures (``empty_cache``) and memory is
+    reallocated; a's replays must still sample the eager tokens. In a subprocess: an illegal memory
+    access kills the CUDA context."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", REPLAY_AFTER_WORKSPACES_FREED], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]

@@ -9,8 +9,11 @@ needed) accept the operands of all three GEMMs of a linear layer.
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from jetrl_cli.kernels import layouts
+from jetrl_cli.kernels.fp8 import _divisor, _quotient
 from jetrl_cli.precision.formats import Block, Format
 from jetrl_cli.precision.quant import CastSpec, QTensor, dequantize, quantize
 
@@ -583,3 +586,148 @@ def test_quantizers_are_bit_exact_on_the_gpu(pow2):
         ref = quantize(x, CastSpec(fmt, B128, pow2))
         assert same_data(q.data, ref.data) and same_scales(q.scale, ref.scale)
         assert same_data(qt.data, ref.data.t()) and same_scales(qt.scale, ref.scale.t())
+
+
+# ------------------------------------------------------------------ the division by a group's scale
+
+
+def fresh_gen():
+    """A generator seeded from the OS (a different draw every run); its seed is in the failure message."""
+    seed = torch.seed()
+    return torch.Generator().manual_seed(seed), seed
+
+
+def hard_quotients(m, k, fmax, g, midpoints):
+    """fp32 (m, k) rows whose 1x128 groups each have a random non-power-of-two scale s = amax / fmax and
+    whose other values lie within 3 ulps of ``midpoint * s``: quotients at the target format's rounding
+    ties, where a quotient 1 ulp off rounds the other way. ``midpoints``: (n,) fp32 values to draw from."""
+    amax = (1 + torch.rand(m, k // 128, 1, generator=g)) * torch.exp2(torch.randint(-30, 30, (m, k // 128, 1), generator=g).float())
+    s = amax / fmax  # fp32, correctly rounded: the reference's scale of each group
+    mid = midpoints[torch.randint(0, len(midpoints), (m, k // 128, 128), generator=g)]
+    sign = torch.randint(0, 2, mid.shape, generator=g).float() * 2 - 1
+    x = (sign * mid) * s
+    x = (x.view(torch.int32) + torch.randint(-3, 4, x.shape, generator=g, dtype=torch.int32)).view(torch.float32)
+    x = x.clamp(-amax, amax)
+    x[..., 0] = amax[..., 0] * (torch.rand(m, k // 128, generator=g) < 0.5).float().mul(2).sub(1)  # the group's amax
+    x[..., 1] = 0.0
+    x[..., 2] = -0.0  # zeros keep their sign
+    return x.reshape(m, k)
+
+
+def fp8_midpoints(fmt):
+    """Every tie between neighbouring finite non-negative values of ``fmt`` (as fp32)."""
+    v = torch.arange(256, dtype=torch.uint8).view(fmt.torch_dtype()).float()
+    v = v[v.isfinite() & (v >= 0)].unique().sort().values
+    return (v[1:] + v[:-1]) / 2
+
+
+def naive_bytes(x, spec):
+    """What multiplying by 1 / scale instead of dividing would give (the test inputs must tell them apart)."""
+    fmt = spec.format
+    xs = x.reshape(x.shape[0], -1, 128)
+    r = 1 / quantize(x, spec).scale.reshape(x.shape[0], -1, 1)
+    return bytes_of((xs * r).clamp(-fmt.max, fmt.max).to(fmt.torch_dtype()).reshape(x.shape))
+
+
+@triton.jit
+def quotient_kernel(x_ptr, s_ptr, q_ptr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x, s = tl.load(x_ptr + i), tl.load(s_ptr + i)
+    tl.store(q_ptr + i, _quotient(x, s, _divisor(s, False)))
+
+
+@needs_triton
+def test_quotient_by_a_reciprocal_is_the_correctly_rounded_division():
+    """``fp8._quotient`` (x * (1/s) and two FMA corrections) against IEEE division, bit for bit, on fresh
+    random pairs over the scales' whole range, on scales whose significand ends in ones, on quotients
+    near FP8 and INT8 rounding ties, and on zeros, subnormals and tiny x; the uncorrected product
+    differs on these inputs (so they test the corrections)."""
+    from jetrl_cli.kernels import fp8 as module
+
+    assert module.MARKSTEIN  # this interpreter's FMA rounds once (else the kernels divide)
+    g, seed = fresh_gen()
+    n = 1 << 16
+    s = (1 + torch.rand(6, n, generator=g)) * torch.exp2(torch.randint(-64, 100, (6, n), generator=g).float())
+    ones = (1 << 23) - (1 << torch.randint(0, 12, (n,), generator=g))  # significands ending in 12..23 ones
+    s[1] = ((torch.randint(0, 1 << 23, (n,), generator=g) | ones) & ((1 << 23) - 1) | (127 << 23)).int().view(
+        torch.float32) * torch.exp2(torch.randint(-64, 100, (n,), generator=g).float())
+    x = (torch.rand(6, n, generator=g) * 2 - 1) * s * 448
+    x[1] = (torch.rand(n, generator=g) * 2 - 1) * s[1] * 127
+    for row, mids in ((2, fp8_midpoints(E4)), (3, fp8_midpoints(E5)), (4, torch.arange(127) + 0.5)):
+        x[row] = mids[torch.randint(0, len(mids), (n,), generator=g)] * s[row]
+        x[row] = (x[row].view(torch.int32) + torch.randint(-3, 4, (n,), generator=g, dtype=torch.int32)).view(torch.float32)
+    x[5] = torch.randn(n, generator=g) * torch.exp2(torch.randint(-149, -100, (n,), generator=g).float())  # tiny x
+    x[5, :4] = torch.tensor([0.0, -0.0, 1e-45, -1e-45])
+    x, s = x.reshape(-1).contiguous(), s.reshape(-1).contiguous()
+    x, s = x.to(dev()), s.to(dev())
+    q = torch.empty_like(x)
+    quotient_kernel[(x.numel() // 4096,)](x, s, q, BLOCK=4096)
+    x, s, q = x.cpu(), s.cpu(), q.cpu()
+    ref = x / s
+    wrong = (q.view(torch.int32) != ref.view(torch.int32)).nonzero()[:, 0]
+    wrong = wrong[wrong < 5 * n]  # the tiny x's quotients are checked below
+    assert len(wrong) == 0, f"seed {seed}: {len(wrong)} quotients differ, first x={x[wrong[0]].item()!r} s={s[wrong[0]].item()!r}"
+    naive = x * (1 / s)
+    assert (naive.view(torch.int32) != ref.view(torch.int32))[:5 * n].sum() > 100  # the inputs need the corrections
+    # quotients far below every format's smallest step (x tiny, the residual subnormal): not always the
+    # correctly rounded fp32 value, but the same sign and the same FP8 and INT8 values
+    tiny_q, tiny_ref = q[5 * n:], ref[5 * n:]
+    assert torch.equal(tiny_q.signbit(), tiny_ref.signbit()) and tiny_q.abs().max() < 2.0**-20, seed
+    for fmt in (E4, E5):
+        assert torch.equal(bytes_of(tiny_q.to(fmt.torch_dtype())), bytes_of(tiny_ref.to(fmt.torch_dtype()))), seed
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", [E4, E5])
+def test_quantizers_round_quotients_at_ties_as_the_reference(fp8, fmt):
+    """The quantizers' data at FP8 rounding ties (values within 3 ulps of ``midpoint * scale``, fresh
+    random draws) and at the group's amax: the 1x128 rows and 128x1 columns of ``quantize_act`` and
+    the weight quantizer's 128x128 blocks; a multiply by 1 / scale gets some of them wrong."""
+    g, seed = fresh_gen()
+    x = hard_quotients(128, 256, fmt.max, g, fp8_midpoints(fmt))
+    spec = CastSpec(fmt, B1x128)
+    assert (naive_bytes(x, spec) != bytes_of(quantize(x, spec).data)).sum() > 20, seed
+    # groups whose amax / scale rounds above fmt_max (the scale rounded down): the cast, not a clamp,
+    # brings them to fmt_max in the kernels
+    assert (x.reshape(128, 2, 128).abs() / quantize(x, spec).scale.reshape(128, 2, 1) > fmt.max).any(), seed
+    rows, _ = fp8.quantize_act(x.to(dev()), fmt, cols=False)
+    assert same_data(rows.data.cpu(), quantize(x, spec).data), f"seed {seed}"
+    xt = x.t().contiguous()  # 128x1 groups of xt are the 1x128 groups of x
+    _, cols = fp8.quantize_act(xt.to(dev()), fmt, rows=False)
+    assert same_data(cols.data.cpu(), quantize(x, spec).data), f"seed {seed}"
+    # a 128x128 block: one scale; rows of x scaled to the first row's amax, which stays the largest
+    w = x[:, :128] / x[:, :1].abs() * x[0, 0].abs()
+    w = (w.view(torch.int32) + torch.randint(-3, 4, w.shape, generator=g, dtype=torch.int32)).view(torch.float32)
+    w[0, 0] = w.abs().max() * 1.0001
+    ref_w = quantize(w, CastSpec(fmt, B128))
+    q = fp8.quantize_weight(w.to(dev()), fmt)
+    assert same_data(q.data.cpu(), ref_w.data) and same_scales(q.scale.cpu()[:1, :1], ref_w.scale), f"seed {seed}"
+    assert (bytes_of((w * (1 / ref_w.scale)).clamp(-fmt.max, fmt.max).to(fmt.torch_dtype())) != bytes_of(ref_w.data)).any()
+
+
+@needs_triton
+def test_quantize_rows_for_int8_rounds_halves_as_the_reference():
+    """INT8 per-row quantization of values within 3 ulps of ``(k + 1/2) * scale`` (fresh random draws):
+    bit for bit the reference, where a multiply by 1 / scale rounds some of them the other way."""
+    from jetrl_cli.kernels import int8
+
+    g, seed = fresh_gen()
+    x = hard_quotients(64, 128, 127.0, g, torch.arange(127) + 0.5)
+    spec = CastSpec(Format.INT8, Block(1, 0))
+    ref = quantize(x, spec)
+    naive = ((x * (1 / ref.scale)).clamp(-127, 127).round()).to(torch.int8)
+    assert (naive != ref.data).sum() > 20, seed
+    assert (x.abs() / ref.scale > 127).any(), seed  # rounded above 127: the kernel does not clamp
+    got = int8.quantize_rows(x.to(dev()), spec)
+    assert torch.equal(got.data.cpu(), ref.data) and torch.equal(got.scale.cpu(), ref.scale), f"seed {seed}"
+
+
+def test_quantizers_refuse_floors_below_the_smallest_scale_they_divide_by():
+    """Scales below 2^-64 would break the reciprocal's division (1 / s, the residual's range): such an
+    ``amax_floor`` is refused with a message naming the bound (the caller then uses the reference)."""
+    pytest.importorskip("triton")
+    from jetrl_cli.kernels import fp8, int8
+
+    assert "amax_floor >=" in fp8.unsupported(None, E4, 448 * 2.0**-65)
+    assert fp8.unsupported(None, E4, 448 * 2.0**-64) is None
+    assert "amax_floor >=" in int8.unsupported(torch.ones(2, 3), CastSpec(Format.INT8, Block(1, 0), amax_floor=1e-30))

@@ -202,3 +202,19 @@ def test_no_fp8_quantizer_clamps_with_nan_propagating_min_max(report):
                                                       "swiglu_grad_quantize"}, sorted({k["case"] for k in writers})
     for k in writers:
         assert not any(".NaN" in op for op in k["ptx_fp"]), (k["case"], sorted(set(k["ptx_fp"])))
+
+
+def test_quantizers_divide_once_per_group_not_per_element(report):
+    """The act and weight quantizers divide a group's scale into 1 once and multiply each element by
+    it, with two FMA corrections (``kernels.fp8._quotient``): far fewer IEEE divisions (``FCHK``, one
+    per ``div_rn``) than elements per thread. Dividing each element (``tl.div_rn(x, s)``, as the
+    first H100 run did) put 148 of them into the fused 1x128 + 128x1 quantizer's 64 elements per
+    thread, each a multi-function-unit reciprocal, a range check and ~6 FMAs: most of its work."""
+    by_case = {k["case"]: k for k in report["kernels"]}
+    for case in ("quantize_act pow2=False", "quantize_act rows pow2=False", "quantize_act cols pow2=False",
+                 "quantize_weight pow2=False"):
+        k = by_case[case]
+        per_thread = 128 * 128 // (32 * k["num_warps"])
+        divisions = k["sass_fp"].get("FCHK", 0)
+        assert divisions <= 0.7 * per_thread, (case, divisions, per_thread)
+        assert k["sass_fp"].get("FFMA", 0) >= 2 * per_thread  # the corrections are there

@@ -148,7 +148,28 @@ class _CudaGraphAPI:
 
     def record(self, graph, pool, fn):
         """Capture ``fn`` into ``graph`` on the warm-up's stream (nothing runs; torch synchronizes the
-        device first); returns its output tensor, which every ``graph.replay()`` rewrites."""
+        device first); returns its output tensor, which every ``graph.replay()`` rewrites.
+
+        cuBLAS (and cuBLASLt: ``matmul``, ``_scaled_mm``) runs with a workspace torch keeps per handle
+        and stream, allocated at its first use: by the eager warm-up, outside the graph's memory pool.
+        A captured GEMM keeps that address, but torch frees such workspaces whenever someone calls
+        ``torch._C._cuda_clearCublasWorkspaces()`` -- ``torch.compile``'s CUDA graphs do, at every
+        warm-up and recording (``transformers``' static-cache ``generate()``) -- and the next capture's
+        ``empty_cache()`` hands the freed memory back to the driver: a later replay then reads and
+        writes memory that is gone (the H100's "illegal memory access" beside ``transformers``, only
+        once a second engine had captured). So, as torch's own CUDA-graph trees do, the workspaces
+        are dropped before the capture, which then allocates its own inside the graph's pool (kept
+        while the graph lives), and dropped again after it, so eager work never uses pool memory."""
         self.prepare()
-        with torch.cuda.graph(graph, pool=pool, stream=self.stream):
-            return fn()
+        _clear_cublas_workspaces()
+        try:
+            with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                return fn()
+        finally:
+            _clear_cublas_workspaces()
+
+
+def _clear_cublas_workspaces() -> None:
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()

@@ -893,6 +893,11 @@ def _reads_cache_as_stored(x: torch.Tensor, cache: KVCache, mask: Masking, heads
     fp8 = cache.spec is not None and cache.kv.dtype in _FP8
     if not fp8 and (cache.kv.dtype is not torch.bfloat16 or mask.invariant):
         return False
+    if fp8:
+        from ..kernels.fp8 import unsupported
+
+        if unsupported(None, cache.spec.format, cache.spec.amax_floor) is not None:  # a floor below the kernels'
+            return False
     op = KV_READ if fp8 else BF16_READ
     choice = kernel_choice(op, x.device) or _choose_cache_read(op, x.device, cache, heads)
     return choice["runs"] if mask.invariant else choice["kernel"] == CACHE_KERNELS[op][0]
