@@ -238,18 +238,28 @@ def profile_once(fn, s: Settings, name: str) -> dict:
     cuda = s.device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
         fn()
         if cuda:
             torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
     ops = prof.key_averages()
     table = ops.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=PROFILE_ROWS)
     out = {"profile": os.path.join(s.profile_dir, _file_name(name) + ".txt")}
+    text = f"{name}: one run under torch.profiler ({s.device})\n{table}\n"
     if cuda:
         out["device_kernels"] = sum(e.count for e in ops if e.device_type == DeviceType.CUDA)
+        # is the run host-bound? the kernels' summed time against the run's wall time (both under the
+        # profiler, which adds host time of its own), and where the host's time went
+        out["profile_wall_s"] = wall
+        out["profile_kernel_s"] = sum(e.self_device_time_total for e in ops if e.device_type == DeviceType.CUDA) / 1e6
+        host = ops.table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS)
+        text += (f"\nwall {wall * 1e3:.1f} ms, kernels {out['profile_kernel_s'] * 1e3:.1f} ms (summed), "
+                 f"{out['device_kernels']} kernels\n\nthe same run's ops by host (CPU) self time:\n{host}\n")
     os.makedirs(s.profile_dir, exist_ok=True)
     tmp = out["profile"] + ".tmp"
     with open(tmp, "w") as f:
-        f.write(f"{name}: one run under torch.profiler ({s.device})\n{table}\n")
+        f.write(text)
     os.replace(tmp, out["profile"])
     return out
 
