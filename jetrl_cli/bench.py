@@ -496,6 +496,11 @@ def bench_quantize(s: Settings) -> list[dict]:
             with kernels.tile_warps(w):
                 timed(shape, "fp8 1x128 + 128x1 fused", "triton", lambda: kernels.quantize_act(x), moved, copy_bw,
                       warps=w, sqnr_db=sqnr, matches_reference=None)
+                # the same two outputs from two reads of x, each kernel with more programs per SM: the
+                # same bytes written, so the same "moved" (which of the two is faster decides the design)
+                timed(shape, "fp8 1x128 + 128x1 as two kernels", "triton",
+                      lambda: (kernels.quantize_act(x, cols=False), kernels.quantize_act(x, rows=False)), moved,
+                      copy_bw, warps=w, sqnr_db=sqnr, matches_reference=None)
         if k % 128 == 0:  # the SwiGLU backward of an MLP with I = k
             _, copy = kernels.swiglu_quantize(torch.cat([x, x.flip(0)], 1), save=True)  # [g, u]'s FP8 copy
             outs = kernels.swiglu_grad_quantize(copy, x, dtype, pad_tokens_to=128, h_cols=True)

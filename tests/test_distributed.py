@@ -213,6 +213,15 @@ def test_one_nccl_rank_reproduces_the_plain_gpu_run(tmp_path, exact):
     jetrl("run", "fp8-unified", "--nproc", 1, "-o", ranked, *sets(cfg), extra_env={"JETRL_EXACT_REDUCTION": exact})
     ref, got = metrics(plain), metrics(ranked)
     assert [m["step"] for m in got] == [m["step"] for m in ref] and len(ref) == 4
-    assert [(s["group"], s["tokens"], s["reward"]) for s in samples(ranked)] == [
-        (s["group"], s["tokens"], s["reward"]) for s in samples(plain)]
-    assert got == ref
+    picked = [(s["step"], s["group"], s["tokens"], s["reward"]) for s in samples(ranked)]
+    want = [(s["step"], s["group"], s["tokens"], s["reward"]) for s in samples(plain)]
+    if exact == "1":  # the fixed-order sum and the whole-gradient norm: the plain run's numbers
+        assert picked == want and got == ref
+        return
+    # FSDP's sharded gradient norm may sum in another order: the first step (same weights, same
+    # seeds) samples the same tokens; its loss and gradient norm agree to float rounding
+    first = min(s[0] for s in want)
+    assert [s for s in picked if s[0] == first] == [s for s in want if s[0] == first]
+    for key in ("loss", "grad_norm", "reward_mean", "mismatch_kl"):
+        a, b = got[1][key], ref[1][key]
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (key, a, b)

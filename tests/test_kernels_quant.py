@@ -731,3 +731,20 @@ def test_quantizers_refuse_floors_below_the_smallest_scale_they_divide_by():
     assert "amax_floor >=" in fp8.unsupported(None, E4, 448 * 2.0**-65)
     assert fp8.unsupported(None, E4, 448 * 2.0**-64) is None
     assert "amax_floor >=" in int8.unsupported(torch.ones(2, 3), CastSpec(Format.INT8, Block(1, 0), amax_floor=1e-30))
+
+
+@needs_triton
+def test_gemm_operands_fall_back_to_the_reference_below_the_kernels_floor(fp8):
+    """A flow whose ``amax_floor`` is under the kernels' bound (legal: any positive floor is) gets its
+    GEMM operands from the reference quantizer, with the same values, never a ValueError from a kernel."""
+    from jetrl_cli.precision import gemm
+
+    be = (gemm.ScaledMMBackend(),)
+    x = spread(130, 256, seed=3).to(dev())
+    low = CastSpec(E4, B1x128, amax_floor=1e-20)  # above 448 * 2^-126, below 448 * 2^-64
+    assert gemm.kernel_quantizers(x, be, CastSpec(E4, B1x128)) is fp8
+    assert gemm.kernel_quantizers(x, be, low) is None
+    rows, cols = gemm.cast_pair(x, low, CastSpec(E4, B128x1, amax_floor=1e-20), (be[0], be[0]))
+    ref = quantize(x, low)
+    assert same_data(layouts.to_gemm_layout(rows).data, ref.data)
+    assert gemm.cast_weight_pair(x[:128], CastSpec(E4, B128, amax_floor=1e-20), be) is None

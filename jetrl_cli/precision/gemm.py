@@ -610,7 +610,7 @@ def cast_pair(x: torch.Tensor, rows: CastSpec | None, cols: CastSpec | None, bac
     multiple of 128 (what blockwise ``scaled_mm`` needs; the product is unchanged). Otherwise each
     is cast on its own by its backend. Bit-identical either way."""
     be_rows, be_cols = backends
-    tri = kernel_quantizers(x, backends) if x.dim() == 2 and one_read_pair(rows, cols) else None
+    tri = kernel_quantizers(x, backends, rows or cols) if x.dim() == 2 and one_read_pair(rows, cols) else None
     if tri is not None:
         c = rows or cols
         return tri.quantize_act(x, c.format, c.pow2_scale, c.amax_floor, rows=rows is not None,
@@ -640,21 +640,23 @@ def cast_weight_pair(w: torch.Tensor, spec: CastSpec, backends) -> tuple | None:
     transposes W's operand: the block grid is transpose-symmetric, so the values are the same)."""
     if not (spec.format.is_fp8 and spec.block == Block(TILE, TILE) and w.dim() == 2):
         return None
-    tri = kernel_quantizers(w, backends)
+    tri = kernel_quantizers(w, backends, spec)
     if tri is None:
         return None
     return tri.quantize_weight(w, spec.format, spec.pow2_scale, spec.amax_floor, transposed=True)
 
 
-def kernel_quantizers(x: torch.Tensor, backends):
-    """``jetrl_cli.kernels.fp8`` where its Triton quantizers cast ``x`` for a GEMM: one of ``backends``
-    is a kernel backend (``scaled_mm``, ``triton``: the ones that read their layouts) and Triton runs
-    where ``x`` is (a GPU, or the interpreter); else None (the reference quantizes, to the same bits)."""
+def kernel_quantizers(x: torch.Tensor, backends, spec: CastSpec):
+    """``jetrl_cli.kernels.fp8`` where its Triton quantizers cast ``x`` for a GEMM under ``spec``: one of
+    ``backends`` is a kernel backend (``scaled_mm``, ``triton``: the ones that read their layouts),
+    Triton runs where ``x`` is (a GPU, or the interpreter) and the kernels take ``spec``'s format and
+    floor; else None (the reference quantizes, to the same bits)."""
     if not any(getattr(b, "name", "") in ("scaled_mm", "triton") for b in backends):
         return None
     if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return None
-    return triton_fp8_kernels()
+    fp8 = triton_fp8_kernels()
+    return fp8 if fp8 is not None and fp8.unsupported(None, spec.format, spec.amax_floor) is None else None
 
 
 def triton_fp8_kernels():

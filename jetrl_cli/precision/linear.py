@@ -324,7 +324,7 @@ def _stack_fp8(mods, hit, owner: nn.Module, key: tuple) -> QTensor | None:
     backends = (backend_for(spec, "fprop", dev), backend_for(p.dgrad, "dgrad", dev))
     if resolve(spec, "fprop", dev).backend == "emulated" or backends[1].name == "emulated":
         return None  # (the emulated backend multiplies the exact form: concat_operands, dgrad_weight)
-    tri = kernel_quantizers(w0, backends)
+    tri = kernel_quantizers(w0, backends, spec.b)
     if tri is None:
         return None
     held = owner.__dict__.get("_jet_group_dgrad")
@@ -558,14 +558,7 @@ def _fp8_input_kernels(prec: LinearPrecision, x: torch.Tensor):
     a = prec.fprop.a
     if not (a.format.is_fp8 and a.block == Block(1, TILE)):
         return None
-    return _quantizers_for(x, (backend_for(prec.fprop, "fprop", x.device),), a)
-
-
-def _quantizers_for(x: torch.Tensor, backends, cast: CastSpec):
-    """``kernels.fp8`` where its Triton quantizers cast for one of ``backends`` where ``x`` is
-    (``kernel_quantizers``) and take ``cast``'s format and floor; else None."""
-    fp8 = kernel_quantizers(x, backends)
-    return fp8 if fp8 is not None and fp8.unsupported(None, cast.format, cast.amax_floor) is None else None
+    return kernel_quantizers(x, (backend_for(prec.fprop, "fprop", x.device),), a)
 
 
 @dataclass
@@ -1076,7 +1069,7 @@ def _swiglu_t_kernel(q, gu_dtype: torch.dtype, wg: GemmSpec):
             and b.block == Block(TILE, 1) and gu_dtype in (torch.bfloat16, torch.float32)
             and q.data.shape[-1] % (2 * TILE) == 0 and q.data.stride(-1) == 1):
         return None
-    return _quantizers_for(q.data, (backend_for(wg, "wgrad", q.data.device),), b)
+    return kernel_quantizers(q.data, (backend_for(wg, "wgrad", q.data.device),), b)
 
 
 def _swiglu_down_forward(st, gu2: torch.Tensor, group: _Group, save: CastSpec | None, kernel) -> tuple:
@@ -1200,7 +1193,7 @@ def _dgu_casts(mods: tuple, down: "JetLinear", x: torch.Tensor) -> tuple | None:
     dg, wg = prec.dgrad, prec.wgrad
     if not one_read_pair(dg.a, wg.a):
         return None
-    fp8 = _quantizers_for(x, (backend_for(dg, "dgrad", x.device), backend_for(wg, "wgrad", x.device)), dg.a)
+    fp8 = kernel_quantizers(x, (backend_for(dg, "dgrad", x.device), backend_for(wg, "wgrad", x.device)), dg.a)
     return None if fp8 is None else (fp8, dg.a, wg.a)
 
 
