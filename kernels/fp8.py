@@ -115,9 +115,11 @@ FP_FUSION = True
 #   at 16 warps: fused act  96 / 1680, 1x128-only 57 / 560,  weight  59 / 520, SwiGLU backward 127 / 5168
 # 16 warps issue 18-38% more instructions per tile (the per-thread fixed work is spread over half
 # the elements) but keep twice the warps in flight per SM (the fused and SwiGLU kernels run one
-# program per SM either way: 8 or 16 warps). Which is faster is for ``jetrl bench quantize --warps
-# 8,16`` on a GPU to say (unmeasured); the bits do not depend on it (every reduction is a max, every
-# other step elementwise).
+# program per SM either way: 8 or 16 warps). Triton 3.6 (the H100 machine's) takes more registers:
+# at 8 warps 224 (fused act), 114 (1x128), 128 (weight), 255 (SwiGLU backward); at 16 warps 127, 64,
+# 63, and the SwiGLU kernels spill (88-120 bytes of stack per thread). Which is faster is for
+# ``jetrl bench quantize --warps 8,16`` on a GPU to say (unmeasured); the bits do not depend on it
+# (every reduction is a max, every other step elementwise).
 NUM_WARPS = 8
 
 
