@@ -180,7 +180,7 @@ def _group_scale(amax, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constex
 
 
 @triton.jit
-def _divisor(s, POW2: tl.constexpr):
+def _divisor(s):
     """``1 / s`` correctly rounded: one IEEE division per scale (a group's, not each element's); exact
     for a power of two."""
     return tl.div_rn(1.0, s)
@@ -204,7 +204,7 @@ def _quotient(x, s, r):
 
 
 @triton.jit
-def _scaled(x, s, r, FMAX: tl.constexpr, POW2: tl.constexpr):
+def _scaled(x, s, r, POW2: tl.constexpr):
     """``x / s`` in fp32, NaN kept (the cast to FP8 or INT8 follows); ``r`` is ``_divisor(s)``.
 
     The reference's clamp to [-fmt_max, fmt_max] is left out: it changes nothing. ``|x| <= amax``
@@ -228,7 +228,7 @@ def _scaled(x, s, r, FMAX: tl.constexpr, POW2: tl.constexpr):
 def _rows_quantized(x, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr):
     """A tile's 1x128 quantization, one group per row: ``(x / s in fp32, s)``."""
     s = _group_scale(_amax(_abs_bits(x), 1), FMAX, FLOOR, POW2)
-    return _scaled(x, s[:, None], _divisor(s, POW2)[:, None], FMAX, POW2), s
+    return _scaled(x, s[:, None], _divisor(s)[:, None], POW2), s
 
 
 @triton.jit
@@ -237,7 +237,7 @@ def _store_cols(x, s, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, K, M_PAD, FMAX
     """A tile's 128x1 quantization with its column scales ``s``, written as x^T (K, M_PAD) and its
     (K, gM) scale grid, strides (1, K); padding tokens are zeros even in a NaN group."""
     tl.store(st_ptr + pm.to(tl.int64) * K + rk, s, mask=col_ok)
-    q = _scaled(x, s[None, :], _divisor(s, POW2)[None, :], FMAX, POW2)
+    q = _scaled(x, s[None, :], _divisor(s)[None, :], POW2)
     if ZERO_PAD:
         q = tl.where(row_ok[:, None], q, 0.0)
     tl.store(qt_ptr + rk.to(tl.int64)[:, None] * M_PAD + rm[None, :], tl.trans(q.to(OUT)),
@@ -283,7 +283,7 @@ def _store_tile(x, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk, rm, rk, row_ok, col_o
         s_col = _group_scale(_amax(ax, 0), FMAX, FLOOR, POW2)
     if ROWS:  # 1x128: one scale per row of the tile; data (M, K) row-major, scale (M, gK) column-major
         tl.store(sr_ptr + pk.to(tl.int64) * M + rm, s_row, mask=row_ok)
-        q = _scaled(x, s_row[:, None], _divisor(s_row, POW2)[:, None], FMAX, POW2)
+        q = _scaled(x, s_row[:, None], _divisor(s_row)[:, None], POW2)
         tl.store(qr_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :], q.to(OUT), mask=row_ok[:, None] & col_ok[None, :])
     if COLS:  # 128x1: one scale per column; written as x^T (K, M_PAD) and its (K, gM) grid, strides (1, K)
         _store_cols(x, s_col, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, K, M_PAD, FMAX, POW2, OUT, ZERO_PAD)
@@ -457,7 +457,7 @@ def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_wk, GK, L4
                 eviction_policy="evict_first").to(tl.float32)
     amax = tl.max(tl.max(_abs_bits(x), 1), 0).to(tl.float32, bitcast=True)
     s = _group_scale(amax, FMAX, FLOOR, POW2)
-    q = _scaled(x, s, _divisor(s, POW2), FMAX, POW2).to(OUT)
+    q = _scaled(x, s, _divisor(s), POW2).to(OUT)
     pad = tl.arange(0, 4)
     ones = tl.full((4,), 1.0, tl.float32)
     # scales into a buffer with rows L4 apart; the PAD_S entries after a row's GK (1.0) written by

@@ -633,7 +633,7 @@ def naive_bytes(x, spec):
 def quotient_kernel(x_ptr, s_ptr, q_ptr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x, s = tl.load(x_ptr + i), tl.load(s_ptr + i)
-    tl.store(q_ptr + i, _quotient(x, s, _divisor(s, False)))
+    tl.store(q_ptr + i, _quotient(x, s, _divisor(s)))
 
 
 @needs_triton
