@@ -452,8 +452,11 @@ def bench_quantize(s: Settings) -> list[dict]:
     dtype = torch.bfloat16 if s.device == "cuda" else torch.float32  # the activation dtype of each device
     dname = str(dtype).replace("torch.", "")
     kernels = _triton_quantizers(s.device)
-    warps = s.quant_warps or ((kernels.NUM_WARPS,) if kernels is not None else ())
+    warps = s.quant_warps or (None,)  # None: each kernel at its own default
     rows = []
+
+    def at(w, default):  # (context, the warps a row ran at)
+        return (kernels.tile_warps(w), w) if w else (contextlib.nullcontext(), default)
 
     def timed(shape, name, backend, fn, moved, copy_bw, **extra):
         t = measure(fn, s)
@@ -481,11 +484,12 @@ def bench_quantize(s: Settings) -> list[dict]:
             if kernels is not None and triton_quantize(x, spec) is not None:
                 impls += [("triton", w, lambda spec=spec: triton_quantize(x, spec)) for w in warps]
             for backend, w, fn in impls:
-                with kernels.tile_warps(w) if w else contextlib.nullcontext():
+                ctx, ran = at(w, kernels.NUM_WARPS) if backend == "triton" else (contextlib.nullcontext(), None)
+                with ctx:
                     got = fn()
                     same = torch.equal(got.data.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(
                         got.scale.nan_to_num(-1.0), q.scale.nan_to_num(-1.0))
-                    timed(shape, name, backend, fn, moved, copy_bw, **({"warps": w} if w else {}),
+                    timed(shape, name, backend, fn, moved, copy_bw, **({"warps": ran} if ran else {}),
                           sqnr_db=error_stats(x.float(), dequantize(got))["sqnr_db"], matches_reference=same)
         if kernels is None:
             continue
@@ -493,14 +497,15 @@ def bench_quantize(s: Settings) -> list[dict]:
         moved = x.numel() * x.element_size() + r.nbytes() + c.nbytes()
         sqnr = error_stats(x.float(), dequantize(r))["sqnr_db"]
         for w in warps:
-            with kernels.tile_warps(w):
+            ctx, ran = at(w, kernels.NUM_WARPS)
+            with ctx:
                 timed(shape, "fp8 1x128 + 128x1 fused", "triton", lambda: kernels.quantize_act(x), moved, copy_bw,
-                      warps=w, sqnr_db=sqnr, matches_reference=None)
+                      warps=ran, sqnr_db=sqnr, matches_reference=None)
                 # the same two outputs from two reads of x, each kernel with more programs per SM: the
                 # same bytes written, so the same "moved" (which of the two is faster decides the design)
                 timed(shape, "fp8 1x128 + 128x1 as two kernels", "triton",
                       lambda: (kernels.quantize_act(x, cols=False), kernels.quantize_act(x, rows=False)), moved,
-                      copy_bw, warps=w, sqnr_db=sqnr, matches_reference=None)
+                      copy_bw, warps=ran, sqnr_db=sqnr, matches_reference=None)
         if k % 128 == 0:  # the SwiGLU backward of an MLP with I = k
             _, copy = kernels.swiglu_quantize(torch.cat([x, x.flip(0)], 1), save=True)  # [g, u]'s FP8 copy
             outs = kernels.swiglu_grad_quantize(copy, x, dtype, pad_tokens_to=128, h_cols=True)
@@ -510,10 +515,11 @@ def bench_quantize(s: Settings) -> list[dict]:
             want = torch.cat([gy * u * sig * (1 + g * (1 - sig)), gy * g * sig], 1)
             sqnr = error_stats(want, dequantize(outs[0]).float())["sqnr_db"]
             for w in warps:
-                with kernels.tile_warps(w):
+                ctx, ran = at(w, kernels.SWIGLU_WARPS)
+                with ctx:
                     timed(shape, "fp8 SwiGLU backward (d[g,u] 1x128 + 128x1, h^T)", "triton",
                           lambda: kernels.swiglu_grad_quantize(copy, x, dtype, pad_tokens_to=128, h_cols=True),
-                          moved, copy_bw, warps=w, sqnr_db=sqnr, matches_reference=None)
+                          moved, copy_bw, warps=ran, sqnr_db=sqnr, matches_reference=None)
     return rows
 
 

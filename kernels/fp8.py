@@ -109,7 +109,8 @@ MIN_SCALE = 2.0**-64  # the smallest scale the kernels take (``_quotient``'s pre
 # its default turns from on to off in 3.10, which would change the GEMMs' and reductions' last bits
 # between Triton versions. On, as every measurement and compile check here was made.
 FP_FUSION = True
-# Warps of the 128x128-tile kernels (act, weight and SwiGLU backward quantizers). Compiled for sm_90a
+# Warps of the 128x128-tile kernels: ``NUM_WARPS`` for the act and weight quantizers, ``SWIGLU_WARPS``
+# for the SwiGLU backward's (``swiglu_quantize_t``, ``swiglu_grad_quantize``). Compiled for sm_90a
 # (Triton 3.9; registers per thread / SASS instructions per thread, 128x128 tile):
 #   at 8 warps:  fused act 171 / 2432, 1x128-only 99 / 952, weight 103 / 840, SwiGLU backward 204 / 8712
 #   at 16 warps: fused act  96 / 1680, 1x128-only 57 / 560,  weight  59 / 520, SwiGLU backward 127 / 5168
@@ -120,20 +121,21 @@ FP_FUSION = True
 # 63, and the SwiGLU kernels spill (88-120 bytes of stack per thread). Which is faster is for
 # ``jetrl bench quantize --warps 8,16`` on a GPU to say (unmeasured); the bits do not depend on it
 # (every reduction is a max, every other step elementwise).
-NUM_WARPS = 8
+NUM_WARPS = 8  # the act and weight quantizers
+SWIGLU_WARPS = 8  # the SwiGLU backward kernels (swiglu_quantize_t, swiglu_grad_quantize): they spill at 16 with 3.6
 
 
 @contextlib.contextmanager
 def tile_warps(n: int):
-    """Launch the 128x128-tile kernels at ``n`` warps inside the block (``jetrl bench quantize --warps``)."""
-    global NUM_WARPS
+    """Launch every 128x128-tile kernel at ``n`` warps inside the block (``jetrl bench quantize --warps``)."""
+    global NUM_WARPS, SWIGLU_WARPS
     if n not in (4, 8, 16, 32):
         raise ValueError(f"tile_warps: allowed 4, 8, 16 or 32 warps, got {n}")
-    old, NUM_WARPS = NUM_WARPS, n
+    old, NUM_WARPS, SWIGLU_WARPS = (NUM_WARPS, SWIGLU_WARPS), n, n
     try:
         yield
     finally:
-        NUM_WARPS = old
+        NUM_WARPS, SWIGLU_WARPS = old
 
 
 def _interpreter_fma_is_exact() -> bool:
@@ -652,7 +654,7 @@ def swiglu_quantize_t(gu: QTensor, gu_dtype: torch.dtype, fmt: Format = Format.F
         _swiglu_quant_t_kernel[(cdiv(m_pad, TILE), i // TILE)](
             gu.data, gu.scale, qt, st, m, i, m_pad, gu.data.stride(0), gu.scale.stride(0), gu.scale.stride(1),
             FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], ROUND_BF16=gu_dtype is torch.bfloat16,
-            INTERPRET=_interpreting(), ZERO_PAD=m_pad > m, T=TILE, num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION)
+            INTERPRET=_interpreting(), ZERO_PAD=m_pad > m, T=TILE, num_warps=SWIGLU_WARPS, enable_fp_fusion=FP_FUSION)
     return QTensor(qt, st, CastSpec(fmt, Block(1, TILE), pow2_scale, amax_floor))
 
 
@@ -693,7 +695,7 @@ def swiglu_grad_quantize(gu: QTensor, gy: torch.Tensor, out_dtype: torch.dtype, 
             gu.data, gu.scale, gy, *(t if t is not None else dummy for t in (qr, sr, qt, st, qh, sh)), m, i, m_pad,
             gu.data.stride(0), gu.scale.stride(0), gu.scale.stride(1), gy.stride(0), gy.stride(1), FMAX=fmt.max,
             FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], ROUND_BF16=out_dtype is torch.bfloat16,
-            INTERPRET=_interpreting(), ROWS=rows, COLS=cols, ZERO_PAD=m_pad > m, T=TILE, num_warps=NUM_WARPS,
+            INTERPRET=_interpreting(), ROWS=rows, COLS=cols, ZERO_PAD=m_pad > m, T=TILE, num_warps=SWIGLU_WARPS,
             enable_fp_fusion=FP_FUSION)
     spec = CastSpec(fmt, Block(1, TILE), pow2_scale, amax_floor)
     return tuple(QTensor(q, sc, spec) if q is not None else None for q, sc in ((qr, sr), (qt, st), (qh, sh)))
