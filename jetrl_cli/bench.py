@@ -1081,7 +1081,8 @@ ALLOCATOR_EVENTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", 
 def allocator_events(step) -> dict:
     """What CUDA's caching allocator did during one more ``step()`` (after the timed ones): its
     retries (an allocation that failed, freed the cache and tried again: a device-wide
-    synchronisation), and its ``cudaMalloc`` / ``cudaFree`` calls (each a synchronising driver call).
+    synchronisation), and its ``cudaMalloc`` / ``cudaFree`` calls (slow driver calls; ``cudaFree``
+    waits for the device).
     A steady training step at a fixed shape should show none; a step near the memory limit shows
     them, and its time then includes waits the GPU's kernels do not account for."""
     before = torch.cuda.memory_stats()
