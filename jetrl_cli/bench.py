@@ -452,7 +452,7 @@ def bench_quantize(s: Settings) -> list[dict]:
     dtype = torch.bfloat16 if s.device == "cuda" else torch.float32  # the activation dtype of each device
     dname = str(dtype).replace("torch.", "")
     kernels = _triton_quantizers(s.device)
-    warps = s.quant_warps or (None,)  # None: each kernel at its own default
+    warps = s.quant_warps or (None,)  # None: each kernel as it runs here (on a GPU: the timed choice)
     rows = []
 
     def at(w, default):  # (context, the warps a row ran at)
@@ -484,7 +484,8 @@ def bench_quantize(s: Settings) -> list[dict]:
             if kernels is not None and triton_quantize(x, spec) is not None:
                 impls += [("triton", w, lambda spec=spec: triton_quantize(x, spec)) for w in warps]
             for backend, w, fn in impls:
-                ctx, ran = at(w, kernels.NUM_WARPS) if backend == "triton" else (contextlib.nullcontext(), None)
+                ctx, ran = (at(w, kernels.launch_config(x, False)[0]) if backend == "triton"
+                            else (contextlib.nullcontext(), None))
                 with ctx:
                     got = fn()
                     same = torch.equal(got.data.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(
@@ -497,15 +498,13 @@ def bench_quantize(s: Settings) -> list[dict]:
         moved = x.numel() * x.element_size() + r.nbytes() + c.nbytes()
         sqnr = error_stats(x.float(), dequantize(r))["sqnr_db"]
         for w in warps:
-            ctx, ran = at(w, kernels.NUM_WARPS)
-            with ctx:
-                timed(shape, "fp8 1x128 + 128x1 fused", "triton", lambda: kernels.quantize_act(x), moved, copy_bw,
-                      warps=ran, sqnr_db=sqnr, matches_reference=None)
-                # the same two outputs from two reads of x, each kernel with more programs per SM: the
-                # same bytes written, so the same "moved" (which of the two is faster decides the design)
-                timed(shape, "fp8 1x128 + 128x1 as two kernels", "triton",
-                      lambda: (kernels.quantize_act(x, cols=False), kernels.quantize_act(x, rows=False)), moved,
-                      copy_bw, warps=ran, sqnr_db=sqnr, matches_reference=None)
+            w = w or kernels.launch_config(x, True)[0]  # the pair's warps as chosen here, both ways
+            for one, name in ((True, "fp8 1x128 + 128x1 fused"), (False, "fp8 1x128 + 128x1 as two kernels")):
+                # two kernels: two reads of x, each kernel with more programs per SM; the same bytes
+                # written, so the same "moved" (``launch_config`` picks the faster on a GPU)
+                with kernels.tile_warps(w, one_kernel=one):
+                    timed(shape, name, "triton", lambda: kernels.quantize_act(x), moved, copy_bw, warps=w,
+                          sqnr_db=sqnr, matches_reference=None)
         if k % 128 == 0:  # the SwiGLU backward of an MLP with I = k
             _, copy = kernels.swiglu_quantize(torch.cat([x, x.flip(0)], 1), save=True)  # [g, u]'s FP8 copy
             outs = kernels.swiglu_grad_quantize(copy, x, dtype, pad_tokens_to=128, h_cols=True)

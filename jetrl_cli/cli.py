@@ -534,7 +534,7 @@ def bench_cmd(
     profile: Annotated[Optional[Path], typer.Option("--profile", help="rollout/train: run each row once more under torch.profiler and write its ops by self time (device time on a GPU) to DIR/ROW.txt.")] = None,
     no_fuse: Annotated[bool, typer.Option("--no-fuse", metavar="", help="On a GPU: run RMSNorm, SwiGLU and RoPE op by op (model.fuse: false), to measure what fusing them gives.")] = False,
     no_cuda_graphs: Annotated[bool, typer.Option("--no-cuda-graphs", metavar="", help="rollout: the embedded engines decode eagerly (rollout.cuda_graphs: false), to measure what graphs give or to rule them out.")] = False,
-    warps: Annotated[Optional[str], typer.Option("--warps", help="quantize: time the 128x128-tile Triton quantizers at each of these warp counts, e.g. 8,16 (allowed 4, 8, 16, 32; default: the kernels' own).")] = None,
+    warps: Annotated[Optional[str], typer.Option("--warps", help="quantize: time the 128x128-tile Triton quantizers at each of these warp counts, e.g. 8,16 (allowed 4, 8, 16, 32; default: as timed and chosen on this device).")] = None,
     no_transformers: Annotated[bool, typer.Option("--no-transformers", metavar="", help="rollout/train: skip the transformers baseline rows (on an H100, static-cache generate() in the same process as two or more embedded engines once ended in a CUDA illegal memory access; see docs/benchmarks.md).")] = False,
 ):
     """Throughput per flow next to BF16: GEMMs, quantizers, rollout (vs generate()), training step, end to end."""

@@ -59,8 +59,8 @@ per-element work small:
   multiply and four FMAs (the division, below; one multiply with pow2 scales) and half a packed
   cvt: 38 SASS instructions per element for the fused quantizer (2432 per thread at 8 warps, 64
   elements each), everything counted. Nothing is read twice and nothing is written twice.
-- 8 warps hold the fp32 tile in 64 registers per thread (``NUM_WARPS``: 16 is the alternative,
-  timed by ``jetrl bench quantize --warps 8,16``); the grid is (token tiles, K tiles), for 8192 x 8192
+- 8 warps hold the fp32 tile in 64 registers per thread (``NUM_WARPS``; on a GPU 8 or 16, as timed
+  at the first call, ``launch_config``; ``jetrl bench quantize --warps 8,16`` times both); the grid is (token tiles, K tiles), for 8192 x 8192
   4096 programs of 64 KB of traffic each: many waves over 132 SMs, a short tail. What the compiler
   makes of it (sm_90a, Triton 3.9, ``tests/sm90_compile.py``; no spills): the fused 1x128 + 128x1
   quantizer takes 171 registers per thread, so ONE program per SM (65536 / (171 x 256) < 2), whose
@@ -121,21 +121,84 @@ FP_FUSION = True
 # 63, and the SwiGLU kernels spill (88-120 bytes of stack per thread). Which is faster is for
 # ``jetrl bench quantize --warps 8,16`` on a GPU to say (unmeasured); the bits do not depend on it
 # (every reduction is a max, every other step elementwise).
-NUM_WARPS = 8  # the act and weight quantizers
+NUM_WARPS = 8  # the act and weight quantizers where nothing was timed (CPU, the interpreter): below
 SWIGLU_WARPS = 8  # the SwiGLU backward kernels (swiglu_quantize_t, swiglu_grad_quantize): they spill at 16 with 3.6
+
+# On a GPU the act and weight quantizers' launch configuration is timed once per device, at the first
+# eager call (``_choose_tiles``): the warps of a quantizer alone (8 or 16, timed as the 1x128
+# quantizer), and for the 1x128 + 128x1 pair of one tensor (the training step's Fprop and Wgrad
+# copies) its warps and whether it is one kernel (one read of x, one program per SM) or two (two
+# reads, more programs per SM). The bits are the same whichever runs (tested); the choice is reported
+# with the GEMM backends (``backend_report``: op ``TILES_OP``).
+TILES_OP = "fp8 quantizer tiles"
+WARP_CHOICES = (8, 16)
+TIMING_SHAPE = (4096, 4096)  # bf16 tokens x features the choice is timed on
+_FORCED: tuple[int, bool] | None = None  # (warps, pair in one kernel) while set by tile_warps or the timing
 
 
 @contextlib.contextmanager
-def tile_warps(n: int):
-    """Launch every 128x128-tile kernel at ``n`` warps inside the block (``jetrl bench quantize --warps``)."""
-    global NUM_WARPS, SWIGLU_WARPS
+def tile_warps(n: int, one_kernel: bool = True):
+    """Launch every 128x128-tile kernel at ``n`` warps inside the block, the 1x128 + 128x1 pair as one
+    kernel or two (``jetrl bench quantize --warps``), instead of the device's timed choice."""
+    global _FORCED, SWIGLU_WARPS
     if n not in (4, 8, 16, 32):
         raise ValueError(f"tile_warps: allowed 4, 8, 16 or 32 warps, got {n}")
-    old, NUM_WARPS, SWIGLU_WARPS = (NUM_WARPS, SWIGLU_WARPS), n, n
+    old, _FORCED, SWIGLU_WARPS = (_FORCED, SWIGLU_WARPS), (n, one_kernel), n
     try:
         yield
     finally:
-        NUM_WARPS, SWIGLU_WARPS = old
+        _FORCED, SWIGLU_WARPS = old
+
+
+def launch_config(x: torch.Tensor, pair: bool) -> tuple[int, bool]:
+    """``(warps, one kernel)`` for an act or weight quantizer of ``x`` (``pair``: the 1x128 + 128x1 pair)."""
+    if _FORCED is not None:
+        return _FORCED
+    if not x.is_cuda:
+        return NUM_WARPS, True
+    from jetrl_cli.precision.gemm import kernel_choice
+
+    c = kernel_choice(TILES_OP, x.device) or _choose_tiles(x.device)
+    return (c["pair_warps"], c["one_kernel"]) if pair else (c["warps"], True)
+
+
+def _choose_tiles(device: torch.device) -> dict:
+    """Time the quantizers' launch configurations on ``device`` (``launch_config``) and record the
+    fastest with ``note_kernel``; while a CUDA graph is being captured nothing can be timed: the
+    defaults, unrecorded (an engine's first decode step runs eagerly before its capture)."""
+    global _FORCED
+    from jetrl_cli.precision.gemm import device_time_ms, note_kernel
+
+    default = {"warps": NUM_WARPS, "pair_warps": NUM_WARPS, "one_kernel": True}
+    try:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    except Exception:  # noqa: BLE001 - no stream to ask (no usable driver): nothing can be timed
+        capturing = True
+    if capturing:
+        return default
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(TIMING_SHAPE, generator=g).to(device, torch.bfloat16)
+    runs = {"1x128": lambda: quantize_act(x, cols=False), "pair": lambda: quantize_act(x, pad_tokens_to=TILE)}
+    t = {}
+    try:
+        for w in WARP_CHOICES:
+            for what, one in (("1x128", True), ("pair", True), ("pair", False)):
+                _FORCED = (w, one)
+                t[(what if what == "1x128" else f"pair as {'one kernel' if one else 'two kernels'}", w)] = \
+                    device_time_ms(runs[what], device)
+    except Exception as e:  # noqa: BLE001 - nothing timed: the defaults, said why
+        return note_kernel(TILES_OP, device, f"{NUM_WARPS} warps, the pair as one kernel",
+                           f"not timed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})",
+                           **default)
+    finally:
+        _FORCED = None
+    w1 = min(WARP_CHOICES, key=lambda w: t[("1x128", w)])
+    pair, wp = min((k for k in t if k[0] != "1x128"), key=t.get)
+    m, k = TIMING_SHAPE
+    why = f"timed on {m} x {k} bf16: " + ", ".join(f"{what} at {w} warps {ms:.3f} ms" for (what, w), ms in t.items())
+    return note_kernel(TILES_OP, device, f"{w1} warps; the 1x128 + 128x1 {pair} at {wp} warps", why, warps=w1,
+                       pair_warps=wp, one_kernel=pair == "pair as one kernel",
+                       timings_ms={f"{what} @ {w}": ms for (what, w), ms in t.items()})
 
 
 def _interpreter_fma_is_exact() -> bool:
@@ -574,11 +637,13 @@ def quantize_act(x: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale: boo
     qt, st = _cols_out(k, m_pad, dt, dev) if cols else (None, None)
     if (rows or cols) and gm * gk > 0:
         dummy = torch.empty(1, dtype=torch.float32, device=dev)
-        _act_quant_kernel[(gm, gk)](
-            x, qr if rows else dummy, sr if rows else dummy, qt if cols else dummy, st if cols else dummy,
-            m, k, m_pad, x.stride(0), x.stride(1), FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale,
-            OUT=_TL_FP8[fmt], ROWS=rows, COLS=cols, ZERO_PAD=cols and m_pad > m, T=TILE, num_warps=NUM_WARPS,
-            enable_fp_fusion=FP_FUSION)
+        warps, one = launch_config(x, rows and cols)
+        for r, c in ((rows, cols),) if one else ((True, False), (False, True)):  # the pair: one read of x, or two
+            _act_quant_kernel[(cdiv(m_pad if c else m, TILE), gk)](
+                x, qr if r else dummy, sr if r else dummy, qt if c else dummy, st if c else dummy,
+                m, k, m_pad, x.stride(0), x.stride(1), FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale,
+                OUT=_TL_FP8[fmt], ROWS=r, COLS=c, ZERO_PAD=c and m_pad > m, T=TILE, num_warps=warps,
+                enable_fp_fusion=FP_FUSION)
     spec = CastSpec(fmt, Block(1, TILE), pow2_scale, amax_floor)
     return (QTensor(qr, sr, spec) if rows else None), (QTensor(qt, st, spec) if cols else None)
 
@@ -808,13 +873,14 @@ def _weight_stack(ws, fmt: Format, pow2_scale: bool, amax_floor: float, transpos
         st = torch.empty((gk, padded_groups(total)), dtype=torch.float32, device=dev) if transposed else None
         wt = QTensor(torch.empty((k, total), dtype=dt, device=dev), st[:, :gtot], spec) if transposed else None
     start = 0
+    warps = launch_config(ws[0], False)[0]
     for w, n in zip(ws, sizes):  # the layer's rows of W and of s (rows L4 apart: each row's pads after its K blocks)
         gn, g0 = cdiv(n, TILE), start // TILE
         if gn * gk:
             _weight_quant_kernel[(gn, gk)](
                 w, wq.data[start:start + n], s[g0:], n, k, w.stride(0), w.stride(1), gk, s.stride(0), s.shape[1] - gk,
                 FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], T=TILE,
-                num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION)
+                num_warps=warps, enable_fp_fusion=FP_FUSION)
         start += n
     if transposed:  # the layers' W^T side by side is the stack's transpose: its bytes and block scales
         # copied by torch (on sm_90, Triton 3.6, the kernel's tl.trans of a tile wrote garbage into

@@ -748,3 +748,68 @@ def test_gemm_operands_fall_back_to_the_reference_below_the_kernels_floor(fp8):
     ref = quantize(x, low)
     assert same_data(layouts.to_gemm_layout(rows).data, ref.data)
     assert gemm.cast_weight_pair(x[:128], CastSpec(E4, B128, amax_floor=1e-20), be) is None
+
+
+# ------------------------------------------------------------------ the launch configuration
+
+
+@needs_triton
+@pytest.mark.parametrize("warps", [8, 16])
+def test_the_pair_as_two_kernels_or_at_other_warps_writes_the_same_bits(fp8, warps):
+    """``quantize_act``'s 1x128 + 128x1 pair from one kernel (one read of x) or two, at 8 or 16 warps:
+    the same data and scales (the choice a GPU times, ``launch_config``, changes no bit)."""
+    x = spread(200, 384, seed=5, dtype=torch.bfloat16)
+    want = fp8.quantize_act(x, pad_tokens_to=128)
+    for one in (True, False):
+        with fp8.tile_warps(warps, one_kernel=one):
+            got = fp8.quantize_act(x, pad_tokens_to=128)
+            w = fp8.quantize_weight(x.float(), transposed=True)
+        for a, b in zip(got, want):
+            assert same_data(a.data, b.data) and same_scales(a.scale, b.scale)
+        ref = quantize(x.float(), CastSpec(E4, B128))
+        assert same_data(w[0].data, ref.data) and same_data(w[1].data, ref.data.t())
+
+
+@needs_triton
+def test_the_launch_configuration_is_timed_once_per_device_and_reported(fp8, monkeypatch):
+    """On a GPU the first act or weight quantizer times the 1x128 quantizer and the 1x128 + 128x1
+    pair (one kernel, two kernels) at 8 and 16 warps and keeps the fastest of each, reported with the
+    GEMM backends; a timing that fails keeps the defaults and says why; during a graph capture
+    nothing is timed or recorded. (Here on CPU tensors in the interpreter, with scripted times.)"""
+    from jetrl_cli.precision import gemm
+
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    monkeypatch.setattr(fp8, "TIMING_SHAPE", (130, 256))
+    ms = {(8, "1x128"): 2.0, (8, True): 3.0, (8, False): 2.5, (16, "1x128"): 1.0, (16, True): 4.0, (16, False): 5.0}
+    timed = []
+
+    def device_time_ms(fn, device):
+        out = fn()  # it runs, under the configuration being timed
+        w, one = fp8._FORCED
+        what = "1x128" if out[1] is None else one
+        timed.append((w, what))
+        return ms[(w, what)]
+
+    monkeypatch.setattr(gemm, "device_time_ms", device_time_ms)
+    dev = torch.device("cpu")
+    got = fp8._choose_tiles(dev)
+    assert sorted(timed, key=str) == sorted(ms, key=str) and fp8._FORCED is None
+    assert (got["warps"], got["pair_warps"], got["one_kernel"]) == (16, 8, False)
+    assert gemm.kernel_choice(fp8.TILES_OP, dev) is got
+    assert got["kernel"] == "16 warps; the 1x128 + 128x1 pair as two kernels at 8 warps"
+    assert got["why"].startswith("timed on 130 x 256 bf16: 1x128 at 8 warps 2.000 ms")
+    assert any(k.get("op") == fp8.TILES_OP for k in gemm.backend_report()["kernels"])
+
+    def broken(fn, device):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(gemm, "device_time_ms", broken)
+    got = fp8._choose_tiles(dev)
+    assert (got["warps"], got["pair_warps"], got["one_kernel"]) == (fp8.NUM_WARPS, fp8.NUM_WARPS, True)
+    assert got["why"] == "not timed (RuntimeError: operation not permitted when stream is capturing)"
+    assert fp8._FORCED is None
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert fp8._choose_tiles(torch.device("cuda"))["one_kernel"] is True
+    assert gemm.kernel_choice(fp8.TILES_OP, torch.device("cuda")) is None  # decided at the next eager call
+    assert fp8.launch_config(torch.zeros(2, 2), True) == (fp8.NUM_WARPS, True)  # CPU tensors: the defaults
