@@ -472,11 +472,15 @@ def _residual(x_at, d_at, k, ok, HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr, 
 
 
 @triton.jit
-def _rms_norm_quant_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, r_ptr, q_ptr, sc_ptr, M, N, eps,
-                           stride_xm, stride_dm, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr,
-                           OUT: tl.constexpr, HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr,
+def _rms_norm_quant_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, r_ptr, q_ptr, sc_ptr, M, eps,
+                           stride_xm, stride_dm, N: tl.constexpr, FMAX: tl.constexpr, FLOOR: tl.constexpr,
+                           POW2: tl.constexpr, OUT: tl.constexpr, HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr,
                            Y_BF16: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_R: tl.constexpr,
                            INTERPRET: tl.constexpr, BM: tl.constexpr, T: tl.constexpr):
+    # Both passes unrolled (N, the model's width, is a compile-time constant) and the first pass
+    # free of stores, so its loads of every 128-wide chunk issue back to back: a decode step's few
+    # rows (16 programs at 64 rows) wait for memory once, not once per chunk (12 at width 1536). The
+    # arithmetic and its order are the loop's.
     pm = tl.program_id(0)
     rm = pm * BM + tl.arange(0, BM)
     rk = tl.arange(0, T)
@@ -485,21 +489,21 @@ def _rms_norm_quant_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, r_ptr, q_ptr, sc_p
     x_at = x_ptr + rows * stride_xm
     d_at = d_ptr + rows * stride_dm
     ss = tl.zeros((BM, T), dtype=tl.float32)  # a running sum of squares per lane, in K order
-    for k0 in range(0, N, T):
+    for k0 in tl.static_range(0, N, T):
         k = k0 + rk
         ok = row_ok[:, None] & (k < N)[None, :]
         s = _residual(x_at, d_at, k, ok, HAS_DELTA, S_BF16, INTERPRET)
-        if HAS_DELTA:
-            tl.store(s_ptr + rows * N + k[None, :], s.to(s_ptr.dtype.element_ty), mask=ok)
         ss += s * s
-    ms = tl.div_rn(tl.sum(ss, axis=1), N.to(tl.float32))
+    ms = tl.div_rn(tl.sum(ss, axis=1), tl.full((BM,), N, tl.float32))
     r = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))  # correctly rounded, as the batch-invariant RMSNorm
     if WRITE_R:
         tl.store(r_ptr + rm, r, mask=row_ok)
-    for kb in range(0, tl.cdiv(N, T)):
+    for kb in tl.static_range(0, (N + T - 1) // T):
         k = kb * T + rk
         ok = row_ok[:, None] & (k < N)[None, :]
         s = _residual(x_at, d_at, k, ok, HAS_DELTA, S_BF16, INTERPRET)  # recomputed: pass 1's bits
+        if HAS_DELTA:
+            tl.store(s_ptr + rows * N + k[None, :], s.to(s_ptr.dtype.element_ty), mask=ok)
         y = s * r[:, None] * tl.load(w_ptr + k, mask=k < N, other=0.0).to(tl.float32)[None, :]
         if Y_BF16:  # the values a bf16 output holds: what is quantized
             y = _to_bf16(y, INTERPRET).to(tl.float32)
@@ -810,8 +814,8 @@ def rms_norm_quantize(x: torch.Tensor, delta: torch.Tensor | None, weight: torch
         dummy = q  # never written through: its flag is off
         _rms_norm_quant_kernel[(cdiv(m, NORM_ROWS),)](
             x, x if delta is None else delta, weight.contiguous(), s if s is not None else dummy,
-            y if write_y else dummy, r if rsqrt else sc, q, sc, m, n, float(eps), x.stride(0),
-            x.stride(0) if delta is None else delta.stride(0), FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale,
+            y if write_y else dummy, r if rsqrt else sc, q, sc, m, float(eps), x.stride(0),
+            x.stride(0) if delta is None else delta.stride(0), N=n, FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale,
             OUT=_TL_FP8[fmt], HAS_DELTA=delta is not None, S_BF16=s_dtype is torch.bfloat16,
             Y_BF16=out_dtype is torch.bfloat16, WRITE_Y=write_y, WRITE_R=rsqrt, INTERPRET=_interpreting(),
             BM=NORM_ROWS, T=TILE, num_warps=4, enable_fp_fusion=FP_FUSION)

@@ -44,13 +44,15 @@ _INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk,
+def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_xk, K: tl.constexpr,
                       FLOOR: tl.constexpr, POW2: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    # both passes unrolled (K is a compile-time constant): the amax pass's loads issue back to back,
+    # so a decode step's few rows wait for memory once, not once per BLOCK_K chunk
     rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rm < M
     x_row = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     amax = tl.zeros((ROWS,), dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.static_range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + rk[None, :] * stride_xk, mask=row_ok[:, None] & (rk < K)[None, :], other=0.0)
         amax = tl.maximum(amax, tl.max(_abs_bits(x.to(tl.float32)), 1))
@@ -58,7 +60,7 @@ def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk,
     tl.store(s_ptr + rm, s, mask=row_ok)
     r = _divisor(s)[:, None]
     q_row = q_ptr + rm.to(tl.int64)[:, None] * K
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.static_range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         inb = row_ok[:, None] & (rk < K)[None, :]
         x = tl.load(x_row + rk[None, :] * stride_xk, mask=inb, other=0.0).to(tl.float32)
@@ -118,7 +120,7 @@ def quantize_rows(x: torch.Tensor, spec: CastSpec) -> QTensor:
         block_k = min(triton.next_power_of_2(k), 1024)
         rows = max(1, min(16, 4096 // block_k))
         _row_quant_kernel[(triton.cdiv(m, rows),)](
-            x, q, s, m, k, x.stride(0), x.stride(1), FLOOR=spec.amax_floor, POW2=spec.pow2_scale, ROWS=rows,
+            x, q, s, m, x.stride(0), x.stride(1), K=k, FLOOR=spec.amax_floor, POW2=spec.pow2_scale, ROWS=rows,
             BLOCK_K=block_k, num_warps=4, enable_fp_fusion=FP_FUSION)
     return QTensor(q, s, spec)
 
