@@ -480,12 +480,16 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 @triton.jit
 def _log_softmax_kernel(x_ptr, y_ptr, N, stride_x, stride_y, BLOCK: tl.constexpr):
+    # Each chunk's load is issued one iteration ahead (a vocabulary is ~150 chunks: one memory wait
+    # per chunk otherwise, at a decode step's few rows); the arithmetic and its order are unchanged.
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = tl.full((BLOCK,), float("-inf"), tl.float32)  # per lane: running max and sum of exp(x - max)
     s = tl.zeros((BLOCK,), dtype=tl.float32)
+    ahead = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=float("-inf"))
     for c0 in range(0, N, BLOCK):
-        x = tl.load(x_ptr + row * stride_x + c0 + cols, mask=c0 + cols < N, other=float("-inf")).to(tl.float32)
+        x = ahead.to(tl.float32)
+        ahead = tl.load(x_ptr + row * stride_x + c0 + BLOCK + cols, mask=c0 + BLOCK + cols < N, other=float("-inf"))
         m_new = tl.maximum(m, x)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane with only -inf so far keeps s = 0
         s = s * tl.exp(m - m_use) + tl.exp(x - m_use)
@@ -493,9 +497,11 @@ def _log_softmax_kernel(x_ptr, y_ptr, N, stride_x, stride_y, BLOCK: tl.constexpr
     mx = tl.max(m, axis=0)
     mx_use = tl.where(mx == float("-inf"), 0.0, mx)
     lse = mx + tl.log(tl.sum(s * tl.exp(m - mx_use), axis=0))
+    ahead = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=0.0)
     for c0 in range(0, N, BLOCK):
         ok = c0 + cols < N
-        x = tl.load(x_ptr + row * stride_x + c0 + cols, mask=ok, other=0.0).to(tl.float32)
+        x = ahead.to(tl.float32)
+        ahead = tl.load(x_ptr + row * stride_x + c0 + BLOCK + cols, mask=c0 + BLOCK + cols < N, other=0.0)
         tl.store(y_ptr + row * stride_y + c0 + cols, x - lse, mask=ok)
 
 
