@@ -282,7 +282,8 @@ def kv_store(x: torch.Tensor, idx: torch.Tensor, data: torch.Tensor, scales: tor
     into an FP8 cache: row i (in (b, kv_heads, t) order) to ``data[idx[i]]`` and ``scales[idx[i]]``.
     ``data``: (rows, d) FP8, contiguous; ``scales``: (rows,) fp32. One kernel, where the reference
     (``quantize``, then two ``index_copy_``) is about ten; bit for bit the reference's data and scales
-    (the rules of ``kernels.fp8``: NaN-propagating amax, IEEE division, NaN kept by the clamp)."""
+    (the rules of ``kernels.fp8``: NaN-propagating amax, the IEEE quotient from the scale's reciprocal,
+    NaN kept)."""
     where = "kv_store"
     from jetrl_cli.precision.formats import Format
 

@@ -3,9 +3,11 @@
 - ``quantize_rows(x)``: ``precision.quant.quantize(x, int8 row)`` -- one scale per row (per token for
   activations, per output channel for weights), ``scale = max(amax, amax_floor) / 127`` (optionally
   rounded up to a power of two; NaN for a row holding a NaN or an infinity), data
-  ``round(clamp(x / scale, -127, 127))``, half to even, NaN -> 0. One program owns a few rows: a
-  first pass over K finds each row's amax (an integer max over the bits of |x|, as in ``fp8.py``),
-  a second quantizes and stores; the second pass reads what the first just read, from L2.
+  ``round(clamp(x / scale, -127, 127))``, half to even, NaN -> 0 (the quotient from the scale's
+  reciprocal, bit for bit IEEE division, and no clamp: ``fp8._quotient``, ``fp8._scaled``). One
+  program owns a few rows: a first pass over K finds each row's amax (an integer max over the bits
+  of |x|, as in ``fp8.py``), a second quantizes and stores; the second pass reads what the first just
+  read, from L2. Both passes are unrolled over K (a compile-time constant).
 - ``int8_mm(a, b)``: ``a @ b.T`` for INT8 operands with per-row (or per-tensor) scales: int8 x int8
   products summed in int32 (exact, in any order, while K * 127^2 < 2^31), then the scaled-GEMM
   backend's epilogue ``(float(acc) * scale_a) * scale_b`` in fp32, rounded to bf16 or kept fp32 --
