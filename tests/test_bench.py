@@ -100,13 +100,14 @@ def test_quantize_times_the_tile_kernels_at_each_warp_count():
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs a GPU or Triton's interpreter")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernels in the interpreter
     with fixed_fp8_conversion():
         res = runner.invoke(app, ["bench", "quantize", "--shapes", "130x256", "--warps", "8,16", "--repeats", "1",
-                                  "--warmup", "0", "--no-history"])
+                                  "--warmup", "0", "--no-history", "--device", device])
     assert res.exit_code == 0, res.output
     assert "16 warps" in res.stdout and "8 warps" in res.stdout  # the rows say which
     with fixed_fp8_conversion():
-        rows = bench("quantize", "--shapes", "130x256", "--warps", "8,16", *FAST)["results"]["quantize"]
+        rows = bench("quantize", "--shapes", "130x256", "--warps", "8,16", *FAST, device=device)["results"]["quantize"]
     tri = [r for r in rows if r.get("backend") == "triton"]
     assert sorted({r["warps"] for r in tri}) == [8, 16]
     by_kernel = {}

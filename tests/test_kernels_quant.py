@@ -775,7 +775,7 @@ def test_the_launch_configuration_is_timed_once_per_device_and_reported(fp8, mon
     """On a GPU the first act or weight quantizer times the 1x128 quantizer and the 1x128 + 128x1
     pair (one kernel, two kernels) at 8 and 16 warps and keeps the fastest of each, reported with the
     GEMM backends; a timing that fails keeps the defaults and says why; during a graph capture
-    nothing is timed or recorded. (Here on CPU tensors in the interpreter, with scripted times.)"""
+    nothing is timed or recorded. (Scripted times; on CPU the kernels run in the interpreter.)"""
     from jetrl_cli.precision import gemm
 
     monkeypatch.setattr(gemm, "_KERNELS", {})
@@ -791,11 +791,11 @@ def test_the_launch_configuration_is_timed_once_per_device_and_reported(fp8, mon
         return ms[(w, what)]
 
     monkeypatch.setattr(gemm, "device_time_ms", device_time_ms)
-    dev = torch.device("cpu")
-    got = fp8._choose_tiles(dev)
+    where = torch.device(dev())  # the GPU, or the CPU's interpreter
+    got = fp8._choose_tiles(where)
     assert sorted(timed, key=str) == sorted(ms, key=str) and fp8._FORCED is None
     assert (got["warps"], got["pair_warps"], got["one_kernel"]) == (16, 8, False)
-    assert gemm.kernel_choice(fp8.TILES_OP, dev) is got
+    assert gemm.kernel_choice(fp8.TILES_OP, where) is got
     assert got["kernel"] == "16 warps; the 1x128 + 128x1 pair as two kernels at 8 warps"
     assert got["why"].startswith("timed on 130 x 256 bf16: 1x128 at 8 warps 2.000 ms")
     assert any(k.get("op") == fp8.TILES_OP for k in gemm.backend_report()["kernels"])
@@ -804,7 +804,7 @@ def test_the_launch_configuration_is_timed_once_per_device_and_reported(fp8, mon
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(gemm, "device_time_ms", broken)
-    got = fp8._choose_tiles(dev)
+    got = fp8._choose_tiles(where)
     assert (got["warps"], got["pair_warps"], got["one_kernel"]) == (fp8.NUM_WARPS, fp8.NUM_WARPS, True)
     assert got["why"] == "not timed (RuntimeError: operation not permitted when stream is capturing)"
     assert fp8._FORCED is None
