@@ -481,10 +481,11 @@ def bench_quantize(s: Settings) -> list[dict]:
             q = quantize(x, spec)
             moved = x.numel() * x.element_size() + q.nbytes()
             impls = [("torch (reference)", None, lambda spec=spec: quantize(x, spec))]
+            tile = spec.format.is_fp8  # the 128x128-tile kernels (INT8 rows: one kernel, its own warps)
             if kernels is not None and triton_quantize(x, spec) is not None:
-                impls += [("triton", w, lambda spec=spec: triton_quantize(x, spec)) for w in warps]
+                impls += [("triton", w, lambda spec=spec: triton_quantize(x, spec)) for w in (warps if tile else (None,))]
             for backend, w, fn in impls:
-                ctx, ran = (at(w, kernels.launch_config(x, False)[0]) if backend == "triton"
+                ctx, ran = (at(w, kernels.launch_config(x, False)[0]) if backend == "triton" and tile
                             else (contextlib.nullcontext(), None))
                 with ctx:
                     got = fn()
