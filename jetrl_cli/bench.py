@@ -172,13 +172,7 @@ def check_device(device: str) -> None:
 def _timed(fn, cuda: bool):
     """(seconds, result) of one call: CUDA events after a synchronize, else the wall clock."""
     if cuda:
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        out = fn()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) / 1e3, out
+        return _timed_calls(fn, 1)
     t0 = time.perf_counter()
     out = fn()
     return time.perf_counter() - t0, out
@@ -192,16 +186,17 @@ TIMED_S = 0.02  # on a GPU: a timed run of a short call repeats it back to back 
 MAX_CALLS = 100
 
 
-def _timed_calls(fn, n: int) -> float:
-    """Seconds per call of ``n`` back-to-back calls between two CUDA events (after a synchronize)."""
+def _timed_calls(fn, n: int) -> tuple[float, object]:
+    """(seconds per call, the last call's result) of ``n`` back-to-back calls between two CUDA events
+    (after a synchronize)."""
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(n):
-        fn()
+        out = fn()
     b.record()
     torch.cuda.synchronize()
-    return a.elapsed_time(b) / 1e3 / n
+    return a.elapsed_time(b) / 1e3 / n, out
 
 
 def measure(fn, s: Settings) -> dict:
@@ -217,9 +212,9 @@ def measure(fn, s: Settings) -> dict:
         fn()
     if s.device != "cuda":
         return _stats([_timed(fn, False)[0] for _ in range(s.repeats)])
-    one = _timed_calls(fn, 1)
+    one = _timed_calls(fn, 1)[0]
     n = max(1, min(MAX_CALLS, int(TIMED_S / max(one, 1e-9))))
-    return {**_stats([_timed_calls(fn, n) for _ in range(s.repeats)]), "calls": n}
+    return {**_stats([_timed_calls(fn, n)[0] for _ in range(s.repeats)]), "calls": n}
 
 
 PROFILE_ROWS = 40  # ops in a profile's table

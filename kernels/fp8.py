@@ -99,6 +99,7 @@ import triton
 import triton.language as tl
 
 from jetrl_cli.precision.formats import Block, Format
+from jetrl_cli.precision.gemm import kernel_choice
 from jetrl_cli.precision.quant import DEFAULT_AMAX_FLOOR, CastSpec, QTensor
 
 from .layouts import cdiv, padded_groups, round_up, scale_buffer
@@ -156,8 +157,6 @@ def launch_config(x: torch.Tensor, pair: bool) -> tuple[int, bool]:
         return _FORCED
     if not x.is_cuda:
         return NUM_WARPS, True
-    from jetrl_cli.precision.gemm import kernel_choice
-
     c = kernel_choice(TILES_OP, x.device) or _choose_tiles(x.device)
     return (c["pair_warps"], c["one_kernel"]) if pair else (c["warps"], True)
 
@@ -167,7 +166,7 @@ def _choose_tiles(device: torch.device) -> dict:
     fastest with ``note_kernel``; while a CUDA graph is being captured nothing can be timed: the
     defaults, unrecorded (an engine's first decode step runs eagerly before its capture)."""
     global _FORCED
-    from jetrl_cli.precision.gemm import device_time_ms, note_kernel
+    from jetrl_cli.precision import gemm  # its timer and registry, looked up at the (one) call
 
     default = {"warps": NUM_WARPS, "pair_warps": NUM_WARPS, "one_kernel": True}
     try:
@@ -185,20 +184,20 @@ def _choose_tiles(device: torch.device) -> dict:
             for what, one in (("1x128", True), ("pair", True), ("pair", False)):
                 _FORCED = (w, one)
                 t[(what if what == "1x128" else f"pair as {'one kernel' if one else 'two kernels'}", w)] = \
-                    device_time_ms(runs[what], device)
+                    gemm.device_time_ms(runs[what], device)
     except Exception as e:  # noqa: BLE001 - nothing timed: the defaults, said why
-        return note_kernel(TILES_OP, device, f"{NUM_WARPS} warps, the pair as one kernel",
-                           f"not timed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})",
-                           **default)
+        return gemm.note_kernel(TILES_OP, device, f"{NUM_WARPS} warps, the pair as one kernel",
+                                f"not timed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})",
+                                **default)
     finally:
         _FORCED = None
     w1 = min(WARP_CHOICES, key=lambda w: t[("1x128", w)])
     pair, wp = min((k for k in t if k[0] != "1x128"), key=t.get)
     m, k = TIMING_SHAPE
     why = f"timed on {m} x {k} bf16: " + ", ".join(f"{what} at {w} warps {ms:.3f} ms" for (what, w), ms in t.items())
-    return note_kernel(TILES_OP, device, f"{w1} warps; the 1x128 + 128x1 {pair} at {wp} warps", why, warps=w1,
-                       pair_warps=wp, one_kernel=pair == "pair as one kernel",
-                       timings_ms={f"{what} @ {w}": ms for (what, w), ms in t.items()})
+    return gemm.note_kernel(TILES_OP, device, f"{w1} warps; the 1x128 + 128x1 {pair} at {wp} warps", why,
+                            warps=w1, pair_warps=wp, one_kernel=pair == "pair as one kernel",
+                            timings_ms={f"{what} @ {w}": ms for (what, w), ms in t.items()})
 
 
 def _interpreter_fma_is_exact() -> bool:
@@ -297,7 +296,7 @@ def _rows_quantized(x, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constex
 
 
 @triton.jit
-def _store_cols(x, s, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, K, M_PAD, FMAX: tl.constexpr,
+def _store_cols(x, s, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, K, M_PAD,
                 POW2: tl.constexpr, OUT: tl.constexpr, ZERO_PAD: tl.constexpr):
     """A tile's 128x1 quantization with its column scales ``s``, written as x^T (K, M_PAD) and its
     (K, gM) scale grid, strides (1, K); padding tokens are zeros even in a NaN group."""
@@ -351,7 +350,7 @@ def _store_tile(x, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk, rm, rk, row_ok, col_o
         q = _scaled(x, s_row[:, None], _divisor(s_row)[:, None], POW2)
         tl.store(qr_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :], q.to(OUT), mask=row_ok[:, None] & col_ok[None, :])
     if COLS:  # 128x1: one scale per column; written as x^T (K, M_PAD) and its (K, gM) grid, strides (1, K)
-        _store_cols(x, s_col, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, K, M_PAD, FMAX, POW2, OUT, ZERO_PAD)
+        _store_cols(x, s_col, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, K, M_PAD, POW2, OUT, ZERO_PAD)
 
 
 @triton.jit
@@ -425,7 +424,7 @@ def _store_h_cols(at, s_at, qt_ptr, st_ptr, pm, pk, rm, rk, row_ok, col_ok, inb,
         u = _to_bf16(u, INTERPRET).to(tl.float32)
     h = _silu_mul(g, u)  # as swiglu_quantize computes it
     s = _group_scale(_amax(_abs_bits(h), 0), FMAX, FLOOR, POW2)  # 128x1: one scale per column of h
-    _store_cols(h, s, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, FMAX, POW2, OUT, ZERO_PAD)
+    _store_cols(h, s, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, POW2, OUT, ZERO_PAD)
 
 
 @triton.jit
