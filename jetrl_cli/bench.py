@@ -1028,23 +1028,21 @@ def bench_train(s: Settings) -> list[dict]:
     common = {"model": label, "batch": n, "micro_batch": mb, "seq": t}
 
     def flow_row(name: str, flow) -> dict:
-        tr = Trainer(make(dev), flow, tcfg, ccfg, sp, t)
-        old = tr.score(batch)
+        peaks = PhasePeaks(s.device == "cuda")
+        tr, old = peaks("setup", lambda: _scored(Trainer(make(dev), flow, tcfg, ccfg, sp, t), batch))
         step = [0]
 
         def one():
             step[0] += 1
             tr.update(batch, adv, old, None, step[0])
 
-        tm = measure(one, s)
-        tm.update(profile_once(one, s, f"train-{name}"))
+        tm = timed_train_steps(one, s, peaks, f"train-{name}")
         first = batch if mb == n else batch.select(torch.arange(mb))  # what one forward saves
-        saved, _ = _saved_bytes(lambda: token_logprobs(tr.model, first, sp).sum())
+        saved, _ = peaks("saved-activations forward", lambda: _saved_bytes(lambda: token_logprobs(tr.model, first, sp).sum()))
         row = {"flow": name, "train": flow.train.linear.fprop.short_str(), "emulated": s.device == "cpu",
                **tm, "tokens_per_s": n * t / tm["s"], "saved_activation_bytes": saved, **common,
-               "gemm_backends": backend_report()}
+               "gemm_backends": backend_report(), **peaks.row()}
         if s.device == "cuda":
-            row["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
             row["allocator_per_step"] = allocator_events(one)
         return row
 
@@ -1070,6 +1068,87 @@ def bench_train(s: Settings) -> list[dict]:
 
 
 TRANSFORMERS_FLOW = "transformers"
+TRAINING_PHASES = ("setup", "first update", "updates")  # what a training run holds; the rest is the bench's own
+
+
+class PhasePeaks:
+    """A bench row's peak CUDA memory per phase (the allocator's peak is reset at each): ``setup``
+    (the model, trainer, reference logprobs), ``first update`` (the warm-up: optimizer state
+    created, kernels compiled and timed), ``updates`` (the timed ones), and the bench's own extra
+    runs (``profile``, ``memory record``, ``saved-activations forward``). ``row()``:
+    ``peak_memory_bytes``, the highest of the training phases, and ``peak_memory_by_phase``.
+    Nothing on CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.by_phase = cuda, {}
+
+    def __call__(self, phase: str, fn):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.by_phase[phase] = max(self.by_phase.get(phase, 0), torch.cuda.max_memory_allocated())
+        return out
+
+    def row(self) -> dict:
+        train = [v for k, v in self.by_phase.items() if k in TRAINING_PHASES]
+        if not train:
+            return {}
+        return {"peak_memory_bytes": max(train), "peak_memory_by_phase": dict(self.by_phase)}
+
+
+def _scored(tr, batch):
+    return tr, tr.score(batch)
+
+
+def timed_train_steps(one, s: Settings, peaks: PhasePeaks, name: str) -> dict:
+    """A train row's timing: the first update alone (warm-up), the rest of ``measure``, then with
+    ``--profile`` one more update under the profiler and, on CUDA, one with the allocator's history
+    (``cuda_memory``: what was live at its peak, written to ``DIR/NAME-memory.txt``)."""
+    import dataclasses
+
+    if s.warmup > 0:
+        peaks("first update", one)
+    tm = peaks("updates", lambda: measure(one, dataclasses.replace(s, warmup=max(s.warmup - 1, 0))))
+    if s.profile_dir:
+        tm.update(peaks("profile", lambda: profile_once(one, s, name)))
+        if s.device == "cuda":
+            tm.update(peaks("memory record", lambda: memory_once(one, s, name)))
+    return tm
+
+
+def peak_lines(row: dict) -> list[str]:
+    """A train row's peak memory per phase, and what its recorded step held at its peak (largest
+    sites), as lines under the table (GiB)."""
+    g, out = 2 ** 30, []
+    phases = row.get("peak_memory_by_phase")
+    if phases:
+        out.append(f"{row['flow']}: peak GiB by phase: " + ", ".join(f"{k} {v / g:.1f}" for k, v in phases.items()))
+    if row.get("peak_sites"):
+        out.append(f"{row['flow']}: live at the recorded step's peak ({row['recorded_peak_bytes'] / g:.1f} GiB, "
+                   f"{row['memory_profile']}): " + "; ".join(f"{x['bytes'] / g:.2f} GiB {x['site']}"
+                                                             for x in row["peak_sites"][:3]))
+    return out
+
+
+def memory_once(fn, s: Settings, name: str) -> dict:
+    """One more ``fn()`` with the CUDA allocator's history recorded: the live memory at its peak by
+    the jetrl line that allocated it, written to ``DIR/NAME-memory.txt`` (``memory_profile``; the
+    largest sites also in the row, ``peak_sites``)."""
+    from .cuda_memory import HistoryUnavailable, format_composition, record_peak
+
+    try:
+        comp = record_peak(fn)
+    except HistoryUnavailable as e:
+        return {"memory_profile": f"not recorded: {e}"}
+    path = os.path.join(s.profile_dir, _file_name(name) + "-memory.txt")
+    os.makedirs(s.profile_dir, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(format_composition(name, comp))
+    os.replace(path + ".tmp", path)
+    return {"memory_profile": path, "peak_sites": comp["sites"][:5], "recorded_peak_bytes": comp["peak_bytes"]}
 ALLOCATOR_EVENTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
 
 
@@ -1116,10 +1195,14 @@ def _transformers_train_row(s: Settings, make, batch, adv, dev, common: dict) ->
 def _transformers_row(s: Settings, make, batch, adv, dev, common: dict) -> dict:
     from .models.transformers_ref import transformers_twin
 
-    ours = make(dev)
-    hf = transformers_twin(ours, torch.float32).train()
-    del ours
     cuda = s.device == "cuda"
+    peaks = PhasePeaks(cuda)
+
+    def setup():
+        ours = make(dev)
+        return transformers_twin(ours, torch.float32).train()
+
+    hf = peaks("setup", setup)
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-6, **({"fused": True} if cuda else {"foreach": True}))
     ids, mask, a = batch.ids.to(dev), batch.mask.to(dev).float(), adv.to(dev)
     mb = common["micro_batch"]
@@ -1137,15 +1220,13 @@ def _transformers_row(s: Settings, make, batch, adv, dev, common: dict) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    tm = measure(one, s)
-    tm.update(profile_once(one, s, f"train-{TRANSFORMERS_FLOW}"))
+    tm = timed_train_steps(one, s, peaks, f"train-{TRANSFORMERS_FLOW}")
     alloc = allocator_events(one) if cuda else None
-    saved, _ = _saved_bytes(lambda: logp(slice(0, mb)).sum())
+    saved, _ = peaks("saved-activations forward", lambda: _saved_bytes(lambda: logp(slice(0, mb)).sum()))
     n, t = common["batch"], common["seq"]
     row = {"flow": TRANSFORMERS_FLOW, "train": "bf16 autocast" if cuda else "fp32", "emulated": False, **tm,
-           "tokens_per_s": n * t / tm["s"], "saved_activation_bytes": saved, **common}
+           "tokens_per_s": n * t / tm["s"], "saved_activation_bytes": saved, **common, **peaks.row()}
     if cuda:
-        row["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
         row["allocator_per_step"] = alloc
     del hf, opt
     return row
@@ -1448,6 +1529,8 @@ def render(res: dict, console) -> None:
                 console.print(escape(f"{x['flow']}: per step, the CUDA allocator retried {ev.get('num_alloc_retries', 0)}"
                                      f" allocations, called cudaMalloc {ev.get('num_device_alloc', 0)} and cudaFree "
                                      f"{ev.get('num_device_free', 0)} times"), highlight=False)
+            for line in peak_lines(x):
+                console.print(escape(line), highlight=False)
         if any(x.get("gemm_backends") is not None for x in r["train"]):
             from .live import backend_lines
 

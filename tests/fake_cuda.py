@@ -342,13 +342,13 @@ def _bench_train() -> dict:
 
     mode = FakeCuda(bool_every=1, real=0.0)
     with _pretend_bench(), mode, py_autograd.recording():
-        s = bench.Settings(device="cuda", repeats=1, warmup=0, model="qwen2.5-1.5b", layers=1, train_batch=2,
+        s = bench.Settings(device="cuda", repeats=1, warmup=1, model="qwen2.5-1.5b", layers=1, train_batch=2,
                            seq=256)
         rows = bench.run_bench(["train"], s)["results"]["train"]
     out = {}
     for r in rows:
         res = r.get("gemm_backends", {}).get("resolved", [])
-        out[r["flow"]] = {"keys": sorted(r), "resolved": {x["gemm"]: {"backend": x["backend"],
+        out[r["flow"]] = {"keys": sorted(r), "phases": sorted(r.get("peak_memory_by_phase", {})), "resolved": {x["gemm"]: {"backend": x["backend"],
                                                                      "fallback_order": x["fallback_order"],
                                                                      "rejected": x.get("rejected", {})} for x in res},
                           "fallbacks": r.get("gemm_backends", {}).get("fallbacks")}

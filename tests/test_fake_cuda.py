@@ -139,7 +139,9 @@ def test_bench_train_runs_and_auto_keeps_scaled_mm_for_every_fp8_gemm(report):
     assert set(rows) == {"bf16", "fp8-unified", "transformers"}
     for flow, r in rows.items():
         assert {"s", "tokens_per_s", "peak_memory_bytes", "saved_activation_bytes", "step_vs_transformers",
-                "peak_vs_transformers", "allocator_per_step"} <= set(r["keys"]), flow
+                "peak_vs_transformers", "allocator_per_step", "peak_memory_by_phase"} <= set(r["keys"]), flow
+        # each phase's peak on its own: where a GPU's peak is, the training run's or the bench's extras'
+        assert r["phases"] == ["first update", "saved-activations forward", "setup", "updates"], flow
     fp8 = rows["fp8-unified"]
     assert set(fp8["resolved"]) == {"fprop", "dgrad", "wgrad"} and fp8["fallbacks"] == []
     for g, res in fp8["resolved"].items():
