@@ -1046,12 +1046,14 @@ def bench_train(s: Settings) -> list[dict]:
             row["allocator_per_step"] = allocator_events(one)
         return row
 
+    # the baseline first, on a device nothing else has used (on the first H100 run, measured after
+    # jetrl's rows, it ran out of memory at both shapes); listed last
+    hf_row = _transformers_train_row(s, make, batch, adv, dev, common)
     for name, flow in _train_flows(s.flows):
         s.say(f"train: {name}")
         _free(s.device)
         reset_resolutions()  # each row reports the backends its own GEMMs resolved to
         rows.append(_unless_out_of_memory(s, name, common, lambda: flow_row(name, flow)))
-    hf_row = _transformers_train_row(s, make, batch, adv, dev, common)
     if hf_row is not None:
         rows.append(hf_row)
     _free(s.device)
@@ -1076,11 +1078,15 @@ class PhasePeaks:
     (the model, trainer, reference logprobs), ``first update`` (the warm-up: optimizer state
     created, kernels compiled and timed), ``updates`` (the timed ones), and the bench's own extra
     runs (``profile``, ``memory record``, ``saved-activations forward``). ``row()``:
-    ``peak_memory_bytes``, the highest of the training phases, and ``peak_memory_by_phase``.
+    ``peak_memory_bytes``, the highest of the training phases, and ``peak_memory_by_phase``; the
+    same for the memory the caching allocator reserved from the device (``peak_reserved_bytes``,
+    ``peak_reserved_by_phase``: above the allocated peak by its rounding and fragmentation).
     Nothing on CPU."""
 
     def __init__(self, cuda: bool):
-        self.cuda, self.by_phase = cuda, {}
+        self.cuda, self.by_phase, self.reserved = cuda, {}, {}
+        # what the row starts with (after ``_free``): anything but 0 is left over from an earlier row
+        self.start = torch.cuda.memory_allocated() if cuda else None
 
     def __call__(self, phase: str, fn):
         if self.cuda:
@@ -1090,13 +1096,16 @@ class PhasePeaks:
         if self.cuda:
             torch.cuda.synchronize()
             self.by_phase[phase] = max(self.by_phase.get(phase, 0), torch.cuda.max_memory_allocated())
+            self.reserved[phase] = max(self.reserved.get(phase, 0), torch.cuda.max_memory_reserved())
         return out
 
     def row(self) -> dict:
-        train = [v for k, v in self.by_phase.items() if k in TRAINING_PHASES]
+        train = [k for k in self.by_phase if k in TRAINING_PHASES]
         if not train:
             return {}
-        return {"peak_memory_bytes": max(train), "peak_memory_by_phase": dict(self.by_phase)}
+        return {"peak_memory_bytes": max(self.by_phase[k] for k in train), "peak_memory_by_phase": dict(self.by_phase),
+                "peak_reserved_bytes": max(self.reserved[k] for k in train), "peak_reserved_by_phase": dict(self.reserved),
+                "memory_at_start_bytes": self.start}
 
 
 def _scored(tr, batch):
@@ -1123,9 +1132,12 @@ def peak_lines(row: dict) -> list[str]:
     """A train row's peak memory per phase, and what its recorded step held at its peak (largest
     sites), as lines under the table (GiB)."""
     g, out = 2 ** 30, []
-    phases = row.get("peak_memory_by_phase")
+    phases, reserved = row.get("peak_memory_by_phase"), row.get("peak_reserved_by_phase") or {}
     if phases:
-        out.append(f"{row['flow']}: peak GiB by phase: " + ", ".join(f"{k} {v / g:.1f}" for k, v in phases.items()))
+        held = row.get("memory_at_start_bytes")
+        out.append(f"{row['flow']}: peak GiB by phase (allocated / reserved): " + ", ".join(
+            f"{k} {v / g:.1f} / {reserved[k] / g:.1f}" if k in reserved else f"{k} {v / g:.1f}" for k, v in phases.items())
+            + (f"; {held / g:.2f} GiB held before the row began" if held else ""))
     if row.get("peak_sites"):
         out.append(f"{row['flow']}: live at the recorded step's peak ({row['recorded_peak_bytes'] / g:.1f} GiB, "
                    f"{row['memory_profile']}): " + "; ".join(f"{x['bytes'] / g:.2f} GiB {x['site']}"

@@ -324,6 +324,7 @@ def _pretend_bench():
             super().__init__()
 
     fakes = {"Event": _Event, "get_device_name": lambda *a: "fake H100", "max_memory_allocated": lambda *a: 1 << 30,
+             "max_memory_reserved": lambda *a: 1 << 31, "memory_allocated": lambda *a: 0,
              "reset_peak_memory_stats": lambda *a: None, "empty_cache": lambda *a: None,
              "memory_stats": lambda *a: {"num_alloc_retries": 0, "num_device_alloc": 0}}
     with contextlib.ExitStack() as stack:

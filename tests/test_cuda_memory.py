@@ -96,10 +96,13 @@ def test_bench_prints_the_peaks_by_phase_and_the_recorded_sites():
 
     g = 2**30
     row = {"flow": "fp8-unified", "peak_memory_by_phase": {"setup": 20 * g, "updates": 33 * g, "profile": 66 * g},
+           "peak_reserved_by_phase": {"setup": 21 * g, "updates": 40 * g, "profile": 70 * g},
+           "memory_at_start_bytes": g // 4,
            "peak_sites": [{"site": NAMES[0], "bytes": g // 2, "count": 3}], "recorded_peak_bytes": 33 * g,
            "memory_profile": "p/train-fp8-unified-memory.txt"}
     assert peak_lines(row) == [
-        "fp8-unified: peak GiB by phase: setup 20.0, updates 33.0, profile 66.0",
+        "fp8-unified: peak GiB by phase (allocated / reserved): setup 20.0 / 21.0, updates 33.0 / 40.0, profile 66.0 / 70.0; "
+        "0.25 GiB held before the row began",
         "fp8-unified: live at the recorded step's peak (33.0 GiB, p/train-fp8-unified-memory.txt): "
         "0.50 GiB jetrl_cli/precision/linear.py:300 _fprop"]
     assert peak_lines({"flow": "bf16"}) == []

@@ -139,7 +139,7 @@ def test_bench_train_runs_and_auto_keeps_scaled_mm_for_every_fp8_gemm(report):
     assert set(rows) == {"bf16", "fp8-unified", "transformers"}
     for flow, r in rows.items():
         assert {"s", "tokens_per_s", "peak_memory_bytes", "saved_activation_bytes", "step_vs_transformers",
-                "peak_vs_transformers", "allocator_per_step", "peak_memory_by_phase"} <= set(r["keys"]), flow
+                "peak_vs_transformers", "allocator_per_step", "peak_memory_by_phase", "peak_reserved_bytes", "memory_at_start_bytes"} <= set(r["keys"]), flow
         # each phase's peak on its own: where a GPU's peak is, the training run's or the bench's extras'
         assert r["phases"] == ["first update", "saved-activations forward", "setup", "updates"], flow
     fp8 = rows["fp8-unified"]
