@@ -510,7 +510,7 @@ def bench_quantize(s: Settings) -> list[dict]:
             want = torch.cat([gy * u * sig * (1 + g * (1 - sig)), gy * g * sig], 1)
             sqnr = error_stats(want, dequantize(outs[0]).float())["sqnr_db"]
             for w in warps:
-                ctx, ran = at(w, kernels.SWIGLU_WARPS)
+                ctx, ran = at(w, kernels.swiglu_warps(x))
                 with ctx:
                     timed(shape, "fp8 SwiGLU backward (d[g,u] 1x128 + 128x1, h^T)", "triton",
                           lambda: kernels.swiglu_grad_quantize(copy, x, dtype, pad_tokens_to=128, h_cols=True),

@@ -123,15 +123,20 @@ FP_FUSION = True
 # ``jetrl bench quantize --warps 8,16`` on a GPU to say (unmeasured); the bits do not depend on it
 # (every reduction is a max, every other step elementwise).
 NUM_WARPS = 8  # the act and weight quantizers where nothing was timed (CPU, the interpreter): below
-SWIGLU_WARPS = 8  # the SwiGLU backward kernels (swiglu_quantize_t, swiglu_grad_quantize): they spill at 16 with 3.6
+SWIGLU_WARPS = 8  # the SwiGLU backward kernels (swiglu_quantize_t, swiglu_grad_quantize), untimed
 
-# On a GPU the act and weight quantizers' launch configuration is timed once per device, at the first
-# eager call (``_choose_tiles``): the warps of a quantizer alone (8 or 16, timed as the 1x128
-# quantizer), and for the 1x128 + 128x1 pair of one tensor (the training step's Fprop and Wgrad
-# copies) its warps and whether it is one kernel (one read of x, one program per SM) or two (two
-# reads, more programs per SM). The bits are the same whichever runs (tested); the choice is reported
-# with the GEMM backends (``backend_report``: op ``TILES_OP``).
+# On a GPU the 128x128-tile kernels' launch configuration is timed once per device, at the first
+# eager call of an act or weight quantizer (``_choose_tiles``): the warps of a quantizer alone (8 or
+# 16, timed as the 1x128 quantizer), and for the 1x128 + 128x1 pair of one tensor (the training
+# step's Fprop and Wgrad copies) its warps and whether it is one kernel (one read of x, one program
+# per SM) or two (two reads, more programs per SM). The SwiGLU backward's warps are timed at its own
+# first call (``_choose_swiglu_warps``, as a training step runs it, with down's h^T): at 8 warps (255 registers, Triton 3.6) one program of 8
+# warps per SM hides little latency -- the first H100 profile had this kernel at 1.8 ms a layer for
+# 0.9 GB, a fifth of the bandwidth -- at 16 warps twice the warps are in flight, at the price of
+# 88-120 bytes of spilled registers per thread. The bits are the same whichever runs (tested); the
+# choices are reported with the GEMM backends (``backend_report``: ops ``TILES_OP``, ``SWIGLU_TILES_OP``).
 TILES_OP = "fp8 quantizer tiles"
+SWIGLU_TILES_OP = "fp8 SwiGLU backward tiles"
 WARP_CHOICES = (8, 16)
 TIMING_SHAPE = (4096, 4096)  # bf16 tokens x features the choice is timed on
 _FORCED: tuple[int, bool] | None = None  # (warps, pair in one kernel) while set by tile_warps or the timing
@@ -141,14 +146,14 @@ _FORCED: tuple[int, bool] | None = None  # (warps, pair in one kernel) while set
 def tile_warps(n: int, one_kernel: bool = True):
     """Launch every 128x128-tile kernel at ``n`` warps inside the block, the 1x128 + 128x1 pair as one
     kernel or two (``jetrl bench quantize --warps``), instead of the device's timed choice."""
-    global _FORCED, SWIGLU_WARPS
+    global _FORCED
     if n not in (4, 8, 16, 32):
         raise ValueError(f"tile_warps: allowed 4, 8, 16 or 32 warps, got {n}")
-    old, _FORCED, SWIGLU_WARPS = (_FORCED, SWIGLU_WARPS), (n, one_kernel), n
+    old, _FORCED = _FORCED, (n, one_kernel)
     try:
         yield
     finally:
-        _FORCED, SWIGLU_WARPS = old
+        _FORCED = old
 
 
 def launch_config(x: torch.Tensor, pair: bool) -> tuple[int, bool]:
@@ -161,6 +166,15 @@ def launch_config(x: torch.Tensor, pair: bool) -> tuple[int, bool]:
     return (c["pair_warps"], c["one_kernel"]) if pair else (c["warps"], True)
 
 
+def swiglu_warps(x: torch.Tensor) -> int:
+    """Warps of the SwiGLU backward kernels for an input on ``x``'s device (``launch_config``'s rule)."""
+    if _FORCED is not None:
+        return _FORCED[0]
+    if not x.is_cuda:
+        return SWIGLU_WARPS
+    return (kernel_choice(SWIGLU_TILES_OP, x.device) or _choose_swiglu_warps(x.device))["warps"]
+
+
 def _choose_tiles(device: torch.device) -> dict:
     """Time the quantizers' launch configurations on ``device`` (``launch_config``) and record the
     fastest with ``note_kernel``; while a CUDA graph is being captured nothing can be timed: the
@@ -169,11 +183,7 @@ def _choose_tiles(device: torch.device) -> dict:
     from jetrl_cli.precision import gemm  # its timer and registry, looked up at the (one) call
 
     default = {"warps": NUM_WARPS, "pair_warps": NUM_WARPS, "one_kernel": True}
-    try:
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    except Exception:  # noqa: BLE001 - no stream to ask (no usable driver): nothing can be timed
-        capturing = True
-    if capturing:
+    if _capturing(device):
         return default
     g = torch.Generator().manual_seed(0)
     x = torch.randn(TIMING_SHAPE, generator=g).to(device, torch.bfloat16)
@@ -186,9 +196,7 @@ def _choose_tiles(device: torch.device) -> dict:
                 t[(what if what == "1x128" else f"pair as {'one kernel' if one else 'two kernels'}", w)] = \
                     gemm.device_time_ms(runs[what], device)
     except Exception as e:  # noqa: BLE001 - nothing timed: the defaults, said why
-        return gemm.note_kernel(TILES_OP, device, f"{NUM_WARPS} warps, the pair as one kernel",
-                                f"not timed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})",
-                                **default)
+        return gemm.note_kernel(TILES_OP, device, f"{NUM_WARPS} warps, the pair as one kernel", _untimed(e), **default)
     finally:
         _FORCED = None
     w1 = min(WARP_CHOICES, key=lambda w: t[("1x128", w)])
@@ -198,6 +206,49 @@ def _choose_tiles(device: torch.device) -> dict:
     return gemm.note_kernel(TILES_OP, device, f"{w1} warps; the 1x128 + 128x1 {pair} at {wp} warps", why,
                             warps=w1, pair_warps=wp, one_kernel=pair == "pair as one kernel",
                             timings_ms={f"{what} @ {w}": ms for (what, w), ms in t.items()})
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a CUDA graph (no timing then); True where no
+    stream can be asked (no usable driver)."""
+    try:
+        return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def _untimed(e: Exception) -> str:
+    return f"not timed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+
+
+def _choose_swiglu_warps(device: torch.device) -> dict:
+    """Time the SwiGLU backward kernel (as a training step runs it, with down's h^T) at each of
+    ``WARP_CHOICES`` on ``device`` and record the fastest (``swiglu_warps``); at its first call on the
+    device, a training backward's. Inside a graph capture nothing is timed: the default, unrecorded."""
+    global _FORCED
+    from jetrl_cli.precision import gemm
+
+    if _capturing(device):
+        return {"warps": SWIGLU_WARPS}
+    g = torch.Generator().manual_seed(0)
+    m, k = TIMING_SHAPE
+    t = {}
+    try:
+        gu = quantize(torch.randn(TIMING_SHAPE, generator=g).to(device, torch.bfloat16),
+                      CastSpec(Format.FP8_E4M3, Block(1, TILE)))  # [g, u]'s FP8 copy, halves k / 2 wide
+        gy = torch.randn((m, k // 2), generator=g).to(device, torch.bfloat16)
+        for w in WARP_CHOICES:
+            _FORCED = (w, True)
+            t[w] = gemm.device_time_ms(lambda: swiglu_grad_quantize(gu, gy, torch.bfloat16, pad_tokens_to=TILE,
+                                                                    h_cols=True), device)
+    except Exception as e:  # noqa: BLE001 - nothing timed: the default, said why
+        return gemm.note_kernel(SWIGLU_TILES_OP, device, f"{SWIGLU_WARPS} warps", _untimed(e), warps=SWIGLU_WARPS)
+    finally:
+        _FORCED = None
+    best = min(WARP_CHOICES, key=t.get)
+    why = f"timed on [g, u] {m} x {k}: " + ", ".join(f"{w} warps {ms:.3f} ms" for w, ms in t.items())
+    return gemm.note_kernel(SWIGLU_TILES_OP, device, f"{best} warps", why, warps=best,
+                            timings_ms={f"{w} warps": ms for w, ms in t.items()})
 
 
 def _interpreter_fma_is_exact() -> bool:
@@ -722,7 +773,8 @@ def swiglu_quantize_t(gu: QTensor, gu_dtype: torch.dtype, fmt: Format = Format.F
         _swiglu_quant_t_kernel[(cdiv(m_pad, TILE), i // TILE)](
             gu.data, gu.scale, qt, st, m, i, m_pad, gu.data.stride(0), gu.scale.stride(0), gu.scale.stride(1),
             FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], ROUND_BF16=gu_dtype is torch.bfloat16,
-            INTERPRET=_interpreting(), ZERO_PAD=m_pad > m, T=TILE, num_warps=SWIGLU_WARPS, enable_fp_fusion=FP_FUSION)
+            INTERPRET=_interpreting(), ZERO_PAD=m_pad > m, T=TILE, num_warps=swiglu_warps(gu.data),
+            enable_fp_fusion=FP_FUSION)
     return QTensor(qt, st, CastSpec(fmt, Block(1, TILE), pow2_scale, amax_floor))
 
 
@@ -763,8 +815,8 @@ def swiglu_grad_quantize(gu: QTensor, gy: torch.Tensor, out_dtype: torch.dtype, 
             gu.data, gu.scale, gy, *(t if t is not None else dummy for t in (qr, sr, qt, st, qh, sh)), m, i, m_pad,
             gu.data.stride(0), gu.scale.stride(0), gu.scale.stride(1), gy.stride(0), gy.stride(1), FMAX=fmt.max,
             FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], ROUND_BF16=out_dtype is torch.bfloat16,
-            INTERPRET=_interpreting(), ROWS=rows, COLS=cols, ZERO_PAD=m_pad > m, T=TILE, num_warps=SWIGLU_WARPS,
-            enable_fp_fusion=FP_FUSION)
+            INTERPRET=_interpreting(), ROWS=rows, COLS=cols, ZERO_PAD=m_pad > m, T=TILE,
+            num_warps=swiglu_warps(gy), enable_fp_fusion=FP_FUSION)
     spec = CastSpec(fmt, Block(1, TILE), pow2_scale, amax_floor)
     return tuple(QTensor(q, sc, spec) if q is not None else None for q, sc in ((qr, sr), (qt, st), (qh, sh)))
 

@@ -771,6 +771,37 @@ def test_the_pair_as_two_kernels_or_at_other_warps_writes_the_same_bits(fp8, war
 
 
 @needs_triton
+@pytest.mark.parametrize("warps", [8, 16])
+def test_the_swiglu_backward_at_other_warps_writes_the_same_bits(fp8, warps, monkeypatch):
+    """The SwiGLU backward kernels at 8 or 16 warps (``swiglu_warps``: timed on a GPU) write the same
+    d[g, u] copies and h^T, and launch at the warps asked for."""
+    gu = quantize(spread(130, 512, seed=7, dtype=torch.bfloat16).to(dev()), CastSpec(E4, B1x128))
+    gy = spread(130, 256, seed=8, dtype=torch.bfloat16).to(dev())
+    want = fp8.swiglu_grad_quantize(gu, gy, torch.bfloat16, pad_tokens_to=128, h_cols=True)
+    want_t = fp8.swiglu_quantize_t(gu, torch.bfloat16, pad_tokens_to=128)
+    launched = []
+
+    class Spy:  # the kernel, its launches' warps noted
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["num_warps"])
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name in ("_swiglu_grad_quant_kernel", "_swiglu_quant_t_kernel"):
+        monkeypatch.setattr(fp8, name, Spy(getattr(fp8, name)))
+    with fp8.tile_warps(warps):
+        got = fp8.swiglu_grad_quantize(gu, gy, torch.bfloat16, pad_tokens_to=128, h_cols=True)
+        got_t = fp8.swiglu_quantize_t(gu, torch.bfloat16, pad_tokens_to=128)
+    assert launched == [warps, warps]
+    for a, b in [*zip(got, want), (got_t, want_t)]:
+        assert same_data(a.data, b.data) and same_scales(a.scale, b.scale)
+
+
+@needs_triton
 def test_the_launch_configuration_is_timed_once_per_device_and_reported(fp8, monkeypatch):
     """On a GPU the first act or weight quantizer times the 1x128 quantizer and the 1x128 + 128x1
     pair (one kernel, two kernels) at 8 and 16 warps and keeps the fastest of each, reported with the
@@ -813,3 +844,38 @@ def test_the_launch_configuration_is_timed_once_per_device_and_reported(fp8, mon
     assert fp8._choose_tiles(torch.device("cuda"))["one_kernel"] is True
     assert gemm.kernel_choice(fp8.TILES_OP, torch.device("cuda")) is None  # decided at the next eager call
     assert fp8.launch_config(torch.zeros(2, 2), True) == (fp8.NUM_WARPS, True)  # CPU tensors: the defaults
+
+
+@needs_triton
+def test_the_swiglu_backward_warps_are_timed_once_per_device_and_reported(fp8, monkeypatch):
+    """The SwiGLU backward kernel is timed as a training step runs it (d[g, u] both ways and h^T) at 8
+    and 16 warps, at its first call on a GPU, and the faster kept and reported; a timing that fails
+    keeps the default and says why. (Scripted times; on CPU the kernel runs in the interpreter.)"""
+    from jetrl_cli.precision import gemm
+
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    monkeypatch.setattr(fp8, "TIMING_SHAPE", (130, 512))
+    ms, timed = {8: 3.0, 16: 2.0}, []
+
+    def device_time_ms(fn, device):
+        rows, cols, h_t = fn()  # the training step's call: all three outputs
+        assert rows is not None and cols is not None and h_t is not None
+        timed.append(fp8._FORCED[0])
+        return ms[fp8._FORCED[0]]
+
+    monkeypatch.setattr(gemm, "device_time_ms", device_time_ms)
+    where = torch.device(dev())
+    got = fp8._choose_swiglu_warps(where)
+    assert timed == [8, 16] and fp8._FORCED is None
+    assert got["warps"] == 16 and got["kernel"] == "16 warps" and gemm.kernel_choice(fp8.SWIGLU_TILES_OP, where) is got
+    assert got["why"] == "timed on [g, u] 130 x 512: 8 warps 3.000 ms, 16 warps 2.000 ms"
+    probe = torch.zeros(2, 2, device=where)  # its kernels launch at the device's choice (CPU: the default)
+    assert fp8.swiglu_warps(probe) == (16 if where.type == "cuda" else fp8.SWIGLU_WARPS)
+
+    def broken(fn, device):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(gemm, "device_time_ms", broken)
+    got = fp8._choose_swiglu_warps(where)
+    assert got["warps"] == fp8.SWIGLU_WARPS and got["why"] == "not timed (RuntimeError: out of resources)"
+    assert fp8._FORCED is None
