@@ -1038,7 +1038,8 @@ def bench_train(s: Settings) -> list[dict]:
 
         tm = timed_train_steps(one, s, peaks, f"train-{name}")
         first = batch if mb == n else batch.select(torch.arange(mb))  # what one forward saves
-        saved, _ = peaks("saved-activations forward", lambda: _saved_bytes(lambda: token_logprobs(tr.model, first, sp).sum()))
+        saved, _ = peaks("saved-activations forward",
+                         lambda: _saved_bytes(lambda: token_logprobs(tr.model, first, sp).sum()))
         row = {"flow": name, "train": flow.train.linear.fprop.short_str(), "emulated": s.device == "cpu",
                **tm, "tokens_per_s": n * t / tm["s"], "saved_activation_bytes": saved, **common,
                "gemm_backends": backend_report(), **peaks.row()}
@@ -1103,9 +1104,10 @@ class PhasePeaks:
         train = [k for k in self.by_phase if k in TRAINING_PHASES]
         if not train:
             return {}
-        return {"peak_memory_bytes": max(self.by_phase[k] for k in train), "peak_memory_by_phase": dict(self.by_phase),
-                "peak_reserved_bytes": max(self.reserved[k] for k in train), "peak_reserved_by_phase": dict(self.reserved),
-                "memory_at_start_bytes": self.start}
+        return {"peak_memory_bytes": max(self.by_phase[k] for k in train),
+                "peak_memory_by_phase": dict(self.by_phase),
+                "peak_reserved_bytes": max(self.reserved[k] for k in train),
+                "peak_reserved_by_phase": dict(self.reserved), "memory_at_start_bytes": self.start}
 
 
 def _scored(tr, batch):
@@ -1135,9 +1137,10 @@ def peak_lines(row: dict) -> list[str]:
     phases, reserved = row.get("peak_memory_by_phase"), row.get("peak_reserved_by_phase") or {}
     if phases:
         held = row.get("memory_at_start_bytes")
-        out.append(f"{row['flow']}: peak GiB by phase (allocated / reserved): " + ", ".join(
-            f"{k} {v / g:.1f} / {reserved[k] / g:.1f}" if k in reserved else f"{k} {v / g:.1f}" for k, v in phases.items())
-            + (f"; {held / g:.2f} GiB held before the row began" if held else ""))
+        each = (f"{k} {v / g:.1f} / {reserved[k] / g:.1f}" if k in reserved else f"{k} {v / g:.1f}"
+                for k, v in phases.items())
+        out.append(f"{row['flow']}: peak GiB by phase (allocated / reserved): " + ", ".join(each)
+                   + (f"; {held / g:.2f} GiB held before the row began" if held else ""))
     if row.get("peak_sites"):
         out.append(f"{row['flow']}: live at the recorded step's peak ({row['recorded_peak_bytes'] / g:.1f} GiB, "
                    f"{row['memory_profile']}): " + "; ".join(f"{x['bytes'] / g:.2f} GiB {x['site']}"

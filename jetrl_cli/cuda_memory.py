@@ -111,8 +111,9 @@ def format_composition(name: str, comp: dict) -> str:
     """A text table of ``peak_composition``'s result, in GiB."""
     g = 2 ** 30
     lines = [f"{name}: live CUDA memory at the peak of one run (allocator history)",
-             f"peak {comp['peak_bytes'] / g:.2f} GiB = held before the run {comp['held_before_at_peak_bytes'] / g:.2f} GiB"
-             f" (of {comp['held_before_bytes'] / g:.2f}) + allocated in the run and live at the peak:"]
+             f"peak {comp['peak_bytes'] / g:.2f} GiB = held before the run "
+             f"{comp['held_before_at_peak_bytes'] / g:.2f} GiB (of {comp['held_before_bytes'] / g:.2f}) "
+             "+ allocated in the run and live at the peak:"]
     for s in comp["sites"]:
         lines.append(f"  {s['bytes'] / g:8.3f} GiB  {s['count']:5d} x  {s['site']}")
     if comp["other_sites_bytes"]:

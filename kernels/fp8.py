@@ -130,11 +130,12 @@ SWIGLU_WARPS = 8  # the SwiGLU backward kernels (swiglu_quantize_t, swiglu_grad_
 # 16, timed as the 1x128 quantizer), and for the 1x128 + 128x1 pair of one tensor (the training
 # step's Fprop and Wgrad copies) its warps and whether it is one kernel (one read of x, one program
 # per SM) or two (two reads, more programs per SM). The SwiGLU backward's warps are timed at its own
-# first call (``_choose_swiglu_warps``, as a training step runs it, with down's h^T): at 8 warps (255 registers, Triton 3.6) one program of 8
-# warps per SM hides little latency -- the first H100 profile had this kernel at 1.8 ms a layer for
-# 0.9 GB, a fifth of the bandwidth -- at 16 warps twice the warps are in flight, at the price of
-# 88-120 bytes of spilled registers per thread. The bits are the same whichever runs (tested); the
-# choices are reported with the GEMM backends (``backend_report``: ops ``TILES_OP``, ``SWIGLU_TILES_OP``).
+# first call (``_choose_swiglu_warps``, as a training step runs it, with down's h^T): at 8 warps (255
+# registers, Triton 3.6) one program of 8 warps per SM hides little latency -- the first H100
+# profile had this kernel at 1.8 ms a layer for 0.9 GB, a fifth of the bandwidth -- and at 16 warps
+# twice the warps are in flight, at the price of 88-120 bytes of spilled registers per thread. The
+# bits are the same whichever runs (tested); the choices are reported with the GEMM backends
+# (``backend_report``: ops ``TILES_OP``, ``SWIGLU_TILES_OP``).
 TILES_OP = "fp8 quantizer tiles"
 SWIGLU_TILES_OP = "fp8 SwiGLU backward tiles"
 WARP_CHOICES = (8, 16)

@@ -349,9 +349,9 @@ def _bench_train() -> dict:
     out = {}
     for r in rows:
         res = r.get("gemm_backends", {}).get("resolved", [])
-        out[r["flow"]] = {"keys": sorted(r), "phases": sorted(r.get("peak_memory_by_phase", {})), "resolved": {x["gemm"]: {"backend": x["backend"],
-                                                                     "fallback_order": x["fallback_order"],
-                                                                     "rejected": x.get("rejected", {})} for x in res},
+        out[r["flow"]] = {"keys": sorted(r), "phases": sorted(r.get("peak_memory_by_phase", {})),
+                          "resolved": {x["gemm"]: {"backend": x["backend"], "fallback_order": x["fallback_order"],
+                                                   "rejected": x.get("rejected", {})} for x in res},
                           "fallbacks": r.get("gemm_backends", {}).get("fallbacks")}
     return out
 

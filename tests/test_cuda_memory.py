@@ -101,8 +101,8 @@ def test_bench_prints_the_peaks_by_phase_and_the_recorded_sites():
            "peak_sites": [{"site": NAMES[0], "bytes": g // 2, "count": 3}], "recorded_peak_bytes": 33 * g,
            "memory_profile": "p/train-fp8-unified-memory.txt"}
     assert peak_lines(row) == [
-        "fp8-unified: peak GiB by phase (allocated / reserved): setup 20.0 / 21.0, updates 33.0 / 40.0, profile 66.0 / 70.0; "
-        "0.25 GiB held before the row began",
+        "fp8-unified: peak GiB by phase (allocated / reserved): setup 20.0 / 21.0, updates 33.0 / 40.0, "
+        "profile 66.0 / 70.0; 0.25 GiB held before the row began",
         "fp8-unified: live at the recorded step's peak (33.0 GiB, p/train-fp8-unified-memory.txt): "
         "0.50 GiB jetrl_cli/precision/linear.py:300 _fprop"]
     assert peak_lines({"flow": "bf16"}) == []
