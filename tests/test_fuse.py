@@ -70,6 +70,32 @@ def test_fused_training_step_is_the_op_by_op_one(native, flow):
     assert grads.keys() == grads_f.keys() and all(torch.equal(grads[k], grads_f[k]) for k in grads), f"seed {seed}"
 
 
+@pytest.mark.parametrize("flow", ["bf16", "fp8-unified"])
+def test_no_fused_function_runs_under_autograd(native, flow, monkeypatch):
+    """Every fused chain of a training step runs inside a custom autograd function, where autograd is
+    off: a compiled function called with autograd would keep for its backward what AOTAutograd's
+    partitioner picks, which the op-by-op memory counts (docs/experiments) cannot see."""
+    from jetrl_cli.models import llama
+
+    calls = []
+
+    def compile_(fn, **kwargs):  # torch.compile, standing in: notes each call's autograd state
+        def run(*args):
+            calls.append((fn.__name__, torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args)))
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    fuse.set_force(True, "eager")
+    _step(flow, torch.seed() % 2**31)
+    assert {name.lstrip("_") for name, _ in calls} == set(fused_in_a_step(flow))
+    assert [name for name, grad in calls if grad] == []
+    x = torch.randn(1, 2, 3, 8, requires_grad=True)  # the check sees one that does
+    llama._rope(x, torch.ones(3, 8), torch.zeros(3, 8), torch.float32)
+    assert calls[-1] == ("_rope", True)
+
+
 @pytest.mark.parametrize("flow_name", ["bf16", "fp8-rollout"])
 def test_fused_decoding_samples_what_op_by_op_decoding_samples(native, flow_name):
     """bf16: norms write the GEMMs' bf16 inputs and RoPE the bf16 queries and keys themselves;
