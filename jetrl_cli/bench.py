@@ -1164,6 +1164,8 @@ def memory_once(fn, s: Settings, name: str) -> dict:
         f.write(format_composition(name, comp))
     os.replace(path + ".tmp", path)
     return {"memory_profile": path, "peak_sites": comp["sites"][:5], "recorded_peak_bytes": comp["peak_bytes"]}
+
+
 ALLOCATOR_EVENTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
 
 
