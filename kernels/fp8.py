@@ -130,12 +130,10 @@ SWIGLU_WARPS = 8  # the SwiGLU backward kernels (swiglu_quantize_t, swiglu_grad_
 # 16, timed as the 1x128 quantizer), and for the 1x128 + 128x1 pair of one tensor (the training
 # step's Fprop and Wgrad copies) its warps and whether it is one kernel (one read of x, one program
 # per SM) or two (two reads, more programs per SM). The SwiGLU backward's warps are timed at its own
-# first call (``_choose_swiglu_warps``, as a training step runs it, with down's h^T): at 8 warps (255
-# registers, Triton 3.6) one program of 8 warps per SM hides little latency -- the first H100
-# profile had this kernel at 1.8 ms a layer for 0.9 GB, a fifth of the bandwidth -- and at 16 warps
-# twice the warps are in flight, at the price of 88-120 bytes of spilled registers per thread. The
-# bits are the same whichever runs (tested); the choices are reported with the GEMM backends
-# (``backend_report``: ops ``TILES_OP``, ``SWIGLU_TILES_OP``).
+# first call (``_choose_swiglu_warps``, as a training step runs it, with down's h^T; the registers
+# and spills of each choice: above): the first H100 profile had it, at 8 warps, at 1.8 ms a layer
+# for 0.9 GB, a fifth of the bandwidth. The bits are the same whichever runs (tested); the choices
+# are reported with the GEMM backends (``backend_report``: ops ``TILES_OP``, ``SWIGLU_TILES_OP``).
 TILES_OP = "fp8 quantizer tiles"
 SWIGLU_TILES_OP = "fp8 SwiGLU backward tiles"
 WARP_CHOICES = (8, 16)
@@ -176,12 +174,27 @@ def swiglu_warps(x: torch.Tensor) -> int:
     return (kernel_choice(SWIGLU_TILES_OP, x.device) or _choose_swiglu_warps(x.device))["warps"]
 
 
+def _time_forced(device: torch.device, cases) -> dict:
+    """``{label: device ms}`` of each ``(label, forced, fn)`` in ``cases``, ``fn`` run under ``_FORCED =
+    forced``; what a timing raises is raised, and nothing stays forced."""
+    global _FORCED
+    from jetrl_cli.precision import gemm  # its timer, looked up at the (one) call
+
+    t = {}
+    try:
+        for label, forced, fn in cases:
+            _FORCED = forced
+            t[label] = gemm.device_time_ms(fn, device)
+    finally:
+        _FORCED = None
+    return t
+
+
 def _choose_tiles(device: torch.device) -> dict:
     """Time the quantizers' launch configurations on ``device`` (``launch_config``) and record the
     fastest with ``note_kernel``; while a CUDA graph is being captured nothing can be timed: the
     defaults, unrecorded (an engine's first decode step runs eagerly before its capture)."""
-    global _FORCED
-    from jetrl_cli.precision import gemm  # its timer and registry, looked up at the (one) call
+    from jetrl_cli.precision import gemm  # its registry  # its timer and registry, looked up at the (one) call
 
     default = {"warps": NUM_WARPS, "pair_warps": NUM_WARPS, "one_kernel": True}
     if _capturing(device):
@@ -189,17 +202,12 @@ def _choose_tiles(device: torch.device) -> dict:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(TIMING_SHAPE, generator=g).to(device, torch.bfloat16)
     runs = {"1x128": lambda: quantize_act(x, cols=False), "pair": lambda: quantize_act(x, pad_tokens_to=TILE)}
-    t = {}
+    cases = [((what if what == "1x128" else f"pair as {'one kernel' if one else 'two kernels'}", w), (w, one),
+              runs[what]) for w in WARP_CHOICES for what, one in (("1x128", True), ("pair", True), ("pair", False))]
     try:
-        for w in WARP_CHOICES:
-            for what, one in (("1x128", True), ("pair", True), ("pair", False)):
-                _FORCED = (w, one)
-                t[(what if what == "1x128" else f"pair as {'one kernel' if one else 'two kernels'}", w)] = \
-                    gemm.device_time_ms(runs[what], device)
+        t = _time_forced(device, cases)
     except Exception as e:  # noqa: BLE001 - nothing timed: the defaults, said why
         return gemm.note_kernel(TILES_OP, device, f"{NUM_WARPS} warps, the pair as one kernel", _untimed(e), **default)
-    finally:
-        _FORCED = None
     w1 = min(WARP_CHOICES, key=lambda w: t[("1x128", w)])
     pair, wp = min((k for k in t if k[0] != "1x128"), key=t.get)
     m, k = TIMING_SHAPE
@@ -226,26 +234,20 @@ def _choose_swiglu_warps(device: torch.device) -> dict:
     """Time the SwiGLU backward kernel (as a training step runs it, with down's h^T) at each of
     ``WARP_CHOICES`` on ``device`` and record the fastest (``swiglu_warps``); at its first call on the
     device, a training backward's. Inside a graph capture nothing is timed: the default, unrecorded."""
-    global _FORCED
     from jetrl_cli.precision import gemm
 
     if _capturing(device):
         return {"warps": SWIGLU_WARPS}
     g = torch.Generator().manual_seed(0)
     m, k = TIMING_SHAPE
-    t = {}
     try:
         gu = quantize(torch.randn(TIMING_SHAPE, generator=g).to(device, torch.bfloat16),
                       CastSpec(Format.FP8_E4M3, Block(1, TILE)))  # [g, u]'s FP8 copy, halves k / 2 wide
         gy = torch.randn((m, k // 2), generator=g).to(device, torch.bfloat16)
-        for w in WARP_CHOICES:
-            _FORCED = (w, True)
-            t[w] = gemm.device_time_ms(lambda: swiglu_grad_quantize(gu, gy, torch.bfloat16, pad_tokens_to=TILE,
-                                                                    h_cols=True), device)
+        run = lambda: swiglu_grad_quantize(gu, gy, torch.bfloat16, pad_tokens_to=TILE, h_cols=True)  # noqa: E731
+        t = _time_forced(device, [(w, (w, True), run) for w in WARP_CHOICES])
     except Exception as e:  # noqa: BLE001 - nothing timed: the default, said why
         return gemm.note_kernel(SWIGLU_TILES_OP, device, f"{SWIGLU_WARPS} warps", _untimed(e), warps=SWIGLU_WARPS)
-    finally:
-        _FORCED = None
     best = min(WARP_CHOICES, key=t.get)
     why = f"timed on [g, u] {m} x {k}: " + ", ".join(f"{w} warps {ms:.3f} ms" for w, ms in t.items())
     return gemm.note_kernel(SWIGLU_TILES_OP, device, f"{best} warps", why, warps=best,
