@@ -262,7 +262,7 @@ STORE_ROWS, STORE_WARPS = 16, 4
 @triton.jit
 def _kv_store_kernel(x_ptr, idx_ptr, data_ptr, scale_ptr, R, HK, T, D, sxb, sxh, sxt, sxd,
                      FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HAS_IDX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows in (batch, kv head, t) order
     rd = tl.arange(0, BLOCK_D)
     ok = r < R
@@ -271,15 +271,19 @@ def _kv_store_kernel(x_ptr, idx_ptr, data_ptr, scale_ptr, R, HK, T, D, sxb, sxh,
     x = tl.load(x_ptr + src[:, None] + rd[None, :] * sxd, mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     q, s = _rows_quantized(x, FMAX, FLOOR, POW2)
     q = q.to(OUT)
-    dst = tl.load(idx_ptr + r, mask=ok, other=0).to(tl.int64)
+    if HAS_IDX:
+        dst = tl.load(idx_ptr + r, mask=ok, other=0).to(tl.int64)
+    else:  # rows in order
+        dst = r.to(tl.int64)
     tl.store(data_ptr + dst[:, None] * D + rd[None, :], q, mask=ok[:, None] & d_ok[None, :])
     tl.store(scale_ptr + dst, s, mask=ok)
 
 
-def kv_store(x: torch.Tensor, idx: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, spec) -> None:
+def kv_store(x: torch.Tensor, idx: torch.Tensor | None, data: torch.Tensor, scales: torch.Tensor, spec) -> None:
     """Quantize keys or values ``x`` (b, kv_heads, t, d), any strides, fp32 or bf16, one scale per row
     of d (a token's head) under ``spec`` (the cache's ``fp8 row`` CastSpec), and write them straight
-    into an FP8 cache: row i (in (b, kv_heads, t) order) to ``data[idx[i]]`` and ``scales[idx[i]]``.
+    into an FP8 cache: row i (in (b, kv_heads, t) order) to ``data[idx[i]]`` and ``scales[idx[i]]``
+    (``idx`` None: to ``data[i]``, ``scales[i]``).
     ``data``: (rows, d) FP8, contiguous; ``scales``: (rows,) fp32. One kernel, where the reference
     (``quantize``, then two ``index_copy_``) is about ten; bit for bit the reference's data and scales
     (the rules of ``kernels.fp8``: NaN-propagating amax, the IEEE quotient from the scale's reciprocal,
@@ -303,13 +307,16 @@ def kv_store(x: torch.Tensor, idx: torch.Tensor, data: torch.Tensor, scales: tor
     if scales.dtype != torch.float32 or scales.shape != data.shape[:1] or not scales.is_contiguous():
         raise ValueError(f"{where}: scales must be contiguous float32 of shape {tuple(data.shape[:1])}, got "
                          f"{scales.dtype} {tuple(scales.shape)}")
-    if idx.shape != (b * hk * t,) or idx.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{where}: idx must be an int32/int64 ({b * hk * t},) tensor, got {idx.dtype} {tuple(idx.shape)}")
-    _check_device(where, x, idx, data, scales)
     n = b * hk * t
+    if idx is None:
+        if data.shape[0] != n:
+            raise ValueError(f"{where}: without idx, data must have the {n} rows of x, got {data.shape[0]}")
+    elif idx.shape != (n,) or idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{where}: idx must be an int32/int64 ({n},) tensor, got {idx.dtype} {tuple(idx.shape)}")
+    _check_device(where, x, *([] if idx is None else [idx]), data, scales)
     if n == 0:
         return
     _kv_store_kernel[(triton.cdiv(n, STORE_ROWS),)](
-        x, idx, data, scales, n, hk, t, d, *x.stride(), FMAX=fmt.max, FLOOR=spec.amax_floor,
-        POW2=spec.pow2_scale, OUT=_TL_FP8[fmt], BLOCK_R=STORE_ROWS, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        num_warps=STORE_WARPS, enable_fp_fusion=FP_FUSION)
+        x, data if idx is None else idx, data, scales, n, hk, t, d, *x.stride(), FMAX=fmt.max,
+        FLOOR=spec.amax_floor, POW2=spec.pow2_scale, OUT=_TL_FP8[fmt], HAS_IDX=idx is not None, BLOCK_R=STORE_ROWS,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=STORE_WARPS, enable_fp_fusion=FP_FUSION)

@@ -92,7 +92,7 @@ def test_no_fused_function_runs_under_autograd(native, flow, monkeypatch):
     assert {name.lstrip("_") for name, _ in calls} == set(fused_in_a_step(flow))
     assert [name for name, grad in calls if grad] == []
     x = torch.randn(1, 2, 3, 8, requires_grad=True)  # the check sees one that does
-    llama._rope(x, torch.ones(3, 8), torch.zeros(3, 8), torch.float32)
+    llama._rope(x, torch.ones(3, 8), torch.zeros(3, 8), 1, torch.float32, torch.float32)
     assert calls[-1] == ("_rope", True)
 
 

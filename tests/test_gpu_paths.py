@@ -892,15 +892,18 @@ def test_attention_backward_joins_the_q_k_v_gradients_in_one_kernel(forced_nativ
     assert per_layer["cat"] == 0, sorted(per_layer.items())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype,q_dtype", [(torch.bfloat16, None), (torch.float32, None),
+                                           (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("contiguous_v", [False, True])
-def test_split_rope_backward_is_the_rotation_by_the_negative_angle_in_the_gemm_layout(dtype, contiguous_v,
+def test_split_rope_backward_is_the_rotation_by_the_negative_angle_in_the_gemm_layout(dtype, q_dtype, contiguous_v,
                                                                                      monkeypatch):
     """q/k/v split from the GEMM's output and RoPE on q and k, with autograd: the backward is one
     function (compiled on a GPU: RoPE by the negative angle on q's and k's gradients, written
     with v's into the GEMM's tokens-first layout), where autograd's op-by-op backward joined q's and
     k's gradients, rotated them (a roll, two products and a sum in fp32, two casts) and joined the
-    result with v's. The same bits as autograd's, for bf16 and fp32 inputs."""
+    result with v's. The same bits as autograd's, for bf16 and fp32 inputs, and with the queries
+    rounded to bf16 in the same function where the keys stay fp32 (an 8-bit KV cache's flows: as
+    the queries' cast to what attention reads, and its backward, composed by autograd)."""
     from jetrl_cli.models import llama
     from jetrl_cli.models.llama import apply_rope, split_rope
 
@@ -915,22 +918,25 @@ def test_split_rope_backward_is_the_rotation_by_the_negative_angle_in_the_gemm_l
     x = torch.randn(b, t, h + 2 * hk, d, generator=g).to(dtype).requires_grad_(True)
     grads = [torch.randn(b, n, t, d, generator=g).to(dt) for n, dt in ((h, dtype), (hk, dtype), (hk, dtype))]
 
+    if q_dtype is not None:
+        grads[0] = grads[0].to(q_dtype)  # attention's gradient of the queries it read
+
     def op_by_op(x):
         qk, v = (p.transpose(1, 2) for p in x.split((h + hk, hk), dim=2))
         q, k = apply_rope(qk.float(), cos, sin).to(dtype).split((h, hk), dim=1)
-        return q, k, v
+        return (q if q_dtype is None else q.to(q_dtype)), k, v
 
     want_out = op_by_op(x)
     want = torch.autograd.grad(want_out, x, grads)[0]
-    out = split_rope(x, h, hk, cos, sin, dtype, contiguous_v)
+    out = split_rope(x, h, hk, cos, sin, dtype, contiguous_v, q_dtype=q_dtype)
     for o, w in zip(out, want_out):
-        assert torch.equal(o, w)
+        assert o.dtype == w.dtype and torch.equal(o, w)
     assert out[2].is_contiguous() == contiguous_v
     got, = torch.autograd.grad(out, x, grads)
     assert got.dtype == dtype and got.is_contiguous() and torch.equal(got, want)
     assert len(calls) == 1  # one fused call
     with torch.no_grad():  # no autograd: the same forward
-        for o, w in zip(split_rope(x, h, hk, cos, sin, dtype, contiguous_v), want_out):
+        for o, w in zip(split_rope(x, h, hk, cos, sin, dtype, contiguous_v, q_dtype=q_dtype), want_out):
             assert torch.equal(o, w)
 
 
@@ -1889,9 +1895,10 @@ def test_decode_steps_read_an_fp8_kv_cache_as_stored(forced_native, monkeypatch)
     """Natively (a GPU; here Triton's interpreter) a decode step's attention reads the FP8 cache's
     bytes and scales (``kernels.attention.decode_attention``), never a dequantized copy of the cache
     (``_kv_values``, which the fallback path without a Triton kernel calls); the step's new keys and
-    values are quantized into the cache by one kernel each (``kv_store``). Not batch-invariant:
-    the trainer's attention adds in another order, so the rollout's logprobs are within bf16
-    attention's rounding of the trainer's."""
+    values are quantized into the cache by one kernel each (``kv_store``) -- also where attention
+    reads the cache dequantized (through SDPA), whose steps then dequantize only in the cache's read,
+    not the new rows as well. Not batch-invariant: the trainer's attention adds in another order, so
+    the rollout's logprobs are within bf16 attention's rounding of the trainer's."""
     import os
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -1928,18 +1935,28 @@ def test_decode_steps_read_an_fp8_kv_cache_as_stored(forced_native, monkeypatch)
     for stored in (True, False):
         if not stored:  # the dequantizing path, for comparison
             monkeypatch.setattr(llama, "_reads_cache_as_stored", lambda *a: False)
+        before = dict(calls)
         eng = EmbeddedEngine(m, flow, 32, max_batch=4, cuda_graphs=False)
         eng.load_weights(make_payload(m, flow))
         out = eng.generate(prompts, sp, seed=2)
+        rolled = dict(calls)
+        if not stored:  # attention reads the cache dequantized: a step still stores by one kernel per
+            # tensor, and dequantizes only in the cache's read (2 per layer and step), not its new rows too
+            new = {k: rolled[k] - before[k] for k in calls}
+            assert new["decode_attention"] == 0 and new["kv_store"] == new["kv_values"] >= 2 * 5, new
         flat = [(p, c) for p, g in zip(prompts, out) for c in g]
         b = Batch.build([p for p, _ in flat], [c.tokens for _, c in flat], [c.logprobs for _, c in flat],
                         [0.0] * len(flat), [i // 2 for i in range(len(flat))])
         tr = Trainer(copy.deepcopy(m), flow, TrainConfig(micro_batch=6), CorrectionConfig(), sp, 32)
         logps[stored] = (b.rollout_logp[b.mask], tr.score(b)[b.mask].cpu(), [c.tokens for _, c in flat])
         if stored:
-            assert calls["decode_attention"] >= 2 * 5 and calls["kv_values"] == 0, calls  # 2 layers x 5 steps or more
+            assert rolled["decode_attention"] >= 2 * 5 and rolled["kv_values"] == 0, rolled  # 2 layers x 5 steps or more
             # keys and values, one kernel each per layer and step (the device check calls each once)
-            assert calls["kv_store"] - 1 == 2 * (calls["decode_attention"] - 1), calls
+            assert rolled["kv_store"] - 1 == 2 * (rolled["decode_attention"] - 1), rolled
+            # the trainer's one forward rounds each layer's keys and values as the cache stores and
+            # reads them: kv_store into a scratch copy, then the cache's dequantization (cast_kv)
+            assert {k: calls[k] - rolled[k] for k in calls} == {"decode_attention": 0, "kv_values": 4,
+                                                                 "kv_store": 4}, calls
     stack.close()
     assert calls["kv_values"] > 0
     rollout, trainer, tokens = logps[True]
@@ -1948,6 +1965,48 @@ def test_decode_steps_read_an_fp8_kv_cache_as_stored(forced_native, monkeypatch)
     (choice,) = gemm.backend_report()["kernels"]
     assert {k: choice[k] for k in ("op", "device", "kernel", "runs")} == {
         "op": llama.KV_READ, "device": str(m.lm_head.weight.device), "kernel": "triton, read as stored", "runs": True}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("fmt", [Format.FP8_E4M3, Format.FP8_E5M2])
+def test_the_trainers_fp8_kv_rounding_is_the_caches_store_and_read(forced_native, monkeypatch, fmt):
+    """Natively, the trainer's keys and values under an FP8 row cache (``cast_kv`` with the dtype
+    attention reads) are what the rollout's cache stores and reads back: ``kv_store`` into a scratch
+    copy, then ``_kv_values`` -- one call each -- bit for bit the reference quantizer's values in
+    bf16, and the values of the op-by-op path (quantize, dequantize, the straight-through sum, the
+    cast to bf16), gradients included; on fresh random keys with a zero row, a NaN row and a row of
+    tiny values. (A negative key that rounds to zero is -0 here, as in the cache; the straight-through
+    sum ``t + (q - t)`` made it +0: an equal value.)"""
+    from jetrl_cli.kernels import attention
+    from jetrl_cli.models import llama
+
+    from .triton_interp_fix import fixed_fp8_conversion
+
+    spec = CastSpec(fmt, Block.parse("row"))
+    g = gen(torch.seed() % 2**31)
+    t = (torch.randn(2, 3, 5, 64, generator=g) * torch.rand(2, 3, 5, 1, generator=g) * 8).to(TRITON_DEV)
+    t[0, 0, 0] = 0.0
+    t[1, 2, 3, 7] = float("nan")
+    t[0, 1, 4] = torch.randn(64, generator=g).to(TRITON_DEV) * 1e-30
+    gy = torch.randn(t.shape, generator=g).to(TRITON_DEV, torch.bfloat16)
+    calls = collections.Counter()
+    for mod, name in ((attention, "kv_store"), (llama, "_kv_values")):
+        fn = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **k: calls.update([_n]) or _fn(*a, **k))
+    with fixed_fp8_conversion():
+        ref_in, got_in = t.clone().requires_grad_(True), t.clone().requires_grad_(True)
+        want = llama.cast_kv(ref_in, spec).to(torch.bfloat16)  # the reference, then attention's cast
+        assert calls == {}
+        got = llama.cast_kv(got_in, spec, torch.bfloat16)
+    assert calls == {"kv_store": 1, "_kv_values": 1}
+    stored = dequantize(quantize(t.reshape(-1, 64), spec)).reshape(t.shape).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), stored.view(torch.int16))
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert bool(got[1, 2, 3].isnan().all()) and not bool(got[1, 2, 2].isnan().any())
+    want.backward(gy)
+    got.backward(gy)
+    assert got_in.grad.dtype == torch.float32 and torch.equal(got_in.grad, ref_in.grad)
 
 
 def test_decode_attention_writes_o_projs_fp8_input_in_the_rollout(forced_native, monkeypatch):

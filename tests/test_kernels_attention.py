@@ -210,6 +210,13 @@ def test_kv_store_writes_the_reference_quantization_into_the_cache(att, fp8, dty
     assert torch.equal(got_nan, want_nan) and got_nan.sum() == 2 * d  # the rows holding NaN and inf
     assert torch.equal(data.view(torch.uint8)[~got_nan], want_d[~want_nan])
     assert torch.equal(scales.nan_to_num(-1.0), want_s.nan_to_num(-1.0)) and scales.isnan().sum() == 2
+    # without idx: row i to row i (a scratch copy: the trainer's keys as the cache stores them)
+    n = b * hk * t
+    data2, scales2 = torch.empty(n, d, dtype=fp8, device=DEV), torch.empty(n, device=DEV)
+    with fixed_fp8_conversion():
+        att.kv_store(x, None, data2, scales2, spec)
+    assert torch.equal(data2.view(torch.uint8), data.view(torch.uint8)[idx])
+    assert torch.equal(scales2.nan_to_num(-1.0), scales[idx].nan_to_num(-1.0))
 
 
 def test_kv_store_rejects_bad_input(att):
@@ -227,3 +234,5 @@ def test_kv_store_rejects_bad_input(att):
         att.kv_store(x, idx[:5], data, scales, spec)
     with pytest.raises(ValueError, match="scales must be contiguous float32"):
         att.kv_store(x, idx, data, scales.double(), spec)
+    with pytest.raises(ValueError, match="without idx, data must have the 6 rows of x, got 8"):
+        att.kv_store(x, None, data, scales, spec)

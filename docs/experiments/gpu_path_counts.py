@@ -1,6 +1,6 @@
 """jetrl's CUDA code path on fake CUDA tensors, without a GPU: what a training forward leaves live
-(by the jetrl line that allocated it), and the host's work in one update (aten ops, Triton launches,
-jetrl's Python calls). Counts, not times.
+(by the jetrl line that allocated it), the host's work in one update (aten ops, Triton launches,
+jetrl's Python calls), and a ``jetrl bench train`` row's peak per phase. Counts, not times.
 
 Built on ``tests/fake_cuda.py``'s mode: CUDA tensors are torch ``FakeTensor``s (shapes, dtypes,
 devices; nothing computed), host tensors real; the Triton kernels' wrappers run and allocate their
@@ -12,6 +12,7 @@ build of torch (torch 2.11+cu130 installed on CPU will do); prints one JSON obje
 
     python docs/experiments/gpu_path_counts.py forward --flow fp8-unified --batch 16 --seq 512
     python docs/experiments/gpu_path_counts.py host --flow bf16 --batch 16 --seq 512
+    python docs/experiments/gpu_path_counts.py bench --flow fp8-unified --batch 16 --seq 512
 
 (2026-11-25, docs/benchmarks.md: the 1.5B shape, 28 layers, both flows.)
 """
@@ -161,21 +162,61 @@ def host(args) -> dict:
             "triton_launches": dict(launches), "jetrl_python_calls": sum(v[1] for v in ours)}
 
 
+def bench(args) -> dict:
+    """``jetrl bench train --device cuda`` for one flow, every phase of its row run on fake CUDA tensors
+    (``--no-transformers``, one timed update), with ``torch.cuda.max_memory_allocated`` and its reset
+    answered from the live device bytes: each phase's peak as the tensors make it, and the largest
+    sites live at the row's highest peak. The backward (``tests/py_autograd.py``) keeps every saved
+    tensor until the graph is freed, where autograd frees a node's as it runs: its peaks are upper
+    bounds for the same allocations."""
+    from unittest import mock
+
+    from jetrl_cli import bench as jbench
+
+    _stand_in_kernels()
+    state = {"peak": 0, "at_peak": collections.Counter(), "step": 0}
+    mode = Counting(bool_every=1, real=0.0)
+    plain = Counting.__torch_dispatch__
+
+    def dispatch(self, func, types, args_=(), kwargs=None):
+        out = plain(self, func, types, args_, kwargs)
+        if self.live > state["peak"]:
+            state["peak"] = self.live
+            if self.live > state["step"] + 2**29:  # a snapshot per 0.5 GiB of growth
+                state["at_peak"], state["step"] = collections.Counter(self.by_site), self.live
+        return out
+
+    def reset(*a):
+        state["peak"], state["step"] = mode.live, 0
+
+    with mock.patch.object(Counting, "__torch_dispatch__", dispatch), fc._pretend_bench(), mode, \
+            py_autograd.recording(), mock.patch.object(torch.cuda, "max_memory_allocated", lambda *a: state["peak"]), \
+            mock.patch.object(torch.cuda, "memory_allocated", lambda *a: mode.live), \
+            mock.patch.object(torch.cuda, "reset_peak_memory_stats", reset):
+        s = jbench.Settings(device="cuda", repeats=1, warmup=1, model=args.model, layers=args.layers,
+                            train_batch=args.batch, seq=args.seq, flows=(args.flow,), transformers=False)
+        (row,) = jbench.run_bench(["train"], s)["results"]["train"]
+    return {"model": row["model"], "flow": args.flow, "tokens": [args.batch, args.seq],
+            "peak_gb_by_phase": {k: round(v / 1e9, 2) for k, v in row["peak_memory_by_phase"].items()},
+            "sites_gb_at_the_highest_peak": [[round(v / 1e9, 3), k] for k, v in state["at_peak"].most_common(args.top)
+                                             if v > 0]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("forward", "host"))
+    ap.add_argument("what", choices=("forward", "host", "bench"))
     ap.add_argument("--flow", default="fp8-unified")
     ap.add_argument("--model", default="qwen2.5-1.5b")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--top", type=int, default=15, help="forward: allocation sites listed")
+    ap.add_argument("--top", type=int, default=15, help="forward, bench: allocation sites listed")
     args = ap.parse_args()
     if not torch.backends.cuda.is_built():
         sys.exit(f"needs a CUDA build of torch (this is {torch.__version__})")
     fc._pretend_hopper()
     torch.Tensor.backward = py_autograd.backward
-    print(json.dumps((forward if args.what == "forward" else host)(args), indent=1))
+    print(json.dumps({"forward": forward, "host": host, "bench": bench}[args.what](args), indent=1))
 
 
 if __name__ == "__main__":

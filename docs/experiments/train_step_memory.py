@@ -319,7 +319,7 @@ def fused_quantizers(run=lambda kind, fn, *tensors: fn(*tensors)):
             return wq, wt
 
     plain = linear.kernel_quantizers
-    linear.kernel_quantizers = lambda x, backends: Kernels if any(
+    linear.kernel_quantizers = lambda x, backends, spec=None: Kernels if any(
         getattr(b, "name", "") in ("scaled_mm", "triton") for b in backends) else None
     try:
         yield

@@ -36,6 +36,9 @@ How each op is counted (a ``TorchDispatchMode`` under the fake-tensor counting o
   a GPU. It clips no gradients (as ``jetrl bench train`` runs it); jetrl's rows do, and here their
   clipping multiply is always counted (the host reads of fake values get made-up answers, and the
   made-up norm is over the bound), through the ``_foreach`` kernels as on CUDA.
+- An FP8 KV cache's **store** (``kernels.attention.kv_store``: a token's keys or values quantized and
+  written to their cache rows, or the trainer's scratch copy) is one kernel, as on a GPU (the
+  reference quantizer runs here): it reads the keys and writes their FP8 bytes and scales.
 
     python docs/experiments/train_step_traffic.py --batch 4 --seq 256
     python docs/experiments/train_step_traffic.py --batch 16 --seq 512 --flows bf16 --top 25
@@ -271,9 +274,27 @@ def triton_pairs(traffic: Traffic):
             return q, gemm.transpose_operand(q)
         return one_kernel(both, w, spec, backends)
 
+    from jetrl_cli.kernels import attention
+
+    def kv_store(x, idx, data, scales, spec):  # the reference's bytes, written where the kernel writes them
+        def store(x, idx):
+            q = quant.quantize(x.reshape(-1, x.shape[-1]), spec)
+            rows = q.data.view(torch.uint8), q.scale.reshape(-1)
+            if idx is None:
+                data.view(torch.uint8).copy_(rows[0])
+                scales.copy_(rows[1])
+            else:
+                data.view(torch.uint8).index_copy_(0, idx, rows[0])
+                scales.index_copy_(0, idx, rows[1])
+            return rows
+        traffic.kernel("kv_store (Triton)", store, x, idx)
+
     saved = [(mod, k, getattr(mod, k)) for mod in (gemm, linear) for k in ("cast_pair", "cast_weight_pair")]
+    saved += [(attention, "kv_store", attention.kv_store), (llama, "kv_store_runs", llama.kv_store_runs)]
     for mod in (gemm, linear):
         mod.cast_pair, mod.cast_weight_pair = cast_pair, weight_pair
+    attention.kv_store = kv_store
+    llama.kv_store_runs = lambda t, spec: gemm.native(t) and spec.format.is_fp8 and spec.block.name == "row"
     try:
         names = {"swiglu": "quantize (Triton)", "weight": "quantize (Triton)",
                  "norm": "fused add_rms_norm + quantize (Triton)"}

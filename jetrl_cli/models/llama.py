@@ -326,19 +326,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 @fused
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``apply_rope`` on ``x`` in fp32 (queries and keys in one pass), returned in ``dtype``: bf16
-    when attention and the KV cache read bf16, so on a GPU the rounding is in the same kernel, not
-    two more (the same bits: rounding an fp32 value to bf16 is one operation wherever it runs)."""
-    return _as(apply_rope(_as(x, torch.float32), cos, sin), dtype)
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, h: int, q_dtype: torch.dtype,
+          k_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rope`` on ``x`` in fp32 (queries and keys in one pass: its first ``h`` heads are the
+    queries), returned as (queries in ``q_dtype``, keys in ``k_dtype``): bf16 where attention (or
+    the KV cache) reads bf16, so on a GPU the rounding is in the same kernel, not one more (the same
+    bits: rounding an fp32 value to bf16 is one operation wherever it runs)."""
+    y = apply_rope(_as(x, torch.float32), cos, sin)
+    q, k = y.split((h, y.shape[1] - h), dim=1)
+    return _as(q, q_dtype), _as(k, k_dtype)
 
 
 def split_rope(qkv: torch.Tensor, h: int, hk: int, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,
-               contiguous_v: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Queries and keys after RoPE (``_rope``, in ``dtype``) and values, heads at dim 1, from the
-    q/k/v GEMM's output ``qkv`` (b, t, h + 2 * hk, d); ``contiguous_v``: values copied out of it
-    (a view keeps the whole of ``qkv`` alive for as long as attention keeps v). RoPE runs on queries
-    and keys in one pass (elementwise: the same bits as two passes), in fp32.
+               contiguous_v: bool = False,
+               q_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries and keys after RoPE (``_rope``; keys in ``dtype``, queries in ``q_dtype``, by default
+    ``dtype``) and values, heads at dim 1, from the q/k/v GEMM's output ``qkv`` (b, t, h + 2 * hk,
+    d); ``contiguous_v``: values copied out of it (a view keeps the whole of ``qkv`` alive for as
+    long as attention keeps v). RoPE runs on queries and keys in one pass (elementwise: the same
+    bits as two passes), in fp32.
 
     With autograd this is one function (``_SplitRope``) whose backward is one fused function
     (``_split_rope_grad``; Inductor writes each part's slice of the result directly, no intermediate
@@ -346,28 +352,29 @@ def split_rope(qkv: torch.Tensor, h: int, hk: int, cos: torch.Tensor, sin: torch
     values' gradient straight into the GEMM's (tokens x features) layout. Op by op,
     autograd joined the queries' and keys' gradients, rotated them and joined the result with the
     values': two concatenations per layer (3.5 GB at 16 x 512 tokens of Qwen2.5-1.5B)."""
+    q_dtype = dtype if q_dtype is None else q_dtype
     if torch.is_grad_enabled() and qkv.requires_grad:
-        return _SplitRope.apply(qkv, h, hk, cos, sin, dtype, contiguous_v)
-    return _split_rope(qkv, h, hk, cos, sin, dtype, contiguous_v)
+        return _SplitRope.apply(qkv, h, hk, cos, sin, dtype, contiguous_v, q_dtype)
+    return _split_rope(qkv, h, hk, cos, sin, dtype, contiguous_v, q_dtype)
 
 
-def _split_rope(qkv, h, hk, cos, sin, dtype, contiguous_v):
+def _split_rope(qkv, h, hk, cos, sin, dtype, contiguous_v, q_dtype):
     qk, v = (p.transpose(1, 2) for p in qkv.split((h + hk, hk), dim=2))
-    q, k = _rope(qk, cos, sin, dtype).split((h, hk), dim=1)
+    q, k = _rope(qk, cos, sin, h, q_dtype, dtype)
     return q, k, (v.contiguous() if contiguous_v else v)
 
 
 class _SplitRope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, h, hk, cos, sin, dtype, contiguous_v):
+    def forward(ctx, qkv, h, hk, cos, sin, dtype, contiguous_v, q_dtype):
         ctx.save_for_backward(cos, sin)
         ctx.x_dtype = qkv.dtype
-        return _split_rope(qkv, h, hk, cos, sin, dtype, contiguous_v)
+        return _split_rope(qkv, h, hk, cos, sin, dtype, contiguous_v, q_dtype)
 
     @staticmethod
     def backward(ctx, gq, gk, gv):
         cos, sin = ctx.saved_tensors
-        return _split_rope_grad(gq, gk, gv, cos, sin, ctx.x_dtype), None, None, None, None, None, None
+        return _split_rope_grad(gq, gk, gv, cos, sin, ctx.x_dtype), None, None, None, None, None, None, None
 
 
 @fused
@@ -386,19 +393,66 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype is dtype else t.to(dtype)
 
 
-def cast_kv(t: torch.Tensor, spec: CastSpec | None) -> torch.Tensor:
+def cast_kv(t: torch.Tensor, spec: CastSpec | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Round keys/values to the KV-cache format (per token and head for fp8: rows of head_dim).
-    Natively a bf16 cache holds bf16 tensors; on CPU, fp32 tensors with bf16-rounded values."""
+    Natively a bf16 cache holds bf16 tensors; on CPU, fp32 tensors with bf16-rounded values.
+
+    ``out_dtype``: what attention reads them in (it rounds them to it next). Given, where the FP8
+    cache's Triton store runs (``kv_store_runs``), an FP8 row cache's values are made as the rollout
+    stores and reads them -- ``kernels.attention.kv_store`` into a scratch copy, then ``_kv_values``
+    in ``out_dtype`` (``_StoredKV``): two kernels per tensor, where the reference quantizer and its
+    dequantization run op by op (about ten), and a third rounds to ``out_dtype``. The same bits: the
+    store is the reference quantizer's, and ``t + (q - t)`` is ``q`` (the two are within a factor of
+    two of each other, or q is 0)."""
     if spec is None or spec.format.value == "fp32":
         return t
     if native(t) and spec.format is Format.BF16:
         return t.to(torch.bfloat16)
+    if out_dtype is not None and t.dim() == 4 and kv_store_runs(t, spec):
+        return _StoredKV.apply(t, spec, out_dtype)
     with torch.no_grad():
         if spec.is_scaled:
             q = fake_quantize(t.reshape(-1, t.shape[-1]), spec).reshape(t.shape).to(t.dtype)
         else:
             q = round_to(t, spec.format).to(t.dtype)
     return t + (q - t).detach() if t.requires_grad else q  # straight-through in training
+
+
+def kv_store_runs(t: torch.Tensor, spec: CastSpec) -> bool:
+    """Whether ``kernels.attention.kv_store`` stores ``t`` (natively, where Triton runs) under ``spec``:
+    FP8 with one scale per token and head, a floor the kernels take."""
+    if not (native(t) and spec.format.is_fp8 and spec.block.name == "row"):
+        return False
+    from ..kernels.fp8 import unsupported
+    from ..precision.gemm import _triton_unavailable
+
+    return _triton_unavailable(t.device) is None and unsupported(None, spec.format, spec.amax_floor) is None
+
+
+def _stored_kv_values(t: torch.Tensor, spec: CastSpec, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` (b, kv_heads, n, d) as an FP8 row cache stores and reads it back, in ``dtype``."""
+    from ..kernels.attention import kv_store
+
+    b, hk, n, d = t.shape
+    data = torch.empty(b * hk * n, d, dtype=spec.format.torch_dtype(), device=t.device)
+    scales = torch.empty(b * hk * n, dtype=torch.float32, device=t.device)
+    kv_store(t, None, data, scales, spec)
+    return _kv_values(data.view(b, hk, n, d), scales.view(b, hk, n), dtype)
+
+
+class _StoredKV(torch.autograd.Function):
+    """``cast_kv``'s straight-through rounding to an FP8 cache's values, natively: the forward is
+    ``_stored_kv_values``, the backward passes the gradient through in ``t``'s dtype (as ``t + (q -
+    t).detach()`` and the cast after it would)."""
+
+    @staticmethod
+    def forward(ctx, t, spec, dtype):
+        ctx.t_dtype = t.dtype
+        return _stored_kv_values(t, spec, dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.t_dtype), None, None
 
 
 KEY_CHUNK = 16  # key widths are multiples of this
@@ -575,14 +629,14 @@ class KVCache:
         """Write keys and values (b, kv_heads, t, head_dim) at the rows ``idx`` (``write_index``).
         With an 8-bit cache they are quantized here (per token and head) and their dequantized
         values -- what attention reads back -- are returned; else None (the caller rounded them).
-        ``values=False`` (a decode step whose attention reads the cache as stored): nothing is
-        returned, and one Triton kernel per tensor quantizes and writes the rows (``kv_store``, the
-        reference's bits)."""
+        ``values=False`` (a decode step, whose attention reads the cache): nothing is returned, and
+        natively, where Triton runs, one kernel per tensor quantizes and writes the rows
+        (``kv_store``, the reference's bits)."""
         d = self.kv.shape[-1]
         out = []
         for j, t in ((2 * layer, k), (2 * layer + 1, v)):
             flat = self.kv[j].view(-1, d)  # the slot's first `batch` sequences are contiguous
-            if not values and self.spec is not None:
+            if not values and self.spec is not None and not self.exact and kv_store_runs(t, self.spec):
                 from ..kernels.attention import kv_store
 
                 kv_store(t, idx, flat, self.scales[j].view(-1), self.spec)
@@ -761,15 +815,19 @@ class Attention(nn.Module):
         # split, not sliced (a slice's backward writes a zero-filled gradient of the whole input, and
         # autograd adds them up); the backward writes the GEMM's layout in one fused function (split_rope)
         q, k, v = split_rope(qkv.reshape(b, t, h + 2 * hk, c.head_dim), h, hk, cos, sin, self._rope_dtype(qkv),
-                             contiguous_v=native(qkv) and qkv.requires_grad)  # attention saves v (1/8 of q/k/v at 1.5B)
+                             contiguous_v=native(qkv) and qkv.requires_grad,  # attention saves v (1/8 of q/k/v at 1.5B)
+                             q_dtype=self._query_dtype(qkv))
         width = mask.width
         if cache is None:
-            keys, values = cast_kv(k, self.kv_spec), cast_kv(v, self.kv_spec)
+            dt = self.attention_format().torch_dtype() if native(qkv) else None
+            keys, values = cast_kv(k, self.kv_spec, dt), cast_kv(v, self.kv_spec, dt)
         else:
             idx = cache.write_index(mask.q_index)
             in_kernel = mask.reads_cache
             if cache.spec is not None:  # an 8-bit cache quantizes (what cast_kv rounds to) as it stores
-                k, v = cache.store(layer, idx, k, v, values=not in_kernel) or (None, None)
+                # the new keys' and values' values only where attention reads them (prefill); a decode
+                # step reads the cache (as stored, or dequantized by ``read``)
+                k, v = cache.store(layer, idx, k, v, values=mask.causal and not in_kernel) or (None, None)
             else:
                 k, v = cast_kv(k, self.kv_spec), cast_kv(v, self.kv_spec)
                 cache.store(layer, idx, k, v)
@@ -781,7 +839,7 @@ class Attention(nn.Module):
                     return y.reshape(b, t, y.shape[-1])
                 return linear_group((self.o_proj,), out, self.o_proj, input_kept=True)
             # natively straight in the dtype attention reads (the same bits as through fp32)
-            dt = self.attention_format().torch_dtype() if native(qkv) else k.dtype
+            dt = self.attention_format().torch_dtype() if native(qkv) else q.dtype  # (CPU: fp32, as k)
             keys, values = (k, v) if mask.causal or cache.exact else cache.read(layer, width, dt)
         if native(qkv):
             out = _native_attention(q, keys, values, mask, h // hk, self.attention_format())
@@ -823,8 +881,15 @@ class Attention(nn.Module):
         spec = fused[1]
         return spec if out_quant_unsupported(spec, self.attention_format().torch_dtype(), q.shape[-1]) is None else None
 
+    def _query_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """What RoPE returns queries in: on the native path what attention reads them in (every
+        attention path rounds queries to ``attention_format`` first: the same bits, one kernel and
+        a write and read of fp32 queries fewer per layer, each way, than through ``_rope_dtype``'s
+        fp32 beside an 8-bit cache); fp32 in the CPU emulation."""
+        return self.attention_format().torch_dtype() if native(x) else torch.float32
+
     def _rope_dtype(self, x: torch.Tensor) -> torch.dtype:
-        """What RoPE returns queries and keys in: bf16 on the native path when attention reads bf16
+        """What RoPE returns keys in: bf16 on the native path when attention reads bf16
         and keys are kept as bf16 (what ``cast_kv`` and ``_native_attention`` would round them
         to); fp32 otherwise (the CPU emulation, or keys an 8-bit cache quantizes from fp32)."""
         spec = self.kv_spec
