@@ -99,7 +99,7 @@ import triton
 import triton.language as tl
 
 from jetrl_cli.precision.formats import Block, Format
-from jetrl_cli.precision.gemm import kernel_choice
+from jetrl_cli.precision.gemm import capturing as _capturing, kernel_choice
 from jetrl_cli.precision.quant import DEFAULT_AMAX_FLOOR, CastSpec, QTensor
 
 from .layouts import cdiv, padded_groups, round_up, scale_buffer
@@ -215,15 +215,6 @@ def _choose_tiles(device: torch.device) -> dict:
     return gemm.note_kernel(TILES_OP, device, f"{w1} warps; the 1x128 + 128x1 {pair} at {wp} warps", why,
                             warps=w1, pair_warps=wp, one_kernel=pair == "pair as one kernel",
                             timings_ms={f"{what} @ {w}": ms for (what, w), ms in t.items()})
-
-
-def _capturing(device: torch.device) -> bool:
-    """Whether ``device``'s current stream is capturing a CUDA graph (no timing then); True where no
-    stream can be asked (no usable driver)."""
-    try:
-        return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    except Exception:  # noqa: BLE001
-        return True
 
 
 def _untimed(e: Exception) -> str:

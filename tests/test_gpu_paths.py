@@ -229,6 +229,57 @@ def test_scaled_mm_gets_rows_in_multiples_of_four_and_the_callers_rows_back(kind
     assert error_stats(ref, got)["rel_err"] < 1e-6
 
 
+@pytest.mark.parametrize("refused", [False, True])
+def test_scaled_mm_adds_a_bias_in_its_epilogue_where_it_takes_one(refused, forced_native, monkeypatch):
+    """A blockwise Fprop GEMM with a bias (a Qwen2 model's q/k/v) hands the bias to scaled_mm: added to
+    the fp32 sum before the output is rounded (the emulated GEMM's order; one kernel where the add
+    after it was another). Decided at the first call on a device and reported; where scaled_mm
+    refuses a bias with block scales, the refusal is kept and reported, the bias is added after the
+    GEMM (as before), and scaled_mm is not asked again. (A CPU stand-in of scaled_mm in float64.)"""
+    st = gemm._scaled_mm_v2()
+    if st is None:
+        pytest.skip("this torch has no torch.nn.functional.scaled_mm")
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    plain, asked = _blockwise_scaled_mm_stand_in([]), []
+
+    def scaled_mm(a, b_t, sa, ra, sb, rb, output_dtype, bias=None):
+        asked.append(bias is not None)
+        if bias is not None and refused:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasLtMatmul( ... )`")
+        y = plain(a, b_t, sa, ra, sb, rb, torch.float64)
+        return (y if bias is None else y + bias.double()).to(output_dtype)
+
+    monkeypatch.setattr(gemm, "_scaled_mm_v2", lambda: (scaled_mm, st[1]))
+    g = gen(torch.seed() % 2**31)
+    t, k, n = 5, 384, 640
+    a, b = _blockwise_operands("fprop", torch.randn(t, k, generator=g), torch.randn(n, k, generator=g), None)
+    bias = (torch.randn(n, generator=g) * 4).bfloat16()
+    be = gemm.ScaledMMBackend()
+    exact = plain(*_handed(a, b), torch.float64)[:t]  # (its rows padded to a multiple of 4)
+    want = gemm.add_bias(exact.bfloat16(), bias) if refused else (exact + bias.double()).bfloat16()
+    for _ in range(2):
+        got = gemm._mm_bias(be, a, b, Format.BF16, bias)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert asked == ([True, False, False] if refused else [True, True])
+    choice = gemm.kernel_choice(gemm.BIAS_OP, torch.device("cpu"))
+    assert choice["epilogue"] is not refused
+    assert choice["kernel"] == ("added after the GEMM" if refused else "in scaled_mm's epilogue")
+    assert ("CUBLAS_STATUS_NOT_SUPPORTED" in choice["why"]) if refused else "why" not in choice
+    assert not torch.equal((exact + bias.double()).bfloat16(), gemm.add_bias(exact.bfloat16(), bias))  # two roundings
+    dense = gemm.ScaledMMBackend().mm_bias(a.dequantize(), b, Format.BF16, bias)  # not 8-bit: not this path
+    assert dense is None
+
+
+def _handed(a, b) -> tuple:
+    """What ``ScaledMMBackend`` hands scaled_mm for the blockwise operands ``a``, ``b`` (bar the recipes)."""
+    from jetrl_cli.kernels.layouts import pad_rows, scaled_mm_scale, to_gemm_layout
+
+    a, b = pad_rows(to_gemm_layout(a)), to_gemm_layout(b)
+    st = gemm._scaled_mm_v2()[1]
+    return (a.data, b.data.t(), scaled_mm_scale(a, "a", "v2"), st.BlockWise1x128, scaled_mm_scale(b, "b", "v2"),
+            st.BlockWise128x128)
+
+
 # --------------------------------------------------------------------------- auto, explicit backends, fallbacks
 
 
@@ -1746,6 +1797,28 @@ def test_blockwise_scaled_mm_matches_the_emulated_gemm_on_gpu(kind, t):
     # Fprop / Dgrad then round to bf16 (up to 2^-9 relative), which dominates: 2^-8.
     tol = 2.0 ** -8 if kind != "wgrad" else 4 * 2.0 ** -13
     assert error_stats(ref, got)["rel_err"] < tol
+
+
+@gpu
+@needs_cuda
+def test_a_blockwise_gemms_bias_on_gpu_is_in_the_epilogue_or_after_as_reported(monkeypatch):
+    """On Hopper the q/k/v GEMM's bias goes into scaled_mm's epilogue where cuBLASLt takes it with
+    block scales (else it is added after, and the refusal said); either way the result is the
+    emulated GEMM plus the bias, within the bf16 output's rounding."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("blockwise FP8 needs a Hopper GPU")
+    if gemm._scaled_mm_v2() is None:
+        pytest.skip("this torch has no torch.nn.functional.scaled_mm")
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    dev = torch.device("cuda")
+    t, k, n = 64, 1024, 768
+    a, b = _blockwise_operands("fprop", torch.randn(t, k, device=dev), torch.randn(n, k, device=dev) * 0.02, None)
+    bias = torch.randn(n, device=dev).bfloat16()
+    got = gemm._mm_bias(gemm.ScaledMMBackend(), a, b, Format.BF16, bias)
+    ref = gemm.EmulatedBackend().mm(a, b).double() + bias.double()
+    assert got.dtype == torch.bfloat16 and error_stats(ref, got.float())["rel_err"] < 2.0 ** -8
+    choice = gemm.kernel_choice(gemm.BIAS_OP, dev)
+    assert choice is not None and choice["kernel"] in ("in scaled_mm's epilogue", "added after the GEMM"), choice
 
 
 @gpu

@@ -569,20 +569,7 @@ class ScaledMMBackend:
         out_dtype = out.torch_dtype() if native(a.data) else torch.float32
         m, n = a.data.shape[0], b.data.shape[0]
         if blockwise_kind(a.spec, b.spec) is not None:
-            from ..kernels.layouts import is_gemm_layout, pad_rows, scaled_mm_scale, to_gemm_layout
-
-            a, b = (q if is_gemm_layout(q) else to_gemm_layout(q) for q in (a, b))
-            a = pad_rows(a)  # M a multiple of 4: a decode step's few rows, a prefill's any number
-            v2 = _scaled_mm_v2()
-            api = "v2" if v2 is not None else "legacy"
-            sa, sb = scaled_mm_scale(a, "a", api), scaled_mm_scale(b, "b", api)
-            if v2 is not None:
-                f, st = v2
-                rb = st.BlockWise128x128 if b.spec.block == Block(TILE, TILE) else st.BlockWise1x128
-                y = f(a.data, b.data.t(), sa, st.BlockWise1x128, sb, rb, output_dtype=out_dtype)
-            else:
-                y = torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=out_dtype)
-            return y if y.shape[0] == m else y[:m]
+            return self._blockwise(a, b, out_dtype)
         for op in (a, b):  # K-major operands: scales must be one per row (or one in all)
             if op.spec.block not in (Block(0, 0), Block(1, 0)) and op.scale.numel() != 1:
                 raise JetrlError(f"backend scaled_mm got an operand with {op.spec.block.name} scales along K")
@@ -600,6 +587,54 @@ class ScaledMMBackend:
             sa = sa.expand(m, 1).contiguous() if sa.dim() == 0 else sa
             sb = sb.expand(1, n).contiguous() if sb.dim() == 0 else sb
         return torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=out_dtype)
+
+    @staticmethod
+    def _blockwise(a: QTensor, b: QTensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from ..kernels.layouts import is_gemm_layout, pad_rows, scaled_mm_scale, to_gemm_layout
+
+        m = a.data.shape[0]
+        a, b = (q if is_gemm_layout(q) else to_gemm_layout(q) for q in (a, b))
+        a = pad_rows(a)  # M a multiple of 4: a decode step's few rows, a prefill's any number
+        v2 = _scaled_mm_v2()
+        api = "v2" if v2 is not None else "legacy"
+        sa, sb = scaled_mm_scale(a, "a", api), scaled_mm_scale(b, "b", api)
+        if v2 is not None:
+            f, st = v2
+            rb = st.BlockWise128x128 if b.spec.block == Block(TILE, TILE) else st.BlockWise1x128
+            kw = {} if bias is None else {"bias": bias}
+            y = f(a.data, b.data.t(), sa, st.BlockWise1x128, sb, rb, output_dtype=out_dtype, **kw)
+        else:
+            y = torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=out_dtype)
+        return y if y.shape[0] == m else y[:m]
+
+    def mm_bias(self, a, b, out, bias):
+        """A blockwise FP8 GEMM plus ``bias`` in ``scaled_mm``'s epilogue: added to the fp32 sum before
+        the output is rounded (the emulation's order, and the Triton backend's), one kernel where
+        the add after it is another (a Qwen2 model's q/k/v: one per layer and step of a rollout).
+        Natively, with torch's ``scaled_mm`` API; the first call on a device decides whether cuBLASLt
+        takes a bias with block scales, and a refusal is kept and reported (``BIAS_OP``): None then,
+        and the caller adds the bias after the GEMM, as on every other path here."""
+        if not (isinstance(a, QTensor) and isinstance(b, QTensor) and native(a.data)
+                and blockwise_kind(a.spec, b.spec) is not None and _scaled_mm_v2() is not None):
+            return None
+        dev = a.data.device
+        choice = kernel_choice(BIAS_OP, dev)
+        if choice is None and capturing(dev):
+            return None  # nothing is decided inside a graph capture (an engine's eager steps come first)
+        if choice is not None and not choice["epilogue"]:
+            return None
+        out_dtype = out.torch_dtype()
+        try:
+            y = self._blockwise(a, b, out_dtype, bias if bias.dtype is out_dtype else bias.to(out_dtype))
+        except RuntimeError as e:
+            if choice is not None:  # it ran before here: not a refusal of the bias
+                raise
+            why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+            note_kernel(BIAS_OP, dev, "added after the GEMM", f"scaled_mm refused it: {why}", epilogue=False)
+            return None
+        if choice is None:
+            note_kernel(BIAS_OP, dev, "in scaled_mm's epilogue", epilogue=True)
+        return y
 
 
 def cast_pair(x: torch.Tensor, rows: CastSpec | None, cols: CastSpec | None, backends) -> tuple:
@@ -1065,6 +1100,16 @@ def fallbacks() -> list[dict]:
 
 
 _KERNELS: dict[tuple[str, str], dict] = {}  # (operation, device) -> which kernel serves it, and why
+BIAS_OP = "blockwise scaled_mm bias"  # ScaledMMBackend.mm_bias's decision, per device
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a CUDA graph (nothing is timed or decided
+    then); True where no stream can be asked (no usable driver)."""
+    try:
+        return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    except Exception:  # noqa: BLE001
+        return True
 
 
 def kernel_choice(op: str, device: torch.device) -> dict | None:
