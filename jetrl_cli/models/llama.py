@@ -400,10 +400,10 @@ def cast_kv(t: torch.Tensor, spec: CastSpec | None, out_dtype: torch.dtype | Non
     ``out_dtype``: what attention reads them in (it rounds them to it next). Given, where the FP8
     cache's Triton store runs (``kv_store_runs``), an FP8 row cache's values are made as the rollout
     stores and reads them -- ``kernels.attention.kv_store`` into a scratch copy, then ``_kv_values``
-    in ``out_dtype`` (``_StoredKV``): two kernels per tensor, where the reference quantizer and its
-    dequantization run op by op (about ten), and a third rounds to ``out_dtype``. The same bits: the
+    in ``out_dtype`` (``_StoredKV``): two kernels per tensor, where the reference quantizer, its
+    dequantization and the cast to ``out_dtype`` run op by op (about ten). The same values: the
     store is the reference quantizer's, and ``t + (q - t)`` is ``q`` (the two are within a factor of
-    two of each other, or q is 0)."""
+    two of each other, or q is 0; a negative t whose q is 0 gives -0 here, +0 there)."""
     if spec is None or spec.format.value == "fp32":
         return t
     if native(t) and spec.format is Format.BF16:

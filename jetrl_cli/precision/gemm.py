@@ -626,6 +626,8 @@ class ScaledMMBackend:
         out_dtype = out.torch_dtype()
         try:
             y = self._blockwise(a, b, out_dtype, bias if bias.dtype is out_dtype else bias.to(out_dtype))
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError as e:
             if choice is not None:  # it ran before here: not a refusal of the bias
                 raise
