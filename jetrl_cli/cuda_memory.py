@@ -76,7 +76,12 @@ def peak_composition(events: list[dict], held_before: int = 0, top: int = TOP_SI
 
 
 class HistoryUnavailable(RuntimeError):
-    """This torch cannot record the allocator's history as ``record_peak`` needs it."""
+    """This torch cannot record the allocator's history as ``record_peak`` needs it (the bench's row
+    says why and keeps its measurements)."""
+
+
+def _line(e: Exception) -> str:
+    return " ".join(str(e).split())[:200]
 
 
 def record_peak(fn: Callable[[], object], device=None, max_entries: int = 2_000_000) -> dict:
@@ -91,17 +96,26 @@ def record_peak(fn: Callable[[], object], device=None, max_entries: int = 2_000_
     except TypeError as e:
         raise HistoryUnavailable(f"torch {torch.__version__} cannot clear the allocator's history "
                            "(_record_memory_history has no clear_history)") from e
+    except RuntimeError as e:  # e.g. an allocator configured without caching
+        raise HistoryUnavailable(f"the allocator's history cannot be recorded here: {_line(e)}") from e
     try:
         fn()
         torch.cuda.synchronize(device)
-        snap = torch.cuda.memory._snapshot(device)
+        try:
+            snap = torch.cuda.memory._snapshot(device)
+        except RuntimeError as e:
+            raise HistoryUnavailable(f"no snapshot of the allocator's history: {_line(e)}") from e
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     dev = torch.device("cuda") if device is None else torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     traces = snap.get("device_traces", [])
     events = traces[index] if index < len(traces) else []
-    out = peak_composition(events, held)
+    try:
+        out = peak_composition(events, held)
+    except (KeyError, TypeError) as e:  # a trace in another format than this torch's
+        raise HistoryUnavailable(f"the allocator's trace is not in the format read here ({type(e).__name__}: "
+                                 f"{e})") from e
     out["events"] = len(events)
     out["truncated"] = len(events) >= max_entries  # the oldest events were overwritten
     return out

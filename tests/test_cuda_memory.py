@@ -158,3 +158,23 @@ def test_record_peak_records_one_call_and_turns_the_history_off(monkeypatch):
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", old_torch)
     with pytest.raises(cuda_memory.HistoryUnavailable, match="clear_history"):
         cuda_memory.record_peak(lambda: None)
+
+    # what the allocator refuses, or a trace in another format: unavailable (the bench keeps its row)
+    def no_caching(*a, **k):
+        if k.get("enabled", "all") is not None:
+            raise RuntimeError("Recording memory history requires the CUDA caching allocator")
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", no_caching)
+    with pytest.raises(cuda_memory.HistoryUnavailable, match="cannot be recorded here: Recording memory"):
+        cuda_memory.record_peak(lambda: None)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a: {"device_traces": [[], [{"action": "alloc"}]]})
+    with pytest.raises(cuda_memory.HistoryUnavailable, match=r"not in the format read here \(KeyError"):
+        cuda_memory.record_peak(lambda: None)
+
+    def no_snapshot(*a):
+        raise RuntimeError("snapshot failed")
+
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", no_snapshot)
+    with pytest.raises(cuda_memory.HistoryUnavailable, match="no snapshot of the allocator's history: snapshot failed"):
+        cuda_memory.record_peak(lambda: None)
