@@ -231,6 +231,9 @@ def cases():
         out.append((f"kv_store {str(dtype)[6:]}", None, lambda x=x: attention.kv_store(
             x, torch.arange(b * kv_heads), cache8[:, :, :2].reshape(-1, d)[:b * kv_heads * 2].contiguous(),
             torch.ones(b * kv_heads * 2), kv_spec)))
+    xt = torch.zeros(b, 64, kv_heads, d).transpose(1, 2)  # the trainer's fp32 keys, rows in order into a scratch copy
+    out.append(("kv_store rows in order", None, lambda: attention.kv_store(
+        xt, None, torch.zeros(b * kv_heads * 64, d, dtype=torch.float8_e4m3fn), torch.ones(b * kv_heads * 64), kv_spec)))
     out.append(("invariant_attention fp32 t=512", "invariant_attention fp32", att(512, 512, dtype=torch.float32)))
     for width in (300, 1024):
         out.append((f"invariant_attention fp32 decode w={width}", "invariant_attention fp32", att(1, width, dtype=torch.float32)))
