@@ -99,7 +99,7 @@ import triton
 import triton.language as tl
 
 from jetrl_cli.precision.formats import Block, Format
-from jetrl_cli.precision.gemm import capturing as _capturing, kernel_choice
+from jetrl_cli.precision import gemm  # its registry, timer and capture check (looked up at call time)
 from jetrl_cli.precision.quant import DEFAULT_AMAX_FLOOR, CastSpec, QTensor
 
 from .layouts import cdiv, padded_groups, round_up, scale_buffer
@@ -161,7 +161,7 @@ def launch_config(x: torch.Tensor, pair: bool) -> tuple[int, bool]:
         return _FORCED
     if not x.is_cuda:
         return NUM_WARPS, True
-    c = kernel_choice(TILES_OP, x.device) or _choose_tiles(x.device)
+    c = gemm.kernel_choice(TILES_OP, x.device) or _choose_tiles(x.device)
     return (c["pair_warps"], c["one_kernel"]) if pair else (c["warps"], True)
 
 
@@ -171,15 +171,13 @@ def swiglu_warps(x: torch.Tensor) -> int:
         return _FORCED[0]
     if not x.is_cuda:
         return SWIGLU_WARPS
-    return (kernel_choice(SWIGLU_TILES_OP, x.device) or _choose_swiglu_warps(x.device))["warps"]
+    return (gemm.kernel_choice(SWIGLU_TILES_OP, x.device) or _choose_swiglu_warps(x.device))["warps"]
 
 
 def _time_forced(device: torch.device, cases) -> dict:
     """``{label: device ms}`` of each ``(label, forced, fn)`` in ``cases``, ``fn`` run under ``_FORCED =
     forced``; what a timing raises is raised, and nothing stays forced."""
     global _FORCED
-    from jetrl_cli.precision import gemm  # its timer, looked up at the (one) call
-
     t = {}
     try:
         for label, forced, fn in cases:
@@ -194,10 +192,8 @@ def _choose_tiles(device: torch.device) -> dict:
     """Time the quantizers' launch configurations on ``device`` (``launch_config``) and record the
     fastest with ``note_kernel``; while a CUDA graph is being captured nothing can be timed: the
     defaults, unrecorded (an engine's first decode step runs eagerly before its capture)."""
-    from jetrl_cli.precision import gemm  # its registry  # its timer and registry, looked up at the (one) call
-
     default = {"warps": NUM_WARPS, "pair_warps": NUM_WARPS, "one_kernel": True}
-    if _capturing(device):
+    if gemm.capturing(device):
         return default
     g = torch.Generator().manual_seed(0)
     x = torch.randn(TIMING_SHAPE, generator=g).to(device, torch.bfloat16)
@@ -225,9 +221,7 @@ def _choose_swiglu_warps(device: torch.device) -> dict:
     """Time the SwiGLU backward kernel (as a training step runs it, with down's h^T) at each of
     ``WARP_CHOICES`` on ``device`` and record the fastest (``swiglu_warps``); at its first call on the
     device, a training backward's. Inside a graph capture nothing is timed: the default, unrecorded."""
-    from jetrl_cli.precision import gemm
-
-    if _capturing(device):
+    if gemm.capturing(device):
         return {"warps": SWIGLU_WARPS}
     g = torch.Generator().manual_seed(0)
     m, k = TIMING_SHAPE
