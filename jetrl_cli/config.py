@@ -72,10 +72,13 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # linear warmup: step s of the first warmup_steps trains at lr * s / warmup_steps
+    lr_schedule: str = "constant"  # after the warmup: constant | cosine (down to lr * min_lr_ratio at the last step)
+    min_lr_ratio: float = 0.0
     clip_low: float = 0.2
     clip_high: float = 0.28
     adv_norm: str = "std"  # std (GRPO) | none (Dr. GRPO)
+    loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm (Dr. GRPO)
     kl_coef: float = 0.0
     dynamic_sampling: bool = False
     dynamic_sampling_rounds: int = 3  # extra rollout rounds to refill dropped groups
@@ -144,6 +147,8 @@ CHOICES = {
     ("rollout", "vllm_quantization"): choices.VLLM_QUANTIZATIONS,
     ("rollout", "vllm_dtype"): ("float32", "bfloat16", "float16"),
     ("train", "adv_norm"): ("std", "none"),
+    ("train", "loss_agg"): choices.LOSS_AGGREGATIONS,
+    ("train", "lr_schedule"): choices.LR_SCHEDULES,
     ("correction", "type"): choices.CORRECTIONS,
     ("correction", "mis_level"): ("token", "sequence"),
 }
@@ -238,6 +243,8 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
         raise PresetError(source, "rollout.n", f"GRPO needs at least 2 samples per prompt, got {r.n}")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         raise PresetError(source, "train.betas", f"expected two numbers in [0, 1), got {t.betas}")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise PresetError(source, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
     if r.vllm_gpu_memory_utilization > 1:
         raise PresetError(source, "rollout.vllm_gpu_memory_utilization", f"must be in (0, 1], got {r.vllm_gpu_memory_utilization}")
     if c.mis_low >= c.mis_high:

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from jetrl_cli.rl.algos import CorrectionConfig, group_advantages, importance, mismatch_metrics, policy_loss
+from jetrl_cli.rl.algos import (CorrectionConfig, group_advantages, importance, loss_denominator, mismatch_metrics,
+                                policy_loss)
 
 
 def test_group_advantages_by_hand():
@@ -82,6 +83,68 @@ def test_kl_penalty_by_hand():
     assert float(st["kl_ref"]) == pytest.approx(k3 / 5, rel=1e-5)
 
 
+def _token_terms(logp, old, adv, mask, weight, upper):
+    """The PPO-clip term of every completion token, by hand (Python floats), per sequence."""
+    out = []
+    for i in range(mask.shape[0]):
+        row = []
+        for t in range(mask.shape[1]):
+            if mask[i, t]:
+                ratio = math.exp(float(logp[i, t] - old[i, t]))
+                a = float(adv[i])
+                clipped = min(max(ratio, 1 - EPS_L), float(upper[i, t]))
+                row.append(-min(ratio * a, clipped * a) * float(weight[i, t]))
+        out.append(row)
+    return out
+
+
+def _aggregated_by_hand(terms, agg, max_new_tokens):
+    seqs = [row for row in terms if row]
+    if agg == "token-mean":
+        return sum(map(sum, seqs)) / sum(map(len, seqs))
+    if agg == "seq-mean-token-mean":
+        return sum(sum(row) / len(row) for row in seqs) / len(seqs)
+    return sum(map(sum, seqs)) / (len(seqs) * max_new_tokens)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_each_loss_aggregation_by_hand(agg):
+    # the fixed batch (lengths 3 and 2), then fresh random ones with a sequence of no completion token
+    cases = [(LOGP, OLD, ADV, MASK, 4)]
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for _ in range(3):
+        n, t = 5, 7
+        lengths = torch.randint(1, t + 1, (n,), generator=g)
+        lengths[int(torch.randint(0, n, (), generator=g))] = 0
+        mask = torch.arange(t)[None, :] < lengths[:, None]
+        old = -torch.rand(n, t, generator=g, dtype=torch.float64) * 2
+        logp = old + torch.randn(n, t, generator=g, dtype=torch.float64) * 0.3
+        cases.append((logp, old, torch.randn(n, generator=g, dtype=torch.float64), mask, t + 3))
+    for logp, old, adv, mask, max_new in cases:
+        imp = importance(old, old - 0.05, mask, CorrectionConfig("tis", tis_cap=1.02), EPS_H)
+        denom = loss_denominator(mask, agg, max_new)
+        loss, _ = policy_loss(logp, old, adv, mask, imp, EPS_L, EPS_H, denom, agg=agg)
+        terms = _token_terms(logp, old, adv, mask, imp.weight, torch.full_like(logp, 1 + EPS_H))
+        assert float(loss) == pytest.approx(_aggregated_by_hand(terms, agg, max_new), rel=1e-5)
+    # the KL penalty is aggregated the same way
+    ref = OLD - 0.3
+    imp = importance(OLD, OLD, MASK, CorrectionConfig(), EPS_H)
+    _, st = policy_loss(LOGP, OLD, torch.zeros(2), MASK, imp, EPS_L, EPS_H, loss_denominator(MASK, agg, 4), ref,
+                        kl_coef=0.1, agg=agg)
+    k3 = [[math.exp(float(ref[i, t] - LOGP[i, t])) - float(ref[i, t] - LOGP[i, t]) - 1 for t in range(3) if MASK[i, t]]
+          for i in range(2)]
+    assert float(st["kl_ref"]) == pytest.approx(_aggregated_by_hand(k3, agg, 4), rel=1e-5)
+
+
+def test_an_unknown_loss_aggregation_is_refused():
+    imp = importance(OLD, OLD, MASK, CorrectionConfig(), EPS_H)
+    for call in (lambda: loss_denominator(MASK, "seq-sum", 4),
+                 lambda: policy_loss(LOGP, OLD, ADV, MASK, imp, EPS_L, EPS_H, 5.0, agg="seq-sum")):
+        with pytest.raises(ValueError, match=r"unknown loss aggregation 'seq-sum' \(allowed: token-mean, "
+                                             r"seq-mean-token-mean, seq-mean-token-sum-norm\)"):
+            call()
+
+
 def test_mismatch_metrics_by_hand_and_zero_when_equal():
     m = mismatch_metrics(OLD, ROLL, MASK)
     d = [0.1, -1.0, 0.0, 0.0, 0.8]  # log(pi_train / pi_rollout) on the 5 tokens
@@ -110,7 +173,7 @@ def test_gradient_matches_finite_differences():
     assert torch.autograd.gradcheck(f, (logp,))
 
 
-def _trainer(micro_batch, seed=0):
+def _trainer(micro_batch, seed=0, loss_agg="token-mean"):
     from jetrl_cli.config import TrainConfig
     from jetrl_cli.engine.sampling import SamplingParams
     from jetrl_cli.models.shapes import random_model
@@ -119,8 +182,8 @@ def _trainer(micro_batch, seed=0):
     from jetrl_cli.rl.trainer import Trainer
 
     model = random_model(tiny_config("qwen2", hidden=64, layers=1, vocab=128), seed=seed, std=0.05)
-    return Trainer(model, named_flow("bf16"), TrainConfig(micro_batch=micro_batch, lr=1e-3), CorrectionConfig(),
-                   SamplingParams(), 64)
+    return Trainer(model, named_flow("bf16"), TrainConfig(micro_batch=micro_batch, lr=1e-3, loss_agg=loss_agg),
+                   CorrectionConfig(), SamplingParams(), 64)
 
 
 def _update_batch(seed=1):
@@ -180,6 +243,33 @@ def test_update_adds_micro_batches_as_one_batch_and_stops_on_a_nan_loss():
         tr.update(b, adv, old, None, step=3)
     assert all(torch.equal(p, q) for p, q in zip(tr.model.parameters(), before))
     assert tr.updates == 0
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_each_loss_aggregation_splits_into_micro_batches_as_one_batch(agg):
+    """Every micro-batch divides by the mini-batch's one denominator, so splitting it (6 sequences
+    as 1 + 1 + ..., or 4 + 2) gives the same loss and weights; and the aggregation is the one asked
+    for: its loss differs from token-mean's on the same update."""
+    b, adv = _update_batch()
+    noise = 0.4 * torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(2)) * b.mask
+    runs = []
+    for mb, mode in ((6, agg), (1, agg), (4, agg), (6, "token-mean")):
+        tr = _trainer(mb, loss_agg=mode)
+        lp = tr.score(b)
+        old = lp + noise
+        runs.append((tr.update(b, adv, old, None, step=0), [p.detach().clone() for p in tr.model.parameters()]))
+        if mb == 6:  # the update's loss is the aggregation's, at the logprobs before it
+            imp = importance(old, b.rollout_logp, b.mask, CorrectionConfig(), EPS_H)
+            want, _ = policy_loss(lp, old, adv, b.mask, imp, EPS_L, EPS_H,
+                                  loss_denominator(b.mask, mode, tr.sampling.max_new_tokens), agg=mode)
+            assert runs[-1][0]["pg_loss"] == pytest.approx(float(want), rel=1e-5)
+    (st0, w0), others, (tok, _) = runs[0], runs[1:3], runs[3]
+    for st, w in others:
+        for k in st:
+            assert st[k] == pytest.approx(st0[k], rel=1e-4, abs=1e-7), k
+        for p, q in zip(w, w0):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    assert abs(st0["pg_loss"] - tok["pg_loss"]) > 1e-3 * abs(tok["pg_loss"])
 
 
 def test_an_updates_micro_batches_add_into_the_gradients_held(monkeypatch):
@@ -356,3 +446,47 @@ def test_the_last_micro_batch_drops_the_cached_weights_layer_by_layer(monkeypatc
     for (name, p), q in zip(tr.model.named_parameters(), ref.model.parameters()):
         assert torch.equal(p, q), name
     assert torch.equal(tr.score(b), ref.score(b))  # the next forward casts the new weights afresh
+
+
+def test_learning_rate_warms_up_linearly_then_follows_the_schedule():
+    from jetrl_cli.config import TrainConfig
+    from jetrl_cli.rl.trainer import learning_rate
+
+    lr = float(torch.rand(()) * 1e-3 + 1e-5)
+    flat = TrainConfig(steps=20, lr=lr, warmup_steps=4)
+    assert [learning_rate(flat, s) for s in range(1, 7)] == [lr * s / 4 for s in (1, 2, 3, 4)] + [lr, lr]
+    assert learning_rate(TrainConfig(steps=20, lr=lr), 1) == lr  # no warmup: the full rate from step 1
+    cos = TrainConfig(steps=20, lr=lr, warmup_steps=4, lr_schedule="cosine", min_lr_ratio=0.1)
+    rates = [learning_rate(cos, s) for s in range(1, 21)]
+    assert rates[:4] == [lr * s / 4 for s in (1, 2, 3, 4)]
+    assert rates[4] == pytest.approx(lr, rel=1e-12)  # the first step after the warmup
+    assert rates[19] == pytest.approx(0.1 * lr, rel=1e-12)  # the last step
+    assert all(a >= b for a, b in zip(rates[4:], rates[5:]))
+    # the cosine's midpoint (progress 1/2 over steps 5..20 is step 12.5): between steps 12 and 13
+    assert rates[11] > lr * (0.1 + 0.9 * 0.5) > rates[12]
+    assert learning_rate(cos, 25) == pytest.approx(0.1 * lr)  # past the last step: held at the floor
+
+
+def test_an_update_trains_at_the_scheduled_learning_rate():
+    import dataclasses
+
+    b, adv = _update_batch()
+    tr = _trainer(6)
+    tr.cfg = dataclasses.replace(tr.cfg, steps=10, warmup_steps=2, lr_schedule="cosine")
+    old = tr.score(b)
+    for step, want in ((1, tr.cfg.lr / 2), (3, tr.cfg.lr), (10, 0.0)):
+        tr.update(b, adv, old, None, step=step)
+        assert [g["lr"] for g in tr.opt.param_groups] == [pytest.approx(want, abs=1e-15)] * len(tr.opt.param_groups)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lr_schedule=linear", r"train.lr_schedule: 'linear' is not allowed \(allowed: constant, cosine\)"),
+    ("train.min_lr_ratio=1.5", r"train.min_lr_ratio: must be in \[0, 1\], got 1.5"),
+    ("train.loss_agg=seq-sum", r"train.loss_agg: 'seq-sum' is not allowed \(allowed: token-mean, "),
+])
+def test_schedule_and_aggregation_keys_are_checked(override, message):
+    from jetrl_cli.config import load_job_config
+    from jetrl_cli.errors import PresetError
+
+    with pytest.raises(PresetError, match=message):
+        load_job_config("bf16", [override])

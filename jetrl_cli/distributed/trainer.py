@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import JetrlError
 from ..precision.linear import releasing_weights
+from ..rl.algos import loss_denominator
 from ..rl.trainer import (Batch, NonFiniteError, Trainer, add_minibatch, clip_factor, host_values, nonfinite_parameters,
                           score_logprobs)
 from .sharding import quiet_fsdp_view_warning, set_gradient_sync, shard_model
@@ -97,7 +98,7 @@ class ShardedTrainer(Trainer):
         for _ in range(cfg.ppo_epochs):
             for gs in gsplit:
                 idx = torch.isin(b.group, gs).nonzero()[:, 0]
-                denom = float(b.mask[idx].sum().clamp_min(1))
+                denom = loss_denominator(b.mask[idx], cfg.loss_agg, self.sampling.max_new_tokens)
                 plans = [_micro_batches(torch.isin(b.group, gs[r.start:r.stop]).nonzero()[:, 0], cfg.micro_batch)
                          for r in world.shards(len(gs))]
                 mine, rounds = plans[world.rank], max(len(p) for p in plans)

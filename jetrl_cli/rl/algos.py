@@ -16,6 +16,16 @@ Corrections (``CorrectionConfig.type``):
   mean ratio) whose ratio leaves ``[mis_low, mis_high]`` drop out of the loss.
 - ``acr``  (QuRL): TIS weight, and the upper clip bound per token becomes ``(1+eps_high)/r`` with
   ``r = pi_old/pi_rollout``.
+
+Loss aggregation (``TrainConfig.loss_agg``, verl's names; ``loss_denominator``):
+
+- ``token-mean`` (DAPO; the default): a mini-batch's token terms summed and divided by its
+  completion tokens. Every token weighs the same, so a long completion weighs more than a short one.
+- ``seq-mean-token-mean`` (GRPO): each sequence's terms divided by its own completion tokens, then
+  averaged over the mini-batch's sequences. Every sequence weighs the same, so a token of a short
+  completion weighs more than one of a long completion.
+- ``seq-mean-token-sum-norm`` (Dr. GRPO, with ``adv_norm: none``): the token terms summed and
+  divided by sequences x ``max_new_tokens``: one constant weight per token, whatever the lengths.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..choices import CORRECTIONS  # noqa: E402
+from ..choices import CORRECTIONS, LOSS_AGGREGATIONS  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -132,23 +142,49 @@ def importance(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.T
     return Importance(log_r, weight, keep, clip_high, metrics)
 
 
+def loss_denominator(mask: torch.Tensor, agg: str, max_new_tokens: int) -> float:
+    """What the summed loss terms of a mini-batch (``mask``: its completion tokens, one row per
+    sequence) are divided by under ``agg``: its completion tokens (``token-mean``), its sequences
+    (``seq-mean-token-mean``; ``policy_loss`` divides each sequence's terms by its length first) or
+    its sequences x ``max_new_tokens`` (``seq-mean-token-sum-norm``). Sequences without a completion
+    token add no term and are not counted. One number for the whole mini-batch, however its
+    micro-batches or ranks split it."""
+    if agg == "token-mean":
+        return float(mask.sum().clamp_min(1))
+    seqs = float((mask.sum(-1) > 0).sum().clamp_min(1))
+    if agg == "seq-mean-token-mean":
+        return seqs
+    if agg == "seq-mean-token-sum-norm":
+        return seqs * max_new_tokens
+    raise ValueError(f"unknown loss aggregation {agg!r} (allowed: {', '.join(LOSS_AGGREGATIONS)})")
+
+
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                 imp: Importance, clip_low: float, clip_high: float, denom: float,
-                logp_ref: torch.Tensor | None = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
+                logp_ref: torch.Tensor | None = None, kl_coef: float = 0.0,
+                agg: str = "token-mean") -> tuple[torch.Tensor, dict]:
     """Token-level PPO-clip loss (DAPO's clip-higher: separate low/high epsilon), summed over
-    tokens and divided by ``denom`` (the number of completion tokens in the whole mini-batch).
+    tokens and divided by ``denom`` (``loss_denominator`` of the whole mini-batch under ``agg``;
+    ``seq-mean-token-mean`` divides each sequence's sum by its completion tokens first).
 
     ``adv``: per sequence ``(N,)`` or per token ``(N, T)``. With ``kl_coef`` the k3 estimate of
     KL(pi || pi_ref) is added per token. The statistics are 0-dim device tensors (no host sync);
     the clipped fraction is ``clipped_tokens / loss_tokens``, over as many calls as make a batch."""
+    if agg not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {agg!r} (allowed: {', '.join(LOSS_AGGREGATIONS)})")
     m = mask.bool()
+    per_seq = agg == "seq-mean-token-mean"
+
+    def total(terms: torch.Tensor) -> torch.Tensor:  # the aggregated sum, before the division by denom
+        return (terms.sum(-1) / m.sum(-1).clamp_min(1)).sum() if per_seq else terms.sum()
+
     a = adv[:, None] if adv.dim() == 1 else adv
     ratio = torch.exp(logp - logp_old)
     upper = imp.clip_high if imp.clip_high is not None else torch.full_like(ratio, 1 + clip_high)
     clipped = torch.minimum(torch.clamp(ratio, min=1 - clip_low), upper)
     surr = torch.minimum(ratio * a, clipped * a)
     keep = imp.keep & m
-    pg = -(surr * imp.weight * keep).sum() / denom
+    pg = -total(surr * imp.weight * keep) / denom
     loss = pg
     stats = {"pg_loss": pg.detach()}
     with torch.no_grad():
@@ -157,7 +193,7 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
     if logp_ref is not None and kl_coef > 0:
         dl = logp_ref - logp
         kl = (torch.exp(dl) - dl - 1) * m
-        kl_term = kl.sum() / denom
+        kl_term = total(kl) / denom
         loss = loss + kl_coef * kl_term
         stats["kl_ref"] = kl_term.detach()
     return loss, stats

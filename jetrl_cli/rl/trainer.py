@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..choices import LR_SCHEDULES
+from ..config import TrainConfig
 from ..engine.sampling import SamplingParams, gathered_logprobs, invariant_for
 from ..errors import JetrlError
 from ..precision.gemm import configure_cuda_numerics
@@ -35,7 +37,7 @@ from .head_grad import head_logprobs, sliced_backward_applies
 # 933 MB for Qwen2.5-1.5B), so chunks are few and large (1 << 25 made it 220 rows and 38 chunks).
 LOGPROB_CHUNK_ELEMENTS = 1 << 27
 _OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
-from .algos import CorrectionConfig, importance, policy_loss
+from .algos import CorrectionConfig, importance, loss_denominator, policy_loss
 
 
 class NonFiniteError(JetrlError):
@@ -224,8 +226,7 @@ class Trainer:
     # ---------------------------------------------------------------- update
 
     def lr_at(self, step: int) -> float:
-        w = self.cfg.warmup_steps
-        return self.cfg.lr * min(1.0, (step + 1) / w) if w else self.cfg.lr
+        return learning_rate(self.cfg, step)
 
     def update(self, b: Batch, adv: torch.Tensor, old: torch.Tensor, ref_logp: torch.Tensor | None,
                step: int) -> dict:
@@ -239,7 +240,7 @@ class Trainer:
         for _ in range(cfg.ppo_epochs):
             for gs in gsplit:
                 idx = torch.isin(b.group, gs).nonzero()[:, 0]
-                denom = float(b.mask[idx].sum().clamp_min(1))
+                denom = loss_denominator(b.mask[idx], cfg.loss_agg, self.sampling.max_new_tokens)
                 self.opt.zero_grad(set_to_none=True)
                 starts = range(0, len(idx), cfg.micro_batch)
                 with grads_in_place():  # micro-batches after the first add into the gradients held
@@ -282,11 +283,28 @@ class Trainer:
         imp = importance(o, r, m, self.ccfg, cfg.clip_high, with_metrics=False)
         try:
             lp = token_logprobs(self.model, mb, self.sampling)
-            loss, st = policy_loss(lp, o, a, m, imp, cfg.clip_low, cfg.clip_high, denom, rl, cfg.kl_coef)
+            loss, st = policy_loss(lp, o, a, m, imp, cfg.clip_low, cfg.clip_high, denom, rl, cfg.kl_coef,
+                                   cfg.loss_agg)
             loss.backward()
         except _OOM as e:
             raise _oom(e, "a micro-batch of", len(sub), mb.ids.shape[1]) from None
         return loss.detach(), st
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """The learning rate of the run's step ``step`` (1 to ``cfg.steps``): step s of the first
+    ``warmup_steps`` trains at ``lr * s / warmup_steps``; then ``constant``: ``lr``, or ``cosine``:
+    from ``lr`` at the first step after the warmup down to ``lr * min_lr_ratio`` at the last. A
+    function of the step alone, so a resumed run continues the schedule."""
+    w = cfg.warmup_steps
+    if w and step <= w:
+        return cfg.lr * max(step, 0) / w
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    if cfg.lr_schedule != "cosine":
+        raise ValueError(f"unknown lr_schedule {cfg.lr_schedule!r} (allowed: {', '.join(LR_SCHEDULES)})")
+    progress = min((step - w - 1) / max(cfg.steps - w - 1, 1), 1.0)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def clip_factor(total: torch.Tensor, max_norm: float) -> torch.Tensor:
