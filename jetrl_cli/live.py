@@ -24,6 +24,7 @@ def step_line(m: dict) -> str:
         f"step {m['step']}",
         f"reward {_f(m.get('reward_mean'))}",
         f"acc {_f(m.get('accuracy'))}",
+        f"entropy {_f(m.get('entropy'))}",
         f"mismatch_kl {_f(m.get('mismatch_kl'), '.2e')}",
         f"rollout {_f(m.get('rollout_s'), '.1f')}s train {_f(m.get('train_s'), '.1f')}s sync {_f(m.get('sync_s'), '.2f')}s",
     ]
@@ -120,6 +121,9 @@ class RunDisplay:
             t.add_column(c, justify="right" if c else "left")
         if steps:
             t.add_row("train reward", _f(steps[0]["reward_mean"]), _f(steps[-1]["reward_mean"]))
+            ents = [m["entropy"] for m in steps if m.get("entropy") is not None]
+            if ents:
+                t.add_row("policy entropy", _f(ents[0]), _f(ents[-1]))
             kls = [m["mismatch_kl"] for m in steps if m.get("mismatch_kl") is not None]
             if kls:
                 t.add_row("mismatch KL", _f(kls[0], ".2e"), _f(kls[-1], ".2e"))

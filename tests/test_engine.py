@@ -2,14 +2,15 @@
 
 import copy
 import json
+import math
 
 import pytest
 import torch
 
 from jetrl_cli.engine.base import make_payload
 from jetrl_cli.engine.embedded import EmbeddedEngine
-from jetrl_cli.engine.sampling import (SamplingParams, gathered_logprobs, keyed_uniform, prompt_seeds, sample,
-                                      sample_keys, sampling_logprobs)
+from jetrl_cli.engine.sampling import (SamplingParams, gathered_logprobs, gathered_logprobs_entropy, keyed_uniform,
+                                      prompt_seeds, sample, sample_keys, sampling_logprobs)
 from jetrl_cli.errors import JetrlError
 from jetrl_cli.models.llama import LlamaForCausalLM, key_width
 from jetrl_cli.models.tiny import tiny_config
@@ -156,6 +157,56 @@ def test_gathered_logprobs_are_the_sampling_logprobs_with_a_one_pass_backward(pa
     p = p / p.sum(-1, keepdim=True)
     want = up.double()[:, None] * (torch.nn.functional.one_hot(targets, v).double() - p) / params.temperature
     assert (logits.grad.double() - want).abs().max() <= 1e-6
+
+
+def _entropy64(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The sampling distribution's entropy in float64: softmax of the logits over the temperature,
+    restricted to the tokens top-k / top-p keep (those ``sampling_logprobs`` leaves finite)."""
+    kept = sampling_logprobs(logits, params) > float("-inf")
+    x = logits.double() / (params.temperature or 1.0)
+    x = x.masked_fill(~kept, float("-inf"))
+    lp = x.log_softmax(-1)
+    return -(lp.exp() * lp.masked_fill(~kept, 0.0)).sum(-1)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(top_k=40),
+                                    SamplingParams(temperature=1.3, top_p=0.9)], ids=["plain", "t0.7", "top_k", "top_p"])
+def test_entropy_is_the_sampling_distributions_and_leaves_the_logprobs_alone(params):
+    """``gathered_logprobs_entropy`` (the trainer's scoring with the policy-entropy metric): the same
+    logprob bits as ``gathered_logprobs``, and each row's entropy of the distribution the token was
+    sampled from against float64 -- random rows, plus a one-hot row (0 nats) and a flat one (log V)."""
+    n, v = 37, 1000
+    logits = torch.randn(n, v) * 3
+    logits[0] = 0.0
+    logits[1] = -1e4
+    logits[1, 5] = 1e4
+    targets = torch.multinomial(sampling_logprobs(logits, params).exp(), 1)[:, 0]
+    lp, ent = gathered_logprobs_entropy(logits, targets, params)
+    assert torch.equal(lp, gathered_logprobs(logits, targets, params))
+    want = _entropy64(logits, params)
+    assert (ent.double() - want).abs().max() <= 1e-5 * math.log(v)
+    assert ent[1] == 0.0
+    if params.top_p == 1.0:  # top-k keeps a flat row whole (its k-th score ties with every score)
+        assert float(ent[0]) == pytest.approx(math.log(v), rel=1e-6)
+
+
+def test_trainer_scores_the_policy_entropy_beside_the_same_logprobs(model):
+    """``Trainer.score(entropy=True)``: the logprobs of ``score`` bit for bit, and at each completion
+    token the entropy of the training precision's sampling distribution there (0 off the mask),
+    against float64 from the model's full logits."""
+    b, lp, _ = _rollout_and_score(model, "fp8-unified", temperature=0.8, top_k=50)
+    sp = SamplingParams(max_new_tokens=24, temperature=0.8, top_k=50)
+    tr = Trainer(copy.deepcopy(model), named_flow("fp8-unified"), TrainConfig(micro_batch=5), CorrectionConfig(), sp,
+                 WIDTH)
+    both = tr.score(b, entropy=True)
+    assert both.shape == (2, *b.mask.shape)
+    assert torch.equal(both[0], lp)
+    assert torch.equal(both[1][~b.mask], torch.zeros(int((~b.mask).sum())))
+    with torch.no_grad():
+        logits = tr.model(b.ids, head=lambda m, h: m.logits(h[:, :-1]))
+    want = _entropy64(logits[b.mask].float(), sp)
+    assert (both[1][b.mask].double() - want).abs().max() <= 1e-4
+    assert want.min() > 0.01  # sampled tokens of a random model: far from one-hot
 
 
 def test_sampling_logprobs_masks_top_k_and_top_p():

@@ -1,16 +1,16 @@
 """The first steps of a tiny preset, compared with values recorded once (torchtune's recipe tests).
 
 `jetrl run presets/fp8-unified.yaml`, shrunk to 3 steps of 4 prompts x 4 samples, must reproduce
-the reward, accuracy, response length, loss, gradient norm, clip fraction and mismatch KL of every
-step, and the final eval accuracy, stored in ``tests/recorded/fp8-unified.json`` together with the
-command that produced them. Any change to the numerics -- a quantizer, a GEMM, the attention, the
+the reward, accuracy, response length, loss, gradient norm, clip fraction, policy entropy and
+mismatch KL of every step, and the final eval accuracy, stored in ``tests/recorded/fp8-unified.json``
+together with the command that produced them. Any change to the numerics -- a quantizer, a GEMM, the attention, the
 sampler, the loss, the optimizer, the task's rewards -- moves these numbers.
 
 Tolerances. On one machine the run is deterministic to the bit (every random draw is a function of
 the seed and the step). Another CPU's BLAS may sum in another order: continuous values then move by
 float rounding (~1e-7 relative), a little more where such a difference flips one FP8 rounding of
-one element. So the continuous values (loss, gradient norm, clip fraction, response length) must
-agree within 1e-3 relative (1e-6 absolute, for values near 0): loose for rounding noise, tight for
+one element. So the continuous values (loss, gradient norm, clip fraction, response length,
+entropy) must agree within 1e-3 relative (1e-6 absolute, for values near 0): loose for rounding noise, tight for
 a real change -- a wrong scale, rounding mode, mask, advantage or learning rate moves them by far
 more, as does a single different sampled token. Rewards and accuracies count whole samples, and the
 unified flow's mismatch KL is exactly 0: they must match exactly. (The tolerance has not been tried
@@ -39,7 +39,7 @@ from jetrl_cli.cli import app
 RECORDED = Path(__file__).parent / "recorded" / "fp8-unified.json"
 OVERRIDES = ["train.steps=3", "rollout.prompts_per_step=4", "rollout.n=4", "eval.prompts=8", "eval.every=0",
              "run.checkpoint_every=0", "run.save_rollouts=false"]
-CONTINUOUS = ("response_len", "loss", "grad_norm", "clip_frac")
+CONTINUOUS = ("response_len", "loss", "grad_norm", "clip_frac", "entropy")
 EXACT = ("reward_mean", "accuracy", "mismatch_kl", "eval_accuracy")
 REL, ABS = 1e-3, 1e-6
 

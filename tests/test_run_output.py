@@ -79,9 +79,9 @@ def test_checkpoints_follow_the_umask_and_step_time_leaves_out_the_eval(tmp_path
     modes = {p.name: p.stat().st_mode & 0o777 for p in ck.iterdir()}
     assert modes["model.safetensors"] == 0o640 and set(modes.values()) == {0o640}, modes  # safetensors made 0600
     last = lines[-1]  # the last step always evaluates
-    assert last["eval_s"] >= 0.5 and last["step_s"] < last["eval_s"]
+    assert last["eval_s"] >= 0.5
     parts = sum(last[k] for k in ("rollout_s", "score_s", "train_s", "sync_s"))
-    assert parts <= last["step_s"] < parts + 0.5
+    assert parts <= last["step_s"] < parts + 0.5  # the eval's 0.5 s (or more) is not in step_s
 
 
 def test_a_first_step_with_no_readable_answer_is_said_at_once(tmp_path):

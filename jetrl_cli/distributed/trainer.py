@@ -66,23 +66,25 @@ class ShardedTrainer(Trainer):
     # ---------------------------------------------------------------- scoring
 
     @torch.no_grad()
-    def score(self, b: Batch, ref: bool = False) -> torch.Tensor:
-        """The whole batch's logprobs (every rank gets all of them); each rank scores its block."""
+    def score(self, b: Batch, ref: bool = False, entropy: bool = False) -> torch.Tensor:
+        """The whole batch's logprobs (every rank gets all of them); each rank scores its block.
+        ``entropy``: stacked with the entropies, as ``Trainer.score``."""
         model = self.ref if ref else self.model
         if b.ids.shape[1] > self.width:
             raise JetrlError(f"a sequence of {b.ids.shape[1]} tokens is longer than rollout.max_len ({self.width})")
         mb = self.cfg.micro_batch
         shares = self.world.shards(len(b))
         mine = shares[self.world.rank]
-        local = torch.zeros(len(mine), b.mask.shape[1])
+        local = torch.zeros(2 if entropy else 1, len(mine), b.mask.shape[1])
         if len(mine):
             sub = b.select(torch.tensor(list(mine)))
-            out = score_logprobs(model, sub, self.sampling, mb, self.width)
-            local[:, :out.shape[1]] = out
+            out = score_logprobs(model, sub, self.sampling, mb, self.width, entropy)
+            local[..., :out.shape[-1]] = out
         forwards = max(_ceil_div(len(s), mb) for s in shares)
         for _ in range(forwards - _ceil_div(len(mine), mb)):
             model(b.ids[:1, :2].to(self._device))  # FSDP's all-gathers: as many forwards as the busiest rank
-        return torch.cat(self.world.all_gather_object(local))
+        full = torch.cat(self.world.all_gather_object(local), dim=1)
+        return full if entropy else full[0]
 
     # ---------------------------------------------------------------- update
 

@@ -67,6 +67,16 @@ def gathered_logprobs_lse(logits: torch.Tensor, targets: torch.Tensor, params: S
     return lp, _at(x, targets) - lp
 
 
+def gathered_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, params: SamplingParams,
+                              invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gathered_logprobs`` without autograd (the same bits) and each row's entropy (nats) of the
+    sampling distribution, ``-sum_v p_v log p_v`` over the tokens it keeps (temperature, top-k and
+    top-p as sampled; a dropped token has p = 0 and adds 0)."""
+    ls = _log_softmax(_sampling_scores(logits, params), invariant)
+    lp = _at(ls, targets)  # gathered (a copy) before ls becomes the probabilities in place
+    return lp, torch.special.entr(ls.exp_()).sum(-1)
+
+
 def _at(t: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``t[i, targets[i]]`` for each row i."""
     return t.gather(-1, targets[:, None])[:, 0]

@@ -179,7 +179,7 @@ def train_on_samples(job: Job, samples: list[dict], step: int) -> dict:
     n = job.sampling.n
     b = batch_from_samples(samples, job.tokenizer.pad_id)
     t0 = time.perf_counter()
-    old = tr.score(b)
+    old, entropy = tr.score(b, entropy=True)
     ref = tr.score(b, ref=True) if tr.ref is not None else None
     score_s = time.perf_counter() - t0
     imp = importance(old, b.rollout_logp, b.mask, tr.ccfg, tr.cfg.clip_high)
@@ -193,7 +193,7 @@ def train_on_samples(job: Job, samples: list[dict], step: int) -> dict:
         adv[b.group == g] = adv_g[i]
     t0 = time.perf_counter()
     stats = tr.update(b, adv, old, ref, step)
-    out = {**imp.metrics, **stats, "score_s": score_s,
+    out = {**imp.metrics, **stats, "entropy": float(entropy[b.mask].mean()) if b.mask.any() else None, "score_s": score_s,
            "train_s": time.perf_counter() - t0}
     return out
 

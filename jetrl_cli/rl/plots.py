@@ -1,4 +1,4 @@
-"""Learning curves as PNG (matplotlib, the ``plot`` extra): reward, eval accuracy, mismatch KL."""
+"""Learning curves as PNG (matplotlib, the ``plot`` extra): reward, eval accuracy, mismatch KL, entropy."""
 
 from __future__ import annotations
 
@@ -6,16 +6,16 @@ from pathlib import Path
 
 
 def curves_figure(runs: list[tuple[str, list[dict]]], title: str = ""):
-    """One figure, three panels; ``runs``: (label, metrics lines) per run, drawn side by side. The
+    """One figure, four panels; ``runs``: (label, metrics lines) per run, drawn side by side. The
     mismatch-KL axis is symlog (0 and 1e-3 on one axis) starting at 0: KL is never negative."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     panels = (("reward_mean", "train reward (mean)"), ("eval_accuracy", "eval accuracy (greedy)"),
-              ("mismatch_kl", "mismatch KL(rollout || trainer)"))
+              ("mismatch_kl", "mismatch KL(rollout || trainer)"), ("entropy", "policy entropy (nats per token)"))
     for ax, (key, label) in zip(axes, panels):
         for name, lines in runs:
             pts = [(m["step"], m[key]) for m in lines if m.get(key) is not None]

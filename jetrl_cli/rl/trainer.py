@@ -25,7 +25,7 @@ import torch
 
 from ..choices import LR_SCHEDULES
 from ..config import TrainConfig
-from ..engine.sampling import SamplingParams, gathered_logprobs, invariant_for
+from ..engine.sampling import SamplingParams, gathered_logprobs, gathered_logprobs_entropy, invariant_for
 from ..errors import JetrlError
 from ..precision.gemm import configure_cuda_numerics
 from ..precision.linear import JetLinear, apply_flow, grads_in_place, mark_updated, releasing_weights, summing_wgrad
@@ -102,6 +102,25 @@ def _chunk_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: Sam
     return gathered_logprobs(logits, targets, sampling, invariant)
 
 
+def _chunk_logprobs_entropy(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    logits = model.logits(h)
+    return torch.stack(gathered_logprobs_entropy(logits, targets, sampling, invariant_for(model, logits)))
+
+
+def _logprob_rows(model) -> int:
+    """Rows of logits held at once: ``LOGPROB_CHUNK_ELEMENTS`` values, a multiple of 128 rows."""
+    step = max(1, LOGPROB_CHUNK_ELEMENTS // model.config.vocab_size)
+    return step // 128 * 128 or step
+
+
+def target_logprobs_entropy(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """``target_logprobs`` without autograd (the same bits) stacked with each row's entropy of the
+    sampling distribution: (2, n)."""
+    step = _logprob_rows(model)
+    return torch.cat([_chunk_logprobs_entropy(model, h[s:s + step], targets[s:s + step], sampling)
+                      for s in range(0, h.shape[0], step)], dim=1)
+
+
 def target_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     """``log p(targets[i] | h[i])`` under the sampling distribution, for rows ``h`` (n, hidden),
     a chunk of rows at a time. With autograd the logits are recomputed in the backward rather than
@@ -109,8 +128,7 @@ def target_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: Sam
     slices (``head_grad.head_logprobs``) where it applies, else chunk by chunk (a checkpoint each),
     the chunks' lm_head weight gradients summed in one buffer, handed to autograd once."""
     n = h.shape[0]
-    step = max(1, LOGPROB_CHUNK_ELEMENTS // model.config.vocab_size)
-    step = step // 128 * 128 or step
+    step = _logprob_rows(model)
     grad = torch.is_grad_enabled() and h.requires_grad
     if n <= step and not grad:
         return _chunk_logprobs(model, h, targets, sampling)
@@ -140,14 +158,21 @@ def _to(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
     return t.to(dev)
 
 
-def token_logprobs(model, b: Batch, sampling: SamplingParams) -> torch.Tensor:
-    """``b``'s completion tokens' logprobs under ``model`` and the sampling distribution (0 off the mask)."""
+def token_logprobs(model, b: Batch, sampling: SamplingParams, entropy: bool = False) -> torch.Tensor:
+    """``b``'s completion tokens' logprobs under ``model`` and the sampling distribution (0 off the
+    mask). ``entropy`` (no autograd): stacked with the sampling distribution's entropy at each of
+    those tokens, (2, sequences, positions)."""
     dev = next(model.parameters()).device
     ids = _to(b.ids, dev)
     where = tuple(_to(w, dev) for w in b.mask.nonzero(as_tuple=True))  # indices from the host copy of the mask
     targets = ids[:, 1:][where]
+    head = target_logprobs_entropy if entropy else target_logprobs
     # inside forward, so module hooks (FSDP's parameter gathering) cover the lm_head too
-    lp = model(ids, head=lambda m, h: target_logprobs(m, h[:, :-1][where], targets, sampling))
+    lp = model(ids, head=lambda m, h: head(m, h[:, :-1][where], targets, sampling))
+    if entropy:
+        out = torch.zeros((2, *b.mask.shape), dtype=lp.dtype, device=dev)
+        out[:, where[0], where[1]] = lp
+        return out
     return torch.zeros(b.mask.shape, dtype=lp.dtype, device=dev).index_put(where, lp)
 
 
@@ -158,17 +183,19 @@ def _oom(e: Exception, what: str, n: int, t: int) -> JetrlError:
 
 
 @torch.no_grad()
-def score_logprobs(model, b: Batch, sampling: SamplingParams, micro_batch: int, width: int) -> torch.Tensor:
+def score_logprobs(model, b: Batch, sampling: SamplingParams, micro_batch: int, width: int,
+                   entropy: bool = False) -> torch.Tensor:
     """What the trainer scores a batch with (its old-policy logprobs), ``micro_batch`` sequences at a
-    time; ``mismatch-report`` calls it too, so both see the same numbers."""
+    time; ``mismatch-report`` calls it too, so both see the same numbers. ``entropy``: stacked with
+    the sampling distribution's entropy at each completion token (the same logprob bits), (2, N, T)."""
     if b.ids.shape[1] > width:
         raise JetrlError(f"a sequence of {b.ids.shape[1]} tokens is longer than rollout.max_len ({width})")
-    out = torch.zeros(b.mask.shape)
+    out = torch.zeros((2, *b.mask.shape) if entropy else b.mask.shape)
     for s in range(0, len(b), micro_batch):
         idx = torch.arange(s, min(s + micro_batch, len(b)))
         mb = b.select(idx)
         try:
-            out[idx, :mb.mask.shape[1]] = token_logprobs(model, mb, sampling).float().cpu()
+            out[..., idx, :mb.mask.shape[1]] = token_logprobs(model, mb, sampling, entropy).float().cpu()
         except _OOM as e:
             raise _oom(e, "scoring", len(idx), mb.ids.shape[1]) from None
     return out
@@ -219,9 +246,11 @@ class Trainer:
     # ---------------------------------------------------------------- scoring
 
     @torch.no_grad()
-    def score(self, b: Batch, ref: bool = False) -> torch.Tensor:
-        """Per-token logprobs of the batch's completions under the training precision (no grad)."""
-        return score_logprobs(self.ref if ref else self.model, b, self.sampling, self.cfg.micro_batch, self.width)
+    def score(self, b: Batch, ref: bool = False, entropy: bool = False) -> torch.Tensor:
+        """Per-token logprobs of the batch's completions under the training precision (no grad);
+        ``entropy``: stacked with the policy's entropy at those tokens (``score_logprobs``)."""
+        return score_logprobs(self.ref if ref else self.model, b, self.sampling, self.cfg.micro_batch, self.width,
+                              entropy)
 
     # ---------------------------------------------------------------- update
 
