@@ -103,7 +103,7 @@ def test_training_forward_stays_on_the_device_and_reads_once_per_minibatch(repor
         assert r["logprobs"] == [[3, 159], "torch.float32", "cuda:0"], name
         assert r["step_reads"] == {}, (name, r["step_reads"])  # forward + loss: no host sync
         (score,) = r["score_reads"]
-        assert "token_logprobs(model, mb, sampling).float().cpu()" in score and r["score_reads"][score] == 2
+        assert "token_logprobs(model, mb, sampling, entropy).float().cpu()" in score and r["score_reads"][score] == 2
         (values,) = r["host_values_reads"]
         assert "rl/trainer.py" in values and r["host_values_reads"][values] == 1 + len(r["stats"]) + 1
 
@@ -159,7 +159,7 @@ def test_bench_rollout_runs_every_engine_row(report):
 
 
 def test_rl_loop_runs_on_the_device_and_reads_only_where_its_parts_do(report):
-    allowed = ("done.tolist()", "_completions(", "token_logprobs(model, mb, sampling).float().cpu()",
+    allowed = ("done.tolist()", "_completions(", "token_logprobs(model, mb, sampling, entropy).float().cpu()",
                "torch.stack([t.float() for t in flat]", "bool(finite.all())",
                "err = float((got - ref).norm()")  # the last: auto's probe, once per GEMM spec
     assert set(report["run"]) == {"fp8-unified", "fp8-unified+kl", "bf16", "int8-rollout-tis",
