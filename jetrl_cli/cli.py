@@ -57,19 +57,29 @@ from .choices import CHECKPOINT_FORMATS as QUANT_FORMATS
 
 
 def user_errors(fn):
-    """A JetrlError becomes one red line on stderr and exit code 2; anything else is a bug."""
+    """A JetrlError becomes one red line on stderr and exit code 2, as does an OSError on a named
+    path (an output that is a file, a directory that cannot be made: the user's paths); anything
+    else is a bug."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from rich.markup import escape
+
         try:
             return fn(*args, **kwargs)
         except JetrlError as e:
-            from rich.markup import escape
-
             err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
+        except OSError as e:
+            if e.filename is None:
+                raise
+            where = f"{e.filename}" + (f" -> {e.filename2}" if e.filename2 else "")
+            err_console.print(f"[bold red]error:[/] {escape(where)}: {escape(e.strerror or str(e))}",
+                              highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
         except KeyboardInterrupt:
-            err_console.print("[bold red]interrupted[/]: nothing was written")
+            err_console.print("[bold red]interrupted[/] (jetrl run --resume continues a run from its last "
+                              "checkpoint)", highlight=False, soft_wrap=True)
             raise typer.Exit(130) from None
 
     return wrapper
@@ -193,12 +203,17 @@ SetOpt = Annotated[
 def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
     import os
 
+    if path.is_dir():
+        raise JetrlError(f"{path}: is a directory; -o takes the JSONL file to write")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
+    try:
+        with tmp.open("w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @app.command("rollout")
@@ -211,6 +226,7 @@ def rollout_cmd(
     seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 0,
     override: SetOpt = None,
     as_json: Annotated[bool, typer.Option("--json", metavar="", help="Print the summary as JSON.")] = False,
+    force: Annotated[bool, typer.Option("--force", metavar="", help="Replace an existing output file.")] = False,
 ):
     """Sample completions with the preset's rollout precision; write JSONL (tokens, logprobs, reward)."""
     import time
@@ -222,7 +238,13 @@ def rollout_cmd(
         raise JetrlError(f"--split {split!r}: allowed train, eval")
     if prompts is not None and prompts <= 0:
         raise JetrlError(f"--prompts must be > 0, got {prompts}")
+    if seed < 0:
+        raise JetrlError(f"--seed must be >= 0, got {seed}")
     cfg = load_job_config(preset, _overrides(override))
+    out = output or cfg.out_dir / "rollouts.jsonl"
+    if out.exists() and not force:
+        raise JetrlError(f"{out}: exists (a run's samples, or an earlier rollout); --force replaces it, -o writes "
+                         "another file")
     job = setup(cfg, with_trainer=False)
     n = prompts or cfg.rollout.prompts_per_step
     probs = job.source.batch(0, n) if split == "train" else job.source.eval_set(n)
@@ -232,7 +254,6 @@ def rollout_cmd(
     dt = time.perf_counter() - t0
     for s in samples:
         s.update({"model": str(job.model_dir), "flow": cfg.flow.name})
-    out = output or cfg.out_dir / "rollouts.jsonl"
     _write_jsonl_atomic(out, samples)
     toks = sum(len(s["tokens"]) for s in samples)
     summary = {
@@ -279,10 +300,11 @@ def _read_rollouts(path: Path, vocab: int) -> list[dict]:
 def train_cmd(
     preset: Annotated[str, typer.Argument(help="Preset file, or the name of a shipped preset.")],
     rollouts: Annotated[Path, typer.Option("--rollouts", help="JSONL written by jetrl rollout / jetrl run.")],
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Directory for the checkpoint (default OUT_DIR/train).")] = None,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Directory for the checkpoint (default OUT_DIR-train, beside the run's).")] = None,
     updates: Annotated[int, typer.Option("--updates", help="Policy updates to make on these rollouts.")] = 1,
     override: SetOpt = None,
     as_json: Annotated[bool, typer.Option("--json", metavar="", help="Print the metrics as JSON.")] = False,
+    force: Annotated[bool, typer.Option("--force", metavar="", help="Replace the checkpoints of an earlier train in the output directory.")] = False,
 ):
     """Update the policy from saved rollouts (training precision, the preset's correction); save a checkpoint."""
     from .config import load_job_config
@@ -292,14 +314,30 @@ def train_cmd(
     if updates <= 0:
         raise JetrlError(f"--updates must be > 0, got {updates}")
     cfg = load_job_config(preset, _overrides(override))
+    out = output or cfg.out_dir.with_name(f"{cfg.out_dir.name}-train")
+    if (out / "checkpoints").exists() and not force:
+        raise JetrlError(f"{out}: holds checkpoints of an earlier train; --force replaces them, -o writes elsewhere")
+    if rollouts.is_dir():
+        raise JetrlError(f"--rollouts {rollouts}: is a directory; give the JSONL file (a run's rollouts.jsonl)")
     job = setup(cfg, with_trainer=True)
     rows = _read_rollouts(rollouts, job.trainer.model.config.vocab_size)
+    sizes = {g: 0 for g in (r["group"] for r in rows)}
+    for r in rows:
+        sizes[r["group"]] += 1
+    odd = next((g for g, k in sizes.items() if k != cfg.rollout.n), None)
+    if odd is not None:
+        raise JetrlError(f"{rollouts}: group {odd} has {sizes[odd]} samples, rollout.n is {cfg.rollout.n} (set "
+                         "rollout.n to the n the file was sampled with)")
     metrics = []
     for k in range(1, updates + 1):
         with err_console.status(f"update {k}/{updates}", spinner="dots"):
             m = {"update": k, **train_on_samples(job, rows, k)}
         metrics.append(m)
-    out = output or cfg.out_dir / "train"
+    if force and (out / "checkpoints").exists():
+        import shutil
+
+        shutil.rmtree(out / "checkpoints")
+        (out / "latest").unlink(missing_ok=True)
     ck = save_checkpoint(out, updates, job.trainer.model, job.trainer.opt, job.model_dir,
                          {"preset": cfg.name, "invariant_scale": cfg.train.invariant_scale}, cfg.run.keep_checkpoints)
     if as_json:
@@ -371,6 +409,10 @@ def mismatch_report_cmd(
     if cfg.train.invariant_scale != 1.0 and model is None:
         fold_invariant_scale(base, cfg.train.invariant_scale)
     vocab = base.config.vocab_size
+    limit = base.config.max_position_embeddings
+    if lens and max(lens) >= limit:
+        raise JetrlError(f"--lengths {max(lens)}: the model takes at most {limit} positions "
+                         f"(max_position_embeddings in {model or model_dir}/config.json), prompt included")
     sampling = sampling_params(cfg, tok)
     report = {
         "source": cfg.name, "date": datetime.date.today().isoformat(), "jetrl_version": __version__,
@@ -483,22 +525,13 @@ def run_cmd(
         return
     world = World.from_env(cfg.model.device) if launched_by_torchrun() else SINGLE
     try:
-        if force and out.exists():
-            import shutil
-
-            if not ((out / "metrics.jsonl").exists() or (out / "preset.yaml").exists()):
-                raise JetrlError(f"{out}: not a jetrl run directory (no metrics.jsonl); --force only replaces runs")
-            world.barrier()  # every rank has checked before rank 0 deletes
-            if world.is_writer:
-                shutil.rmtree(out)
-            world.barrier()
         if not world.is_writer:
-            run(cfg, out, resume=resume, world=world)
+            run(cfg, out, resume=resume, world=world, replace=force)
             return
         display = RunDisplay(cfg, err_console)
         with display:
             lines = run(cfg, out, resume=resume, on_step=display.step, on_eval=display.eval_samples,
-                        on_resume=display.resumed, world=world)
+                        on_resume=display.resumed, world=world, replace=force)
         display.finish(lines, out)
     except JetrlError as e:
         if not world.is_writer:  # each rank prints its own error line: say which one

@@ -8,6 +8,7 @@ one-line ``PresetError`` naming the file and the dotted key.
 from __future__ import annotations
 
 import dataclasses
+import string
 import types
 import typing
 from dataclasses import dataclass, field
@@ -243,6 +244,20 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
         raise PresetError(source, "rollout.n", f"GRPO needs at least 2 samples per prompt, got {r.n}")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         raise PresetError(source, "train.betas", f"expected two numbers in [0, 1), got {t.betas}")
+    if t.clip_low >= 1:
+        raise PresetError(source, "train.clip_low", f"must be below 1 (the ratio's lower bound is 1 - clip_low), got {t.clip_low}")
+    tk, ev = secs["task"], secs["eval"]
+    if not 0 < tk.eval_fraction < 1:
+        raise PresetError(source, "task.eval_fraction", f"must be in (0, 1), got {tk.eval_fraction}")
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(tk.prompt_template) if f is not None]
+    except ValueError as e:
+        raise PresetError(source, "task.prompt_template", f"{tk.prompt_template!r} is not a format string ({e})") from None
+    if not fields:
+        raise PresetError(source, "task.prompt_template", f"{tk.prompt_template!r} uses no field of the row "
+                          "(every prompt would be the same); write e.g. \"Q: {prompt}\"")
+    if ev.max_new_tokens is not None and ev.max_new_tokens <= 0:
+        raise PresetError(source, "eval.max_new_tokens", f"must be > 0, got {ev.max_new_tokens}")
     if not 0 <= t.min_lr_ratio <= 1:
         raise PresetError(source, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
     if r.vllm_gpu_memory_utilization > 1:

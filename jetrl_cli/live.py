@@ -85,7 +85,11 @@ class RunDisplay:
         self.console.print(Text(msg, style=style), soft_wrap=True)
 
     def resumed(self, step: int, checkpoint: Path) -> None:
-        self.note(f"resuming from step {step} (checkpoint {checkpoint})", style="bold")
+        if step > self.cfg.train.steps:
+            self.note(f"the run is complete (checkpoint {checkpoint}, train.steps {self.cfg.train.steps}): nothing "
+                      "to do; --set train.steps=N trains it on to step N", style="bold")
+        else:
+            self.note(f"resuming from step {step} (checkpoint {checkpoint})", style="bold")
 
     def step(self, m: dict) -> None:
         for text in backend_lines(m.get("gemm_backends")):

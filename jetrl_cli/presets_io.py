@@ -44,6 +44,8 @@ def load_yaml(path: str | Path) -> dict:
         raise PresetError(str(path), "", "no such file") from None
     except OSError as e:
         raise PresetError(str(path), "", f"cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise PresetError(str(path), "", f"not a UTF-8 text file (byte {e.start}: {e.object[e.start]:#04x})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

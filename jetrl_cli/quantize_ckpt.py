@@ -161,10 +161,18 @@ def quantize_checkpoint(
         raise JetrlError(f"{src}: already quantized (quant_method {method!r}); quantize a BF16/FP32 checkpoint")
     files = safetensors_files(src)
     dst = Path(dst)
-    if dst.exists() and not force:
-        raise JetrlError(f"{dst}: already exists (pass --force to replace it)")
     if dst.resolve() == src.resolve():
         raise JetrlError(f"{dst}: output must differ from the input directory")
+    if dst.resolve() in src.resolve().parents or src.resolve() in dst.resolve().parents:
+        raise JetrlError(f"{dst}: output must not contain the input directory {src} or lie inside it "
+                         "(--force would delete the input)")
+    if dst.exists() and not dst.is_dir():
+        raise JetrlError(f"{dst}: exists and is not a directory; -o takes the directory to write")
+    if dst.exists() and not force:
+        raise JetrlError(f"{dst}: already exists (pass --force to replace it)")
+    here = Path.cwd().resolve()
+    if dst.resolve() == here or dst.resolve() in here.parents:
+        raise JetrlError(f"{dst}: is the current directory or holds it; name a new directory to write")
     spec = FORMATS[fmt]
     result = QuantizeResult(str(src), str(dst), fmt)
 

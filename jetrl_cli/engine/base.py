@@ -56,7 +56,8 @@ def check_prompts(prompts: list[list[int]], params: SamplingParams, width: int) 
     longest = max(len(p) for p in prompts) + params.max_new_tokens
     if longest > width:
         raise JetrlError(f"rollout: prompt + max_new_tokens = {longest} tokens exceeds the engine width "
-                         f"{width} (raise rollout.max_len or shorten prompts)")
+                         f"{width} (rollout.max_len: raise it, or lower rollout.max_new_tokens / "
+                         "eval.max_new_tokens, or shorten the prompts)")
 
 
 def make_payload(model: torch.nn.Module, flow, version: int = 0,

@@ -127,13 +127,21 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> LlamaFor
     model = LlamaForCausalLM(cfg)
     state = load_state_dict(path)
     if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    expected = set(model.state_dict())
+        head, embed = state.pop("lm_head.weight", None), state.get("model.embed_tokens.weight")
+        if head is not None and embed is not None and not (head.shape == embed.shape and torch.equal(head, embed)):
+            raise JetrlError(f"{path}: config.json has tie_word_embeddings: true, but the checkpoint's lm_head.weight "
+                             "is not model.embed_tokens.weight (set tie_word_embeddings to false to use it)")
+    shapes = model.state_dict()
+    expected = set(shapes)
     missing = sorted(expected - set(state) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
     unexpected = sorted(set(state) - expected)
     if missing:
         raise JetrlError(f"{path}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}")
     if unexpected:
         raise JetrlError(f"{path}: checkpoint has {len(unexpected)} unexpected tensor(s), e.g. {unexpected[0]}")
+    for k, v in state.items():
+        if v.shape != shapes[k].shape:
+            raise JetrlError(f"{path}: tensor {k} is {tuple(v.shape)}, config.json makes it {tuple(shapes[k].shape)} "
+                             "(config.json and the weights are of different models?)")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
     return model.to(dtype)

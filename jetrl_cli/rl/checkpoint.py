@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -90,4 +91,10 @@ def latest_checkpoint(out: Path) -> Path | None:
 
 
 def load_trainer_state(ckpt: Path) -> dict:
-    return torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+    path = ckpt / "trainer_state.pt"
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise JetrlError(f"{path}: unreadable ({first[:100]}); the file is damaged (resume from an earlier "
+                         f"checkpoint: point {ckpt.parent.parent / 'latest'} at it)") from None

@@ -193,8 +193,8 @@ def train_on_samples(job: Job, samples: list[dict], step: int) -> dict:
         adv[b.group == g] = adv_g[i]
     t0 = time.perf_counter()
     stats = tr.update(b, adv, old, ref, step)
-    out = {**imp.metrics, **stats, "entropy": float(entropy[b.mask].mean()) if b.mask.any() else None, "score_s": score_s,
-           "train_s": time.perf_counter() - t0}
+    out = {**imp.metrics, **stats, "entropy": float(entropy[b.mask].mean()) if b.mask.any() else None,
+           "score_s": score_s, "train_s": time.perf_counter() - t0}
     return out
 
 
@@ -205,31 +205,111 @@ def _drop_flat_groups(samples: list[dict]) -> list[list[dict]]:
     return [g for g in by.values() if len({x["reward"] for x in g}) > 1]
 
 
+# What a resumed run may change (the rest would make it another run than the one it continues).
+RESUMABLE = ("train.steps", "run.checkpoint_every", "run.keep_checkpoints", "run.log_samples", "run.loggers",
+             "run.out_dir")
+
+
+def resume_differences(saved: JobConfig, cfg: JobConfig) -> list[str]:
+    """The settings in which ``cfg`` differs from ``saved`` (the run's ``preset.yaml``) beyond
+    ``RESUMABLE``, as ``key: saved -> new``."""
+    import dataclasses
+
+    diff = []
+    if dataclasses.replace(saved.flow, name="") != dataclasses.replace(cfg.flow, name=""):
+        diff.append(f"precision: {saved.flow.short_str()} -> {cfg.flow.short_str()}")
+    for sec in ("model", "task", "rollout", "train", "correction", "eval", "run"):
+        a, b = dataclasses.asdict(getattr(saved, sec)), dataclasses.asdict(getattr(cfg, sec))
+        diff += [f"{sec}.{k}: {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k] and f"{sec}.{k}" not in RESUMABLE]
+    return diff
+
+
+def _check_resumable(cfg: JobConfig, out: Path) -> None:
+    """A resumed run continues the run in ``out`` only with that run's settings (its ``preset.yaml``)."""
+    from ..config import build_job_config
+    from ..presets_io import load_yaml
+
+    saved_file = out / "preset.yaml"
+    if not saved_file.exists():
+        return
+    saved = build_job_config(load_yaml(saved_file), str(saved_file), cfg.name)
+    diff = resume_differences(saved, cfg)
+    if diff:
+        raise JetrlError(f"{out}: --resume continues this run with its own settings ({saved_file}), but "
+                         f"{diff[0]}{f' (and {len(diff) - 1} more)' if len(diff) > 1 else ''}; only "
+                         f"{', '.join(RESUMABLE)} may change (start a new run with -o or --force)")
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    """``metrics.jsonl``'s lines. A last line cut short (a run killed while writing it) is dropped:
+    its step had no checkpoint yet, and the resumed run writes it again."""
+    rows = path.read_text().splitlines()
+    out = []
+    for i, x in enumerate(rows, 1):
+        if not x.strip():
+            continue
+        try:
+            out.append(json.loads(x))
+        except json.JSONDecodeError as e:
+            if i == len(rows):
+                break
+            raise JetrlError(f"{path}:{i}: not a JSON line ({e.msg}); the file is damaged") from None
+    return out
+
+
+def _check_replaceable(cfg: JobConfig, out: Path) -> None:
+    """``--force``: ``out`` is a run that may be deleted (checked before any work; deleted only once
+    the new run has set up)."""
+    if not out.exists():
+        return
+    if not ((out / "metrics.jsonl").exists() or (out / "preset.yaml").exists()):
+        raise JetrlError(f"{out}: not a jetrl run directory (no metrics.jsonl); --force only replaces runs")
+    model = resolve_model_dir(cfg.model.path).resolve()
+    if model == out.resolve() or out.resolve() in model.parents:
+        raise JetrlError(f"model.path: {cfg.model.path} lies inside {out}, which --force would delete; copy the "
+                         "checkpoint out of the run first, or write the new run elsewhere (-o)")
+
+
 def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict], None] | None = None,
         on_eval: Callable[[list[dict]], None] | None = None, stop_after: int | None = None,
-        on_resume: Callable[[int, Path], None] | None = None, world: World = SINGLE) -> list[dict]:
+        on_resume: Callable[[int, Path], None] | None = None, world: World = SINGLE,
+        replace: bool = False) -> list[dict]:
     """The training loop. Returns the metrics lines written; ``stop_after`` (tests) stops early
     as a kill would, after that step's checkpoint (if any) is written. ``on_resume(step, checkpoint)``
     is told the first step a resumed run will run. ``out`` is created only once the model, task
-    and engine are set up, so a run that fails to start leaves no directory behind. Under torchrun
+    and engine are set up, so a run that fails to start leaves no directory behind; with
+    ``replace`` (``--force``) a previous run there is deleted then, not before. Under torchrun
     every rank calls it (``world``); the metrics are global, and rank 0 writes them and calls the
     callbacks."""
     writer = world.is_writer
     metrics_file = out / "metrics.jsonl"
     rollouts_file = out / "rollouts.jsonl"
+    if replace and resume:
+        raise JetrlError("--force and --resume contradict each other")
     ckpt = latest_checkpoint(out) if resume else None
     if resume and ckpt is None and metrics_file.exists():
         raise JetrlError(f"{out}: --resume, but there is no complete checkpoint to resume from")
     if resume and ckpt is None:
         raise JetrlError(f"{out}: --resume, but there is no run here to resume (no checkpoint); "
                          "drop --resume to start a new run")
+    if resume:
+        _check_resumable(cfg, out)
     loggers = open_loggers(cfg.run.loggers)  # a missing optional package fails before any work
-    if not resume and (metrics_file.exists() or (out / "latest").exists()):
+    if replace:
+        _check_replaceable(cfg, out)
+    elif not resume and (metrics_file.exists() or (out / "latest").exists()):
         raise JetrlError(f"{out}: already holds a run (--resume continues it, --force starts over, "
                          "-o picks another directory)")
     reset_resolutions()  # the backends recorded in metrics.jsonl are this run's
     world.barrier()  # every rank has checked the directory before rank 0 writes to it
     job = setup(cfg, with_trainer=True, init_dir=ckpt, world=world)
+    if replace and out.exists():
+        world.barrier()  # every rank has set up before rank 0 deletes the old run
+        if writer:
+            import shutil
+
+            shutil.rmtree(out)
+        world.barrier()
     tr = job.trainer
     transport = world.transport()
     lines: list[dict] = []
@@ -240,8 +320,9 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
         start = restore_trainer(tr, ckpt, world) + 1
         if on_resume and writer:
             on_resume(start, ckpt)
-        lines = [json.loads(x) for x in metrics_file.read_text().splitlines() if x.strip()]
-        lines = [m for m in lines if m["step"] < start]
+        if start > cfg.train.steps:  # complete: nothing to run, nothing rewritten (on_resume said so)
+            return _read_metrics(metrics_file)
+        lines = [m for m in _read_metrics(metrics_file) if m["step"] < start]
         world.barrier()  # every rank has read the metrics before rank 0 rewrites them
         if writer:
             metrics_file.write_text("".join(json.dumps(m) + "\n" for m in lines))
@@ -250,10 +331,29 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
             rollouts_file.write_text("".join(x + "\n" for x in kept))
     import yaml
 
+    made = writer and not out.exists()
     if writer:
         out.mkdir(parents=True, exist_ok=True)
         (out / "preset.yaml").write_text(yaml.safe_dump(cfg.raw, sort_keys=False))
         loggers.start(out, start)
+    try:
+        return _steps(job, cfg, out, start, ckpt, lines, loggers, transport, on_step, on_eval, stop_after, world)
+    except JetrlError:
+        if made and not metrics_file.exists():  # failed before its first line (the first eval's rollout):
+            import shutil  # a run that cannot start leaves no directory
+
+            loggers.close()
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _steps(job: Job, cfg: JobConfig, out: Path, start: int, ckpt: Path | None, lines: list[dict], loggers, transport,
+           on_step, on_eval, stop_after: int | None, world: World) -> list[dict]:
+    """``run``'s steps from ``start`` on, in the directory it has set up."""
+    writer = world.is_writer
+    tr = job.trainer
+    metrics_file = out / "metrics.jsonl"
+    rollouts_file = out / "rollouts.jsonl"
 
     def emit(m: dict):
         lines.append(m)

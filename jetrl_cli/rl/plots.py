@@ -57,6 +57,9 @@ if __name__ == "__main__":
     ap.add_argument("runs", nargs="+", type=Path, help="run directories (each with metrics.jsonl)")
     ap.add_argument("-o", "--output", type=Path, required=True, help="PNG to write")
     args = ap.parse_args()
+    missing = [d for d in args.runs if not (d / "metrics.jsonl").is_file()]
+    if missing:
+        ap.error(f"{missing[0]}: no metrics.jsonl (not a jetrl run directory)")
     runs = [(d.name, [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()])
             for d in args.runs]
     plot_curves(runs, args.output)

@@ -1,0 +1,207 @@
+"""A user's mistakes get one line naming the file, key or path, and cost no data: `--force` deletes a
+run only once the new one has started, and never the model it starts from; no command overwrites
+samples, checkpoints or a model without `--force`; `--resume` continues a run only with its own
+settings; damaged files and unwritable paths are errors, not tracebacks."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from jetrl_cli.cli import app
+from jetrl_cli.config import load_job_config
+from jetrl_cli.errors import JetrlError, PresetError
+from jetrl_cli.rl import loop
+from jetrl_cli.rl.loop import run
+
+runner = CliRunner()
+TINY = ["rollout.prompts_per_step=2", "rollout.n=2", "eval.prompts=2", "eval.every=0", "run.checkpoint_every=1",
+        "rollout.max_new_tokens=24"]
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def sets(items):
+    return [x for it in items for x in ("--set", it)]
+
+
+def one_line_error(res, code=2) -> str:
+    assert res.exit_code == code, res.output
+    assert res.output.startswith("error: ") and len(res.output.strip().splitlines()) == 1, res.output
+    return " ".join(res.output.split())
+
+
+def fake_run(out):
+    """A directory that looks like a finished run (what --force may delete)."""
+    (out / "checkpoints" / "step_000002").mkdir(parents=True)
+    (out / "checkpoints" / "step_000002" / "weights").write_text("precious")
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    return out
+
+
+def test_force_keeps_the_old_run_when_the_new_one_cannot_start(tmp_path):
+    old = fake_run(tmp_path / "r")
+    msg = one_line_error(invoke("run", "bf16", "-o", old, "--force", *sets(TINY + ["model.path=/no/such/model"])))
+    assert "model.path: /no/such/model: no such directory" in msg
+    assert (old / "checkpoints" / "step_000002" / "weights").read_text() == "precious"
+
+
+def test_force_never_deletes_the_model_it_starts_from(tmp_path):
+    old = fake_run(tmp_path / "r")
+    ck = old / "checkpoints" / "step_000002"
+    shutil.copytree(loop.tiny_policy_dir(), ck, dirs_exist_ok=True)
+    msg = one_line_error(invoke("run", "bf16", "-o", old, "--force", *sets(TINY + [f"model.path={ck}"])))
+    assert f"model.path: {ck} lies inside {old}, which --force would delete" in msg
+    assert (ck / "weights").read_text() == "precious"
+
+
+def test_quantize_refuses_an_output_holding_its_input(tmp_path):
+    src = tmp_path / "models" / "m"
+    shutil.copytree(loop.tiny_policy_dir(), src)
+    for out in (tmp_path / "models", src / "q"):
+        msg = one_line_error(invoke("quantize", src, "-o", out, "--format", "fp8-block", "--force"))
+        assert "output must not contain the input directory" in msg
+    assert (src / "config.json").exists()
+
+
+def test_rollout_and_train_do_not_overwrite_without_force(tmp_path):
+    samples = tmp_path / "s.jsonl"
+    samples.write_text("keep\n")
+    msg = one_line_error(invoke("rollout", "bf16", "-o", samples, "--prompts", 1, *sets(TINY)))
+    assert f"{samples}: exists" in msg and "--force replaces it" in msg
+    assert samples.read_text() == "keep\n"
+    trained = tmp_path / "t"
+    (trained / "checkpoints" / "step_000001").mkdir(parents=True)
+    msg = one_line_error(invoke("train", "bf16", "--rollouts", samples, "-o", trained, *sets(TINY)))
+    assert f"{trained}: holds checkpoints of an earlier train; --force replaces them" in msg
+    assert (trained / "checkpoints" / "step_000001").is_dir()
+    msg = one_line_error(invoke("rollout", "bf16", "-o", tmp_path, "--prompts", 1, "--force", *sets(TINY)))
+    assert f"{tmp_path}: is a directory" in msg
+    assert not list(tmp_path.glob(".*.tmp"))
+    msg = one_line_error(invoke("train", "bf16", "--rollouts", tmp_path, "-o", tmp_path / "t2", *sets(TINY)))
+    assert "is a directory" in msg
+
+
+def test_rollout_and_train_write_when_forced_and_train_keeps_out_of_the_run(tmp_path):
+    samples = tmp_path / "s.jsonl"
+    samples.write_text("old\n")
+    res = invoke("rollout", "bf16", "-o", samples, "--prompts", 1, "--force", "--json", *sets(TINY))
+    assert res.exit_code == 0, res.output
+    assert len(samples.read_text().splitlines()) == 2 and not list(tmp_path.glob(".*.tmp"))
+    cfg = load_job_config("bf16", TINY + [f"run.out_dir={tmp_path / 'runs' / 'x'}"])
+    res = invoke("train", "bf16", "--rollouts", samples, "--json", *sets(TINY + [f"run.out_dir={cfg.out_dir}"]))
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["checkpoint"] == str(tmp_path / "runs" / "x-train" / "checkpoints" / "step_000001")
+    again = invoke("train", "bf16", "--rollouts", samples, "--updates", 2, "--force", "--json",
+                   *sets(TINY + [f"run.out_dir={cfg.out_dir}"]))
+    assert again.exit_code == 0, again.output
+    assert sorted(p.name for p in (tmp_path / "runs" / "x-train" / "checkpoints").iterdir()) == ["step_000002"]
+
+
+def test_resume_keeps_the_runs_settings_and_survives_a_cut_metrics_line(tmp_path):
+    out = tmp_path / "r"
+    run(load_job_config("fp8-unified", TINY + ["train.steps=3"]), out, stop_after=2)
+    for preset, extra, changed in (("bf16", [], "precision: "),
+                                   ("fp8-unified", ["train.lr=1.0"], "train.lr: 3e-05 -> 1.0")):
+        msg = one_line_error(invoke("run", preset, "-o", out, "--resume", *sets(TINY + ["train.steps=3"] + extra)))
+        assert f"--resume continues this run with its own settings ({out / 'preset.yaml'}), but {changed}" in msg
+        assert "only train.steps, run.checkpoint_every" in msg
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "rew')  # a kill while writing step 3's line
+    res = invoke("run", "fp8-unified", "-o", out, "--resume", *sets(TINY + ["train.steps=3"]))
+    assert res.exit_code == 0, res.output
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+    before = (out / "metrics.jsonl").read_text()
+    res = invoke("run", "fp8-unified", "-o", out, "--resume", *sets(TINY + ["train.steps=3"]))
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith(f"the run is complete (checkpoint {out / 'checkpoints' / 'step_000003'}, "
+                                 "train.steps 3): nothing to do"), res.output
+    assert (out / "metrics.jsonl").read_text() == before
+    state = out / "checkpoints" / "step_000003" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    msg = one_line_error(invoke("run", "fp8-unified", "-o", out, "--resume", *sets(TINY + ["train.steps=4"])))
+    assert f"{state}: unreadable (" in msg and "the file is damaged" in msg
+
+
+def test_paths_that_cannot_be_written_are_one_line(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    msg = one_line_error(invoke("run", "bf16", "-o", afile, *sets(TINY + ["train.steps=1"])))
+    assert msg.startswith(f"error: {afile}: ")
+    assert afile.read_text() == "x"
+    msg = one_line_error(invoke("run", "bf16", "-o", afile / "sub", *sets(TINY + ["train.steps=1"])))
+    assert msg.startswith(f"error: {afile / 'sub'}: ") and "Not a directory" in msg
+
+
+@pytest.mark.parametrize("key_value, message", [
+    ("task.prompt_template={prompt", "task.prompt_template: '{prompt' is not a format string"),
+    ("task.prompt_template=same for all", "task.prompt_template: 'same for all' uses no field of the row"),
+    ("task.eval_fraction=1.5", "task.eval_fraction: must be in (0, 1), got 1.5"),
+    ("task.eval_fraction=-0.5", "task.eval_fraction: must be in (0, 1), got -0.5"),
+    ("train.clip_low=2", "train.clip_low: must be below 1"),
+    ("eval.max_new_tokens=0", "eval.max_new_tokens: must be > 0, got 0"),
+])
+def test_preset_values_out_of_range_are_refused(key_value, message):
+    with pytest.raises(PresetError) as e:
+        load_job_config("bf16", [key_value])
+    assert message in str(e.value)
+
+
+def test_a_preset_that_is_not_utf8_is_one_line(tmp_path):
+    bad = tmp_path / "bin.yaml"
+    bad.write_bytes(b"\x00\xff\xfe")
+    msg = one_line_error(invoke("run", bad))
+    assert f"{bad}: not a UTF-8 text file (byte 1: 0xff)" in msg
+
+
+def test_a_run_that_fails_at_its_first_rollout_leaves_no_directory(tmp_path):
+    out = tmp_path / "o"
+    msg = one_line_error(invoke("run", "bf16", "-o", out, *sets(TINY + ["rollout.max_len=10"])))
+    assert "exceeds the engine width 10 (rollout.max_len: raise it, or lower rollout.max_new_tokens" in msg
+    assert not out.exists()
+
+
+def test_model_weights_that_do_not_match_config_json_are_named(tmp_path):
+    from jetrl_cli.fileio import save_safetensors
+    from jetrl_cli.models.hf import load_model, read_tensors
+
+    wide = tmp_path / "wide"
+    shutil.copytree(loop.tiny_policy_dir(), wide)
+    cfg = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**cfg, "hidden_size": 2 * cfg["hidden_size"]}))
+    with pytest.raises(JetrlError, match=r"wide: tensor \S+ is \(\d+, \d+\), config.json makes it"):
+        load_model(wide)
+    tied = tmp_path / "tied"
+    shutil.copytree(loop.tiny_policy_dir(), tied)
+    t = read_tensors(tied / "model.safetensors")
+    if "lm_head.weight" not in t:
+        t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+    t["lm_head.weight"] = t["lm_head.weight"] + 1.0
+    save_safetensors(t, tied / "model.safetensors", metadata={"format": "pt"})
+    (tied / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    with pytest.raises(JetrlError, match="tie_word_embeddings: true, but the checkpoint's lm_head.weight is not"):
+        load_model(tied)
+
+
+def test_plotting_a_directory_without_a_run_is_one_line(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "jetrl_cli.rl.plots", "-o", tmp_path / "x.png", tmp_path / "none"],
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and res.stderr.strip().endswith(f"{tmp_path / 'none'}: no metrics.jsonl (not a jetrl "
+                                                               "run directory)"), res.stderr
+
+
+def test_train_names_the_rollout_file_whose_groups_do_not_match_rollout_n(tmp_path):
+    samples = tmp_path / "s.jsonl"
+    assert invoke("rollout", "bf16", "-o", samples, "--prompts", 1, *sets(TINY)).exit_code == 0
+    msg = one_line_error(invoke("train", "bf16", "--rollouts", samples, "-o", tmp_path / "t", *sets(TINY[:1])))
+    assert f"{samples}: group 0 has 2 samples, rollout.n is 8 (set rollout.n to the n the file was sampled with)" in msg
+
+
+def test_mismatch_report_lengths_beyond_the_models_positions_are_refused():
+    msg = one_line_error(invoke("mismatch-report", "bf16", "--prompts", 1, "--lengths", "100000"))
+    assert "--lengths 100000: the model takes at most 512 positions (max_position_embeddings in" in msg
