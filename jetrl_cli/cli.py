@@ -220,7 +220,7 @@ def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
 @user_errors
 def rollout_cmd(
     preset: Annotated[str, typer.Argument(help="Preset file, or the name of a shipped preset.")],
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="JSONL to write (default OUT_DIR/rollouts.jsonl).")] = None,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="JSONL to write (default OUT_DIR-rollout.jsonl, beside the run's directory).")] = None,
     prompts: Annotated[Optional[int], typer.Option("--prompts", help="Prompts to sample (default rollout.prompts_per_step).")] = None,
     split: Annotated[str, typer.Option("--split", help="train or eval problems.")] = "train",
     seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 0,
@@ -241,7 +241,7 @@ def rollout_cmd(
     if seed < 0:
         raise JetrlError(f"--seed must be >= 0, got {seed}")
     cfg = load_job_config(preset, _overrides(override))
-    out = output or cfg.out_dir / "rollouts.jsonl"
+    out = output or cfg.out_dir.with_name(f"{cfg.out_dir.name}-rollout.jsonl")
     if out.exists() and not force:
         raise JetrlError(f"{out}: exists (a run's samples, or an earlier rollout); --force replaces it, -o writes "
                          "another file")

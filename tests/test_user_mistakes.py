@@ -205,3 +205,12 @@ def test_train_names_the_rollout_file_whose_groups_do_not_match_rollout_n(tmp_pa
 def test_mismatch_report_lengths_beyond_the_models_positions_are_refused():
     msg = one_line_error(invoke("mismatch-report", "bf16", "--prompts", 1, "--lengths", "100000"))
     assert "--lengths 100000: the model takes at most 512 positions (max_position_embeddings in" in msg
+
+
+def test_a_run_does_not_write_into_a_directory_of_other_files(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    msg = one_line_error(invoke("run", "bf16", "-o", tmp_path, *sets(TINY + ["train.steps=1"])))
+    assert f"{tmp_path}: a directory with other files in it (not a jetrl run)" in msg
+    msg = one_line_error(invoke("run", "bf16", "-o", tmp_path, "--force", *sets(TINY + ["train.steps=1"])))
+    assert "not a jetrl run directory (no metrics.jsonl); --force only replaces runs" in msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

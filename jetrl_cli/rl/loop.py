@@ -300,6 +300,9 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
     elif not resume and (metrics_file.exists() or (out / "latest").exists()):
         raise JetrlError(f"{out}: already holds a run (--resume continues it, --force starts over, "
                          "-o picks another directory)")
+    elif not resume and out.is_dir() and any(out.iterdir()):
+        raise JetrlError(f"{out}: a directory with other files in it (not a jetrl run); -o names a new or empty "
+                         "directory for the run")
     reset_resolutions()  # the backends recorded in metrics.jsonl are this run's
     world.barrier()  # every rank has checked the directory before rank 0 writes to it
     job = setup(cfg, with_trainer=True, init_dir=ckpt, world=world)
