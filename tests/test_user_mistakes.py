@@ -9,25 +9,13 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
 
-from jetrl_cli.cli import app
 from jetrl_cli.config import load_job_config
 from jetrl_cli.errors import JetrlError, PresetError
 from jetrl_cli.rl import loop
 from jetrl_cli.rl.loop import run
 
-runner = CliRunner()
-TINY = ["rollout.prompts_per_step=2", "rollout.n=2", "eval.prompts=2", "eval.every=0", "run.checkpoint_every=1",
-        "rollout.max_new_tokens=24"]
-
-
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
-
-
-def sets(items):
-    return [x for it in items for x in ("--set", it)]
+from .test_run_output import TINY, invoke, sets
 
 
 def one_line_error(res, code=2) -> str:
