@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import sys
@@ -321,9 +322,7 @@ def train_cmd(
         raise JetrlError(f"--rollouts {rollouts}: is a directory; give the JSONL file (a run's rollouts.jsonl)")
     job = setup(cfg, with_trainer=True)
     rows = _read_rollouts(rollouts, job.trainer.model.config.vocab_size)
-    sizes = {g: 0 for g in (r["group"] for r in rows)}
-    for r in rows:
-        sizes[r["group"]] += 1
+    sizes = collections.Counter(r["group"] for r in rows)
     odd = next((g for g, k in sizes.items() if k != cfg.rollout.n), None)
     if odd is not None:
         raise JetrlError(f"{rollouts}: group {odd} has {sizes[odd]} samples, rollout.n is {cfg.rollout.n} (set "
