@@ -454,7 +454,7 @@ def mismatch_report_cmd(
             report["flows"] = [mm.offline_report(label, cfg.flow, inp, rows, attribution=not no_attribution,
                                                  attribution_sequences=attribution_sequences)]
         else:
-            names = flows.split(",") if flows else ["preset", *mm.DEFAULT_FLOWS]
+            names = flows.split(",") if flows is not None else ["preset", *mm.DEFAULT_FLOWS]
             chosen = mm.resolve_flows(names, cfg.flow, cfg.name)
             lens = lens or [cfg.rollout.max_new_tokens]
             source = PromptSource(build_task(cfg.task, cfg.run.seed), cfg.run.seed)
@@ -599,8 +599,12 @@ def bench_cmd(
         from .precision import fuse
 
         fuse.set_enabled(False)
-    if flows:
+    if flows is not None:
+        if not set(modes) & {"rollout", "train", "e2e"}:
+            raise JetrlError("--flows applies to the rollout, train and e2e modes")
         s.flows = tuple(f.strip() for f in flows.split(",") if f.strip())
+        if not s.flows:
+            raise JetrlError("--flows: no flow given")
         for f in s.flows:
             bench._flow(f)  # unknown names fail before anything runs
     shaped = set(modes) & {"gemm", "quantize", "attention"}

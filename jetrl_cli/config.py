@@ -247,6 +247,9 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
     if t.clip_low >= 1:
         raise PresetError(source, "train.clip_low", f"must be below 1 (the ratio's lower bound is 1 - clip_low), got {t.clip_low}")
     tk, ev = secs["task"], secs["eval"]
+    for key in ("file", "eval_file"):
+        if getattr(tk, key) is not None and tk.name != "jsonl":
+            raise PresetError(source, f"task.{key}", f"read only by task.name: jsonl (this task is {tk.name!r})")
     if not 0 < tk.eval_fraction < 1:
         raise PresetError(source, "task.eval_fraction", f"must be in (0, 1), got {tk.eval_fraction}")
     try:

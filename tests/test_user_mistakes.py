@@ -133,6 +133,7 @@ def test_paths_that_cannot_be_written_are_one_line(tmp_path):
     ("task.eval_fraction=-0.5", "task.eval_fraction: must be in (0, 1), got -0.5"),
     ("train.clip_low=2", "train.clip_low: must be below 1"),
     ("eval.max_new_tokens=0", "eval.max_new_tokens: must be > 0, got 0"),
+    ("task.file=data.jsonl", "task.file: read only by task.name: jsonl (this task is 'arith')"),
 ])
 def test_preset_values_out_of_range_are_refused(key_value, message):
     with pytest.raises(PresetError) as e:
@@ -202,3 +203,16 @@ def test_a_run_does_not_write_into_a_directory_of_other_files(tmp_path):
     msg = one_line_error(invoke("run", "bf16", "-o", tmp_path, "--force", *sets(TINY + ["train.steps=1"])))
     assert "not a jetrl run directory (no metrics.jsonl); --force only replaces runs" in msg
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_options_that_would_be_ignored_or_emptied_are_refused(tmp_path):
+    msg = one_line_error(invoke("mismatch-report", "bf16", "--prompts", 1, "--flows", ""))
+    assert "--flows: no flow given" in msg
+    msg = one_line_error(invoke("bench", "gemm", "--flows", "bf16", "--repeats", 1))
+    assert "--flows applies to the rollout, train and e2e modes" in msg
+    out = tmp_path / "r"
+    (out / "checkpoints" / "step_000004").mkdir(parents=True)
+    (out / "latest").write_text("step_000004\n")
+    msg = one_line_error(invoke("mismatch-report", "bf16", "--prompts", 1, "--model", out))
+    ck = out / "checkpoints" / "step_000004"
+    assert f"{out}: a jetrl run directory, not a model; its latest checkpoint is {ck}" in msg

@@ -27,6 +27,9 @@ def check_model_dir(path: str | Path) -> Path:
     if not p.is_dir():
         raise JetrlError(f"{p}: not a directory (expected a Hugging Face model directory)")
     if not (p / "config.json").exists():
+        if (p / "latest").is_file():  # a run's (or jetrl train's) directory: its checkpoints are models
+            ck = p / "checkpoints" / (p / "latest").read_text().strip()
+            raise JetrlError(f"{p}: a jetrl run directory, not a model; its latest checkpoint is {ck}")
         raise JetrlError(f"{p}: no config.json (expected a Hugging Face model directory)")
     return p
 
