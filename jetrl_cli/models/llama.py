@@ -47,7 +47,8 @@ from ..precision import fuse
 from ..precision.flow import LinearPrecision
 from ..precision.formats import Block, Format
 from ..precision.fuse import fused
-from ..precision.gemm import F64_BITS, device_time_ms, fixed_point, kernel_choice, native, note_kernel
+from ..precision.gemm import (F64_BITS, device_time_ms, fixed_point, fp8_kernels_for, kernel_choice, native,
+                              note_kernel)
 from ..precision.linear import (JetLinear, RowGradSlot, fused_input_quantizer, gated_mlp, grad_sink,
                                 gradient_port, group_weight, input_dtype, linear_group)
 from ..precision.quant import CastSpec, QTensor, dequantize, fake_quantize, quantize, round_to
@@ -421,12 +422,7 @@ def cast_kv(t: torch.Tensor, spec: CastSpec | None, out_dtype: torch.dtype | Non
 def kv_store_runs(t: torch.Tensor, spec: CastSpec) -> bool:
     """Whether ``kernels.attention.kv_store`` stores ``t`` (natively, where Triton runs) under ``spec``:
     FP8 with one scale per token and head, a floor the kernels take."""
-    if not (native(t) and spec.format.is_fp8 and spec.block.name == "row"):
-        return False
-    from ..kernels.fp8 import unsupported
-    from ..precision.gemm import _triton_unavailable
-
-    return _triton_unavailable(t.device) is None and unsupported(None, spec.format, spec.amax_floor) is None
+    return native(t) and spec.format.is_fp8 and spec.block.name == "row" and fp8_kernels_for(t, spec) is not None
 
 
 def _stored_kv_values(t: torch.Tensor, spec: CastSpec, dtype: torch.dtype) -> torch.Tensor:

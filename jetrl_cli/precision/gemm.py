@@ -685,11 +685,16 @@ def cast_weight_pair(w: torch.Tensor, spec: CastSpec, backends) -> tuple | None:
 
 def kernel_quantizers(x: torch.Tensor, backends, spec: CastSpec):
     """``jetrl_cli.kernels.fp8`` where its Triton quantizers cast ``x`` for a GEMM under ``spec``: one of
-    ``backends`` is a kernel backend (``scaled_mm``, ``triton``: the ones that read their layouts),
-    Triton runs where ``x`` is (a GPU, or the interpreter) and the kernels take ``spec``'s format and
-    floor; else None (the reference quantizes, to the same bits)."""
+    ``backends`` is a kernel backend (``scaled_mm``, ``triton``: the ones that read their layouts)
+    and ``fp8_kernels_for`` has them; else None (the reference quantizes, to the same bits)."""
     if not any(getattr(b, "name", "") in ("scaled_mm", "triton") for b in backends):
         return None
+    return fp8_kernels_for(x, spec)
+
+
+def fp8_kernels_for(x: torch.Tensor, spec: CastSpec):
+    """``jetrl_cli.kernels.fp8`` where its Triton kernels run on ``x`` (a GPU, or the interpreter) and
+    take ``spec``'s format and floor, else None."""
     if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return None
     fp8 = triton_fp8_kernels()

@@ -96,15 +96,14 @@ def fold_invariant_scale(model: torch.nn.Module, s: float) -> None:
                 lin.weight.div_(s)
 
 
-def _chunk_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+def _chunk_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams,
+                    entropy: bool = False) -> torch.Tensor:
+    """Logprobs of a chunk of rows (``entropy``, no autograd: stacked with the rows' entropies)."""
     logits = model.logits(h)
     invariant = invariant_for(model, logits)
+    if entropy:
+        return torch.stack(gathered_logprobs_entropy(logits, targets, sampling, invariant))
     return gathered_logprobs(logits, targets, sampling, invariant)
-
-
-def _chunk_logprobs_entropy(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    logits = model.logits(h)
-    return torch.stack(gathered_logprobs_entropy(logits, targets, sampling, invariant_for(model, logits)))
 
 
 def _logprob_rows(model) -> int:
@@ -117,7 +116,7 @@ def target_logprobs_entropy(model, h: torch.Tensor, targets: torch.Tensor, sampl
     """``target_logprobs`` without autograd (the same bits) stacked with each row's entropy of the
     sampling distribution: (2, n)."""
     step = _logprob_rows(model)
-    return torch.cat([_chunk_logprobs_entropy(model, h[s:s + step], targets[s:s + step], sampling)
+    return torch.cat([_chunk_logprobs(model, h[s:s + step], targets[s:s + step], sampling, entropy=True)
                       for s in range(0, h.shape[0], step)], dim=1)
 
 
