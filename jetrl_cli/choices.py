@@ -8,6 +8,7 @@ names. Plain data, no torch: the CLI reads it at start-up.
 GEMM_BACKENDS = ("auto", "emulated", "scaled_mm", "triton", "invariant", "te")  # precision/gemm.py is the registry
 CORRECTIONS = ("none", "tis", "mis", "acr")  # rl/algos.py
 LR_SCHEDULES = ("constant", "cosine")  # rl/trainer.py learning_rate
+POLICY_LOSSES = ("ppo", "gspo")  # rl/algos.py policy_loss
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # rl/algos.py (verl's names)
 ROLLOUT_BACKENDS = ("embedded", "vllm")  # rl/loop.py build_engine
 VLLM_QUANTIZATIONS = ("jetrl", "fp8", "fp8-block", "none")  # engine/vllm_engine.py

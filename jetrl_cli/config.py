@@ -43,6 +43,10 @@ class TaskConfig:
     # how a completion's final answer is read: auto (\boxed{}, ####, else the last number) | boxed_or_gsm8k
     # | boxed | gsm8k | last_number; default: auto for jsonl, boxed_or_gsm8k for the built-in tasks
     answer_format: str | None = None
+    # DAPO's overlong reward shaping: a completion longer than rollout.max_new_tokens - overlong_buffer
+    # tokens loses overlong_penalty x (excess / overlong_buffer), up to overlong_penalty at the limit (0: off)
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class TrainConfig:
     min_lr_ratio: float = 0.0
     clip_low: float = 0.2
     clip_high: float = 0.28
+    policy_loss: str = "ppo"  # ppo (a ratio per token) | gspo (a ratio per sequence; clip at 3e-4 / 4e-4)
+    dual_clip: float = 0.0  # > 1: dual-clip PPO, a negative advantage's term bounded at dual_clip * A (0: off)
     adv_norm: str = "std"  # std (GRPO) | none (Dr. GRPO)
     loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm (Dr. GRPO)
     kl_coef: float = 0.0
@@ -149,6 +155,7 @@ CHOICES = {
     ("rollout", "vllm_dtype"): ("float32", "bfloat16", "float16"),
     ("train", "adv_norm"): ("std", "none"),
     ("train", "loss_agg"): choices.LOSS_AGGREGATIONS,
+    ("train", "policy_loss"): choices.POLICY_LOSSES,
     ("train", "lr_schedule"): choices.LR_SCHEDULES,
     ("correction", "type"): choices.CORRECTIONS,
     ("correction", "mis_level"): ("token", "sequence"),
@@ -164,7 +171,8 @@ POSITIVE = {
 NON_NEGATIVE = {
     ("train", "steps"), ("rollout", "temperature"), ("rollout", "top_k"), ("train", "weight_decay"),
     ("train", "warmup_steps"), ("train", "clip_low"), ("train", "clip_high"), ("train", "kl_coef"),
-    ("train", "dynamic_sampling_rounds"), ("correction", "mis_low"), ("eval", "every"),
+    ("train", "dynamic_sampling_rounds"), ("correction", "mis_low"), ("task", "overlong_buffer"),
+    ("task", "overlong_penalty"), ("eval", "every"),
     ("run", "checkpoint_every"), ("run", "log_samples"), ("run", "seed"),
 }
 
@@ -246,6 +254,11 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
         raise PresetError(source, "train.betas", f"expected two numbers in [0, 1), got {t.betas}")
     if t.clip_low >= 1:
         raise PresetError(source, "train.clip_low", f"must be below 1 (the ratio's lower bound is 1 - clip_low), got {t.clip_low}")
+    if t.dual_clip and not t.dual_clip > 1:
+        raise PresetError(source, "train.dual_clip", f"must be 0 (off) or > 1 (verl uses 3), got {t.dual_clip}")
+    if t.policy_loss == "gspo" and c.type == "acr":
+        raise PresetError(source, "train.policy_loss", "gspo clips whole sequences; correction.type acr's per-token "
+                          "clip bound does not apply to it (use tis or mis)")
     tk, ev = secs["task"], secs["eval"]
     for key in ("file", "eval_file"):
         if getattr(tk, key) is not None and tk.name != "jsonl":
@@ -259,6 +272,9 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
     if not fields:
         raise PresetError(source, "task.prompt_template", f"{tk.prompt_template!r} uses no field of the row "
                           "(every prompt would be the same); write e.g. \"Q: {prompt}\"")
+    if tk.overlong_buffer > r.max_new_tokens:
+        raise PresetError(source, "task.overlong_buffer", f"must be at most rollout.max_new_tokens ({r.max_new_tokens}), "
+                          f"got {tk.overlong_buffer}")
     if ev.max_new_tokens is not None and ev.max_new_tokens <= 0:
         raise PresetError(source, "eval.max_new_tokens", f"must be > 0, got {ev.max_new_tokens}")
     if not 0 <= t.min_lr_ratio <= 1:

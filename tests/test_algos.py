@@ -145,6 +145,106 @@ def test_an_unknown_loss_aggregation_is_refused():
             call()
 
 
+def _random_batches(g, count=3, n=5, t=7):
+    """Fresh random (logp, old, adv, mask) in float64, each with one sequence of no completion token."""
+    out = []
+    for _ in range(count):
+        lengths = torch.randint(1, t + 1, (n,), generator=g)
+        lengths[int(torch.randint(0, n, (), generator=g))] = 0
+        mask = torch.arange(t)[None, :] < lengths[:, None]
+        old = -torch.rand(n, t, generator=g, dtype=torch.float64) * 2
+        logp = old + torch.randn(n, t, generator=g, dtype=torch.float64) * 0.05
+        out.append((logp, old, torch.randn(n, generator=g, dtype=torch.float64), mask))
+    return out
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_gspo_loss_is_the_sequence_ratio_objective_in_value_and_gradient(agg):
+    """GSPO: every token of a sequence carries the sequence's ratio ``s = exp(mean log(pi/pi_old))``,
+    clipped as a whole; the loss (with a TIS weight per token) matches a hand computation, and its
+    gradient (no correction) is that of the sequence-level objective ``sum_i c_i min(s_i A_i,
+    clip(s_i) A_i)`` with ``c_i`` the aggregation's weight of a sequence's tokens, computed directly."""
+    lo, hi, max_new, moved = 3e-3, 4e-3, 10, 0
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for logp, old, adv, mask in _random_batches(g) + [(LOGP.double(), OLD.double(), ADV.double(), MASK)]:
+        denom = loss_denominator(mask, agg, max_new)
+        imp = importance(old, old - 0.01, mask, CorrectionConfig("tis", tis_cap=1.005), hi)
+        loss, st = policy_loss(logp, old, adv, mask, imp, lo, hi, denom, agg=agg, mode="gspo")
+        terms, clipped = [], 0
+        for i in range(mask.shape[0]):
+            k = int(mask[i].sum())
+            s = math.exp(sum(float(logp[i, t] - old[i, t]) for t in range(k)) / max(k, 1))
+            a = float(adv[i])
+            term = -min(s * a, min(max(s, 1 - lo), 1 + hi) * a)
+            clipped += k * (term != -s * a)
+            terms.append([term * float(imp.weight[i, t]) for t in range(k)])
+        assert float(loss) == pytest.approx(_aggregated_by_hand(terms, agg, max_new), rel=1e-9)
+        assert int(st["clipped_tokens"]) == clipped and int(st["loss_tokens"]) == int(mask.sum())
+
+        x = logp.clone().requires_grad_()
+        none = importance(old, old, mask, CorrectionConfig(), hi)
+        policy_loss(x, old, adv, mask, none, lo, hi, denom, agg=agg, mode="gspo")[0].backward()
+        y = logp.clone().requires_grad_()
+        k = mask.sum(-1).double()
+        s = (((y - old) * mask).sum(-1) / k.clamp_min(1)).exp()
+        f = torch.minimum(s * adv, s.clamp(1 - lo, 1 + hi) * adv)
+        weight = {"token-mean": k / k.sum(), "seq-mean-token-mean": (k > 0) / (k > 0).sum(),
+                  "seq-mean-token-sum-norm": k / ((k > 0).sum() * max_new)}[agg]
+        (-(weight * f).sum()).backward()
+        torch.testing.assert_close(x.grad, y.grad, rtol=1e-9, atol=1e-12)
+        moved += bool(x.grad.abs().sum() > 0)
+    assert moved >= 2  # the random batches have unclipped sequences (the fixed one is all clipped)
+
+
+def test_gspo_on_one_token_sequences_is_ppo():
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    logp, old, adv = (-torch.rand(6, 1, generator=g), -torch.rand(6, 1, generator=g), torch.randn(6, generator=g))
+    mask = torch.ones(6, 1, dtype=torch.bool)
+    imp = importance(old, old, mask, CorrectionConfig(), EPS_H)
+    a = policy_loss(logp, old, adv, mask, imp, EPS_L, EPS_H, 6.0, mode="gspo")
+    b = policy_loss(logp, old, adv, mask, imp, EPS_L, EPS_H, 6.0, mode="ppo")
+    assert torch.equal(a[0], b[0]) and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+def test_dual_clip_bounds_negative_advantages_by_hand():
+    """Dual-clip PPO: a token with a negative advantage contributes at most ``-c * A``: where the
+    ratio has grown beyond ``c`` its term is ``c * A`` and gives no gradient; positive advantages
+    and the other tokens are plain PPO-clip."""
+    c, bounded = 3.0, 0
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for logp, old, adv, mask in _random_batches(g, count=6):
+        logp = logp + torch.randn(logp.shape, generator=g, dtype=torch.float64) * 1.5  # some ratios far above c
+        imp = importance(old, old, mask, CorrectionConfig(), EPS_H)
+        x = logp.clone().requires_grad_()
+        loss, st = policy_loss(x, old, adv, mask, imp, EPS_L, EPS_H, float(mask.sum()), dual_clip=c)
+        loss.backward()
+        loss = loss.detach()
+        total, clipped = 0.0, 0
+        for i, t in mask.nonzero().tolist():
+            ratio, a = math.exp(float(logp[i, t] - old[i, t])), float(adv[i])
+            surr = min(ratio * a, min(max(ratio, 1 - EPS_L), 1 + EPS_H) * a)
+            if a < 0 and surr < c * a:
+                surr = c * a
+                bounded += 1
+                assert float(x.grad[i, t]) == 0.0
+            total -= surr
+            clipped += surr != ratio * a
+        assert float(loss) == pytest.approx(total / int(mask.sum()), rel=1e-9)
+        assert int(st["clipped_tokens"]) == clipped
+        plain, _ = policy_loss(logp, old, adv, mask, imp, EPS_L, EPS_H, float(mask.sum()))
+        assert float(plain) >= float(loss)  # without the bound such tokens push the loss up
+    assert bounded > 0  # the batches tested the bound
+
+
+def test_unknown_policy_losses_and_gspo_with_acr_are_refused():
+    imp = importance(OLD, OLD, MASK, CorrectionConfig(), EPS_H)
+    with pytest.raises(ValueError, match=r"unknown policy loss 'gpo' \(allowed: ppo, gspo\)"):
+        policy_loss(LOGP, OLD, ADV, MASK, imp, EPS_L, EPS_H, 5.0, mode="gpo")
+    acr = importance(OLD, ROLL, MASK, CorrectionConfig("acr"), EPS_H)
+    with pytest.raises(ValueError, match="gspo policy loss clips whole sequences"):
+        policy_loss(LOGP, OLD, ADV, MASK, acr, EPS_L, EPS_H, 5.0, mode="gspo")
+
+
 def test_mismatch_metrics_by_hand_and_zero_when_equal():
     m = mismatch_metrics(OLD, ROLL, MASK)
     d = [0.1, -1.0, 0.0, 0.0, 0.8]  # log(pi_train / pi_rollout) on the 5 tokens
@@ -173,7 +273,7 @@ def test_gradient_matches_finite_differences():
     assert torch.autograd.gradcheck(f, (logp,))
 
 
-def _trainer(micro_batch, seed=0, loss_agg="token-mean"):
+def _trainer(micro_batch, seed=0, loss_agg="token-mean", **train):
     from jetrl_cli.config import TrainConfig
     from jetrl_cli.engine.sampling import SamplingParams
     from jetrl_cli.models.shapes import random_model
@@ -182,7 +282,7 @@ def _trainer(micro_batch, seed=0, loss_agg="token-mean"):
     from jetrl_cli.rl.trainer import Trainer
 
     model = random_model(tiny_config("qwen2", hidden=64, layers=1, vocab=128), seed=seed, std=0.05)
-    return Trainer(model, named_flow("bf16"), TrainConfig(micro_batch=micro_batch, lr=1e-3, loss_agg=loss_agg),
+    return Trainer(model, named_flow("bf16"), TrainConfig(micro_batch=micro_batch, lr=1e-3, loss_agg=loss_agg, **train),
                    CorrectionConfig(), SamplingParams(), 64)
 
 
@@ -270,6 +370,35 @@ def test_each_loss_aggregation_splits_into_micro_batches_as_one_batch(agg):
         for p, q in zip(w, w0):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
     assert abs(st0["pg_loss"] - tok["pg_loss"]) > 1e-3 * abs(tok["pg_loss"])
+
+
+def test_a_gspo_dual_clip_update_equals_policy_loss_and_splits_into_micro_batches():
+    """``train.policy_loss: gspo`` and ``train.dual_clip`` reach the update: its loss is
+    ``policy_loss``'s with them at the logprobs before it, splitting the mini-batch into micro-batches
+    changes nothing, and it differs from the PPO update of the same batch."""
+    b, adv = _update_batch()
+    noise = 0.02 * torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(2)) * b.mask
+    gspo = {"policy_loss": "gspo", "dual_clip": 3.0, "clip_low": 3e-3, "clip_high": 4e-3}
+    runs = []
+    for mb, train in ((6, gspo), (1, gspo), (4, gspo), (6, {**gspo, "policy_loss": "ppo"})):
+        tr = _trainer(mb, loss_agg="seq-mean-token-mean", **train)
+        lp = tr.score(b)
+        old = lp + noise
+        runs.append((tr.update(b, adv, old, None, step=0), [p.detach().clone() for p in tr.model.parameters()]))
+        if mb == 6:
+            imp = importance(old, b.rollout_logp, b.mask, CorrectionConfig(), tr.cfg.clip_high)
+            want, _ = policy_loss(lp, old, adv, b.mask, imp, tr.cfg.clip_low, tr.cfg.clip_high,
+                                  loss_denominator(b.mask, "seq-mean-token-mean", 0), agg="seq-mean-token-mean",
+                                  mode=train["policy_loss"], dual_clip=3.0)
+            assert runs[-1][0]["pg_loss"] == pytest.approx(float(want), rel=1e-5)
+    (st0, w0), others, (ppo, _) = runs[0], runs[1:3], runs[3]
+    assert 0 < st0["clip_frac"] < 1
+    for st, w in others:
+        for k in st:
+            assert st[k] == pytest.approx(st0[k], rel=1e-4, abs=1e-7), k
+        for p, q in zip(w, w0):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    assert abs(st0["pg_loss"] - ppo["pg_loss"]) > 1e-3 * abs(ppo["pg_loss"])
 
 
 def test_an_updates_micro_batches_add_into_the_gradients_held(monkeypatch):
@@ -483,6 +612,8 @@ def test_an_update_trains_at_the_scheduled_learning_rate():
     ("train.lr_schedule=linear", r"train.lr_schedule: 'linear' is not allowed \(allowed: constant, cosine\)"),
     ("train.min_lr_ratio=1.5", r"train.min_lr_ratio: must be in \[0, 1\], got 1.5"),
     ("train.loss_agg=seq-sum", r"train.loss_agg: 'seq-sum' is not allowed \(allowed: token-mean, "),
+    ("train.policy_loss=grpo", r"train.policy_loss: 'grpo' is not allowed \(allowed: ppo, gspo\)"),
+    ("train.dual_clip=0.5", r"train.dual_clip: must be 0 \(off\) or > 1 \(verl uses 3\), got 0.5"),
 ])
 def test_schedule_and_aggregation_keys_are_checked(override, message):
     from jetrl_cli.config import load_job_config
@@ -490,3 +621,21 @@ def test_schedule_and_aggregation_keys_are_checked(override, message):
 
     with pytest.raises(PresetError, match=message):
         load_job_config("bf16", [override])
+
+
+def test_gspo_with_the_acr_correction_is_refused_in_a_preset():
+    from jetrl_cli.config import load_job_config
+    from jetrl_cli.errors import PresetError
+
+    with pytest.raises(PresetError, match=r"train.policy_loss: gspo clips whole sequences; correction.type acr"):
+        load_job_config("qurl", ["train.policy_loss=gspo"])
+    assert load_job_config("fp8-rollout-tis", ["train.policy_loss=gspo"]).train.policy_loss == "gspo"
+
+
+def test_overlong_penalty_by_hand():
+    from jetrl_cli.rl.algos import overlong_penalty
+
+    assert [overlong_penalty(n, 100, 20, 1.0) for n in (0, 79, 80, 81, 90, 100)] == [0, 0, 0, -0.05, -0.5, -1.0]
+    assert overlong_penalty(100, 100, 0, 1.0) == 0.0  # buffer 0: off
+    assert overlong_penalty(95, 100, 20, 0.4) == pytest.approx(-0.3)
+    assert overlong_penalty(100, 100, 100, 2.0) == -2.0 and overlong_penalty(1, 100, 100, 2.0) == -0.02

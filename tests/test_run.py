@@ -208,3 +208,35 @@ def test_a_run_records_which_backend_ran_each_fp8_gemm(tmp_path):
     assert all("gemm_backends" not in m for m in lines if m["step"] == 2)  # written again only on a change
     bf = run(load_job_config("bf16", SMALL + ["train.steps=1"]), tmp_path / "b")
     assert all("gemm_backends" not in m for m in bf)  # no 8-bit GEMM, nothing to record
+
+
+def test_overlong_shaping_lowers_the_reward_of_long_completions(tmp_path):
+    """``task.overlong_buffer`` (DAPO): each training sample's reward is the task's reward plus
+    ``-overlong_penalty * min(excess / buffer, 1)`` for the tokens beyond ``max_new_tokens -
+    buffer``; the first step's samples are the unshaped run's (same weights and seeds), so the two
+    files differ by exactly that; accuracy is the task's own."""
+    base = SMALL + ["train.steps=1", "rollout.max_new_tokens=40"]
+    plain = run(load_job_config("bf16", base), tmp_path / "plain")
+    shaped = run(load_job_config("bf16", base + ["task.overlong_buffer=32", "task.overlong_penalty=0.5"]),
+                 tmp_path / "shaped")
+    rows = [[json.loads(x) for x in (tmp_path / d / "rollouts.jsonl").read_text().splitlines()]
+            for d in ("plain", "shaped")]
+    penalties = []
+    for p, s in zip(*rows):
+        assert p["tokens"] == s["tokens"] and "overlong_penalty" not in p
+        want = -0.5 * min(max(len(s["tokens"]) - 8, 0) / 32, 1.0)
+        assert s["overlong_penalty"] == pytest.approx(want, abs=1e-12)
+        assert s["reward"] == pytest.approx(p["reward"] + want, abs=1e-12)
+        penalties.append(want)
+    assert len(set(penalties)) > 1 and min(penalties) < 0  # lengths vary: the shaping is graded
+    m = shaped[1]
+    assert m["overlong_penalty"] == pytest.approx(sum(penalties) / len(penalties))
+    assert m["reward_mean"] == pytest.approx(plain[1]["reward_mean"] + m["overlong_penalty"])
+    assert m["accuracy"] == plain[1]["accuracy"] and "overlong_penalty" not in plain[1]
+    truncated = sum(r["finish_reason"] == "length" for r in rows[1]) / len(rows[1])
+    assert m["truncated"] == truncated == plain[1]["truncated"]
+
+
+def test_overlong_buffer_longer_than_the_completions_is_refused():
+    with pytest.raises(JetrlError, match=r"task.overlong_buffer: must be at most rollout.max_new_tokens \(40\), got 60"):
+        load_job_config("bf16", ["task.overlong_buffer=60"])

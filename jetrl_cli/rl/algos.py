@@ -26,6 +26,19 @@ Loss aggregation (``TrainConfig.loss_agg``, verl's names; ``loss_denominator``):
   completion weighs more than one of a long completion.
 - ``seq-mean-token-sum-norm`` (Dr. GRPO, with ``adv_norm: none``): the token terms summed and
   divided by sequences x ``max_new_tokens``: one constant weight per token, whatever the lengths.
+
+Policy losses (``TrainConfig.policy_loss``, ``policy_loss(mode=...)``):
+
+- ``ppo``: the token-level clipped ratio ``pi/pi_old`` (PPO, GRPO, DAPO; the default).
+- ``gspo`` (GSPO, Zheng et al. 2025): one ratio per sequence, the geometric mean
+  ``s = exp(mean_t log(pi_t/pi_old_t))`` over its completion tokens, clipped as a whole. Written
+  per token as ``sg[s] * pi_t / sg[pi_t]`` (GSPO-token), whose value is ``s`` at every token and
+  whose gradient, summed over a sequence's tokens and divided by its length
+  (``seq-mean-token-mean``, GSPO's aggregation), is ``grad s``. Sequence ratios stay close to 1:
+  GSPO clips at ``clip_low: 3e-4``, ``clip_high: 4e-4``.
+
+``dual_clip: c`` (> 1; dual-clip PPO, verl's ``clip_ratio_c``) bounds a negative advantage's term
+at ``c * A``: a token whose ratio grew far beyond the clip range cannot push the loss without end.
 """
 
 from __future__ import annotations
@@ -34,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..choices import CORRECTIONS, LOSS_AGGREGATIONS  # noqa: E402
+from ..choices import CORRECTIONS, LOSS_AGGREGATIONS, POLICY_LOSSES  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,15 @@ def group_advantages(rewards: torch.Tensor, norm: str = "std", eps: float = 1e-6
     elif norm != "none":
         raise ValueError(f"unknown advantage normalisation {norm!r}")
     return centred.float()
+
+
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int, factor: float) -> float:
+    """DAPO's soft overlong punishment, added to a completion's reward: 0 up to ``max_new_tokens -
+    buffer`` tokens, then falling linearly to ``-factor`` at ``max_new_tokens`` (``buffer`` 0: off)."""
+    excess = length - (max_new_tokens - buffer)
+    if buffer <= 0 or excess <= 0:
+        return 0.0
+    return -factor * min(excess / buffer, 1.0)
 
 
 def mismatch_metrics(logp_train: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
@@ -162,27 +184,42 @@ def loss_denominator(mask: torch.Tensor, agg: str, max_new_tokens: int) -> float
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                 imp: Importance, clip_low: float, clip_high: float, denom: float,
                 logp_ref: torch.Tensor | None = None, kl_coef: float = 0.0,
-                agg: str = "token-mean") -> tuple[torch.Tensor, dict]:
-    """Token-level PPO-clip loss (DAPO's clip-higher: separate low/high epsilon), summed over
-    tokens and divided by ``denom`` (``loss_denominator`` of the whole mini-batch under ``agg``;
-    ``seq-mean-token-mean`` divides each sequence's sum by its completion tokens first).
+                agg: str = "token-mean", mode: str = "ppo", dual_clip: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """PPO-clip loss (DAPO's clip-higher: separate low/high epsilon) with the ratio of ``mode``
+    (``ppo``: per token; ``gspo``: per sequence), summed over tokens and divided by ``denom``
+    (``loss_denominator`` of the whole mini-batch under ``agg``; ``seq-mean-token-mean`` divides
+    each sequence's sum by its completion tokens first). ``dual_clip`` > 0 bounds the terms of
+    negative advantages at ``dual_clip * A``.
 
     ``adv``: per sequence ``(N,)`` or per token ``(N, T)``. With ``kl_coef`` the k3 estimate of
     KL(pi || pi_ref) is added per token. The statistics are 0-dim device tensors (no host sync);
     the clipped fraction is ``clipped_tokens / loss_tokens``, over as many calls as make a batch."""
     if agg not in LOSS_AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {agg!r} (allowed: {', '.join(LOSS_AGGREGATIONS)})")
+    if mode not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {mode!r} (allowed: {', '.join(POLICY_LOSSES)})")
+    if mode == "gspo" and imp.clip_high is not None:
+        raise ValueError("the gspo policy loss clips whole sequences; the acr correction's per-token "
+                         "clip bound does not apply (use tis or mis)")
     m = mask.bool()
     per_seq = agg == "seq-mean-token-mean"
+    lengths = m.sum(-1).clamp_min(1)
 
     def total(terms: torch.Tensor) -> torch.Tensor:  # the aggregated sum, before the division by denom
-        return (terms.sum(-1) / m.sum(-1).clamp_min(1)).sum() if per_seq else terms.sum()
+        return (terms.sum(-1) / lengths).sum() if per_seq else terms.sum()
 
     a = adv[:, None] if adv.dim() == 1 else adv
-    ratio = torch.exp(logp - logp_old)
+    if mode == "gspo":
+        seq = torch.where(m, logp - logp_old, 0.0).sum(-1) / lengths  # log s: the mean log-ratio of each sequence
+        log_ratio = logp - logp.detach() + seq.detach()[:, None]  # value log s, gradient that of log pi_t
+        ratio = torch.exp(log_ratio.clamp(max=10.0))  # as verl: a runaway sequence cannot overflow
+    else:
+        ratio = torch.exp(logp - logp_old)
     upper = imp.clip_high if imp.clip_high is not None else torch.full_like(ratio, 1 + clip_high)
     clipped = torch.minimum(torch.clamp(ratio, min=1 - clip_low), upper)
     surr = torch.minimum(ratio * a, clipped * a)
+    if dual_clip > 0:
+        surr = torch.where(a < 0, torch.maximum(surr, dual_clip * a), surr)
     keep = imp.keep & m
     pg = -total(surr * imp.weight * keep) / denom
     loss = pg

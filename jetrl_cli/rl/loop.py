@@ -32,7 +32,7 @@ from ..models.tokenizer import Tokenizer
 from ..precision import fuse
 from ..precision.gemm import backend_report, reset_resolutions
 from ..tasks import PromptSource, build_task
-from .algos import CorrectionConfig, group_advantages, importance
+from .algos import CorrectionConfig, group_advantages, importance, overlong_penalty
 from .checkpoint import latest_checkpoint, save_checkpoint
 from .loggers import open_loggers
 from .trainer import Batch, NonFiniteError, Trainer, fold_invariant_scale
@@ -144,20 +144,30 @@ def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None, worl
 
 def rollout_samples(job: Job, problems, seed: int, sampling: SamplingParams | None = None,
                     step: int = 0, group_offset: int = 0) -> list[dict]:
+    """Each problem's completions with their rewards. Training rollouts (the job's own sampling)
+    get the task's overlong shaping (``task.overlong_buffer``) added to the reward, as
+    ``overlong_penalty``; evaluation (other sampling) reports the task's reward alone."""
     sp = sampling or job.sampling
     tok = job.tokenizer
+    task_cfg = job.cfg.task
+    buffer = task_cfg.overlong_buffer if sampling is None else 0
     prompt_ids = [tok.encode(p.prompt) for p in problems]
     groups = job.engine.generate(prompt_ids, sp, seed)
     out = []
     for gi, (prob, pids, comps) in enumerate(zip(problems, prompt_ids, groups)):
         for c in comps:
             text = tok.decode(c.tokens)
-            out.append({
+            s = {
                 "step": step, "group": group_offset + gi, "prompt": prob.prompt, "answer": prob.answer,
                 "completion": text, "extracted": job.source.task.extract(text), "prompt_ids": pids, "tokens": c.tokens, "logprobs": c.logprobs,
                 "reward": job.source.task.reward(prob, text), "correct": job.source.task.correct(prob, text),
                 "finish_reason": c.finish_reason,
-            })
+            }
+            if buffer:
+                s["overlong_penalty"] = overlong_penalty(len(c.tokens), sp.max_new_tokens, buffer,
+                                                         task_cfg.overlong_penalty)
+                s["reward"] += s["overlong_penalty"]
+            out.append(s)
     return out
 
 
@@ -409,8 +419,11 @@ def _steps(job: Job, cfg: JobConfig, out: Path, start: int, ckpt: Path | None, l
             "accuracy": sum(s["correct"] for s in samples) / len(samples),
             "answer_found": sum(s["extracted"] is not None for s in samples) / len(samples),
             "response_len": gen_tokens / len(all_samples),
+            "truncated": sum(s["finish_reason"] == "length" for s in samples) / len(samples),
             "groups_trained": len(train_samples) // r.n,
         }
+        if cfg.task.overlong_buffer:
+            m["overlong_penalty"] = sum(s["overlong_penalty"] for s in samples) / len(samples)
         if train_samples:
             try:
                 m.update(train_on_samples(job, train_samples, step))
