@@ -607,6 +607,13 @@ def bench_cmd(
             raise JetrlError("--flows: no flow given")
         for f in s.flows:
             bench._flow(f)  # unknown names fail before anything runs
+    if task_set and ("rollout" not in modes or s.task_preset is None):
+        raise JetrlError("--task-set applies to the rollout mode's task batch (--task-preset; with --model, "
+                         "give --task-preset NAME)")
+    if "rollout" in modes and s.task_preset is not None:
+        from .config import load_job_config
+
+        load_job_config(s.task_preset, list(s.task_overrides))  # a bad name, key or value fails before any row is timed
     shaped = set(modes) & {"gemm", "quantize", "attention"}
     if shapes and not shaped:
         raise JetrlError("--shapes applies to the gemm, quantize and attention modes")

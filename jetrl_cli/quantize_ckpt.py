@@ -34,7 +34,8 @@ import torch
 from .choices import CHECKPOINT_FORMATS
 from .errors import JetrlError
 from .fileio import apply_umask
-from .models.hf import FLOAT_DTYPES, INDEX_FILE, check_model_dir, read_config, read_tensors, safetensors_files
+from .models.hf import (FLOAT_DTYPES, INDEX_FILE, check_model_dir, check_tensor_shape, expected_shapes, read_config,
+                        read_tensors, safetensors_files)
 from .precision import CastSpec, error_stats, quantize
 from .precision.flow import DEFAULT_SKIP, PrecisionFlow
 from .precision.linear import matches_skip
@@ -155,7 +156,7 @@ def quantize_checkpoint(
     if fmt not in FORMATS:
         raise JetrlError(f"unknown format {fmt!r} (allowed: {', '.join(FORMATS)})")
     src = check_model_dir(src)
-    _, raw_cfg = read_config(src)
+    model_cfg, raw_cfg = read_config(src)
     if raw_cfg.get("quantization_config"):
         method = raw_cfg["quantization_config"].get("quant_method")
         raise JetrlError(f"{src}: already quantized (quant_method {method!r}); quantize a BF16/FP32 checkpoint")
@@ -174,6 +175,7 @@ def quantize_checkpoint(
     if dst.resolve() == here or dst.resolve() in here.parents:
         raise JetrlError(f"{dst}: is the current directory or holds it; name a new directory to write")
     spec = FORMATS[fmt]
+    shapes = expected_shapes(model_cfg)  # a weight of another model than config.json's is refused
     result = QuantizeResult(str(src), str(dst), fmt)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -189,6 +191,8 @@ def quantize_checkpoint(
             for name, t in tensors.items():
                 if on_tensor:
                     on_tensor(name)
+                if name in shapes:
+                    check_tensor_shape(src, name, t.shape, shapes[name])
                 if t.dtype not in FLOAT_DTYPES:
                     raise JetrlError(f"{f.name}: tensor {name} has dtype {t.dtype}; expected fp32, bf16 or fp16 (already quantized?)")
                 if not torch.isfinite(t).all():

@@ -4,6 +4,7 @@ samples, checkpoints or a model without `--force`; `--resume` continues a run on
 settings; damaged files and unwritable paths are errors, not tracebacks."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -165,6 +166,9 @@ def test_model_weights_that_do_not_match_config_json_are_named(tmp_path):
     (wide / "config.json").write_text(json.dumps({**cfg, "hidden_size": 2 * cfg["hidden_size"]}))
     with pytest.raises(JetrlError, match=r"wide: tensor \S+ is \(\d+, \d+\), config.json makes it"):
         load_model(wide)
+    msg = one_line_error(invoke("quantize", wide, "-o", tmp_path / "q", "--format", "fp8-block"))
+    assert re.search(r"wide: tensor \S+ is \(\d+(, \d+)?\), config.json makes it", msg), msg
+    assert not (tmp_path / "q").exists() and not list(tmp_path.glob(".q.tmp-*"))
     tied = tmp_path / "tied"
     shutil.copytree(loop.tiny_policy_dir(), tied)
     t = read_tensors(tied / "model.safetensors")
@@ -216,3 +220,20 @@ def test_options_that_would_be_ignored_or_emptied_are_refused(tmp_path):
     msg = one_line_error(invoke("mismatch-report", "bf16", "--prompts", 1, "--model", out))
     ck = out / "checkpoints" / "step_000004"
     assert f"{out}: a jetrl run directory, not a model; its latest checkpoint is {ck}" in msg
+
+
+def test_bench_checks_its_task_batch_settings_before_timing_anything(tmp_path):
+    """``--task-set`` and ``--task-preset`` were read only after the fixed-length rollout rows had
+    been timed (minutes on a GPU); a typo now fails at once, and ``--task-set`` where no task batch
+    is timed is refused instead of ignored."""
+    msg = one_line_error(invoke("bench", "rollout", "--task-set", "rollout.nn=8", "--repeats", 1, "--no-history"))
+    assert "rollout.nn: unknown key" in msg
+    msg = one_line_error(invoke("bench", "rollout", "--task-set", "rollout.n=0", "--no-history"))
+    assert "rollout.n: must be > 0, got 0" in msg
+    msg = one_line_error(invoke("bench", "rollout", "--task-preset", "fp8-unifed", "--no-history"))
+    assert "fp8-unifed" in msg
+    msg = one_line_error(invoke("bench", "gemm", "--task-set", "rollout.n=8", "--no-history"))
+    assert "--task-set applies to the rollout mode's task batch" in msg
+    msg = one_line_error(invoke("bench", "rollout", "--task-preset", "none", "--task-set", "rollout.n=8",
+                                "--no-history"))
+    assert "--task-set applies to the rollout mode's task batch" in msg

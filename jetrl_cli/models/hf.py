@@ -124,6 +124,20 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return _dequantize_state(state, raw.get("quantization_config"))
 
 
+def expected_shapes(cfg) -> dict[str, torch.Size]:
+    """Every parameter's shape under ``config.json`` (the model built on the meta device: no memory)."""
+    from .llama import LlamaForCausalLM
+
+    with torch.device("meta"):
+        return {k: v.shape for k, v in LlamaForCausalLM(cfg).state_dict().items()}
+
+
+def check_tensor_shape(path, name: str, got, want) -> None:
+    if tuple(got) != tuple(want):
+        raise JetrlError(f"{path}: tensor {name} is {tuple(got)}, config.json makes it {tuple(want)} "
+                         "(config.json and the weights are of different models?)")
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     """Build the model from config.json and load its (dequantized) weights."""
     cfg, _ = read_config(path)
@@ -143,8 +157,6 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> LlamaFor
     if unexpected:
         raise JetrlError(f"{path}: checkpoint has {len(unexpected)} unexpected tensor(s), e.g. {unexpected[0]}")
     for k, v in state.items():
-        if v.shape != shapes[k].shape:
-            raise JetrlError(f"{path}: tensor {k} is {tuple(v.shape)}, config.json makes it {tuple(shapes[k].shape)} "
-                             "(config.json and the weights are of different models?)")
+        check_tensor_shape(path, k, v.shape, shapes[k].shape)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
     return model.to(dtype)
