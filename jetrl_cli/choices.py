@@ -8,6 +8,8 @@ names. Plain data, no torch: the CLI reads it at start-up.
 GEMM_BACKENDS = ("auto", "emulated", "scaled_mm", "triton", "invariant", "te")  # precision/gemm.py is the registry
 CORRECTIONS = ("none", "tis", "mis", "acr")  # rl/algos.py
 LR_SCHEDULES = ("constant", "cosine")  # rl/trainer.py learning_rate
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # rl/algos.py advantages (verl's names)
+KL_ESTIMATORS = ("k1", "k2", "k3")  # rl/algos.py kl_penalty
 POLICY_LOSSES = ("ppo", "gspo")  # rl/algos.py policy_loss
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # rl/algos.py (verl's names)
 ROLLOUT_BACKENDS = ("embedded", "vllm")  # rl/loop.py build_engine

@@ -84,9 +84,11 @@ class TrainConfig:
     clip_high: float = 0.28
     policy_loss: str = "ppo"  # ppo (a ratio per token) | gspo (a ratio per sequence; clip at 3e-4 / 4e-4)
     dual_clip: float = 0.0  # > 1: dual-clip PPO, a negative advantage's term bounded at dual_clip * A (0: off)
-    adv_norm: str = "std"  # std (GRPO) | none (Dr. GRPO)
+    adv_estimator: str = "grpo"  # grpo | rloo | reinforce_plus_plus_baseline
+    adv_norm: str = "std"  # grpo: std (GRPO) | none (Dr. GRPO)
     loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm (Dr. GRPO)
     kl_coef: float = 0.0
+    kl_estimator: str = "k3"  # of KL(pi || pi_ref) per token: k1 | k2 | k3 (verl: kl, mse, low_var_kl)
     dynamic_sampling: bool = False
     dynamic_sampling_rounds: int = 3  # extra rollout rounds to refill dropped groups
     ppo_epochs: int = 1
@@ -156,6 +158,8 @@ CHOICES = {
     ("train", "adv_norm"): ("std", "none"),
     ("train", "loss_agg"): choices.LOSS_AGGREGATIONS,
     ("train", "policy_loss"): choices.POLICY_LOSSES,
+    ("train", "adv_estimator"): choices.ADV_ESTIMATORS,
+    ("train", "kl_estimator"): choices.KL_ESTIMATORS,
     ("train", "lr_schedule"): choices.LR_SCHEDULES,
     ("correction", "type"): choices.CORRECTIONS,
     ("correction", "mis_level"): ("token", "sequence"),
@@ -254,6 +258,9 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
         raise PresetError(source, "train.betas", f"expected two numbers in [0, 1), got {t.betas}")
     if t.clip_low >= 1:
         raise PresetError(source, "train.clip_low", f"must be below 1 (the ratio's lower bound is 1 - clip_low), got {t.clip_low}")
+    if t.adv_estimator != "grpo" and "adv_norm" in (data.get("train") or {}):
+        raise PresetError(source, "train.adv_norm", f"applies to adv_estimator grpo only ({t.adv_estimator} "
+                          "normalises its own way)")
     if t.dual_clip and not t.dual_clip > 1:
         raise PresetError(source, "train.dual_clip", f"must be 0 (off) or > 1 (verl uses 3), got {t.dual_clip}")
     if t.policy_loss == "gspo" and c.type == "acr":

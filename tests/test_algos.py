@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from jetrl_cli.rl.algos import (CorrectionConfig, group_advantages, importance, loss_denominator, mismatch_metrics,
-                                policy_loss)
+from jetrl_cli.rl.algos import (CorrectionConfig, advantages, group_advantages, importance, kl_penalty,
+                                loss_denominator, mismatch_metrics, policy_loss)
 
 
 def test_group_advantages_by_hand():
@@ -81,6 +81,54 @@ def test_kl_penalty_by_hand():
              for i in range(2) for t in range(3) if MASK[i, t])
     assert float(loss) == pytest.approx(0.1 * k3 / 5, rel=1e-5)
     assert float(st["kl_ref"]) == pytest.approx(k3 / 5, rel=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_each_kl_estimator_by_hand(estimator):
+    """Each estimator per token against its formula, on fresh random logprobs with padding, and the
+    policy loss's KL term is the chosen one's, averaged over the completion tokens."""
+    by_hand = {"k1": lambda lp, rf: lp - rf, "k2": lambda lp, rf: 0.5 * (lp - rf) ** 2,
+               "k3": lambda lp, rf: math.exp(rf - lp) - (rf - lp) - 1}[estimator]
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for logp, old, _, mask in _random_batches(g):
+        ref = logp + torch.randn(logp.shape, generator=g, dtype=torch.float64) * 0.5
+        ref[~mask] = float("inf")  # padding may hold anything: it must not reach the loss
+        got = kl_penalty(logp, ref, estimator)
+        terms = [by_hand(float(logp[i, t]), float(ref[i, t])) for i, t in mask.nonzero().tolist()]
+        assert got[mask].tolist() == pytest.approx(terms, rel=1e-12, abs=1e-15)
+        imp = importance(old, old, mask, CorrectionConfig(), EPS_H)
+        _, st = policy_loss(logp, old, torch.zeros(len(logp), dtype=torch.float64), mask, imp, EPS_L, EPS_H,
+                            float(mask.sum()), ref, kl_coef=0.1, kl_estimator=estimator)
+        assert float(st["kl_ref"]) == pytest.approx(sum(terms) / len(terms), rel=1e-12)
+    assert float(kl_penalty(torch.zeros(1), torch.zeros(1), estimator)) == 0.0
+    with pytest.raises(ValueError, match=r"unknown KL estimator 'k4' \(allowed: k1, k2, k3\)"):
+        kl_penalty(torch.zeros(1), torch.zeros(1), "k4")
+
+
+def test_each_advantage_estimator_by_hand():
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    rewards = torch.randint(0, 3, (4, 5), generator=g).float() / 2
+    rewards[1] = 1.0  # a flat group
+    lengths = torch.randint(1, 30, (4, 5), generator=g)
+    assert torch.equal(advantages(rewards, lengths, "grpo", "none"), group_advantages(rewards, "none"))
+    rloo = advantages(rewards, lengths, "rloo")
+    for i, j in [(i, j) for i in range(4) for j in range(5)]:
+        others = [float(rewards[i, k]) for k in range(5) if k != j]
+        assert float(rloo[i, j]) == pytest.approx(float(rewards[i, j]) - sum(others) / 4, abs=1e-6)
+    rpp = advantages(rewards, lengths, "reinforce_plus_plus_baseline")
+    tokens = []  # every completion token's group-centred reward, as verl whitens them
+    for i in range(4):
+        mean = float(rewards[i].mean())
+        for j in range(5):
+            tokens += [float(rewards[i, j]) - mean] * int(lengths[i, j])
+    mu = sum(tokens) / len(tokens)
+    sd = math.sqrt(sum((x - mu) ** 2 for x in tokens) / (len(tokens) - 1) + 1e-8)
+    for i in range(4):
+        for j in range(5):
+            want = (float(rewards[i, j]) - float(rewards[i].mean()) - mu) / sd
+            assert float(rpp[i, j]) == pytest.approx(want, rel=1e-5, abs=1e-6)
+    with pytest.raises(ValueError, match=r"unknown advantage estimator 'ppo' \(allowed: grpo, rloo, "):
+        advantages(rewards, lengths, "ppo")
 
 
 def _token_terms(logp, old, adv, mask, weight, upper):
@@ -614,6 +662,8 @@ def test_an_update_trains_at_the_scheduled_learning_rate():
     ("train.loss_agg=seq-sum", r"train.loss_agg: 'seq-sum' is not allowed \(allowed: token-mean, "),
     ("train.policy_loss=grpo", r"train.policy_loss: 'grpo' is not allowed \(allowed: ppo, gspo\)"),
     ("train.dual_clip=0.5", r"train.dual_clip: must be 0 \(off\) or > 1 \(verl uses 3\), got 0.5"),
+    ("train.kl_estimator=k4", r"train.kl_estimator: 'k4' is not allowed \(allowed: k1, k2, k3\)"),
+    ("train.adv_estimator=ppo", r"train.adv_estimator: 'ppo' is not allowed \(allowed: grpo, rloo, "),
 ])
 def test_schedule_and_aggregation_keys_are_checked(override, message):
     from jetrl_cli.config import load_job_config
@@ -639,3 +689,47 @@ def test_overlong_penalty_by_hand():
     assert overlong_penalty(100, 100, 0, 1.0) == 0.0  # buffer 0: off
     assert overlong_penalty(95, 100, 20, 0.4) == pytest.approx(-0.3)
     assert overlong_penalty(100, 100, 100, 2.0) == -2.0 and overlong_penalty(1, 100, 100, 2.0) == -0.02
+
+
+def test_adv_norm_with_another_estimator_is_refused_not_ignored():
+    from jetrl_cli.config import load_job_config
+    from jetrl_cli.errors import PresetError
+
+    with pytest.raises(PresetError, match=r"train.adv_norm: applies to adv_estimator grpo only \(rloo "):
+        load_job_config("bf16", ["train.adv_estimator=rloo", "train.adv_norm=none"])
+    assert load_job_config("bf16", ["train.adv_estimator=rloo"]).train.adv_estimator == "rloo"
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus_baseline"])
+def test_a_run_step_trains_on_the_chosen_advantages(monkeypatch, estimator):
+    """``train.adv_estimator`` reaches the update: the advantages it receives are ``advantages``'
+    for the step's rewards and completion lengths."""
+    from jetrl_cli.config import load_job_config
+    from jetrl_cli.rl import loop
+    from jetrl_cli.rl.trainer import Trainer
+
+    got = []
+    monkeypatch.setattr(Trainer, "update", lambda self, b, adv, *a, **k: got.append((b, adv)) or {})
+    cfg = load_job_config("bf16", ["rollout.prompts_per_step=3", "rollout.n=4", f"train.adv_estimator={estimator}"])
+    job = loop.setup(cfg, with_trainer=True)
+    samples = loop.rollout_samples(job, job.source.batch(1, 3), seed=1, step=1)
+    loop.train_on_samples(job, samples, step=1)
+    b, adv = got[0]
+    rewards = torch.tensor([s["reward"] for s in samples]).reshape(3, 4)
+    lengths = torch.tensor([len(s["tokens"]) for s in samples]).reshape(3, 4)
+    assert torch.equal(adv, advantages(rewards, lengths, estimator).reshape(-1))
+    assert not torch.equal(adv, advantages(rewards, lengths, "grpo").reshape(-1))
+
+
+def test_an_update_penalises_with_the_chosen_kl_estimator():
+    b, adv = _update_batch()
+    ref_noise = 0.3 * torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(3)) * b.mask
+    kl = {}
+    for est in ("k1", "k3"):
+        tr = _trainer(6, kl_coef=0.1, kl_estimator=est)
+        lp = tr.score(b)
+        ref = lp + ref_noise
+        kl[est] = tr.update(b, adv, lp, ref, step=0)["kl_ref"]
+        want = kl_penalty(lp, ref, est)[b.mask].mean()
+        assert kl[est] == pytest.approx(float(want), rel=1e-5)
+    assert kl["k1"] != pytest.approx(kl["k3"], rel=1e-2)

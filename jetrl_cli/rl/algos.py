@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..choices import CORRECTIONS, LOSS_AGGREGATIONS, POLICY_LOSSES  # noqa: E402
+from ..choices import ADV_ESTIMATORS, CORRECTIONS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,47 @@ def group_advantages(rewards: torch.Tensor, norm: str = "std", eps: float = 1e-6
     elif norm != "none":
         raise ValueError(f"unknown advantage normalisation {norm!r}")
     return centred.float()
+
+
+def advantages(rewards: torch.Tensor, lengths: torch.Tensor, estimator: str = "grpo", norm: str = "std",
+               eps: float = 1e-6) -> torch.Tensor:
+    """Each sample's advantage, one per completion, from its group's rewards ``(groups, n)``:
+
+    - ``grpo``: ``group_advantages(rewards, norm)``.
+    - ``rloo`` (RLOO): the reward minus the mean of the group's *other* samples,
+      ``n/(n-1) * (r - mean)``.
+    - ``reinforce_plus_plus_baseline`` (REINFORCE++ with a group baseline, as verl): the reward
+      minus its group's mean, then whitened over the whole batch's completion tokens (mean and
+      unbiased variance with each sample counted once per token, ``lengths`` ``(groups, n)``).
+    """
+    if estimator == "grpo":
+        return group_advantages(rewards, norm, eps)
+    r = rewards.double()
+    centred = r - r.mean(-1, keepdim=True)
+    if estimator == "rloo":
+        n = r.shape[-1]
+        return (centred * n / (n - 1)).float()
+    if estimator == "reinforce_plus_plus_baseline":
+        w = lengths.double()
+        tokens = w.sum()
+        mean = (w * centred).sum() / tokens.clamp_min(1)
+        var = (w * (centred - mean) ** 2).sum() / (tokens - 1).clamp_min(1)
+        return ((centred - mean) * torch.rsqrt(var + 1e-8)).float()
+    raise ValueError(f"unknown advantage estimator {estimator!r} (allowed: {', '.join(ADV_ESTIMATORS)})")
+
+
+def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) on tokens sampled from pi: ``k1 = log(pi/pi_ref)``
+    (unbiased, can be negative; verl's ``kl``), ``k2 = (log(pi/pi_ref))^2 / 2`` (verl's ``mse``),
+    ``k3 = pi_ref/pi - 1 - log(pi_ref/pi)`` (unbiased, never negative; verl's ``low_var_kl``)."""
+    if estimator == "k1":
+        return logp - logp_ref
+    if estimator == "k2":
+        return 0.5 * (logp - logp_ref) ** 2
+    if estimator == "k3":
+        dl = logp_ref - logp
+        return torch.exp(dl) - dl - 1
+    raise ValueError(f"unknown KL estimator {estimator!r} (allowed: {', '.join(KL_ESTIMATORS)})")
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int, factor: float) -> float:
@@ -184,15 +225,16 @@ def loss_denominator(mask: torch.Tensor, agg: str, max_new_tokens: int) -> float
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                 imp: Importance, clip_low: float, clip_high: float, denom: float,
                 logp_ref: torch.Tensor | None = None, kl_coef: float = 0.0,
-                agg: str = "token-mean", mode: str = "ppo", dual_clip: float = 0.0) -> tuple[torch.Tensor, dict]:
+                agg: str = "token-mean", mode: str = "ppo", dual_clip: float = 0.0,
+                kl_estimator: str = "k3") -> tuple[torch.Tensor, dict]:
     """PPO-clip loss (DAPO's clip-higher: separate low/high epsilon) with the ratio of ``mode``
     (``ppo``: per token; ``gspo``: per sequence), summed over tokens and divided by ``denom``
     (``loss_denominator`` of the whole mini-batch under ``agg``; ``seq-mean-token-mean`` divides
     each sequence's sum by its completion tokens first). ``dual_clip`` > 0 bounds the terms of
     negative advantages at ``dual_clip * A``.
 
-    ``adv``: per sequence ``(N,)`` or per token ``(N, T)``. With ``kl_coef`` the k3 estimate of
-    KL(pi || pi_ref) is added per token. The statistics are 0-dim device tensors (no host sync);
+    ``adv``: per sequence ``(N,)`` or per token ``(N, T)``. With ``kl_coef`` the ``kl_estimator``
+    estimate of KL(pi || pi_ref) (``kl_penalty``) is added per token. The statistics are 0-dim device tensors (no host sync);
     the clipped fraction is ``clipped_tokens / loss_tokens``, over as many calls as make a batch."""
     if agg not in LOSS_AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {agg!r} (allowed: {', '.join(LOSS_AGGREGATIONS)})")
@@ -228,8 +270,7 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
         stats["clipped_tokens"] = ((surr != ratio * a) & keep).sum()
         stats["loss_tokens"] = keep.sum()
     if logp_ref is not None and kl_coef > 0:
-        dl = logp_ref - logp
-        kl = (torch.exp(dl) - dl - 1) * m
+        kl = torch.where(m, kl_penalty(logp, logp_ref, kl_estimator), 0.0)
         kl_term = total(kl) / denom
         loss = loss + kl_coef * kl_term
         stats["kl_ref"] = kl_term.detach()

@@ -32,7 +32,7 @@ from ..models.tokenizer import Tokenizer
 from ..precision import fuse
 from ..precision.gemm import backend_report, reset_resolutions
 from ..tasks import PromptSource, build_task
-from .algos import CorrectionConfig, group_advantages, importance, overlong_penalty
+from .algos import CorrectionConfig, advantages, importance, overlong_penalty
 from .checkpoint import latest_checkpoint, save_checkpoint
 from .loggers import open_loggers
 from .trainer import Batch, NonFiniteError, Trainer, fold_invariant_scale
@@ -197,7 +197,8 @@ def train_on_samples(job: Job, samples: list[dict], step: int) -> dict:
     rewards = torch.stack([b.rewards[b.group == g] for g in groups])
     if rewards.shape[1] != n:
         raise JetrlError(f"every group needs {n} samples (rollout.n); got groups of {rewards.shape[1]}")
-    adv_g = group_advantages(rewards, tr.cfg.adv_norm)
+    lengths = torch.stack([b.mask[b.group == g].sum(-1) for g in groups])
+    adv_g = advantages(rewards, lengths, tr.cfg.adv_estimator, tr.cfg.adv_norm)
     adv = torch.empty(len(b))
     for i, g in enumerate(groups):
         adv[b.group == g] = adv_g[i]

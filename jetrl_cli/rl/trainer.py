@@ -312,7 +312,7 @@ class Trainer:
         try:
             lp = token_logprobs(self.model, mb, self.sampling)
             loss, st = policy_loss(lp, o, a, m, imp, cfg.clip_low, cfg.clip_high, denom, rl, cfg.kl_coef,
-                                   cfg.loss_agg, cfg.policy_loss, cfg.dual_clip)
+                                   cfg.loss_agg, cfg.policy_loss, cfg.dual_clip, cfg.kl_estimator)
             loss.backward()
         except _OOM as e:
             raise _oom(e, "a micro-batch of", len(sub), mb.ids.shape[1]) from None
