@@ -111,6 +111,7 @@ class EvalConfig:
     every: int = 10  # steps between evaluations (0: never; the last step always)
     prompts: int = 64
     max_new_tokens: int | None = None  # default: rollout.max_new_tokens
+    n: int = 1  # 1: one greedy answer per prompt; > 1: n sampled at the rollout's temperature/top-p/top-k (mean@n, pass@n)
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ POSITIVE = {
     ("rollout", "max_new_tokens"), ("rollout", "max_len"), ("rollout", "max_batch"), ("train", "lr"),
     ("rollout", "vllm_gpu_memory_utilization"),
     ("train", "micro_batch"), ("train", "ppo_epochs"), ("train", "minibatches"), ("train", "invariant_scale"),
-    ("correction", "tis_cap"), ("correction", "mis_high"), ("eval", "prompts"),
+    ("correction", "tis_cap"), ("correction", "mis_high"), ("eval", "prompts"), ("eval", "n"),
     ("run", "keep_checkpoints"), ("train", "grad_clip"), ("train", "adam_eps"),
 }
 NON_NEGATIVE = {
@@ -282,6 +283,9 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
     if tk.overlong_buffer > r.max_new_tokens:
         raise PresetError(source, "task.overlong_buffer", f"must be at most rollout.max_new_tokens ({r.max_new_tokens}), "
                           f"got {tk.overlong_buffer}")
+    if ev.n > 1 and r.temperature == 0:
+        raise PresetError(source, "eval.n", f"{ev.n} samples per prompt need rollout.temperature > 0 (it is 0: "
+                          "every sample would be the greedy one)")
     if ev.max_new_tokens is not None and ev.max_new_tokens <= 0:
         raise PresetError(source, "eval.max_new_tokens", f"must be > 0, got {ev.max_new_tokens}")
     if not 0 <= t.min_lr_ratio <= 1:

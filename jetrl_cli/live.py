@@ -17,9 +17,10 @@ def _f(v, spec=".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def step_line(m: dict) -> str:
+def step_line(m: dict, eval_n: int = 1) -> str:
+    passed = f"pass@{eval_n} {_f(m['eval_pass_at_n'])}" if "eval_pass_at_n" in m else ""
     if m["step"] == 0:
-        return f"step 0  eval acc {_f(m.get('eval_accuracy'))}"
+        return f"step 0  eval acc {_f(m.get('eval_accuracy'))}" + (f"  {passed}" if passed else "")
     parts = [
         f"step {m['step']}",
         f"reward {_f(m.get('reward_mean'))}",
@@ -29,7 +30,7 @@ def step_line(m: dict) -> str:
         f"rollout {_f(m.get('rollout_s'), '.1f')}s train {_f(m.get('train_s'), '.1f')}s sync {_f(m.get('sync_s'), '.2f')}s",
     ]
     if "eval_accuracy" in m:
-        parts.insert(3, f"eval {_f(m['eval_accuracy'])}")
+        parts.insert(3, f"eval {_f(m['eval_accuracy'])}" + (f" {passed}" if passed else ""))
     return "  ".join(parts)
 
 
@@ -103,7 +104,7 @@ class RunDisplay:
                           f"{answer_format_of(self.cfg.task)!r} can read, so none can be scored correct; make the "
                           "prompt ask for that form, or set task.answer_format "
                           f"({', '.join(ANSWER_FORMATS)})")
-        line = step_line(m)
+        line = step_line(m, self.cfg.eval.n)
         if self.live:
             self.progress.update(self.task, completed=m["step"], info=escape(line.split("  ", 1)[-1]))
         else:
@@ -133,6 +134,9 @@ class RunDisplay:
                 t.add_row("mismatch KL", _f(kls[0], ".2e"), _f(kls[-1], ".2e"))
         if evals:
             t.add_row("eval accuracy", _f(evals[0]["eval_accuracy"]), _f(evals[-1]["eval_accuracy"]))
+            if "eval_pass_at_n" in evals[-1]:
+                t.add_row(f"eval pass@{self.cfg.eval.n}", _f(evals[0].get("eval_pass_at_n")),
+                          _f(evals[-1]["eval_pass_at_n"]))
         if steps:  # step_s excludes the evals, which eval_s times (step 0's too)
             tot = sum(m.get("step_s", 0) for m in steps) + sum(m.get("eval_s", 0) for m in lines)
             split = {k: sum(m.get(k, 0) for m in (lines if k == "eval_s" else steps)) / max(tot, 1e-9)

@@ -240,3 +240,34 @@ def test_overlong_shaping_lowers_the_reward_of_long_completions(tmp_path):
 def test_overlong_buffer_longer_than_the_completions_is_refused():
     with pytest.raises(JetrlError, match=r"task.overlong_buffer: must be at most rollout.max_new_tokens \(40\), got 60"):
         load_job_config("bf16", ["task.overlong_buffer=60"])
+
+
+def test_sampled_eval_reports_mean_and_pass_at_n():
+    """``eval.n: 4``: each eval prompt is sampled 4 times at the rollout's temperature; the eval's
+    accuracy is the mean over all samples and ``eval_pass_at_n`` the share of prompts with a
+    correct one. ``eval.n: 1`` keeps the one greedy answer."""
+    from jetrl_cli.rl.loop import evaluate, setup
+
+    job = setup(load_job_config("bf16", ["eval.n=4", "rollout.temperature=1.5"]), with_trainer=False)
+    ev, samples = evaluate(job, 8)
+    assert len(samples) == 32 and [s["group"] for s in samples] == [i // 4 for i in range(32)]
+    assert len({tuple(s["tokens"]) for s in samples}) > 8  # sampled, not 4 copies of the greedy answer
+    assert ev["eval_accuracy"] == sum(s["correct"] for s in samples) / 32
+    groups = [samples[i:i + 4] for i in range(0, 32, 4)]
+    assert all(len({s["prompt"] for s in g}) == 1 for g in groups)
+    assert ev["eval_pass_at_n"] == sum(any(s["correct"] for s in g) for g in groups) / 8
+    assert ev["eval_pass_at_n"] > ev["eval_accuracy"]  # at temperature 1.5 some prompts are hit and missed
+    greedy, gs = evaluate(setup(load_job_config("bf16"), with_trainer=False), 8)
+    assert len(gs) == 8 and set(greedy) == {"eval_accuracy"}
+    with pytest.raises(JetrlError, match=r"eval.n: 4 samples per prompt need rollout.temperature > 0"):
+        load_job_config("bf16", ["eval.n=4", "rollout.temperature=0"])
+
+
+def test_a_run_with_sampled_eval_shows_and_logs_pass_at_n(tmp_path):
+    out = tmp_path / "run"
+    res = invoke("run", "bf16", "-o", out, *sets(SMALL + ["train.steps=1", "eval.n=3"]))
+    assert res.exit_code == 0, res.output
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= m["eval_accuracy"] <= m["eval_pass_at_n"] <= 1 for m in lines)
+    assert re.search(r"step 1 .* eval [\d.]+ pass@3 [\d.]+", res.output)
+    assert re.search(r"eval pass@3 .* [\d.]+ .* [\d.]+", res.output)

@@ -12,7 +12,8 @@ def test_shipped_policy_has_nonzero_but_imperfect_reward():
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in d.iterdir()}
     assert sum(p.stat().st_size for p in d.iterdir()) < 4 * 2**20
     cfg = build_job_config({"precision": "bf16", "task": {"name": "arith", "digits": 3}}, "t", "t")
-    acc, samples = evaluate(setup(cfg, with_trainer=False), 64)
+    ev, samples = evaluate(setup(cfg, with_trainer=False), 64)
+    acc = ev["eval_accuracy"]
     assert 0.05 < acc < 0.95, acc  # room for RL either way
     assert all(s["completion"] for s in samples)
 

@@ -62,7 +62,9 @@ def _device(cfg: JobConfig) -> torch.device:
     return torch.device(cfg.model.device)
 
 
-def sampling_params(cfg: JobConfig, tok: Tokenizer, greedy: bool = False) -> SamplingParams:
+def sampling_params(cfg: JobConfig, tok: Tokenizer, greedy: bool = False, evaluation: bool = False) -> SamplingParams:
+    """The rollout's sampling (``greedy``: one greedy answer, eval's default; ``evaluation``: eval's
+    ``eval.n`` samples per prompt at the rollout's temperature, top-p and top-k)."""
     stops = list(tok.eos_ids)
     for s in cfg.rollout.stop:
         ids = tok.encode(s)
@@ -72,6 +74,9 @@ def sampling_params(cfg: JobConfig, tok: Tokenizer, greedy: bool = False) -> Sam
     r = cfg.rollout
     if greedy:
         return SamplingParams(cfg.eval.max_new_tokens or r.max_new_tokens, 0.0, 1.0, 0, 1, tuple(stops))
+    if evaluation:  # eval.n > 1: sampled as the rollout samples
+        return SamplingParams(cfg.eval.max_new_tokens or r.max_new_tokens, r.temperature, r.top_p, r.top_k,
+                              cfg.eval.n, tuple(stops))
     return SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.n, tuple(stops))
 
 
@@ -171,10 +176,19 @@ def rollout_samples(job: Job, problems, seed: int, sampling: SamplingParams | No
     return out
 
 
-def evaluate(job: Job, n: int) -> tuple[float, list[dict]]:
+def evaluate(job: Job, n: int) -> tuple[dict, list[dict]]:
+    """The held-out split's metrics on ``n`` prompts: ``eval_accuracy`` (the share of correct
+    answers: greedy, or with ``eval.n`` > 1 the mean over each prompt's samples, mean@n) and with
+    ``eval.n`` > 1 ``eval_pass_at_n`` (the share of prompts with a correct sample)."""
     probs = job.source.eval_set(n)
-    samples = rollout_samples(job, probs, seed=0, sampling=sampling_params(job.cfg, job.tokenizer, greedy=True))
-    return sum(s["correct"] for s in samples) / len(samples), samples
+    k = job.cfg.eval.n
+    sp = sampling_params(job.cfg, job.tokenizer, greedy=k == 1, evaluation=k > 1)
+    samples = rollout_samples(job, probs, seed=0, sampling=sp)
+    out = {"eval_accuracy": sum(s["correct"] for s in samples) / len(samples)}
+    if k > 1:
+        out["eval_pass_at_n"] = sum(any(s["correct"] for s in samples[i:i + k])
+                                    for i in range(0, len(samples), k)) / len(probs)
+    return out, samples
 
 
 def batch_from_samples(samples: list[dict], pad_id: int) -> Batch:
@@ -381,8 +395,8 @@ def _steps(job: Job, cfg: JobConfig, out: Path, start: int, ckpt: Path | None, l
 
     if start == 1:
         t0 = time.perf_counter()
-        acc, samples = evaluate(job, cfg.eval.prompts)
-        emit({"step": 0, "eval_accuracy": acc, "eval_s": time.perf_counter() - t0})
+        ev_metrics, samples = evaluate(job, cfg.eval.prompts)
+        emit({"step": 0, **ev_metrics, "eval_s": time.perf_counter() - t0})
         if on_eval and writer:
             on_eval(samples)
     last_good = ckpt
@@ -444,8 +458,8 @@ def _steps(job: Job, cfg: JobConfig, out: Path, start: int, ckpt: Path | None, l
         m["step_s"] = time.perf_counter() - t_step  # the eval below is timed on its own (eval_s)
         if (cfg.eval.every and step % cfg.eval.every == 0) or step == steps:
             t0 = time.perf_counter()
-            acc, ev = evaluate(job, cfg.eval.prompts)
-            m["eval_accuracy"] = acc
+            ev_metrics, ev = evaluate(job, cfg.eval.prompts)
+            m.update(ev_metrics)
             m["eval_s"] = time.perf_counter() - t0
             if on_eval and writer:
                 on_eval(ev)

@@ -14,7 +14,7 @@ def curves_figure(runs: list[tuple[str, list[dict]]], title: str = ""):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(20, 4))
-    panels = (("reward_mean", "train reward (mean)"), ("eval_accuracy", "eval accuracy (greedy)"),
+    panels = (("reward_mean", "train reward (mean)"), ("eval_accuracy", "eval accuracy"),
               ("mismatch_kl", "mismatch KL(rollout || trainer)"), ("entropy", "policy entropy (nats per token)"))
     for ax, (key, label) in zip(axes, panels):
         for name, lines in runs:
