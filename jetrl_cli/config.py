@@ -88,6 +88,7 @@ class TrainConfig:
     adv_norm: str = "std"  # grpo: std (GRPO) | none (Dr. GRPO)
     loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm (Dr. GRPO)
     kl_coef: float = 0.0
+    entropy_coef: float = 0.0  # entropy bonus: the loss minus entropy_coef x the policy's entropy (0: off)
     kl_estimator: str = "k3"  # of KL(pi || pi_ref) per token: k1 | k2 | k3 (verl: kl, mse, low_var_kl)
     dynamic_sampling: bool = False
     dynamic_sampling_rounds: int = 3  # extra rollout rounds to refill dropped groups
@@ -175,7 +176,7 @@ POSITIVE = {
 }
 NON_NEGATIVE = {
     ("train", "steps"), ("rollout", "temperature"), ("rollout", "top_k"), ("train", "weight_decay"),
-    ("train", "warmup_steps"), ("train", "clip_low"), ("train", "clip_high"), ("train", "kl_coef"),
+    ("train", "warmup_steps"), ("train", "clip_low"), ("train", "clip_high"), ("train", "kl_coef"), ("train", "entropy_coef"),
     ("train", "dynamic_sampling_rounds"), ("correction", "mis_low"), ("task", "overlong_buffer"),
     ("task", "overlong_penalty"), ("eval", "every"),
     ("run", "checkpoint_every"), ("run", "log_samples"), ("run", "seed"),

@@ -733,3 +733,47 @@ def test_an_update_penalises_with_the_chosen_kl_estimator():
         want = kl_penalty(lp, ref, est)[b.mask].mean()
         assert kl[est] == pytest.approx(float(want), rel=1e-5)
     assert kl["k1"] != pytest.approx(kl["k3"], rel=1e-2)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_the_entropy_bonus_by_hand(agg):
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for logp, old, adv, mask in _random_batches(g):
+        ent = torch.rand(logp.shape, generator=g, dtype=torch.float64) * 3
+        ent[~mask] = float("nan")  # off the mask: never read
+        imp = importance(old, old, mask, CorrectionConfig(), EPS_H)
+        denom = loss_denominator(mask, agg, 7)
+        plain, _ = policy_loss(logp, old, adv, mask, imp, EPS_L, EPS_H, denom, agg=agg)
+        loss, st = policy_loss(logp, old, adv, mask, imp, EPS_L, EPS_H, denom, agg=agg, entropy=ent,
+                               entropy_coef=0.01)
+        rows = [[float(ent[i, t]) for t in range(mask.shape[1]) if mask[i, t]] for i in range(mask.shape[0])]
+        want = _aggregated_by_hand(rows, agg, 7)
+        assert float(st["entropy_bonus"]) == pytest.approx(want, rel=1e-12)
+        assert float(loss) == pytest.approx(float(plain) - 0.01 * want, rel=1e-12)
+
+
+def test_an_update_with_an_entropy_bonus_raises_the_entropy_and_splits_into_micro_batches():
+    """``train.entropy_coef`` reaches the update: with zero advantages the loss is the entropy bonus
+    alone, its value the scored entropy's mean, and the update raises the policy's entropy;
+    splitting the mini-batch into micro-batches changes nothing; without it nothing moves."""
+    b, _ = _update_batch()
+    zero = torch.zeros(len(b))
+    runs = []
+    for mb in (6, 1, 4):
+        tr = _trainer(mb, entropy_coef=0.5)
+        old, ent = tr.score(b, entropy=True)
+        st = tr.update(b, zero, old, None, step=0)
+        after = tr.score(b, entropy=True)[1]
+        assert st["entropy_bonus"] == pytest.approx(float(ent[b.mask].mean()), rel=1e-5)
+        assert st["loss"] == pytest.approx(-0.5 * st["entropy_bonus"], rel=1e-5)
+        assert float(after[b.mask].mean()) > float(ent[b.mask].mean())
+        runs.append((st, [p.detach().clone() for p in tr.model.parameters()]))
+    for st, w in runs[1:]:
+        for k in st:
+            assert st[k] == pytest.approx(runs[0][0][k], rel=1e-4, abs=1e-7), k
+        for p, q in zip(w, runs[0][1]):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    tr = _trainer(6)
+    before = [p.detach().clone() for p in tr.model.parameters()]
+    tr.update(b, zero, tr.score(b), None, step=0)
+    assert all(torch.equal(p, q) for p, q in zip(tr.model.parameters(), before))

@@ -190,6 +190,37 @@ def test_entropy_is_the_sampling_distributions_and_leaves_the_logprobs_alone(par
         assert float(ent[0]) == pytest.approx(math.log(v), rel=1e-6)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(top_k=40),
+                                    SamplingParams(temperature=1.3, top_p=0.9)], ids=["plain", "t0.7", "top_k", "top_p"])
+def test_entropy_with_autograd_has_the_same_bits_and_the_float64_gradient(params):
+    """With autograd (the loss's entropy bonus), ``gathered_logprobs_entropy`` gives the bits it
+    gives without, and the gradient w.r.t. the logits of ``g . logprob + g_H . entropy`` is
+    float64 autograd's over the kept tokens (0 at the dropped ones), for fresh random logits and
+    upstream gradients, with a one-hot and a flat row."""
+    n, v = 29, 500
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    logits = torch.randn(n, v, generator=g) * 3
+    logits[0] = 0.0
+    logits[1] = -1e4
+    logits[1, 5] = 1e4
+    targets = torch.multinomial(sampling_logprobs(logits, params).exp(), 1, generator=g)[:, 0]
+    up, up_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    x = logits.clone().requires_grad_()
+    lp, ent = gathered_logprobs_entropy(x, targets, params)
+    plain = gathered_logprobs_entropy(logits, targets, params)
+    assert torch.equal(lp.detach(), plain[0]) and torch.equal(ent.detach(), plain[1])
+    ((lp * up).sum() + (ent * up_ent).sum()).backward()
+    kept = sampling_logprobs(logits, params) > float("-inf")
+    xd = logits.double().requires_grad_()
+    s = (xd / (params.temperature or 1.0)).masked_fill(~kept, float("-inf"))
+    ls = s.log_softmax(-1)
+    ent64 = -(ls.exp() * ls.masked_fill(~kept, 0.0)).sum(-1)
+    ((ls.gather(-1, targets[:, None])[:, 0] * up.double()).sum() + (ent64 * up_ent.double()).sum()).backward()
+    assert torch.isfinite(x.grad).all() and torch.equal(x.grad[~kept], torch.zeros_like(x.grad[~kept]))
+    err = (x.grad.double() - xd.grad).norm() / xd.grad.norm()
+    assert err < 1e-5, float(err)
+
+
 def test_trainer_scores_the_policy_entropy_beside_the_same_logprobs(model):
     """``Trainer.score(entropy=True)``: the logprobs of ``score`` bit for bit, and at each completion
     token the entropy of the training precision's sampling distribution there (0 off the mask),

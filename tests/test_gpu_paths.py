@@ -646,6 +646,62 @@ def test_logprob_backward_over_vocabulary_slices(monkeypatch, native, temperatur
         gemm.reset_resolutions()
 
 
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprob_and_entropy_backward_over_vocabulary_slices(monkeypatch, native, temperature):
+    """The trainer's logprobs stacked with the entropy (the loss's entropy bonus), with autograd:
+    over vocabulary slices, the forward keeps each row's entropy beside its log-normalizer and the
+    backward adds the entropy's term in the same pass. Logprobs and entropies are the row-chunked
+    path's bits (and the logprobs those without the entropy); the gradients of the lm_head's input
+    and weight agree with float64 to the bf16 flow's precision and with the row-chunked backward."""
+    from jetrl_cli.rl import head_grad
+
+    vocab = 1000
+    gemm.set_force_native(native)
+    gemm.reset_resolutions()
+    try:
+        seed = int(torch.randint(0, 2**31, ()))
+        m = _model(seed=seed % 1000, layers=1, vocab=vocab)
+        apply_flow(m, named_flow("bf16"), "train")
+        monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", 16 * vocab)
+        g = gen(seed)
+        sp = SamplingParams(temperature=temperature)
+        h = torch.randn(70, 128, generator=g).requires_grad_()
+        targets = torch.randint(0, vocab, (70,), generator=g)
+        up, up_ent = torch.randn(70, generator=g), torch.randn(70, generator=g)
+
+        def run(sliced: bool):
+            monkeypatch.setattr(trainer_mod, "sliced_backward_applies",
+                                head_grad.sliced_backward_applies if sliced else (lambda *a: False))
+            h.grad, m.lm_head.weight.grad = None, None
+            out = trainer_mod.target_logprobs(m, h, targets, sp, entropy=True)
+            assert out.shape == (2, 70)
+            ((out[0] * up).sum() + (out[1] * up_ent).sum()).backward()
+            return out.detach(), h.grad.clone(), m.lm_head.weight.grad.clone()
+
+        rows, sliced = run(False), run(True)
+        assert torch.equal(rows[0], sliced[0])
+        with torch.no_grad():
+            assert torch.equal(sliced[0][0], trainer_mod.target_logprobs(m, h, targets, sp))
+        hd = h.detach().double().requires_grad_()
+        wd = m.lm_head.weight.detach().double().requires_grad_()
+        ls = torch.log_softmax(hd @ wd.T / temperature, -1)
+        ent = -(ls.exp() * ls).sum(-1)
+        assert float((sliced[0][1].double() - ent.detach()).abs().max()) < 1e-2 * math.log(vocab)  # bf16 logits
+        ((ls.gather(-1, targets[:, None])[:, 0] * up.double()).sum() + (ent * up_ent.double()).sum()).backward()
+
+        def rel(a, b):
+            return float((a.double() - b.double()).norm() / b.double().norm())
+
+        for got, want, ref in ((sliced[1], rows[1], hd.grad), (sliced[2], rows[2], wd.grad)):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert rel(got, ref) < 2**-7, rel(got, ref)
+            assert rel(got, want) < (2**-7 if native else 2**-10), rel(got, want)
+    finally:
+        gemm.set_force_native(False)
+        gemm.reset_resolutions()
+
+
 def test_logprob_backward_writes_the_lm_head_weight_gradient_once(forced_native, monkeypatch):
     """Over vocabulary slices, each slice's lm_head weight gradient is written once into its rows
     of the gradient (no vocab x hidden sum read and written per row chunk: 0.93 GB each at a 152K

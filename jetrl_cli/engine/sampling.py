@@ -58,21 +58,30 @@ def gathered_logprobs(logits: torch.Tensor, targets: torch.Tensor, params: Sampl
 
 
 def gathered_logprobs_lse(logits: torch.Tensor, targets: torch.Tensor, params: SamplingParams,
-                          invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                          invariant: bool = False, entropy: bool = False) -> tuple[torch.Tensor, ...]:
     """``gathered_logprobs`` without autograd (the same bits) and each row's log-normalizer of the
     sampling distribution, ``score[target] - logprob`` (the trainer's vocabulary-sliced backward
-    recomputes the probabilities from it: ``rl.head_grad``)."""
+    recomputes the probabilities from it: ``rl.head_grad``); ``entropy``: and each row's entropy,
+    as ``gathered_logprobs_entropy`` gives it (the same bits)."""
     x = _sampling_scores(logits, params)
-    lp = _at(_log_softmax(x, invariant), targets)
-    return lp, _at(x, targets) - lp
+    ls = _log_softmax(x, invariant)
+    lp = _at(ls, targets)
+    if not entropy:
+        return lp, _at(x, targets) - lp
+    return lp, _at(x, targets) - lp, torch.special.entr(ls.exp_()).sum(-1)
 
 
 def gathered_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, params: SamplingParams,
                               invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gathered_logprobs`` without autograd (the same bits) and each row's entropy (nats) of the
-    sampling distribution, ``-sum_v p_v log p_v`` over the tokens it keeps (temperature, top-k and
-    top-p as sampled; a dropped token has p = 0 and adds 0)."""
-    ls = _log_softmax(_sampling_scores(logits, params), invariant)
+    """``gathered_logprobs`` (the same bits) and each row's entropy (nats) of the sampling
+    distribution, ``-sum_v p_v log p_v`` over the tokens it keeps (temperature, top-k and top-p as
+    sampled; a dropped token has p = 0 and adds 0). With autograd both are differentiable
+    (``_GatheredLogSoftmaxEntropy``: the entropy bonus of the loss); without, the probabilities
+    overwrite the log-probabilities in place."""
+    x = _sampling_scores(logits, params)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _GatheredLogSoftmaxEntropy.apply(x, targets, invariant)
+    ls = _log_softmax(x, invariant)
     lp = _at(ls, targets)  # gathered (a copy) before ls becomes the probabilities in place
     return lp, torch.special.entr(ls.exp_()).sum(-1)
 
@@ -133,6 +142,34 @@ def _gathered_log_softmax_grad(lp: torch.Tensor, targets: torch.Tensor, g: torch
     log-softmax backward has an ``exp`` of its own, so the last bits differ), in one tensor:
     ``exp(lp) * -g``, then ``g`` added at the targets."""
     d = lp.exp().mul_(-g[:, None])
+    return d.scatter_add_(-1, targets[:, None], g[:, None])
+
+
+class _GatheredLogSoftmaxEntropy(torch.autograd.Function):
+    """``(log_softmax(x)[i, targets[i]], entropy(softmax(x))[i])`` (rows x vocab -> two of rows);
+    saves the log-probabilities and the entropies."""
+
+    @staticmethod
+    def forward(ctx, x, targets, invariant):
+        ls = _log_softmax(x, invariant)
+        ent = torch.special.entr(ls.exp()).sum(-1)
+        ctx.save_for_backward(ls, targets, ent)
+        return _at(ls, targets), ent
+
+    @staticmethod
+    def backward(ctx, g, g_ent):
+        ls, targets, ent = ctx.saved_tensors
+        return _logprob_entropy_grad(ls, ls.exp(), targets, g, g_ent, ent), None, None
+
+
+def _logprob_entropy_grad(logp: torch.Tensor, p: torch.Tensor, targets: torch.Tensor, g: torch.Tensor,
+                          g_ent: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
+    """The gradient w.r.t. the scores x of ``g * logp[target] + g_ent * H`` for rows of log-
+    probabilities ``logp`` (their exponentials ``p``), ``H = -sum_v p_v logp_v``:
+    ``g * onehot - p * (g + g_ent * (logp + H))`` (``dH/dx_v = -p_v (logp_v + H)``). A token the
+    sampling dropped (``logp = -inf``, ``p = 0``) gets 0."""
+    logp = torch.where(p > 0, logp, 0.0)
+    d = logp.add_(ent[:, None]).mul_(g_ent[:, None]).add_(g[:, None]).mul_(p).neg_()
     return d.scatter_add_(-1, targets[:, None], g[:, None])
 
 

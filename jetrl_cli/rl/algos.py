@@ -226,7 +226,8 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
                 imp: Importance, clip_low: float, clip_high: float, denom: float,
                 logp_ref: torch.Tensor | None = None, kl_coef: float = 0.0,
                 agg: str = "token-mean", mode: str = "ppo", dual_clip: float = 0.0,
-                kl_estimator: str = "k3") -> tuple[torch.Tensor, dict]:
+                kl_estimator: str = "k3", entropy: torch.Tensor | None = None,
+                entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
     """PPO-clip loss (DAPO's clip-higher: separate low/high epsilon) with the ratio of ``mode``
     (``ppo``: per token; ``gspo``: per sequence), summed over tokens and divided by ``denom``
     (``loss_denominator`` of the whole mini-batch under ``agg``; ``seq-mean-token-mean`` divides
@@ -234,7 +235,9 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
     negative advantages at ``dual_clip * A``.
 
     ``adv``: per sequence ``(N,)`` or per token ``(N, T)``. With ``kl_coef`` the ``kl_estimator``
-    estimate of KL(pi || pi_ref) (``kl_penalty``) is added per token. The statistics are 0-dim device tensors (no host sync);
+    estimate of KL(pi || pi_ref) (``kl_penalty``) is added per token. With ``entropy_coef`` the policy's
+    entropy at each token (``entropy``, differentiable) is subtracted, aggregated the same way
+    (an entropy bonus: the update raises the entropy). The statistics are 0-dim device tensors (no host sync);
     the clipped fraction is ``clipped_tokens / loss_tokens``, over as many calls as make a batch."""
     if agg not in LOSS_AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {agg!r} (allowed: {', '.join(LOSS_AGGREGATIONS)})")
@@ -274,4 +277,8 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
         kl_term = total(kl) / denom
         loss = loss + kl_coef * kl_term
         stats["kl_ref"] = kl_term.detach()
+    if entropy is not None and entropy_coef > 0:
+        ent_term = total(torch.where(m, entropy, 0.0)) / denom
+        loss = loss - entropy_coef * ent_term
+        stats["entropy_bonus"] = ent_term.detach()
     return loss, stats

@@ -46,43 +46,49 @@ def sliced_backward_applies(model, sampling: SamplingParams) -> bool:
 
 
 def head_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams, rows: int,
-                  elements: int) -> torch.Tensor:
+                  elements: int, entropy: bool = False) -> torch.Tensor:
     """``log p(targets[i] | h[i])`` for rows ``h`` (n, hidden) with autograd: the forward ``rows``
-    rows at a time, the backward over vocabulary slices of about ``elements`` logits each."""
-    return _HeadLogprobs.apply(h, model.lm_head.weight, model, targets, sampling, rows, elements)
+    rows at a time, the backward over vocabulary slices of about ``elements`` logits each.
+    ``entropy``: stacked with each row's entropy of the sampling distribution, (2, n), both
+    differentiable (the forward keeps the entropy too, one more float per row)."""
+    return _HeadLogprobs.apply(h, model.lm_head.weight, model, targets, sampling, rows, elements, entropy)
 
 
 class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, model, targets, sampling, rows, elements):
-        parts, lses = [], []
+    def forward(ctx, h, weight, model, targets, sampling, rows, elements, entropy):
+        parts = []
         for s in range(0, h.shape[0], rows):
             logits = model.logits(h[s:s + rows])
-            lp, lse = gathered_logprobs_lse(logits, targets[s:s + rows], sampling, invariant_for(model, logits))
-            parts.append(lp)
-            lses.append(lse)
-        ctx.save_for_backward(h, targets, torch.cat(lses))
+            parts.append(gathered_logprobs_lse(logits, targets[s:s + rows], sampling, invariant_for(model, logits),
+                                               entropy))
+        lp, lse, *ent = (torch.cat(c) for c in zip(*parts))
+        ctx.save_for_backward(h, targets, lse, *ent)
         ctx.model, ctx.sampling, ctx.elements = model, sampling, elements
         ctx.rows = getattr(model, "embed_slot", None)  # a tied embedding adds its rows into our gw
-        return torch.cat(parts)
+        return torch.stack([lp, *ent]) if entropy else lp
 
     @staticmethod
     def backward(ctx, g):
-        h, targets, lse = ctx.saved_tensors
+        h, targets, lse, *ent = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         head = ctx.model.lm_head
         into = grad_sink([head.weight]) if need_w else None  # added into the .grad held: autograd gets none
-        gx, gw = _sliced_grads(head, h, targets, lse, g, ctx.sampling, ctx.elements, need_h, need_w, into)
+        entropy = (ent[0], g[1]) if ent else None
+        gx, gw = _sliced_grads(head, h, targets, lse, g[0] if ent else g, ctx.sampling, ctx.elements, need_h,
+                               need_w, into, entropy)
         release_after_backward(head)
         if ctx.rows is not None:
             ctx.rows.put(head.weight, gw)
-        return gx, None if into is not None else gw, None, None, None, None, None
+        return gx, None if into is not None else gw, None, None, None, None, None, None
 
 
 def _sliced_grads(head: JetLinear, h, targets, lse, g, sampling: SamplingParams, elements: int, need_h: bool,
-                  need_w: bool, into: torch.Tensor | None = None):
-    """``(gx, gw)``: the gradients of ``g . logprobs`` w.r.t. ``h`` and the lm_head weight; the
-    weight's added into ``into`` (its ``.grad``, from ``grad_sink``) when given."""
+                  need_w: bool, into: torch.Tensor | None = None,
+                  entropy: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """``(gx, gw)``: the gradients of ``g . logprobs`` (with ``entropy = (H, g_H)``: plus ``g_H . H``)
+    w.r.t. ``h`` and the lm_head weight; the weight's added into ``into`` (its ``.grad``, from
+    ``grad_sink``) when given."""
     prec = head.precision
     fp, dg, wg = prec.fprop, prec.dgrad, prec.wgrad
     dg_sum = dataclasses.replace(dg, out=Format.FP32)  # slices' products add in fp32, rounded to dg.out once
@@ -102,7 +108,11 @@ def _sliced_grads(head: JetLinear, h, targets, lse, g, sampling: SamplingParams,
     for v0 in range(0, v, step):
         v1 = min(v, v0 + step)
         logits = finish(run_gemm(xa, wf[v0:v1], fp, "fprop", dev), fp.out, h.dtype)
-        d = dense_cast(_vocab_slice_grad(logits, lse, g, targets - v0, temperature, d_dtype), dg.a.format)
+        if entropy is None:
+            d = _vocab_slice_grad(logits, lse, g, targets - v0, temperature, d_dtype)
+        else:
+            d = _vocab_slice_grad_entropy(logits, lse, g, targets - v0, temperature, d_dtype, *entropy)
+        d = dense_cast(d, dg.a.format)
         if need_h:
             gx = accumulate_gemm(gx, d, wt[:, v0:v1], dg_sum, "dgrad", dev, torch.float32)
         if need_w:
@@ -124,6 +134,26 @@ def _vocab_slice_grad(logits: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, 
     if temperature is not None:
         x = x / temperature
     d = (x - lse[:, None]).exp_().mul_(-g[:, None])  # in place: op by op, one temporary of the slice's size
+    width = x.shape[1]
+    inside = (local >= 0) & (local < width)
+    d = d.scatter_add_(-1, local.clamp(0, width - 1)[:, None], torch.where(inside, g, 0.0)[:, None])
+    if temperature is not None:
+        d = d.div_(temperature)
+    return d if d.dtype is dtype else d.to(dtype)
+
+
+@fused
+def _vocab_slice_grad_entropy(logits: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, local: torch.Tensor,
+                              temperature: float | None, dtype: torch.dtype, ent: torch.Tensor,
+                              g_ent: torch.Tensor) -> torch.Tensor:
+    """``_vocab_slice_grad`` of ``g[i] * logprob(targets[i]) + g_ent[i] * H[i]``, ``H`` the rows'
+    entropies: ``g * onehot - p * (g + g_ent * (log p + H))``, over the temperature."""
+    x = logits.float()
+    if temperature is not None:
+        x = x / temperature
+    logp = x - lse[:, None]
+    p = logp.exp()
+    d = logp.add_(ent[:, None]).mul_(g_ent[:, None]).add_(g[:, None]).mul_(p).neg_()
     width = x.shape[1]
     inside = (local >= 0) & (local < width)
     d = d.scatter_add_(-1, local.clamp(0, width - 1)[:, None], torch.where(inside, g, 0.0)[:, None])

@@ -98,7 +98,7 @@ def fold_invariant_scale(model: torch.nn.Module, s: float) -> None:
 
 def _chunk_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams,
                     entropy: bool = False) -> torch.Tensor:
-    """Logprobs of a chunk of rows (``entropy``, no autograd: stacked with the rows' entropies)."""
+    """Logprobs of a chunk of rows (``entropy``: stacked with the rows' entropies, (2, rows))."""
     logits = model.logits(h)
     invariant = invariant_for(model, logits)
     if entropy:
@@ -112,27 +112,22 @@ def _logprob_rows(model) -> int:
     return step // 128 * 128 or step
 
 
-def target_logprobs_entropy(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """``target_logprobs`` without autograd (the same bits) stacked with each row's entropy of the
-    sampling distribution: (2, n)."""
-    step = _logprob_rows(model)
-    return torch.cat([_chunk_logprobs(model, h[s:s + step], targets[s:s + step], sampling, entropy=True)
-                      for s in range(0, h.shape[0], step)], dim=1)
-
-
-def target_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+def target_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams,
+                    entropy: bool = False) -> torch.Tensor:
     """``log p(targets[i] | h[i])`` under the sampling distribution, for rows ``h`` (n, hidden),
-    a chunk of rows at a time. With autograd the logits are recomputed in the backward rather than
-    kept (one extra lm_head forward per update, instead of vocab-sized activations): over vocabulary
-    slices (``head_grad.head_logprobs``) where it applies, else chunk by chunk (a checkpoint each),
-    the chunks' lm_head weight gradients summed in one buffer, handed to autograd once."""
+    a chunk of rows at a time; ``entropy``: stacked with each row's entropy of the sampling
+    distribution, (2, n) (the logprobs the same bits). With autograd the logits are recomputed in
+    the backward rather than kept (one extra lm_head forward per update, instead of vocab-sized
+    activations): over vocabulary slices (``head_grad.head_logprobs``) where it applies, else chunk
+    by chunk (a checkpoint each), the chunks' lm_head weight gradients summed in one buffer, handed
+    to autograd once."""
     n = h.shape[0]
     step = _logprob_rows(model)
     grad = torch.is_grad_enabled() and h.requires_grad
     if n <= step and not grad:
-        return _chunk_logprobs(model, h, targets, sampling)
+        return _chunk_logprobs(model, h, targets, sampling, entropy)
     if grad and sliced_backward_applies(model, sampling):
-        return head_logprobs(model, h, targets, sampling, step, LOGPROB_CHUNK_ELEMENTS)
+        return head_logprobs(model, h, targets, sampling, step, LOGPROB_CHUNK_ELEMENTS, entropy)
     head = getattr(model, "lm_head", None)
     parts = []
     rows = getattr(model, "embed_slot", None)
@@ -142,10 +137,10 @@ def target_logprobs(model, h: torch.Tensor, targets: torch.Tensor, sampling: Sam
             if grad:
                 from torch.utils.checkpoint import checkpoint
 
-                parts.append(checkpoint(_chunk_logprobs, model, hc, tc, sampling, use_reentrant=False))
+                parts.append(checkpoint(_chunk_logprobs, model, hc, tc, sampling, entropy, use_reentrant=False))
             else:
-                parts.append(_chunk_logprobs(model, hc, tc, sampling))
-    return torch.cat(parts)
+                parts.append(_chunk_logprobs(model, hc, tc, sampling, entropy))
+    return torch.cat(parts, dim=-1)
 
 
 def _to(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
@@ -159,15 +154,14 @@ def _to(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
 
 def token_logprobs(model, b: Batch, sampling: SamplingParams, entropy: bool = False) -> torch.Tensor:
     """``b``'s completion tokens' logprobs under ``model`` and the sampling distribution (0 off the
-    mask). ``entropy`` (no autograd): stacked with the sampling distribution's entropy at each of
-    those tokens, (2, sequences, positions)."""
+    mask). ``entropy``: stacked with the sampling distribution's entropy at each of those tokens,
+    (2, sequences, positions); with autograd, both differentiable."""
     dev = next(model.parameters()).device
     ids = _to(b.ids, dev)
     where = tuple(_to(w, dev) for w in b.mask.nonzero(as_tuple=True))  # indices from the host copy of the mask
     targets = ids[:, 1:][where]
-    head = target_logprobs_entropy if entropy else target_logprobs
     # inside forward, so module hooks (FSDP's parameter gathering) cover the lm_head too
-    lp = model(ids, head=lambda m, h: head(m, h[:, :-1][where], targets, sampling))
+    lp = model(ids, head=lambda m, h: target_logprobs(m, h[:, :-1][where], targets, sampling, entropy))
     if entropy:
         out = torch.zeros((2, *b.mask.shape), dtype=lp.dtype, device=dev)
         out[:, where[0], where[1]] = lp
@@ -310,9 +304,11 @@ class Trainer:
         rl = _to(ref_logp[sub, :t1], dev) if ref_logp is not None else None
         imp = importance(o, r, m, self.ccfg, cfg.clip_high, with_metrics=False)
         try:
-            lp = token_logprobs(self.model, mb, self.sampling)
+            lp, ent = token_logprobs(self.model, mb, self.sampling, entropy=True) if cfg.entropy_coef else (
+                token_logprobs(self.model, mb, self.sampling), None)
             loss, st = policy_loss(lp, o, a, m, imp, cfg.clip_low, cfg.clip_high, denom, rl, cfg.kl_coef,
-                                   cfg.loss_agg, cfg.policy_loss, cfg.dual_clip, cfg.kl_estimator)
+                                   agg=cfg.loss_agg, mode=cfg.policy_loss, dual_clip=cfg.dual_clip,
+                                   kl_estimator=cfg.kl_estimator, entropy=ent, entropy_coef=cfg.entropy_coef)
             loss.backward()
         except _OOM as e:
             raise _oom(e, "a micro-batch of", len(sub), mb.ids.shape[1]) from None
