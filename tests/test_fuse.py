@@ -46,25 +46,27 @@ def _model(seed=0):
     return random_model(tiny_config("qwen2", hidden=128, layers=2, vocab=256), seed=seed, std=0.05)
 
 
-def _step(flow_name, seed):
-    """Token logprobs of a batch and the gradients of their sum, in the flow's training precision."""
+def _step(flow_name, seed, entropy=False):
+    """Token logprobs of a batch and the gradients of their sum, in the flow's training precision
+    (``entropy``: the logprobs stacked with the entropies, and the gradients of their sum, the
+    entropy bonus's backward)."""
     m = _model()
     apply_flow(m, reference_flow() if flow_name == "fp32" else named_flow(flow_name), "train")
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, 256, (3, 24), generator=g)
     b = Batch.build(ids[:, :8].tolist(), ids[:, 8:].tolist(), [[0.0] * 16] * 3, [0.0] * 3, [0, 1, 2])
-    lp = token_logprobs(m, b, SamplingParams())
-    lp.sum().backward()
+    lp = token_logprobs(m, b, SamplingParams(), entropy=entropy)
+    (lp.sum() if not entropy else lp[0].sum() + 0.3 * lp[1].sum()).backward()
     return lp.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("flow", ["bf16", "fp8-unified"])
-def test_fused_training_step_is_the_op_by_op_one(native, flow):
+@pytest.mark.parametrize("flow, entropy", [("bf16", False), ("fp8-unified", False), ("bf16", True)])
+def test_fused_training_step_is_the_op_by_op_one(native, flow, entropy):
     seed = torch.seed() % 2**31
-    lp, grads = _step(flow, seed)
+    lp, grads = _step(flow, seed, entropy)
     assert fuse.report() is None  # CPU tensors: op by op unless forced
     fuse.set_force(True, "aot_eager")
-    lp_f, grads_f = _step(flow, seed)
+    lp_f, grads_f = _step(flow, seed, entropy)
     assert fuse.report() == {"fused": fused_in_a_step(flow)}  # every function traced whole, forward and backward
     assert torch.equal(lp, lp_f), f"seed {seed}"
     assert grads.keys() == grads_f.keys() and all(torch.equal(grads[k], grads_f[k]) for k in grads), f"seed {seed}"

@@ -108,10 +108,7 @@ def _sliced_grads(head: JetLinear, h, targets, lse, g, sampling: SamplingParams,
     for v0 in range(0, v, step):
         v1 = min(v, v0 + step)
         logits = finish(run_gemm(xa, wf[v0:v1], fp, "fprop", dev), fp.out, h.dtype)
-        if entropy is None:
-            d = _vocab_slice_grad(logits, lse, g, targets - v0, temperature, d_dtype)
-        else:
-            d = _vocab_slice_grad_entropy(logits, lse, g, targets - v0, temperature, d_dtype, *entropy)
+        d = _vocab_slice_grad(logits, lse, g, targets - v0, temperature, d_dtype, *(entropy or ()))
         d = dense_cast(d, dg.a.format)
         if need_h:
             gx = accumulate_gemm(gx, d, wt[:, v0:v1], dg_sum, "dgrad", dev, torch.float32)
@@ -125,35 +122,22 @@ def _sliced_grads(head: JetLinear, h, targets, lse, g, sampling: SamplingParams,
 
 @fused
 def _vocab_slice_grad(logits: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, local: torch.Tensor,
-                      temperature: float | None, dtype: torch.dtype) -> torch.Tensor:
+                      temperature: float | None, dtype: torch.dtype, ent: torch.Tensor | None = None,
+                      g_ent: torch.Tensor | None = None) -> torch.Tensor:
     """The gradient of ``g[i] * logprob(targets[i])`` w.r.t. one vocabulary slice of the logits
     (rows x slice), in ``dtype``: ``g * (onehot - exp(score - lse))`` with the sampling scores
     ``logits / temperature`` (as ``_sampling_scores`` divides them), over the temperature again.
-    ``local``: each row's target index within the slice (outside it: no one-hot term)."""
+    ``local``: each row's target index within the slice (outside it: no one-hot term). With the
+    rows' entropies ``ent`` and their upstream ``g_ent``, of ``g . logprob + g_ent . H``:
+    ``g * onehot - p * (g + g_ent * (log p + H))`` (``dH/dx_v = -p_v (log p_v + H)``)."""
     x = logits.float()
     if temperature is not None:
         x = x / temperature
-    d = (x - lse[:, None]).exp_().mul_(-g[:, None])  # in place: op by op, one temporary of the slice's size
-    width = x.shape[1]
-    inside = (local >= 0) & (local < width)
-    d = d.scatter_add_(-1, local.clamp(0, width - 1)[:, None], torch.where(inside, g, 0.0)[:, None])
-    if temperature is not None:
-        d = d.div_(temperature)
-    return d if d.dtype is dtype else d.to(dtype)
-
-
-@fused
-def _vocab_slice_grad_entropy(logits: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, local: torch.Tensor,
-                              temperature: float | None, dtype: torch.dtype, ent: torch.Tensor,
-                              g_ent: torch.Tensor) -> torch.Tensor:
-    """``_vocab_slice_grad`` of ``g[i] * logprob(targets[i]) + g_ent[i] * H[i]``, ``H`` the rows'
-    entropies: ``g * onehot - p * (g + g_ent * (log p + H))``, over the temperature."""
-    x = logits.float()
-    if temperature is not None:
-        x = x / temperature
-    logp = x - lse[:, None]
-    p = logp.exp()
-    d = logp.add_(ent[:, None]).mul_(g_ent[:, None]).add_(g[:, None]).mul_(p).neg_()
+    if ent is None:
+        d = (x - lse[:, None]).exp_().mul_(-g[:, None])  # in place: op by op, one temporary of the slice's size
+    else:
+        logp = x - lse[:, None]
+        d = logp.add(ent[:, None]).mul_(g_ent[:, None]).add_(g[:, None]).mul_(logp.exp_()).neg_()
     width = x.shape[1]
     inside = (local >= 0) & (local < width)
     d = d.scatter_add_(-1, local.clamp(0, width - 1)[:, None], torch.where(inside, g, 0.0)[:, None])
