@@ -347,6 +347,18 @@ def _update_batch(seed=1):
     return b, adv
 
 
+def assert_same_updates(first, others):
+    """``(stats, weights)`` of updates of one batch split into other micro-batches: the same
+    statistics and weights as ``first``'s, up to the order of fp32 sums."""
+    st0, w0 = first
+    for st, w in others:
+        assert st.keys() == st0.keys()
+        for k in st:
+            assert st[k] == pytest.approx(st0[k], rel=1e-4, abs=1e-7), k
+        for p, q in zip(w, w0):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+
+
 def test_an_update_with_fused_adamw_refreshes_the_cached_weights(monkeypatch):
     """Fused AdamW (the trainer's on CUDA) writes the weights in place without bumping their
     version; the linear layers' cached GEMM operands are keyed on it, so without a new version the
@@ -411,12 +423,8 @@ def test_each_loss_aggregation_splits_into_micro_batches_as_one_batch(agg):
             want, _ = policy_loss(lp, old, adv, b.mask, imp, EPS_L, EPS_H,
                                   loss_denominator(b.mask, mode, tr.sampling.max_new_tokens), agg=mode)
             assert runs[-1][0]["pg_loss"] == pytest.approx(float(want), rel=1e-5)
-    (st0, w0), others, (tok, _) = runs[0], runs[1:3], runs[3]
-    for st, w in others:
-        for k in st:
-            assert st[k] == pytest.approx(st0[k], rel=1e-4, abs=1e-7), k
-        for p, q in zip(w, w0):
-            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    (st0, _), (tok, _) = runs[0], runs[3]
+    assert_same_updates(runs[0], runs[1:3])
     assert abs(st0["pg_loss"] - tok["pg_loss"]) > 1e-3 * abs(tok["pg_loss"])
 
 
@@ -439,13 +447,9 @@ def test_a_gspo_dual_clip_update_equals_policy_loss_and_splits_into_micro_batche
                                   loss_denominator(b.mask, "seq-mean-token-mean", 0), agg="seq-mean-token-mean",
                                   mode=train["policy_loss"], dual_clip=3.0)
             assert runs[-1][0]["pg_loss"] == pytest.approx(float(want), rel=1e-5)
-    (st0, w0), others, (ppo, _) = runs[0], runs[1:3], runs[3]
+    (st0, _), (ppo, _) = runs[0], runs[3]
     assert 0 < st0["clip_frac"] < 1
-    for st, w in others:
-        for k in st:
-            assert st[k] == pytest.approx(st0[k], rel=1e-4, abs=1e-7), k
-        for p, q in zip(w, w0):
-            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    assert_same_updates(runs[0], runs[1:3])
     assert abs(st0["pg_loss"] - ppo["pg_loss"]) > 1e-3 * abs(ppo["pg_loss"])
 
 
@@ -768,11 +772,7 @@ def test_an_update_with_an_entropy_bonus_raises_the_entropy_and_splits_into_micr
         assert st["loss"] == pytest.approx(-0.5 * st["entropy_bonus"], rel=1e-5)
         assert float(after[b.mask].mean()) > float(ent[b.mask].mean())
         runs.append((st, [p.detach().clone() for p in tr.model.parameters()]))
-    for st, w in runs[1:]:
-        for k in st:
-            assert st[k] == pytest.approx(runs[0][0][k], rel=1e-4, abs=1e-7), k
-        for p, q in zip(w, runs[0][1]):
-            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    assert_same_updates(runs[0], runs[1:])
     tr = _trainer(6)
     before = [p.detach().clone() for p in tr.model.parameters()]
     tr.update(b, zero, tr.score(b), None, step=0)

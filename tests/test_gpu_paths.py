@@ -582,6 +582,23 @@ def test_logprobs_hold_no_vocab_sized_tensor_for_the_backward():
     assert shapes and not [s for s in shapes if vocab in s]  # logits are recomputed in the backward
 
 
+@contextlib.contextmanager
+def _bf16_head_model(native: bool, monkeypatch, vocab: int):
+    """A fresh random 1-layer model in the bf16 flow (``native``: its GPU numerics) whose logprobs
+    take row chunks of 16 and vocabulary slices of 128+, and a generator of the same random seed."""
+    gemm.set_force_native(native)
+    gemm.reset_resolutions()
+    try:
+        seed = int(torch.randint(0, 2**31, ()))
+        m = _model(seed=seed % 1000, layers=1, vocab=vocab)
+        apply_flow(m, named_flow("bf16"), "train")
+        monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", 16 * vocab)
+        yield m, gen(seed)
+    finally:
+        gemm.set_force_native(False)
+        gemm.reset_resolutions()
+
+
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
 def test_logprob_backward_over_vocabulary_slices(monkeypatch, native, temperature):
@@ -595,14 +612,7 @@ def test_logprob_backward_over_vocabulary_slices(monkeypatch, native, temperatur
     from jetrl_cli.rl import head_grad
 
     vocab = 1000
-    gemm.set_force_native(native)
-    gemm.reset_resolutions()
-    try:
-        seed = int(torch.randint(0, 2**31, ()))
-        m = _model(seed=seed % 1000, layers=1, vocab=vocab)
-        apply_flow(m, named_flow("bf16"), "train")
-        monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", 16 * vocab)  # row chunks of 16, slices of 128+
-        g = gen(seed)
+    with _bf16_head_model(native, monkeypatch, vocab) as (m, g):
         sp = SamplingParams(temperature=temperature)
         h = torch.randn(70, 128, generator=g).requires_grad_()
         targets = torch.randint(0, vocab, (70,), generator=g)
@@ -641,9 +651,6 @@ def test_logprob_backward_over_vocabulary_slices(monkeypatch, native, temperatur
         assert head_grad.sliced_backward_applies(m, sp)
         assert not head_grad.sliced_backward_applies(m, SamplingParams(top_p=0.9))
         assert not head_grad.sliced_backward_applies(m, SamplingParams(top_k=5))
-    finally:
-        gemm.set_force_native(False)
-        gemm.reset_resolutions()
 
 
 @pytest.mark.parametrize("native", [False, True])
@@ -657,14 +664,7 @@ def test_logprob_and_entropy_backward_over_vocabulary_slices(monkeypatch, native
     from jetrl_cli.rl import head_grad
 
     vocab = 1000
-    gemm.set_force_native(native)
-    gemm.reset_resolutions()
-    try:
-        seed = int(torch.randint(0, 2**31, ()))
-        m = _model(seed=seed % 1000, layers=1, vocab=vocab)
-        apply_flow(m, named_flow("bf16"), "train")
-        monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", 16 * vocab)
-        g = gen(seed)
+    with _bf16_head_model(native, monkeypatch, vocab) as (m, g):
         sp = SamplingParams(temperature=temperature)
         h = torch.randn(70, 128, generator=g).requires_grad_()
         targets = torch.randint(0, vocab, (70,), generator=g)
@@ -697,9 +697,6 @@ def test_logprob_and_entropy_backward_over_vocabulary_slices(monkeypatch, native
             assert got.dtype == want.dtype and got.shape == want.shape
             assert rel(got, ref) < 2**-7, rel(got, ref)
             assert rel(got, want) < (2**-7 if native else 2**-10), rel(got, want)
-    finally:
-        gemm.set_force_native(False)
-        gemm.reset_resolutions()
 
 
 def test_logprob_backward_writes_the_lm_head_weight_gradient_once(forced_native, monkeypatch):
