@@ -167,14 +167,17 @@ def test_single_process_checkpoint_resumes_on_one_torchrun_rank(tmp_path, refere
 
 UNEVEN = ["train.steps=3", "rollout.prompts_per_step=4", "rollout.n=4", "train.micro_batch=4", "train.minibatches=2",
           "train.kl_coef=0.01", "train.dynamic_sampling=true", "train.loss_agg=seq-mean-token-mean", "eval.prompts=4",
-          "eval.every=0", "run.checkpoint_every=0"]
+          "eval.every=0", "run.checkpoint_every=0", "train.entropy_coef=0.01",
+          "train.adv_estimator=reinforce_plus_plus_baseline"]
 
 
 @pytest.mark.slow
 def test_three_ranks_uneven_shares_match_with_the_fixed_order_reduction(tmp_path):
     """3 ranks: 2/1/1 groups per rank, a mini-batch where one rank has no group (it runs a masked
     micro-batch), a sharded reference model (kl_coef), dynamic sampling, an off-policy flow with
-    TIS, GRPO's per-sequence loss (each rank's sequences over the mini-batch's count). The fixed-order reduction gives the single-process numbers exactly; FSDP's own
+    TIS, GRPO's per-sequence loss (each rank's sequences over the mini-batch's count), an entropy
+    bonus (its gradient through the sharded lm_head) and REINFORCE++'s batch-whitened advantages.
+    The fixed-order reduction gives the single-process numbers exactly; FSDP's own
     reduce-scatter (JETRL_EXACT_REDUCTION=0, the GPU default) only up to rounding."""
     single, exact, native = tmp_path / "single", tmp_path / "exact", tmp_path / "native"
     run(load_job_config("fp8-rollout-tis", UNEVEN), single)
