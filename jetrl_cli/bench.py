@@ -1007,7 +1007,7 @@ def _free(device: str) -> None:
 def bench_train(s: Settings) -> list[dict]:
     """One GRPO update per flow, and the same model and batch as a plain ``transformers`` training
     step (fp32 master weights, bf16 autocast on CUDA, SDPA attention, fused AdamW): the baseline."""
-    from .config import CorrectionSection, TrainConfig
+    from .config import TrainConfig
     from .engine.sampling import SamplingParams
     from .models.shapes import load_bench_model
     from .precision.gemm import backend_report, reset_resolutions
@@ -1022,8 +1022,7 @@ def bench_train(s: Settings) -> list[dict]:
     sp = SamplingParams(max_new_tokens=t - t // 2)
     mb = min(s.micro_batch or n, n)
     tcfg = TrainConfig(lr=1e-6, micro_batch=mb)
-    corr = CorrectionSection()
-    ccfg = CorrectionConfig(corr.type, corr.tis_cap, corr.mis_low, corr.mis_high, corr.mis_level)
+    ccfg = CorrectionConfig()
     rows = []
     common = {"model": label, "batch": n, "micro_batch": mb, "seq": t}
 

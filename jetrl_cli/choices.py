@@ -7,6 +7,7 @@ names. Plain data, no torch: the CLI reads it at start-up.
 
 GEMM_BACKENDS = ("auto", "emulated", "scaled_mm", "triton", "invariant", "te")  # precision/gemm.py is the registry
 CORRECTIONS = ("none", "tis", "mis", "acr")  # rl/algos.py
+TIS_LEVELS = ("token", "sequence", "geometric")  # rl/algos.py _tis_weight (verl's levels)
 LR_SCHEDULES = ("constant", "cosine")  # rl/trainer.py learning_rate
 ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # rl/algos.py advantages (verl's names)
 KL_ESTIMATORS = ("k1", "k2", "k3")  # rl/algos.py kl_penalty

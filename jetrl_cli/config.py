@@ -105,6 +105,7 @@ class CorrectionSection:
     mis_low: float = 0.5
     mis_high: float = 2.0
     mis_level: str = "token"  # token | sequence
+    tis_level: str = "token"  # tis / acr weight: token | sequence (ratio product) | geometric (its geometric mean)
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,7 @@ CHOICES = {
     ("train", "lr_schedule"): choices.LR_SCHEDULES,
     ("correction", "type"): choices.CORRECTIONS,
     ("correction", "mis_level"): ("token", "sequence"),
+    ("correction", "tis_level"): choices.TIS_LEVELS,
 }
 POSITIVE = {
     ("task", "digits"), ("task", "length"), ("rollout", "prompts_per_step"), ("rollout", "n"),
@@ -293,6 +295,8 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
         raise PresetError(source, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
     if r.vllm_gpu_memory_utilization > 1:
         raise PresetError(source, "rollout.vllm_gpu_memory_utilization", f"must be in (0, 1], got {r.vllm_gpu_memory_utilization}")
+    if c.tis_level != "token" and c.type not in ("tis", "acr"):
+        raise PresetError(source, "correction.tis_level", f"applies to correction.type tis or acr (this one is {c.type!r})")
     if c.mis_low >= c.mis_high:
         raise PresetError(source, "correction.mis_low", f"must be below mis_high ({c.mis_low} >= {c.mis_high})")
     run = secs["run"]

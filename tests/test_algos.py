@@ -49,10 +49,13 @@ def r(i, t):
     return math.exp(float(OLD[i, t] - ROLL[i, t])) if MASK[i, t] else 1.0
 
 
-@pytest.mark.parametrize("kind", ["none", "tis", "mis-token", "mis-sequence", "acr"])
+@pytest.mark.parametrize("kind", ["none", "tis", "tis-sequence", "tis-geometric", "mis-token", "mis-sequence", "acr",
+                                  "acr-sequence"])
 def test_each_correction_loss_by_hand(kind):
     ctype, _, level = kind.partition("-")
-    cfg = CorrectionConfig(ctype, tis_cap=1.05, mis_low=0.5, mis_high=1.45, mis_level=level or "token")
+    cfg = CorrectionConfig(ctype, tis_cap=1.05, mis_low=0.5, mis_high=1.45,
+                           mis_level=level if ctype == "mis" else "token",
+                           tis_level=level if ctype != "mis" and level else "token")
     imp = importance(OLD, ROLL, MASK, cfg, EPS_H)
     loss, _ = policy_loss(LOGP, OLD, ADV, MASK, imp, EPS_L, EPS_H, denom=5.0)
     ones = [[1.0] * 3 for _ in range(2)]
@@ -61,6 +64,10 @@ def test_each_correction_loss_by_hand(kind):
     w = ones
     if ctype in ("tis", "acr"):
         w = [[min(r(i, t), 1.05) for t in range(3)] for i in range(2)]
+    if level == "sequence" and ctype != "mis":  # ratio products e^(.1-1+0), e^(0+.8): one under the cap, one over
+        w = [[math.exp(-0.9)] * 3, [1.05] * 3]
+    if level == "geometric":  # e^-.3 and e^.4
+        w = [[math.exp(-0.3)] * 3, [1.05] * 3]
     if ctype == "acr":
         upper = [[(1 + EPS_H) / r(i, t) for t in range(3)] for i in range(2)]
     if kind == "mis-token":
@@ -71,6 +78,34 @@ def test_each_correction_loss_by_hand(kind):
         keep = [[0.5 <= seq[i] <= 1.45] * 3 for i in range(2)]
         assert keep == [[True] * 3, [False] * 3]  # e^-.3 in, e^.4 = 1.49 out
     assert float(loss) == pytest.approx(hand_loss(w, keep, upper), rel=1e-5)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+def test_tis_weights_of_each_level_on_random_batches(level):
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for _, old, _, mask in _random_batches(g):
+        roll = old + torch.randn(old.shape, generator=g, dtype=torch.float64) * 0.3
+        roll[~mask] = float("nan")  # off the mask: never read
+        imp = importance(old, roll, mask, CorrectionConfig("tis", tis_cap=1.3, tis_level=level), EPS_H)
+        for i in range(mask.shape[0]):
+            d = [float(old[i, t] - roll[i, t]) for t in range(mask.shape[1]) if mask[i, t]]
+            for j, t in enumerate(t for t in range(mask.shape[1]) if mask[i, t]):
+                want = {"token": math.exp(d[j]), "sequence": math.exp(sum(d)),
+                        "geometric": math.exp(sum(d) / len(d))}[level]
+                assert float(imp.weight[i, t]) == pytest.approx(min(want, 1.3), rel=1e-12)
+    with pytest.raises(ValueError, match=r"unknown tis_level 'seq' \(allowed: token, sequence, geometric\)"):
+        importance(old, old, mask, CorrectionConfig("tis", tis_level="seq"), EPS_H)
+
+
+def test_tis_level_comes_from_the_preset_and_is_refused_where_it_does_nothing():
+    from jetrl_cli.config import load_job_config
+    from jetrl_cli.errors import PresetError
+    from jetrl_cli.rl.loop import correction_config
+
+    cfg = load_job_config("fp8-rollout-tis", ["correction.tis_level=geometric", "correction.tis_cap=3"])
+    assert correction_config(cfg) == CorrectionConfig("tis", tis_cap=3.0, tis_level="geometric")
+    with pytest.raises(PresetError, match=r"correction.tis_level: applies to correction.type tis or acr \(this one is 'mis'\)"):
+        load_job_config("bf16", ["correction.type=mis", "correction.tis_level=sequence"])
 
 
 def test_kl_penalty_by_hand():

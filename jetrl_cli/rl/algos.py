@@ -11,7 +11,10 @@ implies and the mismatch metrics; the trainer, the run logs and ``mismatch-repor
 Corrections (``CorrectionConfig.type``):
 
 - ``none``: the PPO ratio is ``pi/pi_old``; the rollout policy is ignored.
-- ``tis``  (FlashRL): token weight ``min(exp(logp_old - logp_rollout), tis_cap)``.
+- ``tis``  (FlashRL): token weight ``min(exp(logp_old - logp_rollout), tis_cap)``; with
+  ``tis_level: sequence`` every token of a sequence gets its sequence's weight, the product of its
+  tokens' ratios capped (the unbiased sequence-level estimator), ``geometric`` their geometric mean
+  capped (verl's levels; ``acr``'s TIS weight follows ``tis_level`` too).
 - ``mis``  masked IS: tokens (``mis_level: token``) or whole sequences (``sequence``: geometric
   mean ratio) whose ratio leaves ``[mis_low, mis_high]`` drop out of the loss.
 - ``acr``  (QuRL): TIS weight, and the upper clip bound per token becomes ``(1+eps_high)/r`` with
@@ -47,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..choices import ADV_ESTIMATORS, CORRECTIONS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES  # noqa: E402
+from ..choices import ADV_ESTIMATORS, CORRECTIONS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, TIS_LEVELS  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class CorrectionConfig:
     mis_low: float = 0.5
     mis_high: float = 2.0
     mis_level: str = "token"
+    tis_level: str = "token"
 
 
 @dataclass
@@ -181,28 +185,41 @@ def importance(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.T
     """The correction for these tokens; ``with_metrics=False`` skips the (host-syncing) metrics,
     for the trainer's micro-batches once the step's metrics were taken on the whole batch."""
     m = mask.bool()
-    log_r = ((logp_old - logp_rollout) * m).detach()
+    log_r = torch.where(m, logp_old - logp_rollout, 0.0).detach()  # a padding value (even NaN) is never read
     r = log_r.exp()
     ones = torch.ones_like(r)
     weight, keep, clip_high = ones, m, None
-    if cfg.type == "tis":
-        weight = r.clamp(max=cfg.tis_cap)
+    if cfg.type in ("tis", "acr"):
+        weight = _tis_weight(log_r, r, m, cfg)
     elif cfg.type == "mis":
         if cfg.mis_level == "token":
             keep = m & (r >= cfg.mis_low) & (r <= cfg.mis_high)
         else:
             seq = (log_r.sum(-1) / m.sum(-1).clamp_min(1)).exp()[:, None]
             keep = m & (seq >= cfg.mis_low) & (seq <= cfg.mis_high)
-    elif cfg.type == "acr":
-        weight = r.clamp(max=cfg.tis_cap)
-        clip_high = (1 + eps_high) / r
     elif cfg.type != "none":
         raise ValueError(f"unknown correction {cfg.type!r} (allowed: {', '.join(CORRECTIONS)})")
+    if cfg.type == "acr":
+        clip_high = (1 + eps_high) / r
     metrics = {}
     if with_metrics:
         metrics = mismatch_metrics(logp_old, logp_rollout, m, cfg)
         metrics["frac_masked"] = float(1 - keep.sum() / m.sum().clamp_min(1))
     return Importance(log_r, weight, keep, clip_high, metrics)
+
+
+def _tis_weight(log_r: torch.Tensor, r: torch.Tensor, m: torch.Tensor, cfg: CorrectionConfig) -> torch.Tensor:
+    """TIS's weight of each token: its own ratio (``token``), or its sequence's ratio product
+    (``sequence``) or geometric mean (``geometric``), capped at ``tis_cap``. ``log_r`` is 0 off the
+    mask ``m``, so a sequence's sum runs over its completion tokens."""
+    if cfg.tis_level == "token":
+        return r.clamp(max=cfg.tis_cap)
+    seq = log_r.sum(-1)
+    if cfg.tis_level == "geometric":
+        seq = seq / m.sum(-1).clamp_min(1)
+    elif cfg.tis_level != "sequence":
+        raise ValueError(f"unknown tis_level {cfg.tis_level!r} (allowed: {', '.join(TIS_LEVELS)})")
+    return seq.exp().clamp(max=cfg.tis_cap)[:, None].expand_as(r)
 
 
 def loss_denominator(mask: torch.Tensor, agg: str, max_new_tokens: int) -> float:

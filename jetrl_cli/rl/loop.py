@@ -13,6 +13,7 @@ with FSDP2, the sync gathers full weights, checkpoints go through DCP, rank 0 al
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -81,8 +82,7 @@ def sampling_params(cfg: JobConfig, tok: Tokenizer, greedy: bool = False, evalua
 
 
 def correction_config(cfg: JobConfig) -> CorrectionConfig:
-    c = cfg.correction
-    return CorrectionConfig(c.type, c.tis_cap, c.mis_low, c.mis_high, c.mis_level)
+    return CorrectionConfig(**dataclasses.asdict(cfg.correction))  # the preset's section, field for field
 
 
 def build_engine(cfg: JobConfig, model: torch.nn.Module, model_dir: Path, flow=None, width: int | None = None):
