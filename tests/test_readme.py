@@ -209,3 +209,26 @@ def test_every_readme_command_runs(in_scratch_dir, monkeypatch):
             assert res.returncode == 0, (line, res.stderr)
     assert (in_scratch_dir / "curves.png").exists()
     assert "| `fp8-unified` |" in (in_scratch_dir / "README.md").read_text()
+
+
+def test_every_recipe_in_the_readme_loads_with_its_settings():
+    """The README's recipes table: each row's `KEY=VALUE` settings, added to a preset, load and
+    reach the job's configuration (a renamed key or a refused combination fails here)."""
+    from jetrl_cli.config import load_job_config
+
+    table = README.read_text().split("<!-- recipes -->")[1].split("<!-- /recipes -->")[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| recipe")]
+    assert len(rows) >= 10
+    for row in rows:
+        name, settings = row.split(" | ")[0][2:], row.split(" | ")[1]
+        sets = [x for x in re.findall(r"`([^`\s]+=[^`\s]+)`", settings)]
+        assert sets, name
+        cfg = load_job_config("bf16", sets)
+        for kv in sets:
+            key, value = kv.split("=", 1)
+            if key == "precision":
+                assert cfg.flow.name == value, name
+                continue
+            section, field = key.split(".")
+            got = getattr(getattr(cfg, section), field)
+            assert str(got) == value or got == type(got)(value) or str(got).lower() == value, (name, key, got)
