@@ -18,7 +18,7 @@ from . import choices
 from .errors import PresetError
 from .precision.flow import PrecisionFlow, parse_flow
 
-LOGGERS = ("jsonl", "tensorboard")  # run.loggers; jetrl_cli.rl.loggers writes them
+LOGGERS = ("jsonl", "tensorboard", "wandb")  # run.loggers; jetrl_cli.rl.loggers writes them
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,8 @@ class RunConfig:
     keep_checkpoints: int = 2
     log_samples: int = 2  # completions printed per eval
     save_rollouts: bool = True  # append each step's samples to rollouts.jsonl (for mismatch-report)
-    loggers: list[str] = field(default_factory=lambda: ["jsonl"])  # jsonl | tensorboard (pip install 'jetrl[tensorboard]')
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])  # jsonl | tensorboard | wandb (pip install 'jetrl[tensorboard]' / 'jetrl[wandb]')
+    wandb_project: str = "jetrl"  # run.loggers wandb: the Weights & Biases project
 
 
 @dataclass(frozen=True)

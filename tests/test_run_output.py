@@ -103,7 +103,7 @@ def test_a_first_step_with_no_readable_answer_is_said_at_once(tmp_path):
 
 
 @pytest.mark.parametrize("value, msg", [
-    ("[jsonl, wandb]", "run.loggers: 'wandb' is not a logger (allowed: jsonl, tensorboard)"),
+    ("[jsonl, mlflow]", "run.loggers: 'mlflow' is not a logger (allowed: jsonl, tensorboard, wandb)"),
     ("[tensorboard]", "run.loggers: must include jsonl"),
     ("jsonl", "run.loggers: expected a list"),
 ])
@@ -124,6 +124,58 @@ def test_missing_tensorboard_is_a_one_line_hint(tmp_path, monkeypatch):
         loop.open_loggers(["jsonl", "tensorboard"])
 
 
+def test_missing_wandb_is_a_one_line_hint(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    out = tmp_path / "wb"
+    res = invoke("run", "bf16", "-o", out, *sets(TINY + ["run.loggers=[jsonl, wandb]"]))
+    assert res.exit_code == 2
+    assert res.output.strip() == "error: run.loggers: wandb needs the wandb package: pip install 'jetrl[wandb]'"
+    assert not out.exists()
+
+
+def test_wandb_gets_the_metrics_jsonl_scalars_offline_one_run_per_start(tmp_path, monkeypatch):
+    """``run.loggers: [jsonl, wandb]`` with the real wandb package, offline: each step's numbers
+    (those of its ``metrics.jsonl`` line) go to ``Run.log`` at the line's step, in the project
+    ``run.wandb_project``, with the preset as the run's config; a ``--resume`` is a second wandb run
+    of the same group, from its first step on. wandb's files stay in ``OUT/wandb/``."""
+    wandb = pytest.importorskip("wandb")
+    from jetrl_cli.rl.loggers import scalars
+    from jetrl_cli.rl.loop import ENVIRONMENT_KEYS
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    logged, inits = [], []
+    real_log, real_init = wandb.sdk.wandb_run.Run.log, wandb.init
+
+    def log(self, data, step=None, **kw):
+        logged.append((self.name, step, dict(data)))
+        return real_log(self, data, step=step, **kw)
+
+    def init(**kw):
+        inits.append(kw)
+        return real_init(**kw)
+
+    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log", log)
+    monkeypatch.setattr(wandb, "init", init)
+    out = tmp_path / "wb"
+    cfg = load_job_config("bf16", TINY + ["train.steps=4", "run.checkpoint_every=2", "run.loggers=[jsonl, wandb]",
+                                          "run.wandb_project=jetrl-test"])
+    killed = run(cfg, out, stop_after=3)  # the last checkpoint is step 2's
+    run(cfg, out, resume=True)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(n, st) for n, st, _ in logged] == [("wb", 0), ("wb", 1), ("wb", 2), ("wb", 3), ("wb-from-step-3", 3),
+                                                ("wb-from-step-3", 4)]
+    for (_, st, data), m in zip(logged, killed + lines[3:]):
+        assert data == scalars(m) and m["step"] == st
+    assert {k for k in scalars(lines[3]) if k not in ENVIRONMENT_KEYS} >= {"reward_mean", "mismatch_kl", "grad_norm"}
+    assert [(i["project"], i["group"], i["dir"]) for i in inits] == [("jetrl-test", "wb", str(out))] * 2
+    assert inits[0]["config"]["train"]["steps"] == 4 and inits[0]["config"]["flow"] == "bf16"
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(list(r.glob("run-*.wandb")) for r in runs)
+    assert wandb.run is None  # both finished
+
+
 def _tb_scalars(log_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -139,11 +191,13 @@ def test_tensorboard_gets_the_metrics_jsonl_scalars_and_resume_hides_the_killed_
     from jetrl_cli.rl.loggers import scalars
 
     out = tmp_path / "tb"
-    cfg = load_job_config("bf16", TINY + ["train.steps=3", "run.checkpoint_every=2", "run.loggers=[jsonl, tensorboard]"])
-    run(cfg, out, stop_after=3)  # killed after step 3; the last checkpoint is step 2's
-    run(cfg, out, resume=True)  # step 3 again
+    cfg = load_job_config("bf16", TINY + ["train.steps=4", "run.checkpoint_every=2", "run.loggers=[jsonl, tensorboard]"])
+    killed = run(cfg, out, stop_after=3)  # killed after step 3; the last checkpoint is step 2's
+    assert [m["step"] for m in killed] == [0, 1, 2, 3]
+    run(cfg, out, resume=True)  # step 3 again, then 4
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [0, 1, 2, 3]
+    assert [m["step"] for m in lines] == [0, 1, 2, 3, 4]
+    assert killed[3]["step_s"] != lines[3]["step_s"]  # the killed step 3's events differ from the resumed one's
     got = _tb_scalars(out / "tensorboard")
     want: dict[str, list] = {}
     for m in lines:

@@ -232,7 +232,7 @@ def _drop_flat_groups(samples: list[dict]) -> list[list[dict]]:
 
 # What a resumed run may change (the rest would make it another run than the one it continues).
 RESUMABLE = ("train.steps", "run.checkpoint_every", "run.keep_checkpoints", "run.log_samples", "run.loggers",
-             "run.out_dir")
+             "run.wandb_project", "run.out_dir")
 
 
 def resume_differences(saved: JobConfig, cfg: JobConfig) -> list[str]:
@@ -319,7 +319,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
                          "drop --resume to start a new run")
     if resume:
         _check_resumable(cfg, out)
-    loggers = open_loggers(cfg.run.loggers)  # a missing optional package fails before any work
+    loggers = open_loggers(cfg.run.loggers, cfg.run.wandb_project)  # a missing optional package fails before any work
     if replace:
         _check_replaceable(cfg, out)
     elif not resume and (metrics_file.exists() or (out / "latest").exists()):
@@ -363,7 +363,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
     if writer:
         out.mkdir(parents=True, exist_ok=True)
         (out / "preset.yaml").write_text(yaml.safe_dump(cfg.raw, sort_keys=False))
-        loggers.start(out, start)
+        loggers.start(out, start, {**cfg.raw, "flow": cfg.flow.name})
     try:
         return _steps(job, cfg, out, start, ckpt, lines, loggers, transport, on_step, on_eval, stop_after, world)
     except JetrlError:
