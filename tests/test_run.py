@@ -227,6 +227,7 @@ def test_overlong_shaping_lowers_the_reward_of_long_completions(tmp_path):
         want = -0.5 * min(max(len(s["tokens"]) - 8, 0) / 32, 1.0)
         assert s["overlong_penalty"] == pytest.approx(want, abs=1e-12)
         assert s["reward"] == pytest.approx(p["reward"] + want, abs=1e-12)
+        assert s["task_reward"] == p["reward"]
         penalties.append(want)
     assert len(set(penalties)) > 1 and min(penalties) < 0  # lengths vary: the shaping is graded
     m = shaped[1]
@@ -271,3 +272,15 @@ def test_a_run_with_sampled_eval_shows_and_logs_pass_at_n(tmp_path):
     assert all(0 <= m["eval_accuracy"] <= m["eval_pass_at_n"] <= 1 for m in lines)
     assert re.search(r"step 1 .* eval [\d.]+ pass@3 [\d.]+", res.output)
     assert re.search(r"eval pass@3 .* [\d.]+ .* [\d.]+", res.output)
+
+
+def test_dynamic_sampling_judges_groups_by_the_task_reward_before_overlong_shaping():
+    from jetrl_cli.rl.loop import _drop_flat_groups
+
+    def sample(group, task_reward, penalty):
+        return {"group": group, "task_reward": task_reward, "overlong_penalty": penalty, "reward": task_reward + penalty}
+
+    solved = [sample(0, 1.0, p) for p in (0.0, -0.25, -0.5)]  # all right, lengths differ
+    mixed = [sample(1, r, 0.0) for r in (1.0, 0.0, 0.0)]
+    unshaped = [{"group": 2, "reward": r} for r in (0.5, 0.5, 0.5)]
+    assert _drop_flat_groups(solved + mixed + unshaped) == [mixed]

@@ -169,6 +169,7 @@ def rollout_samples(job: Job, problems, seed: int, sampling: SamplingParams | No
                 "finish_reason": c.finish_reason,
             }
             if buffer:
+                s["task_reward"] = s["reward"]
                 s["overlong_penalty"] = overlong_penalty(len(c.tokens), sp.max_new_tokens, buffer,
                                                          task_cfg.overlong_penalty)
                 s["reward"] += s["overlong_penalty"]
@@ -224,10 +225,14 @@ def train_on_samples(job: Job, samples: list[dict], step: int) -> dict:
 
 
 def _drop_flat_groups(samples: list[dict]) -> list[list[dict]]:
+    """Dynamic sampling (DAPO): the groups whose samples' task rewards are not all equal (one with
+    every answer right or every answer wrong teaches nothing). The task's reward, before overlong
+    shaping: DAPO filters on accuracy, and shaping alone would keep an all-correct group whose
+    lengths differ."""
     by: dict[int, list[dict]] = {}
     for s in samples:
         by.setdefault(s["group"], []).append(s)
-    return [g for g in by.values() if len({x["reward"] for x in g}) > 1]
+    return [g for g in by.values() if len({x.get("task_reward", x["reward"]) for x in g}) > 1]
 
 
 # What a resumed run may change (the rest would make it another run than the one it continues).
