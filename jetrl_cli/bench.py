@@ -880,8 +880,10 @@ def _vllm_rows(s: Settings, model, path, names, prompts, sp, width: int, max_bat
 
 def _rollout_task_rows(s: Settings, model, path, model_label: str, transformers, names) -> list[dict]:
     """An RL-shaped batch: a preset's task prompts, ``rollout.n`` samples each, stopping at EOS.
-    Tokens counted: those generated up to and including the stop token, for both engines."""
+    Tokens counted: those generated up to and including the stop token (or the last token of a
+    stop sequence), for both engines."""
     from .config import load_job_config
+    from .engine.base import first_stop
     from .engine.embedded import EmbeddedEngine
     from .models.tokenizer import Tokenizer
     from .rl.loop import sampling_params
@@ -913,8 +915,8 @@ def _rollout_task_rows(s: Settings, model, path, model_label: str, transformers,
                 out = hf.generate(ids, attention_mask=att, do_sample=True, temperature=sp.temperature, top_k=0,
                                   top_p=1.0, max_new_tokens=new, num_return_sequences=n, pad_token_id=tok.pad_id,
                                   eos_token_id=list(stops))
-            return sum(next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
-                       for row in out[:, longest:].tolist())
+            rows = out[:, longest:].tolist()
+            return sum(len(r) if (e := first_stop(r, sp)) is None else e + 1 for r in rows)  # sequences too
 
         fns["hf"] = run_hf
     engines = {}

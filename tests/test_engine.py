@@ -540,6 +540,51 @@ def test_looking_for_stops_less_often_changes_no_sample(model):
     assert "stop" in reasons and "length" in reasons
 
 
+def test_first_stop_by_hand():
+    from jetrl_cli.engine.base import cut_at_stop, first_stop
+
+    sp = SamplingParams(stop_token_ids=(9,), stop_sequences=((4, 5), (5, 6, 7)))
+    assert first_stop([1, 2, 3], sp) is None
+    assert first_stop([1, 4, 5, 9], sp) == 2  # the sequence ends before the stop token
+    assert first_stop([1, 4, 9, 5], sp) == 2  # the stop token comes first
+    assert first_stop([4, 5], sp) == 1 and first_stop([5, 6, 7, 4, 5], sp) == 2  # the earliest end wins
+    assert first_stop([1, 4, 2, 5, 6, 8], sp) is None  # interrupted sequences do not count
+    c = cut_at_stop([3, 5, 6, 7, 1], [-0.1, -0.2, -0.3, -0.4, -0.5], sp)
+    assert (c.tokens, c.logprobs, c.finish_reason) == ([3, 5, 6, 7], [-0.1, -0.2, -0.3, -0.4], "stop")
+    assert cut_at_stop([1, 2], [-1.0, -2.0], sp, "stop").finish_reason == "stop"  # an engine's own reason kept
+    assert cut_at_stop([1, 2], [-1.0, -2.0], sp).finish_reason == "length"
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_stop_sequences_cut_each_row_where_its_tokens_first_spell_one(model, every):
+    """Multi-token stop sequences: each row stops once its last tokens are one of them (looked for
+    on the device, every step), and what it returns is the unstopped generation cut there (a row's
+    tokens depend on its own key and position only), with every row compacted out of the batch once
+    stopped. The sequences are taken from the unstopped samples, so they occur."""
+    flow = named_flow("bf16")
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    prompts = [torch.randint(1, 512, (int(k),), generator=g).tolist() for k in torch.randint(2, 14, (5,), generator=g)]
+    free = SamplingParams(max_new_tokens=20, temperature=1.0, n=3)
+    eng = EmbeddedEngine(model, flow, WIDTH, max_batch=16)
+    eng.load_weights(make_payload(model, flow))
+    eng.check_every = every
+    unstopped = eng.generate(prompts, free, 5)
+    rows = [c.tokens for gr in unstopped for c in gr]
+    seqs = tuple({tuple(r[2:4]) for r in rows[:11]}) + (tuple(rows[12][6:9]),)  # 11 rows stop by step 4
+    sp = SamplingParams(max_new_tokens=20, temperature=1.0, n=3, stop_sequences=seqs)
+    decoded = []  # rows of each decode step: stopped rows leave the batch, they are not just cut at the end
+    real = eng.model.decode
+    eng.model.decode = lambda nxt, *a, **k: decoded.append(len(nxt)) or real(nxt, *a, **k)
+    got = eng.generate(prompts, sp, 5)
+    assert decoded[-1] < 15 and sum(decoded) < 15 * 19  # without a stop: 15 rows x 19 decode steps
+    from jetrl_cli.engine.base import cut_at_stop
+
+    want = [[cut_at_stop(c.tokens, c.logprobs, sp) for c in gr] for gr in unstopped]
+    assert got == want
+    stopped = [c for gr in got for c in gr if c.finish_reason == "stop"]
+    assert len(stopped) >= 11 and all(any(tuple(c.tokens[-len(q):]) == q for q in seqs) for c in stopped)
+
+
 @pytest.mark.parametrize("flow_name", ["fp8-unified", "bf16"])
 def test_fp8_kv_cache_holds_fp8_and_stays_bitwise_on_policy(model, flow_name):
     """``kv_cache: fp8_e4m3 row`` stores FP8 keys and values with one fp32 scale per token and head

@@ -22,7 +22,31 @@ from .sampling import SamplingParams
 class Completion:
     tokens: list[int]
     logprobs: list[float]  # of each sampled token, under the distribution it was sampled from
-    finish_reason: str  # "stop" (a stop token, included in tokens) or "length"
+    finish_reason: str  # "stop" (a stop token or sequence, included in tokens) or "length"
+
+
+def first_stop(tokens: Sequence[int], params: SamplingParams) -> int | None:
+    """The index of the token that ends ``tokens`` at its first stop: a stop token, or the last
+    token of a stop sequence; None if it has none."""
+    stops = set(params.stop_token_ids)
+    end = next((j for j, t in enumerate(tokens) if t in stops), None)
+    limit = len(tokens) if end is None else end
+    for seq in params.stop_sequences:
+        k = len(seq)
+        hit = next((j for j in range(k - 1, limit) if tuple(tokens[j - k + 1:j + 1]) == seq), None)
+        if hit is not None:
+            end = limit = hit
+    return end
+
+
+def cut_at_stop(tokens: list[int], logprobs: list[float], params: SamplingParams,
+                reason: str = "length") -> Completion:
+    """A completion cut after its first stop (``first_stop``), finish reason "stop"; without one,
+    ``reason`` (an engine's own: decoded to the limit, or stopped by a stop token it knew)."""
+    end = first_stop(tokens, params)
+    if end is None:
+        return Completion(tokens, logprobs, reason)
+    return Completion(tokens[:end + 1], logprobs[:end + 1], "stop")
 
 
 @dataclass

@@ -18,7 +18,7 @@ from ..errors import JetrlError
 from ..models.llama import KVCache, key_width
 from ..precision.gemm import ROW_TILE, native
 from ..precision.linear import JetLinear, apply_flow, weight_operand
-from .base import Completion, WeightPayload, check_prompts
+from .base import Completion, WeightPayload, check_prompts, cut_at_stop
 from .graphs import width_bucket
 from .sampling import SamplingParams, invariant_for, prompt_seeds, sample, sample_keys, sampling_logprobs
 
@@ -48,16 +48,9 @@ def compaction(rows: list[int], live: int, pow2: bool = False) -> list[int] | No
     return keep
 
 
-def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, stops: set[int]) -> list[Completion]:
-    """Each row cut after its first stop token (tokens past it were decoded before the host looked)."""
-    out = []
-    for toks, lps in zip(tokens.tolist(), logprobs.tolist()):
-        end = next((j for j, t in enumerate(toks) if t in stops), None)
-        if end is None:
-            out.append(Completion(toks, lps, "length"))
-        else:
-            out.append(Completion(toks[:end + 1], lps[:end + 1], "stop"))
-    return out
+def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, params: SamplingParams) -> list[Completion]:
+    """Each row cut after its first stop (tokens past it were decoded before the host looked)."""
+    return [cut_at_stop(toks, lps, params) for toks, lps in zip(tokens.tolist(), logprobs.tolist())]
 
 
 class EmbeddedEngine:
@@ -231,6 +224,7 @@ class EmbeddedEngine:
         out_tok = torch.zeros(new, b, dtype=torch.long, device=dev)  # step-major: a step's write is contiguous
         out_lp = torch.zeros(new, b, dtype=torch.float32, device=dev)
         stop_ids = torch.tensor(sorted(set(params.stop_token_ids)) or [-1], device=dev)
+        stop_seqs = [torch.tensor(q, device=dev)[:, None] for q in params.stop_sequences]
         rows = list(range(b))  # original index of each batch row; -1: finished, not yet dropped
         orig = list(range(b))  # original index of each batch row
         rows_t = torch.arange(b, device=dev)
@@ -250,6 +244,9 @@ class EmbeddedEngine:
             out_tok[step].index_copy_(0, rows_t, nxt)
             out_lp[step].index_copy_(0, rows_t, logp_report.gather(-1, nxt[:, None])[:, 0])
             done |= (nxt[:, None] == stop_ids).any(-1)  # not isin: with many stop ids it sorts, and syncs
+            for seq in stop_seqs:  # a row's last len(seq) tokens, from its column of out_tok
+                if step + 1 >= len(seq):
+                    done |= (out_tok[step + 1 - len(seq):step + 1].index_select(1, rows_t) == seq).all(0)
             if step == new - 1:
                 break
             if step % check_every == check_every - 1:
@@ -276,4 +273,4 @@ class EmbeddedEngine:
                 logits = self.graphs.decode(nxt, cache, width_bucket(width, cache.width))
             else:
                 logits = self.model.decode(nxt, cache, width)
-        return _completions(out_tok.t().cpu(), out_lp.t().cpu(), set(params.stop_token_ids))
+        return _completions(out_tok.t().cpu(), out_lp.t().cpu(), params)

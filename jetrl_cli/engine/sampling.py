@@ -31,6 +31,8 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     n: int = 1  # samples per prompt (a GRPO group)
     stop_token_ids: tuple[int, ...] = ()
+    # several tokens each: a row stops once its last tokens are one of them (a multi-token stop string)
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:

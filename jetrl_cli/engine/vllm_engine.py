@@ -32,7 +32,7 @@ import torch
 from ..errors import JetrlError
 from ..precision.formats import Format
 from ..precision.quant import CastSpec
-from .base import Completion, WeightPayload, check_prompts
+from .base import Completion, WeightPayload, check_prompts, cut_at_stop
 from .sampling import SamplingParams, prompt_seeds
 
 from ..choices import VLLM_QUANTIZATIONS as QUANTIZATIONS  # noqa: E402
@@ -161,7 +161,7 @@ class VLLMEngine:
                 lps = [float(step[t].logprob) for step, t in zip(c.logprobs, toks)]
                 if c.finish_reason not in ("stop", "length"):
                     raise JetrlError(f"vLLM finished a sequence with reason {c.finish_reason!r}")
-                comps.append(Completion(toks, lps, c.finish_reason))
+                comps.append(cut_at_stop(toks, lps, params, c.finish_reason))  # jetrl's stop sequences
             groups.append(comps)
         return groups
 

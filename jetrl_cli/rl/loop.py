@@ -66,19 +66,23 @@ def _device(cfg: JobConfig) -> torch.device:
 def sampling_params(cfg: JobConfig, tok: Tokenizer, greedy: bool = False, evaluation: bool = False) -> SamplingParams:
     """The rollout's sampling (``greedy``: one greedy answer, eval's default; ``evaluation``: eval's
     ``eval.n`` samples per prompt at the rollout's temperature, top-p and top-k)."""
-    stops = list(tok.eos_ids)
+    stops, sequences = list(tok.eos_ids), []
     for s in cfg.rollout.stop:
         ids = tok.encode(s)
-        if len(ids) != 1:
-            raise JetrlError(f"rollout.stop: {s!r} is {len(ids)} tokens; each stop string must be one token")
-        stops.append(ids[0])
+        if not ids:
+            raise JetrlError(f"rollout.stop: {s!r} encodes to no token")
+        if len(ids) == 1:
+            stops.append(ids[0])
+        else:  # matched on these token ids: the tokenizer's own spelling of the string
+            sequences.append(tuple(ids))
     r = cfg.rollout
+    common = {"stop_token_ids": tuple(stops), "stop_sequences": tuple(sequences)}
     if greedy:
-        return SamplingParams(cfg.eval.max_new_tokens or r.max_new_tokens, 0.0, 1.0, 0, 1, tuple(stops))
+        return SamplingParams(cfg.eval.max_new_tokens or r.max_new_tokens, 0.0, 1.0, 0, 1, **common)
     if evaluation:  # eval.n > 1: sampled as the rollout samples
         return SamplingParams(cfg.eval.max_new_tokens or r.max_new_tokens, r.temperature, r.top_p, r.top_k,
-                              cfg.eval.n, tuple(stops))
-    return SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.n, tuple(stops))
+                              cfg.eval.n, **common)
+    return SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.n, **common)
 
 
 def correction_config(cfg: JobConfig) -> CorrectionConfig:

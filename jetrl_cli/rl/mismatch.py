@@ -414,7 +414,7 @@ def flow_report(label: str, flow: PrecisionFlow, inp: ReportInputs, lengths: lis
     last = None
     for L in lengths:
         progress(f"{label}: sampling {len(inp.prompts)} x {inp.sampling.n} completions of {L} tokens")
-        sp = dataclasses.replace(inp.sampling, max_new_tokens=L, stop_token_ids=())
+        sp = dataclasses.replace(inp.sampling, max_new_tokens=L, stop_token_ids=(), stop_sequences=())
         groups = engine.generate(inp.prompts, sp, inp.seed)
         b, _ = _batch(inp.prompts, groups)
         progress(f"{label}: scoring {L}-token completions (training precision, fp32)")
