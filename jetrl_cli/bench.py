@@ -1083,12 +1083,16 @@ class PhasePeaks:
     ``peak_memory_bytes``, the highest of the training phases, and ``peak_memory_by_phase``; the
     same for the memory the caching allocator reserved from the device (``peak_reserved_bytes``,
     ``peak_reserved_by_phase``: above the allocated peak by its rounding and fragmentation).
+    Allocated peaks are the row's own: less what the device held when the row began
+    (``memory_at_start_bytes``; anything but 0 is left over from an earlier row, and
+    ``left_over`` then says how much of it Python objects still reach, see ``live_cuda_tensors``).
     Nothing on CPU."""
 
     def __init__(self, cuda: bool):
         self.cuda, self.by_phase, self.reserved = cuda, {}, {}
         # what the row starts with (after ``_free``): anything but 0 is left over from an earlier row
         self.start = torch.cuda.memory_allocated() if cuda else None
+        self.left_over = live_cuda_tensors() if cuda and self.start > LEFT_OVER_REPORTED else None
 
     def __call__(self, phase: str, fn):
         if self.cuda:
@@ -1097,7 +1101,8 @@ class PhasePeaks:
         out = fn()
         if self.cuda:
             torch.cuda.synchronize()
-            self.by_phase[phase] = max(self.by_phase.get(phase, 0), torch.cuda.max_memory_allocated())
+            own = torch.cuda.max_memory_allocated() - self.start
+            self.by_phase[phase] = max(self.by_phase.get(phase, 0), own)
             self.reserved[phase] = max(self.reserved.get(phase, 0), torch.cuda.max_memory_reserved())
         return out
 
@@ -1108,7 +1113,31 @@ class PhasePeaks:
         return {"peak_memory_bytes": max(self.by_phase[k] for k in train),
                 "peak_memory_by_phase": dict(self.by_phase),
                 "peak_reserved_bytes": max(self.reserved[k] for k in train),
-                "peak_reserved_by_phase": dict(self.reserved), "memory_at_start_bytes": self.start}
+                "peak_reserved_by_phase": dict(self.reserved), "memory_at_start_bytes": self.start,
+                **({"left_over": self.left_over} if self.left_over else {})}
+
+
+LEFT_OVER_REPORTED = 2**20  # bytes held when a row begins beyond which the bench looks for their owners
+
+
+def live_cuda_tensors(largest: int = 5) -> dict:
+    """The CUDA tensors Python objects still reach (each storage once): their bytes and the largest
+    (bytes, shape, dtype). Memory the device holds beyond them is owned where Python does not look
+    (autograd graphs, C++ caches, a profiler's or an allocator's records)."""
+    import gc
+
+    seen: dict[int, tuple[int, tuple, str]] = {}
+    for obj in gc.get_objects():
+        try:
+            if not (isinstance(obj, torch.Tensor) and obj.is_cuda):
+                continue
+            st = obj.untyped_storage()
+            seen.setdefault(st.data_ptr(), (st.nbytes(), tuple(obj.shape), str(obj.dtype).removeprefix("torch.")))
+        except Exception:  # noqa: BLE001 - fake, meta or freed-storage tensors: not device memory here
+            continue
+    top = sorted(seen.values(), key=lambda x: -x[0])[:largest]
+    return {"python_visible_bytes": sum(v[0] for v in seen.values()), "tensors": len(seen),
+            "largest": [{"bytes": b, "shape": list(sh), "dtype": dt} for b, sh, dt in top]}
 
 
 def _scored(tr, batch):
@@ -1140,8 +1169,13 @@ def peak_lines(row: dict) -> list[str]:
         held = row.get("memory_at_start_bytes")
         each = (f"{k} {v / g:.1f} / {reserved[k] / g:.1f}" if k in reserved else f"{k} {v / g:.1f}"
                 for k, v in phases.items())
-        out.append(f"{row['flow']}: peak GiB by phase (allocated / reserved): " + ", ".join(each)
-                   + (f"; {held / g:.2f} GiB held before the row began" if held else ""))
+        out.append(f"{row['flow']}: peak GiB by phase (allocated above the row's start / reserved): "
+                   + ", ".join(each) + (f"; {held / g:.2f} GiB held before the row began" if held else ""))
+    lo = row.get("left_over")
+    if lo:
+        big = ", ".join(f"{x['dtype']}{x['shape']} {x['bytes'] / g:.2f}" for x in lo["largest"][:3])
+        out.append(f"{row['flow']}: of what the row began with, {lo['python_visible_bytes'] / g:.2f} GiB in "
+                   f"{lo['tensors']} tensors Python reaches" + (f" (largest GiB: {big})" if big else ""))
     if row.get("peak_sites"):
         out.append(f"{row['flow']}: live at the recorded step's peak ({row['recorded_peak_bytes'] / g:.1f} GiB, "
                    f"{row['memory_profile']}): " + "; ".join(f"{x['bytes'] / g:.2f} GiB {x['site']}"

@@ -98,11 +98,15 @@ def test_bench_prints_the_peaks_by_phase_and_the_recorded_sites():
     row = {"flow": "fp8-unified", "peak_memory_by_phase": {"setup": 20 * g, "updates": 33 * g, "profile": 66 * g},
            "peak_reserved_by_phase": {"setup": 21 * g, "updates": 40 * g, "profile": 70 * g},
            "memory_at_start_bytes": g // 4,
+           "left_over": {"python_visible_bytes": g // 8, "tensors": 2,
+                         "largest": [{"bytes": g // 8, "shape": [1024, 65536], "dtype": "bfloat16"}]},
            "peak_sites": [{"site": NAMES[0], "bytes": g // 2, "count": 3}], "recorded_peak_bytes": 33 * g,
            "memory_profile": "p/train-fp8-unified-memory.txt"}
     assert peak_lines(row) == [
-        "fp8-unified: peak GiB by phase (allocated / reserved): setup 20.0 / 21.0, updates 33.0 / 40.0, "
-        "profile 66.0 / 70.0; 0.25 GiB held before the row began",
+        "fp8-unified: peak GiB by phase (allocated above the row's start / reserved): setup 20.0 / 21.0, "
+        "updates 33.0 / 40.0, profile 66.0 / 70.0; 0.25 GiB held before the row began",
+        "fp8-unified: of what the row began with, 0.12 GiB in 2 tensors Python reaches "
+        "(largest GiB: bfloat16[1024, 65536] 0.12)",
         "fp8-unified: live at the recorded step's peak (33.0 GiB, p/train-fp8-unified-memory.txt): "
         "0.50 GiB jetrl_cli/precision/linear.py:300 _fprop"]
     assert peak_lines({"flow": "bf16"}) == []
@@ -178,3 +182,24 @@ def test_record_peak_records_one_call_and_turns_the_history_off(monkeypatch):
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", no_snapshot)
     with pytest.raises(cuda_memory.HistoryUnavailable, match="no snapshot of the allocator's history: snapshot failed"):
         cuda_memory.record_peak(lambda: None)
+
+
+@pytest.mark.gpu
+def test_a_bench_rows_peaks_are_its_own_and_what_it_began_with_is_traced():
+    """A row's allocated peaks leave out what the device held when it began (an earlier row's
+    left-overs on the first H200 run: 39 GiB after the transformers row), and the tensors Python
+    still reaches among those are listed."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from jetrl_cli.bench import PhasePeaks
+
+    keep = torch.empty(3 << 20, device="cuda")  # 12 MiB held before the row (more than LEFT_OVER_REPORTED)
+    peaks = PhasePeaks(True)
+    peaks("setup", lambda: torch.ones(5 << 20, device="cuda").sum())  # 20 MiB at its peak
+    row = peaks.row()
+    assert row["memory_at_start_bytes"] >= keep.untyped_storage().nbytes()
+    assert 20 << 20 <= row["peak_memory_bytes"] < (20 << 20) + (2 << 20), row  # reductions' scratch aside
+    lo = row["left_over"]
+    assert lo["python_visible_bytes"] >= 12 << 20
+    assert {"bytes": 12 << 20, "shape": [3 << 20], "dtype": "float32"} in lo["largest"]
+    del keep

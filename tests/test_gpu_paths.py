@@ -1802,6 +1802,7 @@ def test_the_fused_swiglu_backward_from_fp8_is_one_kernel_without_a_whole_fp32_g
     one, then cast it to bf16): its largest allocation is the size of one fp32 half."""
     from torch._inductor.utils import run_and_get_code
 
+    from jetrl_cli.precision import fuse
     from jetrl_cli.precision.linear import _swiglu_grad_fp8, _swiglu_math_fp8
 
     rows, inter = 64, 256
@@ -1810,7 +1811,7 @@ def test_the_fused_swiglu_backward_from_fp8_is_one_kernel_without_a_whole_fp32_g
     torch._dynamo.reset()
     for fn, args in ((_swiglu_grad_fp8, (q.data, q.scale, 128, gy, torch.bfloat16)),
                      (_swiglu_math_fp8, (q.data, q.scale, 128, torch.bfloat16, torch.float32))):
-        compiled = torch.compile(fn.__wrapped__, dynamic=True, fullgraph=True)
+        compiled = torch.compile(fn.__wrapped__, **fuse.COMPILE_OPTIONS)
         _, (code, *_) = run_and_get_code(compiled, *args)
         call = code[code.index("def call("):]
         kernels = [ln for ln in call.splitlines() if "cpp_fused" in ln and "(" in ln]
