@@ -784,7 +784,8 @@ def engine_details(eng, model, flow, prompts, sp, s: Settings) -> dict:
     """What a rollout costs besides its tokens/s: time to first token (a generate() of one token),
     the weight sync (the trainer's payload, quantized for a quantized sync, loaded into the engine),
     the KV cache's bytes per token, the engine's weight bytes, its CUDA graphs, and on a GPU the
-    peak memory of one rollout."""
+    peak memory of one rollout beyond what was allocated when it began (its KV cache, activations
+    and graph pools; the weights are ``weight_bytes``)."""
     from dataclasses import replace
 
     from .engine.base import make_payload
@@ -812,11 +813,13 @@ def engine_details(eng, model, flow, prompts, sp, s: Settings) -> dict:
     fused = fuse_report()
     if fused is not None:
         out["fused"] = fused
-    if s.device == "cuda":
-        torch.cuda.synchronize()
+    if s.device == "cuda":  # the rollout's own: above what the process held before it (every engine's
+        torch.cuda.synchronize()  # weights, in a bench of several: an H200 run showed one peak for all three)
         torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
         eng.generate(prompts, sp, seed=0)
-        out["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+        out["peak_memory_bytes"] = torch.cuda.max_memory_allocated() - start
+        out["memory_at_start_bytes"] = start
     return out
 
 
@@ -970,7 +973,12 @@ def _train_flows(names) -> list[tuple[str, object]]:
 
 
 def _saved_bytes(fn) -> tuple[int, object]:
-    """Bytes of the tensors autograd saves for backward while ``fn`` runs (each storage once)."""
+    """Bytes of the tensors autograd saves for backward while ``fn`` runs (each storage once).
+
+    The pack hook keeps a detached view (the same storage): returning the tensor itself, a saved
+    *output* would hold its own ``grad_fn`` through the hook's object, a cycle through C++ that
+    Python's collector cannot see. It kept each row's whole last forward graph (and, through it,
+    the model's weights) alive after the row: 39 GiB after the transformers row on an H200."""
     seen: dict[int, int] = {}
 
     def pack(t):
@@ -979,7 +987,7 @@ def _saved_bytes(fn) -> tuple[int, object]:
         with contextlib.suppress(Exception):
             st = t.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
-        return t
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
@@ -1085,7 +1093,7 @@ class PhasePeaks:
     ``peak_reserved_by_phase``: above the allocated peak by its rounding and fragmentation).
     Allocated peaks are the row's own: less what the device held when the row began
     (``memory_at_start_bytes``; anything but 0 is left over from an earlier row, and
-    ``left_over`` then says how much of it Python objects still reach, see ``live_cuda_tensors``).
+    ``left_over`` then lists the tensors among it that have a Python object, ``live_cuda_tensors``).
     Nothing on CPU."""
 
     def __init__(self, cuda: bool):
@@ -1121,20 +1129,26 @@ LEFT_OVER_REPORTED = 2**20  # bytes held when a row begins beyond which the benc
 
 
 def live_cuda_tensors(largest: int = 5) -> dict:
-    """The CUDA tensors Python objects still reach (each storage once): their bytes and the largest
-    (bytes, shape, dtype). Memory the device holds beyond them is owned where Python does not look
-    (autograd graphs, C++ caches, a profiler's or an allocator's records)."""
+    """The CUDA tensors that have a Python object (each storage once): their bytes and the largest
+    (bytes, shape, dtype). Who holds them is another question: a tensor that only C++ holds (a
+    saved tensor of an autograd graph) keeps its Python object too. Memory beyond them is the
+    allocator's or a library's own."""
     import gc
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensor
 
     seen: dict[int, tuple[int, tuple, str]] = {}
-    for obj in gc.get_objects():
-        try:
-            if not (isinstance(obj, torch.Tensor) and obj.is_cuda):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance on deprecated objects of other libraries warns
+        for obj in gc.get_objects():
+            try:
+                if not isinstance(obj, torch.Tensor) or isinstance(obj, FakeTensor) or not obj.is_cuda:
+                    continue
+                st = obj.untyped_storage()
+                seen.setdefault(st.data_ptr(), (st.nbytes(), tuple(obj.shape), str(obj.dtype).removeprefix("torch.")))
+            except Exception:  # noqa: BLE001 - meta or freed-storage tensors: not device memory here
                 continue
-            st = obj.untyped_storage()
-            seen.setdefault(st.data_ptr(), (st.nbytes(), tuple(obj.shape), str(obj.dtype).removeprefix("torch.")))
-        except Exception:  # noqa: BLE001 - fake, meta or freed-storage tensors: not device memory here
-            continue
     top = sorted(seen.values(), key=lambda x: -x[0])[:largest]
     return {"python_visible_bytes": sum(v[0] for v in seen.values()), "tensors": len(seen),
             "largest": [{"bytes": b, "shape": list(sh), "dtype": dt} for b, sh, dt in top]}
@@ -1175,7 +1189,7 @@ def peak_lines(row: dict) -> list[str]:
     if lo:
         big = ", ".join(f"{x['dtype']}{x['shape']} {x['bytes'] / g:.2f}" for x in lo["largest"][:3])
         out.append(f"{row['flow']}: of what the row began with, {lo['python_visible_bytes'] / g:.2f} GiB in "
-                   f"{lo['tensors']} tensors Python reaches" + (f" (largest GiB: {big})" if big else ""))
+                   f"{lo['tensors']} tensors with a Python object" + (f" (largest GiB: {big})" if big else ""))
     if row.get("peak_sites"):
         out.append(f"{row['flow']}: live at the recorded step's peak ({row['recorded_peak_bytes'] / g:.1f} GiB, "
                    f"{row['memory_profile']}): " + "; ".join(f"{x['bytes'] / g:.2f} GiB {x['site']}"
@@ -1536,7 +1550,7 @@ def render(res: dict, console) -> None:
                      if wl == "fixed" else f"rollout: {x0['model']}, {wl}")
             t = Table(title=escape(title), title_justify="left")
             for c in ("engine", "flow", "s", "spread", "tokens/s", "vs generate()", "vs bf16", "TTFT ms", "sync s",
-                      "KV B/token", "weights MiB", "peak MiB", "CUDA graphs"):
+                      "KV B/token", "weights MiB", "run peak MiB", "CUDA graphs"):
                 t.add_column(c, justify="left" if c in ("engine", "flow", "CUDA graphs") else "right",
                              no_wrap=c in ("engine", "flow"))
             for x in xs:

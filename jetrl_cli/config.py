@@ -58,7 +58,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    stop: list[str] = field(default_factory=list)  # extra stop tokens (each must be one token)
+    stop: list[str] = field(default_factory=list)  # extra stop strings (one token, or a token sequence)
     max_len: int = 128  # engine width: the longest prompt + completion
     max_batch: int = 256  # sequences decoded together
     cuda_graphs: bool = True  # embedded engine on a GPU: replay decode steps as CUDA graphs

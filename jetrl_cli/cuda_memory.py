@@ -11,9 +11,10 @@ on their stack (``jetrl_cli/...`` or ``kernels/...``; ``torch`` for an allocatio
 such as autograd's own buffers).
 
 Memory allocated before the call (weights, gradients, optimizer state, caches) is not in the history:
-it is reported as one amount, ``held_before_bytes``. Sizes are the allocator's blocks (requests
-rounded up to 512 bytes), as ``max_memory_allocated`` counts them. Recording costs host time (a
-stack per allocation): time a step without it.
+it is reported as one amount, ``held_before_bytes``. Sizes are the allocator's blocks, as
+``max_memory_allocated`` counts them: the trace records each request's own size (4 bytes for a
+scalar, on an H200 with torch 2.11), so the replay rounds it up to 512 bytes as the allocator does.
+Recording costs host time (a stack per allocation): time a step without it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 from collections.abc import Callable, Iterable
 
 TOP_SITES = 25  # sites listed at the peak
+BLOCK = 512  # the caching allocator's smallest block and rounding (c10's kMinBlockSize)
 _OURS = (os.sep + "jetrl_cli" + os.sep, os.sep + "kernels" + os.sep)
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,12 +51,12 @@ def peak_composition(events: list[dict], held_before: int = 0, top: int = TOP_SI
     for i, e in enumerate(events):
         act = e.get("action")
         if act == "alloc":
-            sizes[e["addr"]] = e["size"]
-            live += e["size"]
+            sizes[e["addr"]] = _block(e["size"])
+            live += sizes[e["addr"]]
             if live > peak:
                 peak, at = live, i
         elif act == "free_completed":
-            live -= sizes.pop(e["addr"], e["size"])
+            live -= sizes.pop(e["addr"], _block(e["size"]))
     held = held_before
     alive: dict[int, dict] = {}
     for e in events[:at + 1]:  # the live set at the peak, with its stacks
@@ -63,16 +65,21 @@ def peak_composition(events: list[dict], held_before: int = 0, top: int = TOP_SI
             alive[e["addr"]] = e
         elif act == "free_completed":
             if alive.pop(e["addr"], None) is None:
-                held -= e["size"]
+                held -= _block(e["size"])
     groups: dict[str, list[int]] = {}
     for e in alive.values():
         g = groups.setdefault(site_of(e.get("frames", ())), [0, 0])
-        g[0] += e["size"]
+        g[0] += _block(e["size"])
         g[1] += 1
     ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
     return {"peak_bytes": peak, "held_before_bytes": held_before, "held_before_at_peak_bytes": held,
             "sites": [{"site": s, "bytes": b, "count": n} for s, (b, n) in ranked[:top]],
             "other_sites_bytes": sum(b for _, (b, _n) in ranked[top:])}
+
+
+def _block(size: int) -> int:
+    """What the caching allocator counts for a request of ``size`` bytes: a multiple of ``BLOCK``."""
+    return -(-size // BLOCK) * BLOCK
 
 
 class HistoryUnavailable(RuntimeError):

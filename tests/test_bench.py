@@ -593,3 +593,33 @@ def test_train_rows_say_when_the_cuda_allocator_made_a_step_wait():
     assert "allocator" not in text(quiet)
     line = "bf16: per step, the CUDA allocator retried 2 allocations, called cudaMalloc 7 and cudaFree 5 times"
     assert line in text({**quiet, "num_alloc_retries": 2, "num_device_alloc": 7, "num_device_free": 5})
+
+
+def test_measuring_saved_activations_leaves_no_graph_behind():
+    """The saved-activations forward's graph (and, through its gradient accumulators, the weights)
+    is freed with its output, never differentiated: a pack hook that kept the tensor itself made a
+    cycle through a saved output's grad_fn, which held each bench row's model after the row (39 GiB
+    on an H200). The graph still differentiates as one without the hooks."""
+    import gc
+    import weakref
+
+    from jetrl_cli.bench import _saved_bytes
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x = torch.randn(4, 8, generator=g)
+    w = torch.randn(8, 16, generator=g, requires_grad=True)
+
+    def loss(weight):
+        return torch.log_softmax(torch.tanh(x @ weight), -1).sum()
+
+    gone = weakref.ref(w)
+    saved, out = _saved_bytes(lambda: loss(w))
+    assert saved == 2 * 4 * 16 * 4 + 4 * 8 * 4  # tanh's and log_softmax's outputs, and x (matmul's input)
+    del out, w
+    gc.collect()
+    assert gone() is None
+    w = torch.randn(8, 16, generator=g, requires_grad=True)
+    w2 = w.detach().clone().requires_grad_()
+    _saved_bytes(lambda: loss(w))[1].backward()
+    loss(w2).backward()
+    assert torch.equal(w.grad, w2.grad)

@@ -26,6 +26,11 @@ def test_site_is_the_innermost_jetrl_frame():
     assert [site_of(f) for f in SITES] == NAMES
 
 
+def _blocks(size):
+    """The allocator's count for a request: whole 512-byte blocks."""
+    return (size + 511) // 512 * 512
+
+
 def _brute_force(events, held):
     """Every prefix's live set, the first largest one's total and contents."""
     live, held_now, best = {}, held, (held, held, {})
@@ -34,8 +39,8 @@ def _brute_force(events, held):
             live[e["addr"]] = e
         elif e["action"] == "free_completed":
             if live.pop(e["addr"], None) is None:
-                held_now -= e["size"]
-        total = held_now + sum(x["size"] for x in live.values())
+                held_now -= _blocks(e["size"])
+        total = held_now + sum(_blocks(x["size"]) for x in live.values())
         if total > best[0]:
             best = (total, held_now, dict(live))
     return best
@@ -51,7 +56,9 @@ def test_peak_composition_matches_a_replay_of_every_prefix(seed):
         r = rng.random()
         if r < 0.5 or not (live or held_addrs):
             nxt += 1
-            e = {"action": "alloc", "addr": nxt, "size": rng.randrange(1, 4096) * 512, "frames": rng.choice(SITES)}
+            # requests of any size (the trace records them unrounded), whole blocks among them
+            size = rng.randrange(1, 4096) * 512 if rng.random() < 0.5 else rng.randrange(1, 1 << 21)
+            e = {"action": "alloc", "addr": nxt, "size": size, "frames": rng.choice(SITES)}
             live[nxt] = e
             events.append(e)
         elif r < 0.9 and live:
@@ -71,7 +78,7 @@ def test_peak_composition_matches_a_replay_of_every_prefix(seed):
     want = {}
     for e in alive.values():
         b, n = want.get(site_of(e["frames"]), (0, 0))
-        want[site_of(e["frames"])] = (b + e["size"], n + 1)
+        want[site_of(e["frames"])] = (b + _blocks(e["size"]), n + 1)
     ranked = sorted(want.items(), key=lambda kv: -kv[1][0])
     assert [(x["site"], x["bytes"], x["count"]) for x in comp["sites"]] == [(s, b, n) for s, (b, n) in ranked[:2]]
     assert comp["other_sites_bytes"] == sum(b for _, (b, _n) in ranked[2:])
@@ -81,6 +88,20 @@ def test_peak_composition_matches_a_replay_of_every_prefix(seed):
 def test_a_trace_that_only_frees_peaks_at_what_was_held():
     comp = peak_composition([{"action": "free_completed", "addr": 1, "size": 1024}], held_before=4096)
     assert comp["peak_bytes"] == 4096 and comp["sites"] == [] and comp["held_before_at_peak_bytes"] == 4096
+
+
+def test_a_request_counts_as_the_allocators_whole_blocks():
+    """A GPU's trace records a scalar's 4 bytes where the allocator counts a 512-byte block (an
+    H200's replayed peak was 508 bytes under max_memory_allocated)."""
+    trace = [{"action": "alloc", "addr": 1, "size": 20 << 20, "frames": SITES[0]},
+             {"action": "alloc", "addr": 2, "size": 4, "frames": SITES[2]},
+             {"action": "alloc", "addr": 3, "size": 513, "frames": SITES[2]}]
+    comp = peak_composition(trace, 0)
+    assert comp["peak_bytes"] == (20 << 20) + 512 + 1024
+    assert [x["bytes"] for x in comp["sites"]] == [20 << 20, 1536]
+    assert peak_composition([*trace, {"action": "free_completed", "addr": 2, "size": 4},
+                             {"action": "free_completed", "addr": 9, "size": 100}], 4096)["peak_bytes"] == \
+        4096 + (20 << 20) + 1536
 
 
 def test_the_table_names_the_sites_and_the_overflow():
@@ -105,7 +126,7 @@ def test_bench_prints_the_peaks_by_phase_and_the_recorded_sites():
     assert peak_lines(row) == [
         "fp8-unified: peak GiB by phase (allocated above the row's start / reserved): setup 20.0 / 21.0, "
         "updates 33.0 / 40.0, profile 66.0 / 70.0; 0.25 GiB held before the row began",
-        "fp8-unified: of what the row began with, 0.12 GiB in 2 tensors Python reaches "
+        "fp8-unified: of what the row began with, 0.12 GiB in 2 tensors with a Python object "
         "(largest GiB: bfloat16[1024, 65536] 0.12)",
         "fp8-unified: live at the recorded step's peak (33.0 GiB, p/train-fp8-unified-memory.txt): "
         "0.50 GiB jetrl_cli/precision/linear.py:300 _fprop"]
@@ -187,8 +208,8 @@ def test_record_peak_records_one_call_and_turns_the_history_off(monkeypatch):
 @pytest.mark.gpu
 def test_a_bench_rows_peaks_are_its_own_and_what_it_began_with_is_traced():
     """A row's allocated peaks leave out what the device held when it began (an earlier row's
-    left-overs on the first H200 run: 39 GiB after the transformers row), and the tensors Python
-    still reaches among those are listed."""
+    left-overs on the first H200 run: 39 GiB after the transformers row), and the tensors among
+    those that have a Python object are listed."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from jetrl_cli.bench import PhasePeaks

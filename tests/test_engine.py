@@ -555,6 +555,26 @@ def test_first_stop_by_hand():
     assert cut_at_stop([1, 2], [-1.0, -2.0], sp).finish_reason == "length"
 
 
+def test_rollout_stop_strings_become_stop_tokens_or_token_sequences():
+    """``rollout.stop``: a one-token string is a stop token, a longer one the token sequence the
+    tokenizer spells it as, for the rollout, greedy eval and sampled eval alike; a string that
+    encodes to nothing is refused, naming the key."""
+    from jetrl_cli.config import load_job_config
+    from jetrl_cli.errors import JetrlError
+    from jetrl_cli.models.tokenizer import Tokenizer
+    from jetrl_cli.rl.loop import resolve_model_dir, sampling_params
+
+    cfg = load_job_config("fp8-unified", ['rollout.stop=["12", "=", "ns:"]'])
+    tok = Tokenizer.from_dir(resolve_model_dir(cfg.model.path))
+    twelve, eq, ns = (tuple(tok.encode(x)) for x in ("12", "=", "ns:"))
+    assert len(eq) == 1 and len(twelve) == 2 and len(ns) == 3
+    for sp in (sampling_params(cfg, tok), sampling_params(cfg, tok, greedy=True),
+               sampling_params(cfg, tok, evaluation=True)):
+        assert sp.stop_token_ids == (*tok.eos_ids, eq[0]) and sp.stop_sequences == (twelve, ns)
+    with pytest.raises(JetrlError, match="rollout.stop: '' encodes to no token"):
+        sampling_params(load_job_config("fp8-unified", ['rollout.stop=[""]']), tok)
+
+
 @pytest.mark.parametrize("every", [1, 4])
 def test_stop_sequences_cut_each_row_where_its_tokens_first_spell_one(model, every):
     """Multi-token stop sequences: each row stops once its last tokens are one of them (looked for

@@ -1119,16 +1119,26 @@ def capturing(device: torch.device) -> bool:
         return True
 
 
+def _device_key(device) -> str:
+    """One name per device: ``cuda`` and ``cuda:0`` are the same GPU when 0 is the current one (a
+    tensor's device always has its index; a ``torch.device("cuda")`` has none)."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None and torch.cuda.is_available():
+        d = torch.device("cuda", torch.cuda.current_device())
+    return str(d)
+
+
 def kernel_choice(op: str, device: torch.device) -> dict | None:
     """What ``note_kernel`` recorded for ``op`` on ``device`` in this process, or None."""
-    return _KERNELS.get((op, str(device)))
+    return _KERNELS.get((op, _device_key(device)))
 
 
 def note_kernel(op: str, device: torch.device, kernel: str, why: str | None = None, **extra) -> dict:
     """Record which kernel serves a non-GEMM operation (decided once per device; ``backend_report``
     lists it, so runs and benches say what ran), with ``extra`` facts about the decision."""
-    info = {"op": op, "device": str(device), "kernel": kernel, **({"why": why} if why else {}), **extra}
-    _KERNELS[(op, str(device))] = info
+    key = _device_key(device)
+    info = {"op": op, "device": key, "kernel": kernel, **({"why": why} if why else {}), **extra}
+    _KERNELS[(op, key)] = info
     return info
 
 
