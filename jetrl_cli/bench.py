@@ -259,6 +259,49 @@ def profile_once(fn, s: Settings, name: str) -> dict:
     return out
 
 
+PYTHON_ROWS = 40  # functions in a Python profile's table
+
+
+def python_profile_once(fn, s: Settings, name: str) -> dict:
+    """With ``s.profile_dir``: one more ``fn()`` under cProfile, the functions by their own (self)
+    time written to ``DIR/NAME-python.txt``; the row's ``python_profile`` (that path) and
+    ``python_self_s`` (jetrl's and its kernels' wrappers' own Python time, cProfile's overhead
+    included). Where the GPU waits for the host (a step whose kernels sum to less than its wall
+    time), this says which Python the host was running: time inside a torch or Triton call that
+    Python does not see is counted to the function that made it."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        fn()
+        if s.device == "cuda":
+            torch.cuda.synchronize()
+    finally:
+        prof.disable()
+    stats = pstats.Stats(prof).stats
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    mine = tuple(os.path.join(root, d) + os.sep for d in ("jetrl_cli", "kernels"))
+    rows = []
+    for (path, line, func), (_cc, calls, own, cum, _callers) in stats.items():
+        ours = path.startswith(mine)
+        rows.append((own, calls, cum, f"{os.path.relpath(path, root) if ours else path}:{line} {func}", ours))
+    rows.sort(key=lambda r: -r[0])
+    ours = sum(r[0] for r in rows if r[4])
+    total = sum(r[0] for r in rows)
+    lines = [f"{name}: one run under cProfile ({s.device}): {total * 1e3:.1f} ms of Python and the calls it made, "
+             f"{ours * 1e3:.1f} ms in jetrl's own functions ({sum(r[1] for r in rows if r[4])} calls)",
+             f"{'own ms':>9} {'calls':>7} {'cum ms':>9}  function"]
+    lines += [f"{own * 1e3:9.2f} {calls:7d} {cum * 1e3:9.2f}  {what}" for own, calls, cum, what, _ in rows[:PYTHON_ROWS]]
+    path = os.path.join(s.profile_dir, _file_name(name) + "-python.txt")
+    os.makedirs(s.profile_dir, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(path + ".tmp", path)
+    return {"python_profile": path, "python_self_s": ours}
+
+
 def _file_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_.+" else "-" for c in name).strip("-")
 
@@ -1169,6 +1212,7 @@ def timed_train_steps(one, s: Settings, peaks: PhasePeaks, name: str) -> dict:
     tm = peaks("updates", lambda: measure(one, dataclasses.replace(s, warmup=max(s.warmup - 1, 0))))
     if s.profile_dir:
         tm.update(peaks("profile", lambda: profile_once(one, s, name)))
+        tm.update(peaks("profile", lambda: python_profile_once(one, s, name)))
         if s.device == "cuda":
             tm.update(peaks("memory record", lambda: memory_once(one, s, name)))
     return tm

@@ -318,12 +318,18 @@ def test_profile_writes_each_rows_ops_by_self_time(tmp_path):
         assert text.startswith(f"train-{r['flow']}: one run under torch.profiler (cpu)") and "device_kernels" not in r
         assert "Self CPU" in text and "aten::mm" in text
     assert "_LinearGroupFnBackward" in (d / "train-bf16.txt").read_text()  # jetrl's own backward ran
+    for r in rows:  # and the same update under cProfile: the host's Python by function
+        text = (d / f"train-{r['flow']}-python.txt").read_text()
+        assert r["python_profile"] == str(d / f"train-{r['flow']}-python.txt") and r["python_self_s"] > 0
+        assert text.startswith(f"train-{r['flow']}: one run under cProfile (cpu)") and "own ms" in text
+    assert "jetrl_cli/precision/linear.py" in (d / "train-bf16-python.txt").read_text()
     out = bench("rollout", "--batch", 2, "--new-tokens", 4, "--flows", "bf16", "--task-preset", "none",
                 "--profile", d, *FAST)
     assert {r["profile"] for r in out["results"]["rollout"]} == {
         str(d / f"rollout-fixed-{k}.txt") for k in ("hf", "fp32", "bf16")}
     assert sorted(p.name for p in d.iterdir()) == ["rollout-fixed-bf16.txt", "rollout-fixed-fp32.txt",
-                                                   "rollout-fixed-hf.txt", "train-bf16.txt", "train-transformers.txt"]
+                                                   "rollout-fixed-hf.txt", "train-bf16-python.txt", "train-bf16.txt",
+                                                   "train-transformers-python.txt", "train-transformers.txt"]
 
 
 def test_model_shapes_are_real_configs_and_their_transformers_twin_matches():

@@ -1119,13 +1119,22 @@ def capturing(device: torch.device) -> bool:
         return True
 
 
+_DEVICE_KEYS: dict = {}  # a device with its index -> its name (looked up at every quantizer call)
+
+
 def _device_key(device) -> str:
     """One name per device: ``cuda`` and ``cuda:0`` are the same GPU when 0 is the current one (a
     tensor's device always has its index; a ``torch.device("cuda")`` has none)."""
+    key = _DEVICE_KEYS.get(device)
+    if key is not None:
+        return key
     d = torch.device(device)
     if d.type == "cuda" and d.index is None and torch.cuda.is_available():
-        d = torch.device("cuda", torch.cuda.current_device())
-    return str(d)
+        return str(torch.device("cuda", torch.cuda.current_device()))  # the current one: not kept
+    key = str(d)
+    if d.index is not None or d.type == "cpu":
+        _DEVICE_KEYS[device] = key
+    return key
 
 
 def kernel_choice(op: str, device: torch.device) -> dict | None:
