@@ -645,6 +645,21 @@ def _check(x: torch.Tensor, fmt: Format, amax_floor: float, where: str) -> None:
         raise ValueError(f"{where}: {why}")
 
 
+_DUMMIES: dict = {}  # device -> the one-element tensor a kernel gets for an output it does not write
+
+
+def _dummy(dev) -> torch.Tensor:
+    """A stand-in pointer for the outputs a launch skips (never read or written), one per device: an
+    allocation per quantizer call was an aten op of host time each (about 200 per training update of
+    the 1.5B shape). Not kept when made inside a CUDA graph capture (its memory is the graph's)."""
+    d = _DUMMIES.get(dev)
+    if d is None:
+        d = torch.empty(1, dtype=torch.float32, device=dev)
+        if not gemm.capturing(d.device):
+            _DUMMIES[dev] = d
+    return d
+
+
 def _rows_out(m: int, k: int, dt: torch.dtype, dev) -> tuple[torch.Tensor, torch.Tensor]:
     """Buffers of a 1x128 operand (m x k): data row-major, scale (m, ceil(k/128)) with strides (1, m)."""
     return (torch.empty((m, k), dtype=dt, device=dev),
@@ -678,7 +693,7 @@ def quantize_act(x: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale: boo
     qr, sr = _rows_out(m, k, dt, dev) if rows else (None, None)
     qt, st = _cols_out(k, m_pad, dt, dev) if cols else (None, None)
     if (rows or cols) and gm * gk > 0:
-        dummy = torch.empty(1, dtype=torch.float32, device=dev)
+        dummy = _dummy(dev)
         warps, one = launch_config(x, rows and cols)
         for r, c in ((rows, cols),) if one else ((True, False), (False, True)):  # the pair: one read of x, or two
             _act_quant_kernel[(cdiv(m_pad if c else m, TILE), gk)](
@@ -798,7 +813,7 @@ def swiglu_grad_quantize(gu: QTensor, gy: torch.Tensor, out_dtype: torch.dtype, 
     qt, st = _cols_out(k2, m_pad, dt, dev) if cols else (None, None)
     qh, sh = _cols_out(i, m_pad, dt, dev) if h_cols else (None, None)
     if (rows or cols or h_cols) and m_pad and i:
-        dummy = torch.empty(1, dtype=torch.float32, device=dev)
+        dummy = _dummy(dev)
         _swiglu_grad_quant_kernel[(3 if h_cols else 2, i // TILE, cdiv(m_pad if cols or h_cols else m, TILE))](
             gu.data, gu.scale, gy, *(t if t is not None else dummy for t in (qr, sr, qt, st, qh, sh)), m, i, m_pad,
             gu.data.stride(0), gu.scale.stride(0), gu.scale.stride(1), gy.stride(0), gy.stride(1), FMAX=fmt.max,
