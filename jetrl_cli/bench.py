@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from . import cuda_memory
 from .errors import JetrlError
 from .precision.gemm import ROW_TIERS
 
@@ -856,8 +857,10 @@ def engine_details(eng, model, flow, prompts, sp, s: Settings) -> dict:
     fused = fuse_report()
     if fused is not None:
         out["fused"] = fused
-    if s.device == "cuda":  # the rollout's own: above what the process held before it (every engine's
-        torch.cuda.synchronize()  # weights, in a bench of several: an H200 run showed one peak for all three)
+    if s.device == "cuda":
+        # the rollout's own peak: above what the process held before it (in a bench of several engines,
+        # every engine's weights: an H200 run showed one process peak for all three rows)
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
         eng.generate(prompts, sp, seed=0)
@@ -1136,14 +1139,14 @@ class PhasePeaks:
     ``peak_reserved_by_phase``: above the allocated peak by its rounding and fragmentation).
     Allocated peaks are the row's own: less what the device held when the row began
     (``memory_at_start_bytes``; anything but 0 is left over from an earlier row, and
-    ``left_over`` then lists the tensors among it that have a Python object, ``live_cuda_tensors``).
+    ``left_over`` then lists the tensors among it with a Python object: ``cuda_memory.live_cuda_tensors``).
     Nothing on CPU."""
 
     def __init__(self, cuda: bool):
         self.cuda, self.by_phase, self.reserved = cuda, {}, {}
         # what the row starts with (after ``_free``): anything but 0 is left over from an earlier row
         self.start = torch.cuda.memory_allocated() if cuda else None
-        self.left_over = live_cuda_tensors() if cuda and self.start > LEFT_OVER_REPORTED else None
+        self.left_over = cuda_memory.live_cuda_tensors() if cuda and self.start > LEFT_OVER_REPORTED else None
 
     def __call__(self, phase: str, fn):
         if self.cuda:
@@ -1170,31 +1173,6 @@ class PhasePeaks:
 
 LEFT_OVER_REPORTED = 2**20  # bytes held when a row begins beyond which the bench looks for their owners
 
-
-def live_cuda_tensors(largest: int = 5) -> dict:
-    """The CUDA tensors that have a Python object (each storage once): their bytes and the largest
-    (bytes, shape, dtype). Who holds them is another question: a tensor that only C++ holds (a
-    saved tensor of an autograd graph) keeps its Python object too. Memory beyond them is the
-    allocator's or a library's own."""
-    import gc
-    import warnings
-
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    seen: dict[int, tuple[int, tuple, str]] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # isinstance on deprecated objects of other libraries warns
-        for obj in gc.get_objects():
-            try:
-                if not isinstance(obj, torch.Tensor) or isinstance(obj, FakeTensor) or not obj.is_cuda:
-                    continue
-                st = obj.untyped_storage()
-                seen.setdefault(st.data_ptr(), (st.nbytes(), tuple(obj.shape), str(obj.dtype).removeprefix("torch.")))
-            except Exception:  # noqa: BLE001 - meta or freed-storage tensors: not device memory here
-                continue
-    top = sorted(seen.values(), key=lambda x: -x[0])[:largest]
-    return {"python_visible_bytes": sum(v[0] for v in seen.values()), "tensors": len(seen),
-            "largest": [{"bytes": b, "shape": list(sh), "dtype": dt} for b, sh, dt in top]}
 
 
 def _scored(tr, batch):

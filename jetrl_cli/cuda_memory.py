@@ -142,3 +142,30 @@ def format_composition(name: str, comp: dict) -> str:
     if comp.get("truncated"):
         lines.append("(the history overflowed: its oldest events are missing)")
     return "\n".join(lines) + "\n"
+
+
+def live_cuda_tensors(largest: int = 5) -> dict:
+    """The CUDA tensors that have a Python object (each storage once): their bytes and the largest
+    (bytes, shape, dtype). Who holds them is another question: a tensor that only C++ holds (a
+    saved tensor of an autograd graph) keeps its Python object too. Memory beyond them is the
+    allocator's or a library's own."""
+    import gc
+    import warnings
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    seen: dict[int, tuple[int, tuple, str]] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance on deprecated objects of other libraries warns
+        for obj in gc.get_objects():
+            try:
+                if not isinstance(obj, torch.Tensor) or isinstance(obj, FakeTensor) or not obj.is_cuda:
+                    continue
+                st = obj.untyped_storage()
+                seen.setdefault(st.data_ptr(), (st.nbytes(), tuple(obj.shape), str(obj.dtype).removeprefix("torch.")))
+            except Exception:  # noqa: BLE001 - meta or freed-storage tensors: not device memory here
+                continue
+    top = sorted(seen.values(), key=lambda x: -x[0])[:largest]
+    return {"python_visible_bytes": sum(v[0] for v in seen.values()), "tensors": len(seen),
+            "largest": [{"bytes": b, "shape": list(sh), "dtype": dt} for b, sh, dt in top]}

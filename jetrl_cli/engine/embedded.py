@@ -53,6 +53,15 @@ def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, params: SamplingP
     return [cut_at_stop(toks, lps, params) for toks, lps in zip(tokens.tolist(), logprobs.tolist())]
 
 
+def _by_length(sequences, dev) -> list[tuple[int, torch.Tensor]]:
+    """Stop sequences grouped by length, each group an (n, count) tensor on ``dev``: a decode step
+    compares a row's last n tokens with every sequence of n at once, not one sequence at a time."""
+    groups: dict[int, list] = {}
+    for q in sequences:
+        groups.setdefault(len(q), []).append(q)
+    return [(n, torch.tensor(qs, device=dev).t()) for n, qs in sorted(groups.items())]
+
+
 class EmbeddedEngine:
     name = "embedded"
 
@@ -224,7 +233,7 @@ class EmbeddedEngine:
         out_tok = torch.zeros(new, b, dtype=torch.long, device=dev)  # step-major: a step's write is contiguous
         out_lp = torch.zeros(new, b, dtype=torch.float32, device=dev)
         stop_ids = torch.tensor(sorted(set(params.stop_token_ids)) or [-1], device=dev)
-        stop_seqs = [torch.tensor(q, device=dev)[:, None] for q in params.stop_sequences]
+        stop_seqs = _by_length(params.stop_sequences, dev)
         rows = list(range(b))  # original index of each batch row; -1: finished, not yet dropped
         orig = list(range(b))  # original index of each batch row
         rows_t = torch.arange(b, device=dev)
@@ -244,9 +253,10 @@ class EmbeddedEngine:
             out_tok[step].index_copy_(0, rows_t, nxt)
             out_lp[step].index_copy_(0, rows_t, logp_report.gather(-1, nxt[:, None])[:, 0])
             done |= (nxt[:, None] == stop_ids).any(-1)  # not isin: with many stop ids it sorts, and syncs
-            for seq in stop_seqs:  # a row's last len(seq) tokens, from its column of out_tok
-                if step + 1 >= len(seq):
-                    done |= (out_tok[step + 1 - len(seq):step + 1].index_select(1, rows_t) == seq).all(0)
+            for n, seqs in stop_seqs:  # a row's last n tokens (its column of out_tok) against each sequence of n
+                if step + 1 >= n:
+                    last = out_tok[step + 1 - n:step + 1].index_select(1, rows_t)
+                    done |= (last[:, :, None] == seqs[:, None, :]).all(0).any(-1)
             if step == new - 1:
                 break
             if step % check_every == check_every - 1:
