@@ -425,10 +425,12 @@ def bench_gemm(s: Settings) -> list[dict]:
             base_name = "bf16 (emulated)"
         t = measure(base_fn, s)
         base_t = t["s"]
+        base_graph = _graph_s(base_fn, m, s)
         acc = error_stats(ref, base_fn().double())
         rows.append({"shape": label, "M": m, "N": n, "K": k, "variant": base_name, "backend": "torch",
                      "emulated": emulated, **t, "tflops": flops / t["s"] / 1e12, "vs_bf16": 1.0, **acc,
-                     "kernel_rel_err": 0.0, "accuracy_ok": True})
+                     "kernel_rel_err": 0.0, "accuracy_ok": True,
+                     **({"graph_s": base_graph, "graph_vs_bf16": 1.0} if base_graph else {})})
         emu = get_backend("emulated")
         for v in gemm_variants(s.device):
             base_row = {"shape": label, "M": m, "N": n, "K": k, "variant": v.name, "backend": v.backend}
@@ -452,12 +454,26 @@ def bench_gemm(s: Settings) -> list[dict]:
                 rows.append({**base_row, "skipped": str(e)})
                 continue
             t = measure(fn, s)
+            graph = _graph_s(fn, m, s) if base_graph else None
             acc = error_stats(ref, out.double())
             kernel = error_stats(emu.mm(emu.cast(x, v.a), emu.cast(w, v.b), out_fmt).double(), out.double())["rel_err"]
             rows.append({**base_row, "emulated": emulated or v.backend == "emulated", **t,
                          "tflops": flops / t["s"] / 1e12, "vs_bf16": base_t / t["s"], **acc, "kernel_rel_err": kernel,
-                         "accuracy_ok": kernel <= KERNEL_TOLERANCE and acc["sqnr_db"] > 15.0})
+                         "accuracy_ok": kernel <= KERNEL_TOLERANCE and acc["sqnr_db"] > 15.0,
+                         **({"graph_s": graph, "graph_vs_bf16": base_graph / graph} if graph else {})})
     return rows
+
+
+def _graph_s(fn, m: int, s: Settings) -> float | None:
+    """On a GPU, for a decode step's row count (at most ``DECODE_ROWS``): seconds per call of ``fn``
+    replayed from a CUDA graph, as an engine's decode step runs it -- the back-to-back eager time of
+    so small a GEMM is mostly the host's launch (the H200's decode rows). None elsewhere."""
+    if s.device != "cuda":
+        return None
+    from .kernels.fp8 import DECODE_ROWS  # a CUDA build of torch brings Triton
+    from .precision.gemm import device_time_ms
+
+    return device_time_ms(fn, torch.device(s.device)) / 1e3 if m <= DECODE_ROWS else None
 
 
 def _spec(v: GemmVariant):
@@ -494,8 +510,11 @@ def bench_quantize(s: Settings) -> list[dict]:
     warps = s.quant_warps or (None,)  # None: each kernel as it runs here (on a GPU: the timed choice)
     rows = []
 
-    def at(w, default):  # (context, the warps a row ran at)
-        return (kernels.tile_warps(w), w) if w else (contextlib.nullcontext(), default)
+    def at(w, packed, default):  # (context, the launch a row ran at: warps, transposed store packed)
+        return (kernels.tile_warps(w, packed=packed), (w, packed)) if w else (contextlib.nullcontext(), default)
+
+    def launch(ran):  # a row's launch fields
+        return {"warps": ran[0], "store": "packed" if ran[1] else "bytes"} if ran else {}
 
     def timed(shape, name, backend, fn, moved, copy_bw, **extra):
         t = measure(fn, s)
@@ -519,32 +538,45 @@ def bench_quantize(s: Settings) -> list[dict]:
                 continue
             q = quantize(x, spec)
             moved = x.numel() * x.element_size() + q.nbytes()
-            impls = [("torch (reference)", None, lambda spec=spec: quantize(x, spec))]
+            impls = [("torch (reference)", None, False, lambda spec=spec: quantize(x, spec))]
             tile = spec.format.is_fp8  # the 128x128-tile kernels (INT8 rows: one kernel, its own warps)
+            transposed = spec.block.rows > 1 and spec.block.cols == 1  # the 128x1 copy: stored as x^T
             if kernels is not None and triton_quantize(x, spec) is not None:
-                impls += [("triton", w, lambda spec=spec: triton_quantize(x, spec)) for w in (warps if tile else (None,))]
-            for backend, w, fn in impls:
-                ctx, ran = (at(w, kernels.launch_config(x, False)[0]) if backend == "triton" and tile
+                stores = (False, True) if transposed else (False,)
+                impls += [("triton", w, p, lambda spec=spec: triton_quantize(x, spec))
+                          for w in (warps if tile else (None,)) for p in (stores if w else (False,))]
+            for backend, w, p, fn in impls:
+                here = kernels.launch_config(x, False) if backend == "triton" and tile else None
+                ctx, ran = (at(w, p, (here.warps, here.packed and transposed)) if here is not None
                             else (contextlib.nullcontext(), None))
                 with ctx:
                     got = fn()
                     same = torch.equal(got.data.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(
                         got.scale.nan_to_num(-1.0), q.scale.nan_to_num(-1.0))
-                    timed(shape, name, backend, fn, moved, copy_bw, **({"warps": ran} if ran else {}),
+                    timed(shape, name, backend, fn, moved, copy_bw, **launch(ran),
                           sqnr_db=error_stats(x.float(), dequantize(got))["sqnr_db"], matches_reference=same)
         if kernels is None:
             continue
-        r, c = kernels.quantize_act(x)  # 1x128 and 128x1 from one read
+        r, c = kernels.quantize_act(x, pad_tokens_to=128)  # 1x128 and 128x1 from one read
         moved = x.numel() * x.element_size() + r.nbytes() + c.nbytes()
         sqnr = error_stats(x.float(), dequantize(r))["sqnr_db"]
-        for w in warps:
-            w = w or kernels.launch_config(x, True)[0]  # the pair's warps as chosen here, both ways
-            for one, name in ((True, "fp8 1x128 + 128x1 fused"), (False, "fp8 1x128 + 128x1 as two kernels")):
-                # two kernels: two reads of x, each kernel with more programs per SM; the same bytes
-                # written, so the same "moved" (``launch_config`` picks the faster on a GPU)
-                with kernels.tile_warps(w, one_kernel=one):
-                    timed(shape, name, "triton", lambda: kernels.quantize_act(x), moved, copy_bw, warps=w,
-                          sqnr_db=sqnr, matches_reference=None)
+        here = kernels.launch_config(x, True)
+        for w in warps:  # without --warps: the pair's warps and store as chosen here, as one kernel and two
+            for p in (False, True) if w else (here.packed,):
+                for one, name in ((True, "fp8 1x128 + 128x1 fused"), (False, "fp8 1x128 + 128x1 as two kernels")):
+                    # two kernels: two reads of x, each kernel with more programs per SM; the same bytes
+                    # written, so the same "moved" (``launch_config`` picks the faster on a GPU)
+                    with kernels.tile_warps(w or here.warps, one_kernel=one, packed=p):
+                        timed(shape, name, "triton", lambda: kernels.quantize_act(x, pad_tokens_to=128), moved,
+                              copy_bw, **launch((w or here.warps, p)), sqnr_db=sqnr, matches_reference=None)
+        if m % 4 == 0:  # a weight's FP8 bytes as Dgrad's W^T (once per update): the kernel and torch's copy
+            src = torch.randint(0, 256, (m, k), dtype=torch.uint8, device=dev)
+            dst = torch.empty((k, m), dtype=torch.uint8, device=dev)
+            for way in ("triton", "torch"):
+                with kernels.transpose_with(way):
+                    kernels.transpose_bytes_(dst, src)
+                    timed(shape, "fp8 weight bytes transposed (W^T)", way, lambda: kernels.transpose_bytes_(dst, src),
+                          2 * m * k, copy_bw, kind="transpose", matches_reference=torch.equal(dst, src.t()))
         if k % 128 == 0:  # the SwiGLU backward of an MLP with I = k
             _, copy = kernels.swiglu_quantize(torch.cat([x, x.flip(0)], 1), save=True)  # [g, u]'s FP8 copy
             outs = kernels.swiglu_grad_quantize(copy, x, dtype, pad_tokens_to=128, h_cols=True)
@@ -553,12 +585,14 @@ def bench_quantize(s: Settings) -> list[dict]:
             sig, gy = torch.sigmoid(g), x.float()
             want = torch.cat([gy * u * sig * (1 + g * (1 - sig)), gy * g * sig], 1)
             sqnr = error_stats(want, dequantize(outs[0]).float())["sqnr_db"]
+            here = kernels.swiglu_config(x)
             for w in warps:
-                ctx, ran = at(w, kernels.swiglu_warps(x))
-                with ctx:
-                    timed(shape, "fp8 SwiGLU backward (d[g,u] 1x128 + 128x1, h^T)", "triton",
-                          lambda: kernels.swiglu_grad_quantize(copy, x, dtype, pad_tokens_to=128, h_cols=True),
-                          moved, copy_bw, warps=ran, sqnr_db=sqnr, matches_reference=None)
+                for p in (False, True) if w else (here.packed,):
+                    ctx, ran = at(w, p, (here.warps, here.packed))
+                    with ctx:
+                        timed(shape, "fp8 SwiGLU backward (d[g,u] 1x128 + 128x1, h^T)", "triton",
+                              lambda: kernels.swiglu_grad_quantize(copy, x, dtype, pad_tokens_to=128, h_cols=True),
+                              moved, copy_bw, **launch(ran), sqnr_db=sqnr, matches_reference=None)
     return rows
 
 
@@ -1414,7 +1448,7 @@ def _gpu_targets(results: dict) -> list[dict]:
         if best:
             v = min(best.values())
             add(f"{what} >= {T[key]}x cuBLAS BF16 (M=4096, 7-8B shapes, worst shape)", v, v >= T[key])
-    q = [r for r in results.get("quantize", []) if r.get("backend") == "triton"]
+    q = [r for r in results.get("quantize", []) if r.get("backend") == "triton" and r.get("kind") != "transpose"]
     if any("warps" in r for r in q):  # a --warps sweep: each kernel at its fastest setting
         best: dict[tuple, float] = {}
         for r in q:
@@ -1513,7 +1547,9 @@ def render(res: dict, console) -> None:
                   title_justify="left")
         t.add_column("shape", no_wrap=True)
         t.add_column("variant @ backend", no_wrap=True)
-        for c in ("ms", "TFLOP/s", "vs bf16", "rel err", "SQNR dB", "kernel err", "ok"):
+        graphs = any("graph_s" in x for x in r["gemm"])  # decode rows on a GPU: also replayed from a graph
+        for c in ("ms", "TFLOP/s", "vs bf16", *(("graph ms", "graph vs bf16") if graphs else ()), "rel err", "SQNR dB",
+                  "kernel err", "ok"):
             t.add_column(c, justify="right")
         for x in r["gemm"]:
             if "skipped" in x:
@@ -1521,7 +1557,9 @@ def render(res: dict, console) -> None:
             mnk = f"{x['M']}x{x['N']}x{x['K']}"
             shape = x["shape"] if x["shape"] == mnk else f"{x['shape']} {mnk}"
             variant = x["variant"] if x["backend"] == "torch" else f"{x['variant']} @ {x['backend']}"
-            t.add_row(shape, variant, f"{1e3 * x['s']:.2f}", f"{x['tflops']:.3f}", f"{x['vs_bf16']:.2f}x",
+            g = ((f"{1e3 * x['graph_s']:.4f}", f"{x['graph_vs_bf16']:.2f}x") if "graph_s" in x else ("-", "-")) \
+                if graphs else ()
+            t.add_row(shape, variant, f"{1e3 * x['s']:.2f}", f"{x['tflops']:.3f}", f"{x['vs_bf16']:.2f}x", *g,
                       f"{x['rel_err']:.1e}", f"{x['sqnr_db']:.1f}", f"{x['kernel_rel_err']:.0e}", _f(x["accuracy_ok"]))
         print_table(console, t, keep=2)
         skipped = {(x["variant"], x["backend"]): x["skipped"] for x in r["gemm"] if "skipped" in x}
@@ -1533,8 +1571,10 @@ def render(res: dict, console) -> None:
         for c in ("shape", "quantizer", "dtype", "ms", "GB/s", "vs copy", "SQNR dB"):
             t.add_column(c, justify="left" if c in ("shape", "quantizer", "dtype") else "right")
         for x in r["quantize"]:
-            where = (" @ triton" + (f" ({x['warps']} warps)" if "warps" in x and s_warps else "")
-                     if x.get("backend") == "triton" else "")
+            how = [f"{x['warps']} warps"] if "warps" in x and s_warps else []
+            how += ["packed store"] if x.get("store") == "packed" else []
+            where = (f" @ {x['backend']}" if x.get("kind") == "transpose" else
+                     " @ triton" + (f" ({', '.join(how)})" if how else "") if x.get("backend") == "triton" else "")
             t.add_row(x["shape"], x["quantizer"] + where, x["dtype"], f"{1e3 * x['s']:.3f}", f"{x['gb_per_s']:.1f}",
                       f"{x['vs_copy']:.2f}", _f(x.get("sqnr_db"), "{:.1f}"))
         print_table(console, t, keep=2)

@@ -93,12 +93,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from jetrl_cli.precision.formats import Block, Format
+from jetrl_cli.precision.formats import B1x128, B128x1, B128x128, Format
 from jetrl_cli.precision import gemm  # its registry, timer and capture check (looked up at call time)
 from jetrl_cli.precision.quant import DEFAULT_AMAX_FLOOR, CastSpec, QTensor
 
@@ -136,42 +137,72 @@ SWIGLU_WARPS = 8  # the SwiGLU backward kernels (swiglu_quantize_t, swiglu_grad_
 # are reported with the GEMM backends (``backend_report``: ops ``TILES_OP``, ``SWIGLU_TILES_OP``).
 TILES_OP = "fp8 quantizer tiles"
 SWIGLU_TILES_OP = "fp8 SwiGLU backward tiles"
+TRANSPOSE_OP = "fp8 weight transpose"
 WARP_CHOICES = (8, 16)
 TIMING_SHAPE = (4096, 4096)  # bf16 tokens x features the choice is timed on
-_FORCED: tuple[int, bool] | None = None  # (warps, pair in one kernel) while set by tile_warps or the timing
+# The transposed (128x1) stores: each byte of a tile's x^T moved through shared memory on its own
+# (``tl.trans`` of an FP8 tile: 64 byte-wide shared-memory loads per thread, sm_90a), or packed --
+# the tile loaded as four interleaved sub-tiles (tokens 4i + j), so that every thread holds the four
+# tokens of one 32-bit word of x^T in its own registers, and words, not bytes, are transposed
+# (``_store_cols4``). The same quotient and cast per element, the same bits (tested); packed needs
+# a padded token count that is a multiple of 4. Which is faster is timed with the warps.
+PACKED = False  # where nothing was timed (CPU, the interpreter)
+
+
+class Launch(NamedTuple):
+    """A 128x128-tile kernel's launch: its warps, the 1x128 + 128x1 pair as one kernel or two, and the
+    transposed store packed into 32-bit words or not."""
+    warps: int
+    one_kernel: bool = True
+    packed: bool = False
+
+
+_FORCED: Launch | None = None  # while set by tile_warps or the timing
 
 
 @contextlib.contextmanager
-def tile_warps(n: int, one_kernel: bool = True):
+def tile_warps(n: int, one_kernel: bool = True, packed: bool = False):
     """Launch every 128x128-tile kernel at ``n`` warps inside the block, the 1x128 + 128x1 pair as one
-    kernel or two (``jetrl bench quantize --warps``), instead of the device's timed choice."""
+    kernel or two, the transposed stores packed or not (``jetrl bench quantize --warps``), instead of
+    the device's timed choice."""
     global _FORCED
     if n not in (4, 8, 16, 32):
         raise ValueError(f"tile_warps: allowed 4, 8, 16 or 32 warps, got {n}")
-    old, _FORCED = _FORCED, (n, one_kernel)
+    old, _FORCED = _FORCED, Launch(n, one_kernel, packed)
     try:
         yield
     finally:
         _FORCED = old
 
 
-def launch_config(x: torch.Tensor, pair: bool) -> tuple[int, bool]:
-    """``(warps, one kernel)`` for an act or weight quantizer of ``x`` (``pair``: the 1x128 + 128x1 pair)."""
+def launch_config(x: torch.Tensor, pair: bool) -> Launch:
+    """The launch of an act or weight quantizer of ``x`` (``pair``: the 1x128 + 128x1 pair)."""
     if _FORCED is not None:
         return _FORCED
     if not x.is_cuda:
-        return NUM_WARPS, True
+        return Launch(NUM_WARPS, True, PACKED)
     c = gemm.kernel_choice(TILES_OP, x.device) or _choose_tiles(x.device)
-    return (c["pair_warps"], c["one_kernel"]) if pair else (c["warps"], True)
+    return Launch(c["pair_warps"], c["one_kernel"], c["packed"]) if pair else Launch(c["warps"], True, c["packed"])
+
+
+def swiglu_config(x: torch.Tensor) -> Launch:
+    """The SwiGLU backward kernels' launch for an input on ``x``'s device (``launch_config``'s rule)."""
+    if _FORCED is not None:
+        return _FORCED
+    if not x.is_cuda:
+        return Launch(SWIGLU_WARPS, True, PACKED)
+    c = gemm.kernel_choice(SWIGLU_TILES_OP, x.device) or _choose_swiglu_warps(x.device)
+    return Launch(c["warps"], True, c["packed"])
 
 
 def swiglu_warps(x: torch.Tensor) -> int:
-    """Warps of the SwiGLU backward kernels for an input on ``x``'s device (``launch_config``'s rule)."""
-    if _FORCED is not None:
-        return _FORCED[0]
-    if not x.is_cuda:
-        return SWIGLU_WARPS
-    return (gemm.kernel_choice(SWIGLU_TILES_OP, x.device) or _choose_swiglu_warps(x.device))["warps"]
+    """Warps of the SwiGLU backward kernels for an input on ``x``'s device."""
+    return swiglu_config(x).warps
+
+
+def _packs(m_pad: int, launch: Launch) -> bool:
+    """Whether a transposed store of ``m_pad`` (padded) tokens is packed into 32-bit words."""
+    return launch.packed and m_pad % 4 == 0
 
 
 def _time_forced(device: torch.device, cases) -> dict:
@@ -181,35 +212,43 @@ def _time_forced(device: torch.device, cases) -> dict:
     t = {}
     try:
         for label, forced, fn in cases:
-            _FORCED = forced
+            _FORCED = Launch(*forced)
             t[label] = gemm.device_time_ms(fn, device)
     finally:
         _FORCED = None
     return t
 
 
+def _store_name(packed: bool) -> str:
+    return "packed" if packed else "bytes"
+
+
 def _choose_tiles(device: torch.device) -> dict:
     """Time the quantizers' launch configurations on ``device`` (``launch_config``) and record the
-    fastest with ``note_kernel``; while a CUDA graph is being captured nothing can be timed: the
-    defaults, unrecorded (an engine's first decode step runs eagerly before its capture)."""
-    default = {"warps": NUM_WARPS, "pair_warps": NUM_WARPS, "one_kernel": True}
+    fastest with ``note_kernel``: the 1x128 quantizer's warps, and the 1x128 + 128x1 pair's warps,
+    one kernel or two, transposed store packed or not; while a CUDA graph is being captured nothing
+    can be timed: the defaults, unrecorded (an engine's first decode step runs eagerly before its
+    capture)."""
+    default = {"warps": NUM_WARPS, "pair_warps": NUM_WARPS, "one_kernel": True, "packed": PACKED}
     if gemm.capturing(device):
         return default
     g = torch.Generator().manual_seed(0)
     x = torch.randn(TIMING_SHAPE, generator=g).to(device, torch.bfloat16)
     runs = {"1x128": lambda: quantize_act(x, cols=False), "pair": lambda: quantize_act(x, pad_tokens_to=TILE)}
-    cases = [((what if what == "1x128" else f"pair as {'one kernel' if one else 'two kernels'}", w), (w, one),
-              runs[what]) for w in WARP_CHOICES for what, one in (("1x128", True), ("pair", True), ("pair", False))]
+    cases = [(("1x128", w), (w, True, False), runs["1x128"]) for w in WARP_CHOICES]
+    cases += [((f"pair as {'one kernel' if one else 'two kernels'}, {_store_name(packed)}", w), (w, one, packed),
+               runs["pair"]) for w in WARP_CHOICES for one in (True, False) for packed in (False, True)]
     try:
         t = _time_forced(device, cases)
     except Exception as e:  # noqa: BLE001 - nothing timed: the defaults, said why
         return gemm.note_kernel(TILES_OP, device, f"{NUM_WARPS} warps, the pair as one kernel", _untimed(e), **default)
     w1 = min(WARP_CHOICES, key=lambda w: t[("1x128", w)])
     pair, wp = min((k for k in t if k[0] != "1x128"), key=t.get)
+    one, packed = pair.startswith("pair as one kernel"), pair.endswith("packed")
     m, k = TIMING_SHAPE
     why = f"timed on {m} x {k} bf16: " + ", ".join(f"{what} at {w} warps {ms:.3f} ms" for (what, w), ms in t.items())
     return gemm.note_kernel(TILES_OP, device, f"{w1} warps; the 1x128 + 128x1 {pair} at {wp} warps", why,
-                            warps=w1, pair_warps=wp, one_kernel=pair == "pair as one kernel",
+                            warps=w1, pair_warps=wp, one_kernel=one, packed=packed,
                             timings_ms={f"{what} @ {w}": ms for (what, w), ms in t.items()})
 
 
@@ -219,24 +258,27 @@ def _untimed(e: Exception) -> str:
 
 def _choose_swiglu_warps(device: torch.device) -> dict:
     """Time the SwiGLU backward kernel (as a training step runs it, with down's h^T) at each of
-    ``WARP_CHOICES`` on ``device`` and record the fastest (``swiglu_warps``); at its first call on the
-    device, a training backward's. Inside a graph capture nothing is timed: the default, unrecorded."""
+    ``WARP_CHOICES``, with its transposed stores packed or not, on ``device`` and record the fastest
+    (``swiglu_config``); at its first call on the device, a training backward's. Inside a graph
+    capture nothing is timed: the default, unrecorded."""
+    default = {"warps": SWIGLU_WARPS, "packed": PACKED}
     if gemm.capturing(device):
-        return {"warps": SWIGLU_WARPS}
+        return default
     g = torch.Generator().manual_seed(0)
     m, k = TIMING_SHAPE
     try:
         gu = quantize(torch.randn(TIMING_SHAPE, generator=g).to(device, torch.bfloat16),
-                      CastSpec(Format.FP8_E4M3, Block(1, TILE)))  # [g, u]'s FP8 copy, halves k / 2 wide
+                      CastSpec(Format.FP8_E4M3, B1x128))  # [g, u]'s FP8 copy, halves k / 2 wide
         gy = torch.randn((m, k // 2), generator=g).to(device, torch.bfloat16)
         run = lambda: swiglu_grad_quantize(gu, gy, torch.bfloat16, pad_tokens_to=TILE, h_cols=True)  # noqa: E731
-        t = _time_forced(device, [(w, (w, True), run) for w in WARP_CHOICES])
+        t = _time_forced(device, [((w, p), (w, True, p), run) for w in WARP_CHOICES for p in (False, True)])
     except Exception as e:  # noqa: BLE001 - nothing timed: the default, said why
-        return gemm.note_kernel(SWIGLU_TILES_OP, device, f"{SWIGLU_WARPS} warps", _untimed(e), warps=SWIGLU_WARPS)
-    best = min(WARP_CHOICES, key=t.get)
-    why = f"timed on [g, u] {m} x {k}: " + ", ".join(f"{w} warps {ms:.3f} ms" for w, ms in t.items())
-    return gemm.note_kernel(SWIGLU_TILES_OP, device, f"{best} warps", why, warps=best,
-                            timings_ms={f"{w} warps": ms for w, ms in t.items()})
+        return gemm.note_kernel(SWIGLU_TILES_OP, device, f"{SWIGLU_WARPS} warps", _untimed(e), **default)
+    best, packed = min(t, key=t.get)
+    why = f"timed on [g, u] {m} x {k}: " + ", ".join(f"{w} warps {_store_name(p)} {ms:.3f} ms"
+                                                       for (w, p), ms in t.items())
+    return gemm.note_kernel(SWIGLU_TILES_OP, device, f"{best} warps, {_store_name(packed)} store", why, warps=best,
+                            packed=packed, timings_ms={f"{w} warps {_store_name(p)}": ms for (w, p), ms in t.items()})
 
 
 def _interpreter_fma_is_exact() -> bool:
@@ -348,6 +390,81 @@ def _store_cols(x, s, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, K, M_PAD,
 
 
 @triton.jit
+def _load_rows(at, rm, M, col_ok, stride_m):
+    """fp32 values of rows ``rm`` (zeros past ``M``) at column pointers ``at``."""
+    return tl.load(at + rm.to(tl.int64)[:, None] * stride_m, mask=(rm < M)[:, None] & col_ok[None, :], other=0.0,
+                   eviction_policy="evict_first").to(tl.float32)
+
+
+@triton.jit
+def _word_rows(pm, T: tl.constexpr):
+    """A packed tile's sub-tile 0: tokens ``pm * T + 4 i`` (i < T / 4), the first of each 32-bit word
+    of x^T; sub-tile j holds tokens ``+ j``."""
+    return pm * T + 4 * tl.arange(0, T // 4)
+
+
+@triton.jit
+def _col_amax4(x0, x1, x2, x3):
+    """The NaN-propagating amax of each column over four sub-tiles (``_amax``'s integer max)."""
+    a = tl.maximum(tl.maximum(_abs_bits(x0), _abs_bits(x1)), tl.maximum(_abs_bits(x2), _abs_bits(x3)))
+    return _amax(a, 0)  # elementwise first: one reduction across the warps, not four
+
+
+@triton.jit
+def _byte(x, s, r, ok, POW2: tl.constexpr, OUT: tl.constexpr, ZERO_PAD: tl.constexpr):
+    """``_store_cols``' quotient and cast of a sub-tile, as the low byte of a uint32 (rows not ``ok``:
+    zeros, with ``ZERO_PAD``)."""
+    q = _scaled(x, s, r, POW2)
+    if ZERO_PAD:
+        q = tl.where(ok[:, None], q, 0.0)
+    return q.to(OUT).to(tl.uint8, bitcast=True).to(tl.uint32)
+
+
+@triton.jit
+def _store_cols4(x0, x1, x2, x3, s, qt_ptr, st_ptr, pm, r0, rk, col_ok, M, K, M_PAD,
+                 POW2: tl.constexpr, OUT: tl.constexpr, ZERO_PAD: tl.constexpr):
+    """``_store_cols`` of a tile held as four sub-tiles (sub-tile j: tokens ``r0 + j``), the bytes of
+    four tokens packed into one little-endian 32-bit word of x^T, words transposed: ``qt_ptr`` is x^T
+    (K, M_PAD) viewed as int32 (K, M_PAD / 4), M_PAD a multiple of 4."""
+    tl.store(st_ptr + pm.to(tl.int64) * K + rk, s, mask=col_ok)
+    sc = s[None, :]
+    r = _divisor(s)[None, :]
+    w = _byte(x0, sc, r, r0 < M, POW2, OUT, ZERO_PAD)
+    w = w | (_byte(x1, sc, r, r0 + 1 < M, POW2, OUT, ZERO_PAD) << 8)
+    w = w | (_byte(x2, sc, r, r0 + 2 < M, POW2, OUT, ZERO_PAD) << 16)
+    w = w | (_byte(x3, sc, r, r0 + 3 < M, POW2, OUT, ZERO_PAD) << 24)
+    words = tl.trans(w.to(tl.int32, bitcast=True))
+    tl.store(qt_ptr + rk.to(tl.int64)[:, None] * (M_PAD // 4) + (r0 // 4)[None, :], words,
+             mask=col_ok[:, None] & (r0 < M_PAD)[None, :])
+
+
+@triton.jit
+def _store_rows(x, qr_ptr, sr_ptr, pk, rm, rk, col_ok, M, K, FMAX: tl.constexpr, FLOOR: tl.constexpr,
+                POW2: tl.constexpr, OUT: tl.constexpr):
+    """Rows ``rm`` of a tile quantized 1x128 into ``quantize_act``'s rows output (``_store_tile``'s)."""
+    row_ok = rm < M
+    q, s = _rows_quantized(x, FMAX, FLOOR, POW2)
+    tl.store(sr_ptr + pk.to(tl.int64) * M + rm, s, mask=row_ok)
+    tl.store(qr_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :], q.to(OUT), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _store_tile4(x0, x1, x2, x3, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk, r0, rk, col_ok, M, K, M_PAD,
+                 FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr, ROWS: tl.constexpr,
+                 COLS: tl.constexpr, ZERO_PAD: tl.constexpr):
+    """``_store_tile`` of a tile held as four sub-tiles (``_store_cols4``), the same bytes and scales."""
+    if COLS:
+        s_col = _group_scale(_col_amax4(x0, x1, x2, x3), FMAX, FLOOR, POW2)
+    if ROWS:
+        _store_rows(x0, qr_ptr, sr_ptr, pk, r0, rk, col_ok, M, K, FMAX, FLOOR, POW2, OUT)
+        _store_rows(x1, qr_ptr, sr_ptr, pk, r0 + 1, rk, col_ok, M, K, FMAX, FLOOR, POW2, OUT)
+        _store_rows(x2, qr_ptr, sr_ptr, pk, r0 + 2, rk, col_ok, M, K, FMAX, FLOOR, POW2, OUT)
+        _store_rows(x3, qr_ptr, sr_ptr, pk, r0 + 3, rk, col_ok, M, K, FMAX, FLOOR, POW2, OUT)
+    if COLS:
+        _store_cols4(x0, x1, x2, x3, s_col, qt_ptr, st_ptr, pm, r0, rk, col_ok, M, K, M_PAD, POW2, OUT, ZERO_PAD)
+
+
+@triton.jit
 def _silu_mul(g, u):
     """``silu(g) * u`` in fp32, ``precision.linear``'s form ``g / (1 + exp(-g)) * u`` with an IEEE
     division; Triton's exp (not torch's), the same in both SwiGLU quantizers."""
@@ -357,18 +474,23 @@ def _silu_mul(g, u):
 @triton.jit
 def _act_quant_kernel(x_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, K, M_PAD, stride_xm, stride_xk,
                       FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
-                      ROWS: tl.constexpr, COLS: tl.constexpr, ZERO_PAD: tl.constexpr, T: tl.constexpr):
+                      ROWS: tl.constexpr, COLS: tl.constexpr, ZERO_PAD: tl.constexpr, PACK: tl.constexpr,
+                      T: tl.constexpr):
     pm = tl.program_id(0)
     pk = tl.program_id(1)
-    rm = pm * T + tl.arange(0, T)
     rk = pk * T + tl.arange(0, T)
-    row_ok = rm < M
     col_ok = rk < K
-    inb = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :] * stride_xk, mask=inb, other=0.0,
-                eviction_policy="evict_first").to(tl.float32)
-    _store_tile(x, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk, rm, rk, row_ok, col_ok, M, K, M_PAD, FMAX, FLOOR, POW2,
-                OUT, ROWS, COLS, ZERO_PAD)
+    at = x_ptr + rk[None, :] * stride_xk
+    if PACK:  # four interleaved sub-tiles: x^T stored as 32-bit words (``_store_cols4``)
+        r0 = _word_rows(pm, T)
+        _store_tile4(_load_rows(at, r0, M, col_ok, stride_xm), _load_rows(at, r0 + 1, M, col_ok, stride_xm),
+                     _load_rows(at, r0 + 2, M, col_ok, stride_xm), _load_rows(at, r0 + 3, M, col_ok, stride_xm),
+                     qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk, r0, rk, col_ok, M, K, M_PAD, FMAX, FLOOR, POW2, OUT,
+                     ROWS, COLS, ZERO_PAD)
+    else:
+        rm = pm * T + tl.arange(0, T)
+        _store_tile(_load_rows(at, rm, M, col_ok, stride_xm), qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk, rm, rk, rm < M,
+                    col_ok, M, K, M_PAD, FMAX, FLOOR, POW2, OUT, ROWS, COLS, ZERO_PAD)
 
 
 @triton.jit
@@ -438,15 +560,60 @@ def _copy_group(at, s_at, cols, group, mask, row_ok, stride_sk):
 
 
 @triton.jit
+def _h_rows(q_ptr, s_ptr, rm, rk, pk, M, I, col_ok, stride_qm, stride_sm, stride_sk, ROUND_BF16: tl.constexpr,
+            INTERPRET: tl.constexpr, T: tl.constexpr):
+    """h = silu(g) * u at rows ``rm``, columns ``rk`` (h's group ``pk``), at the values of the FP8 copy
+    of [g, u] (rounded to bf16 with ``ROUND_BF16``: the forward's [g, u]), as ``swiglu_quantize``
+    computes it; zeros past ``M``."""
+    row_ok = rm < M
+    inb = row_ok[:, None] & col_ok[None, :]
+    at = q_ptr + rm.to(tl.int64)[:, None] * stride_qm
+    s_at = s_ptr + rm.to(tl.int64) * stride_sm
+    g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
+    u = _copy_group(at, s_at, I + rk, pk + I // T, inb, row_ok, stride_sk)
+    if ROUND_BF16:  # the values the forward's bf16 [g, u] had
+        g = _to_bf16(g, INTERPRET).to(tl.float32)
+        u = _to_bf16(u, INTERPRET).to(tl.float32)
+    return _silu_mul(g, u)
+
+
+@triton.jit
+def _d_rows(gy_ptr, q_ptr, s_ptr, rm, rk, pk, half, M, I, col_ok, stride_qm, stride_sm, stride_sk, stride_gm,
+            stride_gk, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, T: tl.constexpr):
+    """d[g] (``half`` 0) or d[u] (1) of silu(g) * u for the gradient ``gy`` at rows ``rm``, columns
+    ``rk`` of the half, at the values of the FP8 copy of [g, u], rounded to bf16 with ``ROUND_BF16``
+    (the gradient's dtype); zeros past ``M``: ``_swiglu_grad_quant_kernel``'s math, per sub-tile of
+    the packed kernels."""
+    row_ok = rm < M
+    inb = row_ok[:, None] & col_ok[None, :]
+    at = q_ptr + rm.to(tl.int64)[:, None] * stride_qm
+    s_at = s_ptr + rm.to(tl.int64) * stride_sm
+    gy = tl.load(gy_ptr + rm.to(tl.int64)[:, None] * stride_gm + rk[None, :] * stride_gk, mask=inb, other=0.0)
+    g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
+    sig = tl.div_rn(1.0, 1.0 + tl.exp(-g))
+    dg = (rm * 0 + half) == 0  # a vector: the interpreter takes no scalar in a load's mask
+    u = _copy_group(at, s_at, I + rk, pk + I // T, inb & dg[:, None], row_ok & dg, stride_sk)
+    a = tl.where(dg[:, None], u, g)
+    d = gy.to(tl.float32) * a * sig * tl.where(dg[:, None], 1.0 + g * (1.0 - sig), 1.0)
+    if ROUND_BF16:
+        d = _to_bf16(d, INTERPRET).to(tl.float32)
+    return d
+
+
+@triton.jit
 def _swiglu_quant_t_kernel(q_ptr, s_ptr, qt_ptr, st_ptr, M, I, M_PAD, stride_qm, stride_sm, stride_sk,
                            FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
                            ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, ZERO_PAD: tl.constexpr,
-                           T: tl.constexpr):
+                           PACK: tl.constexpr, T: tl.constexpr):
     pm = tl.program_id(0)
     pk = tl.program_id(1)  # h's 128-wide column tile: g's group pk and u's group I/128 + pk
-    rm, rk, row_ok, col_ok, inb, at, s_at = _copy_tile(q_ptr, s_ptr, pm, pk, M, I, stride_qm, stride_sm, T)
-    _store_h_cols(at, s_at, qt_ptr, st_ptr, pm, pk, rm, rk, row_ok, col_ok, inb, stride_sk, I, M_PAD, FMAX, FLOOR,
-                  POW2, OUT, ROUND_BF16, INTERPRET, ZERO_PAD, T)
+    if PACK:
+        _store_h_cols4(q_ptr, s_ptr, qt_ptr, st_ptr, pm, pk, M, I, M_PAD, stride_qm, stride_sm, stride_sk, FMAX, FLOOR,
+                       POW2, OUT, ROUND_BF16, INTERPRET, ZERO_PAD, T)
+    else:
+        rm, rk, row_ok, col_ok, inb, at, s_at = _copy_tile(q_ptr, s_ptr, pm, pk, M, I, stride_qm, stride_sm, T)
+        _store_h_cols(at, s_at, qt_ptr, st_ptr, pm, pk, rm, rk, row_ok, col_ok, inb, stride_sk, I, M_PAD, FMAX, FLOOR,
+                      POW2, OUT, ROUND_BF16, INTERPRET, ZERO_PAD, T)
 
 
 @triton.jit
@@ -467,35 +634,81 @@ def _store_h_cols(at, s_at, qt_ptr, st_ptr, pm, pk, rm, rk, row_ok, col_ok, inb,
 
 
 @triton.jit
+def _store_h_cols4(q_ptr, s_ptr, qt_ptr, st_ptr, pm, pk, M, I, M_PAD, stride_qm, stride_sm, stride_sk,
+                   FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
+                   ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, ZERO_PAD: tl.constexpr, T: tl.constexpr):
+    """``_store_h_cols`` with the tile as four sub-tiles and x^T stored as 32-bit words (``_store_cols4``)."""
+    rk = pk * T + tl.arange(0, T)
+    col_ok = rk < I
+    r0 = _word_rows(pm, T)
+    h0 = _h_rows(q_ptr, s_ptr, r0, rk, pk, M, I, col_ok, stride_qm, stride_sm, stride_sk, ROUND_BF16, INTERPRET, T)
+    h1 = _h_rows(q_ptr, s_ptr, r0 + 1, rk, pk, M, I, col_ok, stride_qm, stride_sm, stride_sk, ROUND_BF16, INTERPRET, T)
+    h2 = _h_rows(q_ptr, s_ptr, r0 + 2, rk, pk, M, I, col_ok, stride_qm, stride_sm, stride_sk, ROUND_BF16, INTERPRET, T)
+    h3 = _h_rows(q_ptr, s_ptr, r0 + 3, rk, pk, M, I, col_ok, stride_qm, stride_sm, stride_sk, ROUND_BF16, INTERPRET, T)
+    s = _group_scale(_col_amax4(h0, h1, h2, h3), FMAX, FLOOR, POW2)  # 128x1: one scale per column of h
+    _store_cols4(h0, h1, h2, h3, s, qt_ptr, st_ptr, pm, r0, rk, col_ok, M, I, M_PAD, POW2, OUT, ZERO_PAD)
+
+
+@triton.jit
+def _d_cols4(gy_ptr, q_ptr, s_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk, half, M, I, M_PAD, stride_qm, stride_sm,
+             stride_sk, stride_gm, stride_gk, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr,
+             OUT: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, ROWS: tl.constexpr,
+             COLS: tl.constexpr, ZERO_PAD: tl.constexpr, T: tl.constexpr):
+    """``_swiglu_grad_quant_kernel``'s d[g] / d[u] tile as four sub-tiles, x^T stored as 32-bit words."""
+    rk = pk * T + tl.arange(0, T)
+    col_ok = rk < I
+    r0 = _word_rows(pm, T)
+    d0 = _d_rows(gy_ptr, q_ptr, s_ptr, r0, rk, pk, half, M, I, col_ok, stride_qm, stride_sm, stride_sk, stride_gm,
+                 stride_gk, ROUND_BF16, INTERPRET, T)
+    d1 = _d_rows(gy_ptr, q_ptr, s_ptr, r0 + 1, rk, pk, half, M, I, col_ok, stride_qm, stride_sm, stride_sk, stride_gm,
+                 stride_gk, ROUND_BF16, INTERPRET, T)
+    d2 = _d_rows(gy_ptr, q_ptr, s_ptr, r0 + 2, rk, pk, half, M, I, col_ok, stride_qm, stride_sm, stride_sk, stride_gm,
+                 stride_gk, ROUND_BF16, INTERPRET, T)
+    d3 = _d_rows(gy_ptr, q_ptr, s_ptr, r0 + 3, rk, pk, half, M, I, col_ok, stride_qm, stride_sm, stride_sk, stride_gm,
+                 stride_gk, ROUND_BF16, INTERPRET, T)
+    _store_tile4(d0, d1, d2, d3, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk + half * (I // T), r0, half * I + rk, col_ok,
+                 M, 2 * I, M_PAD, FMAX, FLOOR, POW2, OUT, ROWS, COLS, ZERO_PAD)
+
+
+@triton.jit
 def _swiglu_grad_quant_kernel(q_ptr, s_ptr, gy_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, qh_ptr, sh_ptr, M, I, M_PAD,
                               stride_qm, stride_sm, stride_sk, stride_gm, stride_gk, FMAX: tl.constexpr,
                               FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr, ROUND_BF16: tl.constexpr,
                               INTERPRET: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                              ZERO_PAD: tl.constexpr, T: tl.constexpr):
+                              ZERO_PAD: tl.constexpr, PACK: tl.constexpr, T: tl.constexpr):
     # 0: d[g], 1: d[u], 2 (when launched): h^T; a tile's programs run side by side (gy, g, u: one DRAM read)
     part = tl.program_id(0)
     pk = tl.program_id(1)  # gy's 128-wide column tile: d[g]'s group pk, d[u]'s group I/128 + pk
     pm = tl.program_id(2)
-    rm, rk, row_ok, col_ok, inb, at, s_at = _copy_tile(q_ptr, s_ptr, pm, pk, M, I, stride_qm, stride_sm, T)
-    if part == 2:  # down's Wgrad operand h^T (its own program: within d[g]'s, 255 registers and spills)
-        _store_h_cols(at, s_at, qh_ptr, sh_ptr, pm, pk, rm, rk, row_ok, col_ok, inb, stride_sk, I, M_PAD, FMAX, FLOOR,
-                      POW2, OUT, ROUND_BF16, INTERPRET, ZERO_PAD, T)
+    if PACK:  # four interleaved sub-tiles: x^T and h^T stored as 32-bit words (``_store_cols4``)
+        if part == 2:
+            _store_h_cols4(q_ptr, s_ptr, qh_ptr, sh_ptr, pm, pk, M, I, M_PAD, stride_qm, stride_sm, stride_sk, FMAX,
+                           FLOOR, POW2, OUT, ROUND_BF16, INTERPRET, ZERO_PAD, T)
+        else:
+            _d_cols4(gy_ptr, q_ptr, s_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk, part, M, I, M_PAD, stride_qm,
+                     stride_sm, stride_sk, stride_gm, stride_gk, FMAX, FLOOR, POW2, OUT, ROUND_BF16, INTERPRET, ROWS,
+                     COLS, ZERO_PAD, T)
     else:
-        half = part
-        gy = tl.load(gy_ptr + rm.to(tl.int64)[:, None] * stride_gm + rk[None, :] * stride_gk, mask=inb, other=0.0)
-        g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
-        sig = tl.div_rn(1.0, 1.0 + tl.exp(-g))  # as precision.linear's ``_silu_mul_grad`` computes it
-        # d[g] = gy * u * sig * (1 + g * (1 - sig)), d[u] = gy * g * sig (* 1: exact), in that order of
-        # operations (one path for both halves, u read by d[g]'s program only: 202-207 registers per
-        # thread with the h^T branch beside it, sm_90a, where an if/else between the halves took 252)
-        dg = (rm * 0 + half) == 0  # a vector: the interpreter takes no scalar in a load's mask
-        u = _copy_group(at, s_at, I + rk, pk + I // T, inb & dg[:, None], row_ok & dg, stride_sk)
-        a = tl.where(dg[:, None], u, g)
-        d = gy.to(tl.float32) * a * sig * tl.where(dg[:, None], 1.0 + g * (1.0 - sig), 1.0)
-        if ROUND_BF16:  # the gradient's dtype: the values its Dgrad and Wgrad casts would read
-            d = _to_bf16(d, INTERPRET).to(tl.float32)
-        _store_tile(d, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk + half * (I // T), rm, half * I + rk, row_ok, col_ok,
-                    M, 2 * I, M_PAD, FMAX, FLOOR, POW2, OUT, ROWS, COLS, ZERO_PAD)
+        rm, rk, row_ok, col_ok, inb, at, s_at = _copy_tile(q_ptr, s_ptr, pm, pk, M, I, stride_qm, stride_sm, T)
+        if part == 2:  # down's Wgrad operand h^T (its own program: within d[g]'s, 255 registers and spills)
+            _store_h_cols(at, s_at, qh_ptr, sh_ptr, pm, pk, rm, rk, row_ok, col_ok, inb, stride_sk, I, M_PAD, FMAX, FLOOR,
+                          POW2, OUT, ROUND_BF16, INTERPRET, ZERO_PAD, T)
+        else:
+            half = part
+            gy = tl.load(gy_ptr + rm.to(tl.int64)[:, None] * stride_gm + rk[None, :] * stride_gk, mask=inb, other=0.0)
+            g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
+            sig = tl.div_rn(1.0, 1.0 + tl.exp(-g))  # as precision.linear's ``_silu_mul_grad`` computes it
+            # d[g] = gy * u * sig * (1 + g * (1 - sig)), d[u] = gy * g * sig (* 1: exact), in that order of
+            # operations (one path for both halves, u read by d[g]'s program only: 202-207 registers per
+            # thread with the h^T branch beside it, sm_90a, where an if/else between the halves took 252)
+            dg = (rm * 0 + half) == 0  # a vector: the interpreter takes no scalar in a load's mask
+            u = _copy_group(at, s_at, I + rk, pk + I // T, inb & dg[:, None], row_ok & dg, stride_sk)
+            a = tl.where(dg[:, None], u, g)
+            d = gy.to(tl.float32) * a * sig * tl.where(dg[:, None], 1.0 + g * (1.0 - sig), 1.0)
+            if ROUND_BF16:  # the gradient's dtype: the values its Dgrad and Wgrad casts would read
+                d = _to_bf16(d, INTERPRET).to(tl.float32)
+            _store_tile(d, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk + half * (I // T), rm, half * I + rk, row_ok, col_ok,
+                        M, 2 * I, M_PAD, FMAX, FLOOR, POW2, OUT, ROWS, COLS, ZERO_PAD)
 
 
 @triton.jit
@@ -589,6 +802,27 @@ def _to_bf16(x, INTERPRET: tl.constexpr):
     return x.to(tl.bfloat16)
 
 
+@triton.jit
+def _kblocks(a_ptr, b_ptr, sa_ptr, sb_ptr, rm, rn, kb0, kb1, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
+             stride_sam, stride_sak, stride_sbn, stride_sbk, SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 sum over K blocks ``kb0 .. kb1 - 1``, in K order, of each block's ``a @ b.T`` partial
+    product scaled by its blocks' scales: rows ``rm`` of a, columns ``rn`` (rows of b)."""
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(kb0, kb1):
+        k = kb * BLOCK_K + rk
+        a = tl.load(a_ptr + rm.to(tl.int64)[:, None] * stride_am + k[None, :] * stride_ak,
+                    mask=(rm < M)[:, None] & (k < K)[None, :], other=0.0)
+        b = tl.load(b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn,  # (BLOCK_K, BLOCK_N): K-major B
+                    mask=(k < K)[:, None] & (rn < N)[None, :], other=0.0)
+        part = tl.dot(a, b, out_dtype=tl.float32)
+        sa = tl.load(sa_ptr + (rm // SA_ROWS) * stride_sam + kb * stride_sak, mask=rm < M, other=0.0)
+        sb = tl.load(sb_ptr + (rn // SB_ROWS) * stride_sbn + kb * stride_sbk, mask=rn < N, other=0.0)
+        acc += part * sa[:, None] * sb[None, :]  # promote each 128-wide K block with its scales
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _blockwise_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                          stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
@@ -603,23 +837,49 @@ def _blockwise_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
     pn = tl.program_id(1)
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k = kb * BLOCK_K + rk
-        a = tl.load(a_ptr + rm.to(tl.int64)[:, None] * stride_am + k[None, :] * stride_ak,
-                    mask=(rm < M)[:, None] & (k < K)[None, :], other=0.0)
-        b = tl.load(b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn,  # (BLOCK_K, BLOCK_N): K-major B
-                    mask=(k < K)[:, None] & (rn < N)[None, :], other=0.0)
-        part = tl.dot(a, b, out_dtype=tl.float32)
-        sa = tl.load(sa_ptr + (rm // SA_ROWS) * stride_sam + kb * stride_sak, mask=rm < M, other=0.0)
-        sb = tl.load(sb_ptr + (rn // SB_ROWS) * stride_sbn + kb * stride_sbk, mask=rn < N, other=0.0)
-        acc += part * sa[:, None] * sb[None, :]  # promote each 128-wide K block with its scales
+    acc = _kblocks(a_ptr, b_ptr, sa_ptr, sb_ptr, rm, rn, 0, tl.cdiv(K, BLOCK_K), M, N, K, stride_am, stride_ak,
+                   stride_bn, stride_bk, stride_sam, stride_sak, stride_sbn, stride_sbk, SA_ROWS, SB_ROWS,
+                   BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     out = _to_bf16(acc, INTERPRET) if OUT_BF16 else acc
     tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn, out,
              mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _blockwise_mm_split_kernel(a_ptr, b_ptr, p_ptr, sa_ptr, sb_ptr, M, N, K, KB_SPLIT,
+                               stride_am, stride_ak, stride_bn, stride_bk, stride_sam, stride_sak, stride_sbn,
+                               stride_sbk, SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Split-K: program (m, n, s) sums K blocks ``s * KB_SPLIT ..`` (``_kblocks``, K order) into its
+    fp32 partial ``p[s]`` (S x M x N, contiguous); ``_split_sum_kernel`` adds the partials."""
+    pm = tl.program_id(0)
+    pn = tl.program_id(1)
+    ps = tl.program_id(2)
+    rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    kb0 = ps * KB_SPLIT
+    acc = _kblocks(a_ptr, b_ptr, sa_ptr, sb_ptr, rm, rn, kb0, tl.minimum(kb0 + KB_SPLIT, tl.cdiv(K, BLOCK_K)), M, N,
+                   K, stride_am, stride_ak, stride_bn, stride_bk, stride_sam, stride_sak, stride_sbn, stride_sbk,
+                   SA_ROWS, SB_ROWS, BLOCK_M, BLOCK_N, BLOCK_K)
+    tl.store(p_ptr + ps.to(tl.int64) * M * N + rm.to(tl.int64)[:, None] * N + rn[None, :], acc,
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(p_ptr, c_ptr, bias_ptr, MN, N, S, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
+                      INTERPRET: tl.constexpr, BLOCK: tl.constexpr):
+    """``c = p[0] + p[1] + ... + p[S-1] (+ bias)`` in that order, in fp32, rounded once to c's dtype:
+    one order whatever the launch, so a split-K GEMM is deterministic."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < MN
+    acc = tl.load(p_ptr + i, mask=ok, other=0.0)
+    for s in range(1, S):
+        acc += tl.load(p_ptr + s * MN + i, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + i % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(c_ptr + i, _to_bf16(acc, INTERPRET) if OUT_BF16 else acc, mask=ok)
 
 
 _TL_FP8 = {Format.FP8_E4M3: tl.float8e4nv, Format.FP8_E5M2: tl.float8e5}
@@ -694,14 +954,16 @@ def quantize_act(x: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale: boo
     qt, st = _cols_out(k, m_pad, dt, dev) if cols else (None, None)
     if (rows or cols) and gm * gk > 0:
         dummy = _dummy(dev)
-        warps, one = launch_config(x, rows and cols)
-        for r, c in ((rows, cols),) if one else ((True, False), (False, True)):  # the pair: one read of x, or two
+        launch = launch_config(x, rows and cols)
+        pack = cols and _packs(m_pad, launch)
+        pair_as_two = rows and cols and not launch.one_kernel  # the pair: one read of x, or two
+        for r, c in ((True, False), (False, True)) if pair_as_two else ((rows, cols),):
             _act_quant_kernel[(cdiv(m_pad if c else m, TILE), gk)](
-                x, qr if r else dummy, sr if r else dummy, qt if c else dummy, st if c else dummy,
-                m, k, m_pad, x.stride(0), x.stride(1), FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale,
-                OUT=_TL_FP8[fmt], ROWS=r, COLS=c, ZERO_PAD=c and m_pad > m, T=TILE, num_warps=warps,
-                enable_fp_fusion=FP_FUSION)
-    spec = CastSpec(fmt, Block(1, TILE), pow2_scale, amax_floor)
+                x, qr if r else dummy, sr if r else dummy, (qt.view(torch.int32) if pack else qt) if c else dummy,
+                st if c else dummy, m, k, m_pad, x.stride(0), x.stride(1), FMAX=fmt.max, FLOOR=amax_floor,
+                POW2=pow2_scale, OUT=_TL_FP8[fmt], ROWS=r, COLS=c, ZERO_PAD=c and m_pad > m, PACK=c and pack, T=TILE,
+                num_warps=launch.warps, enable_fp_fusion=FP_FUSION)
+    spec = CastSpec(fmt, B1x128, pow2_scale, amax_floor)
     return (QTensor(qr, sr, spec) if rows else None), (QTensor(qt, st, spec) if cols else None)
 
 
@@ -735,7 +997,7 @@ def swiglu_quantize(gu: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale:
             gu, qh, sh, qg if save else qh, sg if save else sh, m, i, gu.stride(0), gu.stride(1),
             FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], SAVE=save, BM=SWIGLU_ROWS, T=TILE,
             num_warps=4, enable_fp_fusion=FP_FUSION)
-    spec = CastSpec(fmt, Block(1, TILE), pow2_scale, amax_floor)
+    spec = CastSpec(fmt, B1x128, pow2_scale, amax_floor)
     return QTensor(qh, sh, spec), (QTensor(qg, sg, spec) if save else None)
 
 
@@ -744,7 +1006,7 @@ def _gu_copy_shape(gu: QTensor, where: str, what: str, dtype: torch.dtype, x: to
     """``(T, I)`` of the FP8 1x128 copy of [g, u] (T x 2I) that the SwiGLU backward kernels read, with
     ``dtype`` (named ``what``) bf16 or fp32 and ``x`` (another input, or None) one they take; a
     ValueError naming ``where`` otherwise."""
-    if gu.spec.block != Block(1, TILE) or gu.data.dim() != 2:
+    if gu.spec.block != B1x128 or gu.data.dim() != 2:
         raise ValueError(f"{where}: takes a 2-D 1x128 copy of [g, u], got {gu.spec.block.name} "
                          f"data of shape {tuple(gu.data.shape)}")
     if dtype not in (torch.bfloat16, torch.float32):
@@ -773,12 +1035,14 @@ def swiglu_quantize_t(gu: QTensor, gu_dtype: torch.dtype, fmt: Format = Format.F
     dev = gu.data.device
     qt, st = _cols_out(i, m_pad, fmt.torch_dtype(), dev)
     if m_pad and i:
+        launch = swiglu_config(gu.data)
+        pack = _packs(m_pad, launch)
         _swiglu_quant_t_kernel[(cdiv(m_pad, TILE), i // TILE)](
-            gu.data, gu.scale, qt, st, m, i, m_pad, gu.data.stride(0), gu.scale.stride(0), gu.scale.stride(1),
-            FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], ROUND_BF16=gu_dtype is torch.bfloat16,
-            INTERPRET=_interpreting(), ZERO_PAD=m_pad > m, T=TILE, num_warps=swiglu_warps(gu.data),
-            enable_fp_fusion=FP_FUSION)
-    return QTensor(qt, st, CastSpec(fmt, Block(1, TILE), pow2_scale, amax_floor))
+            gu.data, gu.scale, qt.view(torch.int32) if pack else qt, st, m, i, m_pad, gu.data.stride(0),
+            gu.scale.stride(0), gu.scale.stride(1), FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt],
+            ROUND_BF16=gu_dtype is torch.bfloat16, INTERPRET=_interpreting(), ZERO_PAD=m_pad > m, PACK=pack, T=TILE,
+            num_warps=launch.warps, enable_fp_fusion=FP_FUSION)
+    return QTensor(qt, st, CastSpec(fmt, B1x128, pow2_scale, amax_floor))
 
 
 def swiglu_grad_quantize(gu: QTensor, gy: torch.Tensor, out_dtype: torch.dtype, fmt: Format = Format.FP8_E4M3,
@@ -814,13 +1078,17 @@ def swiglu_grad_quantize(gu: QTensor, gy: torch.Tensor, out_dtype: torch.dtype, 
     qh, sh = _cols_out(i, m_pad, dt, dev) if h_cols else (None, None)
     if (rows or cols or h_cols) and m_pad and i:
         dummy = _dummy(dev)
+        launch = swiglu_config(gy)
+        pack = (cols or h_cols) and _packs(m_pad, launch)
+        words = lambda q: q.view(torch.int32) if pack and q is not None else q  # noqa: E731 - x^T as 32-bit words
+        outs = (qr, sr, words(qt), st, words(qh), sh)
         _swiglu_grad_quant_kernel[(3 if h_cols else 2, i // TILE, cdiv(m_pad if cols or h_cols else m, TILE))](
-            gu.data, gu.scale, gy, *(t if t is not None else dummy for t in (qr, sr, qt, st, qh, sh)), m, i, m_pad,
+            gu.data, gu.scale, gy, *(t if t is not None else dummy for t in outs), m, i, m_pad,
             gu.data.stride(0), gu.scale.stride(0), gu.scale.stride(1), gy.stride(0), gy.stride(1), FMAX=fmt.max,
             FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], ROUND_BF16=out_dtype is torch.bfloat16,
-            INTERPRET=_interpreting(), ROWS=rows, COLS=cols, ZERO_PAD=m_pad > m, T=TILE,
-            num_warps=swiglu_warps(gy), enable_fp_fusion=FP_FUSION)
-    spec = CastSpec(fmt, Block(1, TILE), pow2_scale, amax_floor)
+            INTERPRET=_interpreting(), ROWS=rows, COLS=cols, ZERO_PAD=m_pad > m, PACK=pack, T=TILE,
+            num_warps=launch.warps, enable_fp_fusion=FP_FUSION)
+    spec = CastSpec(fmt, B1x128, pow2_scale, amax_floor)
     return tuple(QTensor(q, sc, spec) if q is not None else None for q, sc in ((qr, sr), (qt, st), (qh, sh)))
 
 
@@ -873,7 +1141,7 @@ def rms_norm_quantize(x: torch.Tensor, delta: torch.Tensor | None, weight: torch
             OUT=_TL_FP8[fmt], HAS_DELTA=delta is not None, S_BF16=s_dtype is torch.bfloat16,
             Y_BF16=out_dtype is torch.bfloat16, WRITE_Y=write_y, WRITE_R=rsqrt, INTERPRET=_interpreting(),
             BM=NORM_ROWS, T=TILE, num_warps=4, enable_fp_fusion=FP_FUSION)
-    return s, y, r, QTensor(q, sc, CastSpec(fmt, Block(1, TILE), pow2_scale, amax_floor))
+    return s, y, r, QTensor(q, sc, CastSpec(fmt, B1x128, pow2_scale, amax_floor))
 
 
 def quantize_weight(w: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale: bool = False,
@@ -915,7 +1183,7 @@ def _weight_stack(ws, fmt: Format, pow2_scale: bool, amax_floor: float, transpos
         raise ValueError(f"{where}: weights {[tuple(w.shape) for w in ws]}: each needs the same K, "
                          f"and every N but the last a multiple of {TILE}")
     gk, gtot = cdiv(k, TILE), cdiv(total, TILE)
-    spec = CastSpec(fmt, Block(TILE, TILE), pow2_scale, amax_floor)
+    spec = CastSpec(fmt, B128x128, pow2_scale, amax_floor)
 
     def fits(op, shape) -> bool:  # a held operand to write into: the shape, spec and layout we make
         return (isinstance(op, QTensor) and op.spec == spec and op.data.shape == shape and op.data.device == dev
@@ -931,7 +1199,7 @@ def _weight_stack(ws, fmt: Format, pow2_scale: bool, amax_floor: float, transpos
         st = torch.empty((gk, padded_groups(total)), dtype=torch.float32, device=dev) if transposed else None
         wt = QTensor(torch.empty((k, total), dtype=dt, device=dev), st[:, :gtot], spec) if transposed else None
     start = 0
-    warps = launch_config(ws[0], False)[0]
+    warps = launch_config(ws[0], False).warps
     for w, n in zip(ws, sizes):  # the layer's rows of W and of s (rows L4 apart: each row's pads after its K blocks)
         gn, g0 = cdiv(n, TILE), start // TILE
         if gn * gk:
@@ -944,10 +1212,95 @@ def _weight_stack(ws, fmt: Format, pow2_scale: bool, amax_floor: float, transpos
         # copied by torch (on sm_90, Triton 3.6, the kernel's tl.trans of a tile wrote garbage into
         # W^T for fp32 weights with non-power-of-two scales, also transposed in fp32 before the cast).
         # Once per update: the N x K bytes read and written again.
-        wt.data.view(torch.uint8).copy_(wq.data.view(torch.uint8).t())
+        transpose_bytes_(wt.data.view(torch.uint8), wq.data.view(torch.uint8))
         st[:, :gtot].copy_(s[:, :gk].t())
         st[:, gtot:] = 1.0
     return wq, wt
+
+
+@triton.jit
+def _transpose_words_kernel(src_ptr, dst_ptr, N, K, T: tl.constexpr):
+    """One T x T tile of ``dst = src^T`` for bytes (src N x K row-major, dst K x N row-major viewed as
+    int32 K x N/4, N a multiple of 4): four rows of src (4i + j) packed into one little-endian word
+    in registers, words transposed (``_store_cols4``'s store) -- no byte moves through shared memory."""
+    pn = tl.program_id(0)
+    pk = tl.program_id(1)
+    r0 = _word_rows(pn, T)
+    rk = pk * T + tl.arange(0, T)
+    col_ok = rk[None, :] < K
+    at = src_ptr + rk[None, :]
+    w = tl.load(at + r0.to(tl.int64)[:, None] * K, mask=(r0 < N)[:, None] & col_ok, other=0).to(tl.uint32)
+    for j in tl.static_range(1, 4):
+        w = w | (tl.load(at + (r0 + j).to(tl.int64)[:, None] * K, mask=(r0 + j < N)[:, None] & col_ok,
+                         other=0).to(tl.uint32) << (8 * j))
+    tl.store(dst_ptr + rk.to(tl.int64)[:, None] * (N // 4) + (r0 // 4)[None, :], tl.trans(w.to(tl.int32, bitcast=True)),
+             mask=(rk < K)[:, None] & (r0 < N)[None, :])
+
+
+_TRANSPOSE_FORCED: str | None = None  # "triton" or "torch" while set by transpose_with
+
+
+@contextlib.contextmanager
+def transpose_with(kind: str):
+    """Transpose weight bytes with ``kind`` ("triton": ``_transpose_words_kernel``; "torch": a strided
+    copy) instead of the device's timed choice (tests, ``jetrl bench``)."""
+    global _TRANSPOSE_FORCED
+    if kind not in ("triton", "torch"):
+        raise ValueError(f"transpose_with: allowed triton or torch, got {kind}")
+    old, _TRANSPOSE_FORCED = _TRANSPOSE_FORCED, kind
+    try:
+        yield
+    finally:
+        _TRANSPOSE_FORCED = old
+
+
+def _transpose_triton(dst: torch.Tensor, src: torch.Tensor) -> None:
+    n, k = src.shape
+    _transpose_words_kernel[(cdiv(n, TILE), cdiv(k, TILE))](
+        src, dst.view(torch.int32), n, k, T=TILE, num_warps=8, enable_fp_fusion=FP_FUSION)
+
+
+def transpose_bytes_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src.t())`` for contiguous uint8 tensors (src N x K, dst K x N): the weight's FP8
+    bytes as Dgrad's W^T, once per optimizer step. torch's strided copy moves a byte per thread (on
+    an H200 7.9 ms of a 1.5B-shape update, 28 layers); the Triton kernel moves 32-bit words. On a GPU
+    which runs is timed once per device, the kernel only where its bytes equal torch's on a test
+    tensor (``_choose_transpose``); on CPU torch's copy."""
+    n, k = src.shape
+    kind = _TRANSPOSE_FORCED
+    if kind is None:
+        kind = "torch"
+        if src.is_cuda and n % 4 == 0:
+            kind = (gemm.kernel_choice(TRANSPOSE_OP, src.device) or _choose_transpose(src.device))["kernel"]
+    if kind == "triton" and n % 4 == 0 and n * k:
+        _transpose_triton(dst, src)
+    else:
+        dst.copy_(src.t())
+
+
+def _choose_transpose(device: torch.device) -> dict:
+    """Time ``transpose_bytes_``'s two ways on ``device`` (4096 x 4096 bytes) and record the faster with
+    ``note_kernel``; the kernel is a candidate only where its bytes equal torch's copy (a compiler that
+    miscompiles its transpose is caught here, not in a training step). During a graph capture: torch's
+    copy, unrecorded."""
+    if gemm.capturing(device):
+        return {"kernel": "torch"}
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(0, 256, TIMING_SHAPE, generator=g, dtype=torch.uint8).to(device)
+    want = src.t().contiguous()
+    dst = torch.empty_like(want)
+    try:
+        _transpose_triton(dst, src)
+        if not torch.equal(dst, want):
+            return gemm.note_kernel(TRANSPOSE_OP, device, "torch", "the Triton transpose's bytes differ from torch's")
+        t = {"triton": gemm.device_time_ms(lambda: _transpose_triton(dst, src), device),
+             "torch": gemm.device_time_ms(lambda: dst.copy_(src.t()), device)}
+    except Exception as e:  # noqa: BLE001 - nothing timed: torch's copy, said why
+        return gemm.note_kernel(TRANSPOSE_OP, device, "torch", _untimed(e))
+    best = min(t, key=t.get)
+    m, k = TIMING_SHAPE
+    why = f"timed on {m} x {k} bytes: " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in t.items())
+    return gemm.note_kernel(TRANSPOSE_OP, device, best, why, timings_ms=t)
 
 
 def quantize(x: torch.Tensor, spec: CastSpec) -> QTensor | None:
@@ -957,12 +1310,12 @@ def quantize(x: torch.Tensor, spec: CastSpec) -> QTensor | None:
     if unsupported(x, spec.format, spec.amax_floor) is not None:
         return None
     args = (x, spec.format, spec.pow2_scale, spec.amax_floor)
-    if spec.block == Block(1, TILE):
+    if spec.block == B1x128:
         return quantize_act(*args, rows=True, cols=False)[0]
-    if spec.block == Block(TILE, 1):
+    if spec.block == B128x1:
         xt = quantize_act(*args, rows=False, cols=True)[1]
         return QTensor(xt.data.t(), xt.scale.t(), spec)
-    if spec.block == Block(TILE, TILE):
+    if spec.block == B128x128:
         return quantize_weight(*args)
     return None
 
@@ -1000,12 +1353,88 @@ def _mm_config(m: int, n: int) -> tuple[int, int, int, int]:
     return 64, 128, 4, 3
 
 
+SPLIT_OP = "decode GEMM split-K"
+SPLIT_CHOICES = (1, 2, 4, 8)
+SUM_BLOCK = 1024  # outputs per program of the split-K sum
+_FORCED_SPLIT: int | None = None  # while set by split_k
+
+
+@contextlib.contextmanager
+def split_k(n: int):
+    """Run every Triton FP8 GEMM with its K blocks split ``n`` ways (at most one split per block)
+    instead of the device's timed choice for decode steps (tests, ``jetrl bench``)."""
+    global _FORCED_SPLIT
+    if n < 1:
+        raise ValueError(f"split_k: the number of splits must be >= 1, got {n}")
+    old, _FORCED_SPLIT = _FORCED_SPLIT, n
+    try:
+        yield
+    finally:
+        _FORCED_SPLIT = old
+
+
+def decode_split(block_m: int, n: int, k: int, device: torch.device, kind: str = "fp8") -> int:
+    """How many ways a decode step's ``kind`` GEMM (``"fp8"``: ``blockwise_mm``; ``"int8"``:
+    ``kernels.int8.int8_mm``; a ``block_m``-row tile, N x K weight) splits its K blocks.
+
+    A decode step's GEMM runs one program per ``BLOCK_N`` columns: a 1.5B model's o_proj and
+    down_proj (N = 1536) are 48 programs on a GPU of 132 SMs, and down_proj's each stream 70 K
+    blocks of the weight in turn. Splitting K runs S times the programs, each over a share of the
+    blocks, and ``_split_sum_kernel`` adds the S fp32 partials in one fixed order (deterministic;
+    the sum's rounding differs from one split's, as another tile shape's would). On a GPU the split
+    is timed once per (tile rows, N, K) at the first call (``_choose_split``: 1, 2, 4 or 8) and
+    reported with the GEMM backends; during a graph capture, or on CPU, it is 1."""
+    if _FORCED_SPLIT is not None:
+        return _FORCED_SPLIT
+    if device.type != "cuda":
+        return 1
+    op = f"{kind} {SPLIT_OP} {block_m} rows, {n} x {k}"
+    return (gemm.kernel_choice(op, device) or _choose_split(op, kind, block_m, n, k, device))["split"]
+
+
+def _fp8_split_run(block_m: int, n: int, k: int, device: torch.device):
+    """``blockwise_mm`` at a given split on random operands of a decode GEMM's shape."""
+    g = torch.Generator().manual_seed(0)
+    a = quantize_act(torch.randn(block_m, k, generator=g).to(device, torch.bfloat16), cols=False)[0]
+    b = quantize_weight((torch.randn(n, k, generator=g) * 0.05).to(device))
+    return lambda s: blockwise_mm(a, b, torch.bfloat16, split=s)
+
+
+SPLIT_RUNS = {"fp8": _fp8_split_run}  # kind -> its timing run's maker (``kernels.int8`` adds "int8")
+
+
+def _choose_split(op: str, kind: str, block_m: int, n: int, k: int, device: torch.device) -> dict:
+    """Time ``decode_split``'s choices for one GEMM shape on ``device`` and record the fastest."""
+    if gemm.capturing(device):
+        return {"split": 1}
+    try:
+        run = SPLIT_RUNS[kind](block_m, n, k, device)
+        ways = sorted({_splits(cdiv(k, TILE), s) for s in SPLIT_CHOICES})
+        t = {s: gemm.device_time_ms(lambda s=s: run(s), device) for s in ways}
+    except Exception as e:  # noqa: BLE001 - nothing timed: no split, said why
+        return gemm.note_kernel(op, device, "1 split", _untimed(e), split=1)
+    best = min(t, key=t.get)
+    why = f"timed on {block_m} x {k} x {n}: " + ", ".join(f"{s} {'split' if s == 1 else 'splits'} {ms:.4f} ms"
+                                                        for s, ms in t.items())
+    return gemm.note_kernel(op, device, f"{best} {'split' if best == 1 else 'splits'}", why, split=best,
+                            timings_ms={str(s): ms for s, ms in t.items()})
+
+
+def _splits(kblocks: int, asked: int) -> int:
+    """The splits a GEMM of ``kblocks`` K blocks runs when ``asked`` for: each split takes
+    ``ceil(kblocks / asked)`` blocks (at least one), so there may be fewer than asked."""
+    return cdiv(kblocks, cdiv(kblocks, max(1, min(asked, kblocks)))) if kblocks else 1
+
+
 def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
-                 tiles: tuple[int, int, int, int] | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+                 tiles: tuple[int, int, int, int] | None = None, bias: torch.Tensor | None = None,
+                 split: int | None = None) -> torch.Tensor:
     """``a @ b.T (+ bias)`` (a: M x K, b: N x K, FP8 with 1x128 or 128x128 scales), fp32 accumulation
     per K block; ``bias`` (N values) is added to the fp32 sum before the output is written (rounded
     once, as the emulation adds it). ``tiles``: (BLOCK_M, BLOCK_N, num_warps, num_stages), by default
-    chosen from M and N (``_mm_config``)."""
+    chosen from M and N (``_mm_config``). ``split``: the K blocks in that many consecutive runs, each
+    summed on its own, the runs' fp32 sums then added in order (by default ``decode_split``'s choice
+    for a decode step's GEMM, else 1)."""
     if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"blockwise_mm: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)} do not match as a @ b.T")
     sa_rows, sb_rows = _scale_rows(a, "operand a"), _scale_rows(b, "operand b")
@@ -1016,8 +1445,26 @@ def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
     if bias is not None and (bias.shape != (n,) or bias.dtype not in _INPUTS or not bias.is_contiguous()):
         raise ValueError(f"blockwise_mm: bias must be a contiguous ({n},) bfloat16, float16 or float32 tensor, "
                          f"got {tuple(bias.shape)} {bias.dtype}")
-    c = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
+    dev = a.data.device
+    c = torch.empty((m, n), dtype=out_dtype, device=dev)
     block_m, block_n, warps, stages = tiles or _mm_config(m, n)
+    if split is None:
+        split = decode_split(block_m, n, k, dev) if m <= DECODE_ROWS and tiles is None else 1
+    kblocks = cdiv(k, TILE)
+    splits = _splits(kblocks, split)
+    if splits > 1 and m * n:
+        part = torch.empty((splits, m, n), dtype=torch.float32, device=dev)
+        _blockwise_mm_split_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)](
+            a.data, b.data, part, a.scale, b.scale, m, n, k, cdiv(kblocks, splits),
+            a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1),
+            a.scale.stride(0), a.scale.stride(1), b.scale.stride(0), b.scale.stride(1),
+            SA_ROWS=sa_rows, SB_ROWS=sb_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=TILE, num_warps=warps,
+            num_stages=stages, enable_fp_fusion=FP_FUSION)
+        _split_sum_kernel[(cdiv(m * n, SUM_BLOCK),)](
+            part, c, c if bias is None else bias, m * n, n, splits, HAS_BIAS=bias is not None,
+            OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=_interpreting(), BLOCK=SUM_BLOCK, num_warps=4,
+            enable_fp_fusion=FP_FUSION)
+        return c
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _blockwise_mm_kernel[grid](
         a.data, b.data, c, a.scale, b.scale, c if bias is None else bias, m, n, k,

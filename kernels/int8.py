@@ -23,9 +23,10 @@ check looks for the constant in the PTX). ``libdevice.rint`` would do the same i
 but Triton's interpreter, where the CPU tests run these kernels, lacks it.
 
 Tile shapes are chosen per call from M (``_mm_config``): small-M decode steps get narrow tiles so that
-more programs stream the weight; none of this changes a result bit. No speed is claimed here: the
-kernels run on CPU in Triton's interpreter for the tests, and ``jetrl bench gemm`` / ``bench
-rollout`` time them on a GPU.
+more programs stream the weight, and may split K over more programs (``fp8.decode_split``, timed per
+shape on a GPU: the int32 partials add exactly); none of this changes a result bit. No speed is
+claimed here: the kernels run on CPU in Triton's interpreter for the tests, and ``jetrl bench
+gemm`` / ``bench rollout`` time them on a GPU.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ from jetrl_cli.precision.formats import Block, Format
 from jetrl_cli.precision.gemm import INT8_K_LIMIT as K_LIMIT
 from jetrl_cli.precision.quant import CastSpec, QTensor
 
-from .fp8 import DECODE_ROWS, FP_FUSION, MIN_SCALE, _abs_bits, _divisor, _group_scale, _interpreting, _scaled, _to_bf16, decode_tiles
+from . import fp8
+from .fp8 import (DECODE_ROWS, FP_FUSION, MIN_SCALE, _abs_bits, _divisor, _group_scale, _interpreting, _scaled, _splits,
+                  _to_bf16, decode_split, decode_tiles)
 
 QMAX = tl.constexpr(127.0)  # Format.INT8.max
 ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding it rounds |y| <= 2^22 to an integer, half to even
@@ -79,21 +82,66 @@ def _int8_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
     """One (BLOCK_M, BLOCK_N) tile of ``a @ b.T``: int8 x int8 summed in int32, then scaled."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _int8_kblocks(a_ptr, b_ptr, rm, rn, 0, K, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
+    _int8_epilogue(acc, c_ptr, sa_ptr, sb_ptr, rm, rn, M, N, stride_cm, stride_cn, stride_sa, stride_sb, OUT_BF16,
+                   INTERPRET)
+
+
+@triton.jit
+def _int8_kblocks(a_ptr, b_ptr, rm, rn, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The int32 sum of int8 products over K in ``k_lo .. k_hi`` (exact) of rows ``rm`` and columns ``rn``."""
     rk = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
     b_cols = b_ptr + rn.to(tl.int64)[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + rk
         a = tl.load(a_rows + k[None, :] * stride_ak, mask=(rm < M)[:, None] & (k < K)[None, :], other=0)
         b = tl.load(b_cols + k[:, None] * stride_bk, mask=(k < K)[:, None] & (rn < N)[None, :], other=0)
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+    return acc
+
+
+@triton.jit
+def _int8_epilogue(acc, c_ptr, sa_ptr, sb_ptr, rm, rn, M, N, stride_cm, stride_cn, stride_sa, stride_sb,
+                   OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """``(float(acc) * scale_a) * scale_b`` in fp32 (``_int_mm``'s epilogue), stored rounded to c's dtype."""
     sa = tl.load(sa_ptr + rm * stride_sa, mask=rm < M, other=0.0)
     sb = tl.load(sb_ptr + rn * stride_sb, mask=rn < N, other=0.0)
     out = acc.to(tl.float32) * sa[:, None] * sb[None, :]
     out = _to_bf16(out, INTERPRET) if OUT_BF16 else out
     tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn, out,
              mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int8_mm_split_kernel(a_ptr, b_ptr, p_ptr, M, N, K, K_SPLIT, stride_am, stride_ak, stride_bn, stride_bk,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Split-K: program (m, n, s) sums K ``s * K_SPLIT ..`` into its int32 partial ``p[s]`` (S x M x N)."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ps = tl.program_id(2)
+    k_lo = ps * K_SPLIT
+    acc = _int8_kblocks(a_ptr, b_ptr, rm, rn, k_lo, tl.minimum(k_lo + K_SPLIT, K), M, N, K, stride_am, stride_ak,
+                        stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K)
+    tl.store(p_ptr + ps.to(tl.int64) * M * N + rm.to(tl.int64)[:, None] * N + rn[None, :], acc,
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int8_split_sum_kernel(p_ptr, c_ptr, sa_ptr, sb_ptr, M, N, S, stride_sa, stride_sb, OUT_BF16: tl.constexpr,
+                           INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The S int32 partials added (exact: the unsplit kernel's int32 sum), then ``_int8_epilogue``."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    at = p_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
+    ok = (rm < M)[:, None] & (rn < N)[None, :]
+    acc = tl.load(at, mask=ok, other=0)
+    for s in range(1, S):
+        acc += tl.load(at + s * M * N, mask=ok, other=0)
+    _int8_epilogue(acc, c_ptr, sa_ptr, sb_ptr, rm, rn, M, N, N, 1, stride_sa, stride_sb, OUT_BF16, INTERPRET)
 
 
 def unsupported(x: torch.Tensor, spec: CastSpec) -> str | None:
@@ -151,8 +199,11 @@ def _mm_config(m: int, n: int) -> tuple[int, int, int, int]:
     return 128, 128, 8, 3
 
 
-def int8_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``a @ b.T`` (a: M x K, b: N x K, INT8 with per-row or per-tensor scales), int32 accumulation."""
+def int8_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
+            split: int | None = None) -> torch.Tensor:
+    """``a @ b.T`` (a: M x K, b: N x K, INT8 with per-row or per-tensor scales), int32 accumulation.
+    ``split``: K in that many runs of whole 128-wide blocks, their int32 sums added exactly (the same
+    bits as one run), by default ``fp8.decode_split``'s timed choice for a decode step, else 1."""
     if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"int8_mm: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)} do not match as a @ b.T")
     if a.data.dtype is not torch.int8 or b.data.dtype is not torch.int8:
@@ -168,6 +219,23 @@ def int8_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32) -> t
     if m == 0 or n == 0:
         return c
     block_m, block_n, warps, stages = _mm_config(m, n)
+    dev = a.data.device
+    if split is None:
+        split = decode_split(block_m, n, k, dev, "int8") if m <= DECODE_ROWS else 1
+    kblocks = triton.cdiv(k, 128)
+    splits = _splits(kblocks, split)
+    if splits > 1:
+        per = triton.cdiv(kblocks, splits) * 128
+        part = torch.empty((splits, m, n), dtype=torch.int32, device=dev)
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        _int8_mm_split_kernel[(*grid, splits)](
+            a.data, b.data, part, m, n, k, per, a.data.stride(0), a.data.stride(1), b.data.stride(0),
+            b.data.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, num_stages=stages,
+            enable_fp_fusion=FP_FUSION)
+        _int8_split_sum_kernel[grid](
+            part, c, a.scale, b.scale, m, n, splits, ssa, ssb, OUT_BF16=out_dtype == torch.bfloat16,
+            INTERPRET=_interpreting(), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, enable_fp_fusion=FP_FUSION)
+        return c
     _int8_mm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         a.data, b.data, c, a.scale, b.scale, m, n, k,
         a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1), c.stride(0), c.stride(1), ssa, ssb,
@@ -175,3 +243,15 @@ def int8_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32) -> t
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, num_stages=stages,
         enable_fp_fusion=FP_FUSION)
     return c
+
+
+def _int8_split_run(block_m: int, n: int, k: int, device: torch.device):
+    """``int8_mm`` at a given split on random operands of a decode GEMM's shape (``fp8.decode_split``)."""
+    g = torch.Generator().manual_seed(0)
+    spec = CastSpec(Format.INT8, Block(1, 0))
+    a = quantize_rows(torch.randn(block_m, k, generator=g).to(device, torch.bfloat16), spec)
+    b = quantize_rows((torch.randn(n, k, generator=g) * 0.05).to(device), spec)
+    return lambda s: int8_mm(a, b, torch.bfloat16, split=s)
+
+
+fp8.SPLIT_RUNS["int8"] = _int8_split_run

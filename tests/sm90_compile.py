@@ -75,6 +75,13 @@ def sass_fp(cubin: bytes) -> dict[str, int]:
     return dict(collections.Counter(o for o in ops if o.split(".")[0] in _SASS_FP))
 
 
+def sass_counts(cubin: bytes) -> dict:
+    """``{"total": instructions, "shared": {shared-memory load/store mnemonic: count}}`` of the SASS."""
+    ops = [m.group(1) for line in _cuobjdump(cubin, "-sass").splitlines() if (m := _SASS_OP.search(line))]
+    shared = collections.Counter(o for o in ops if o.split(".")[0] in ("LDS", "STS", "LDSM", "STSM"))
+    return {"total": len(ops), "shared": dict(shared)}
+
+
 def resources(cubin: bytes) -> dict[str, int]:
     out = _cuobjdump(cubin, "-res-usage")
     return {k.lower(): int(re.search(rf"\b{k}:(\d+)", out).group(1)) for k in ("REG", "STACK")}
@@ -162,6 +169,20 @@ def cases():
             r, r.to(bf), wn, 1e-6, torch.float32, pow2_scale=p, write_y=True, rsqrt=True)))
         out.append((f"rms_norm_quantize decode pow2={pow2}", None, lambda r=res[:64], p=pow2: fp8.rms_norm_quantize(
             r, None, wn, 1e-6, torch.float32, pow2_scale=p)))
+    def packed(fn):  # the transposed stores as 32-bit words (``tile_warps(packed=True)``; timed on a GPU)
+        def call():
+            with fp8.tile_warps(fp8.NUM_WARPS, packed=True), fp8.transpose_with("triton"):
+                return fn()
+        return call
+
+    xs, gu_q, gy = torch.zeros(4096, hidden, dtype=bf), _qtensor(4096, 2 * inter, 1), torch.zeros(4096, inter, dtype=bf)
+    out.append(("packed quantize_act", None, packed(lambda: fp8.quantize_act(xs, pad_tokens_to=128))))
+    out.append(("packed quantize_act cols", None, packed(lambda: fp8.quantize_act(xs, rows=False, pad_tokens_to=128))))
+    out.append(("packed swiglu_quantize_t", None, packed(lambda: fp8.swiglu_quantize_t(gu_q, bf, pad_tokens_to=128))))
+    out.append(("packed swiglu_grad_quantize h_cols", None, packed(lambda: fp8.swiglu_grad_quantize(
+        gu_q, gy, bf, pad_tokens_to=128, h_cols=True))))
+    out.append(("packed weight transpose", None, packed(lambda: fp8.quantize_weight(
+        torch.zeros(inter, hidden), transposed=True))))
     for pow2 in (False, True):  # INT8 rollout: per-token activations (bf16), per-channel weights (fp32 masters)
         spec = CastSpec(Format.INT8, Block(1, 0), pow2)
         for m in (1, 64, 4096):
@@ -176,10 +197,15 @@ def cases():
     for m in (1, 7, 64, 4096):
         out.append((f"int8_mm M={m}", None, lambda m=m: int8.int8_mm(int8_op(m, hidden), int8_op(inter, hidden),
                                                                      out_dtype=bf)))
+    out.append(("split-K int8_mm M=32 N=1536", None, lambda: int8.int8_mm(int8_op(32, inter), int8_op(hidden, inter),
+                                                                       out_dtype=bf, split=4)))
     out.append(("int8_mm M=64 N=1536", None, lambda: int8.int8_mm(int8_op(64, inter), int8_op(hidden, inter),
                                                                   out_dtype=bf)))  # down_proj: narrower tiles
     out.append(("blockwise_mm M=64 N=1536", None, lambda: fp8.blockwise_mm(  # down_proj: narrower tiles
         _qtensor(64, inter, 1), _qtensor(hidden, inter, 128), out_dtype=bf)))
+    out.append(("split-K blockwise_mm M=32 N=1536 bias", None, lambda: fp8.blockwise_mm(  # down_proj, 4 splits
+        _qtensor(32, inter, 1), _qtensor(hidden, inter, 128), out_dtype=bf, bias=torch.zeros(hidden, dtype=bf),
+        split=4)))
     out.append(("blockwise_mm M=7 bias", None, lambda: fp8.blockwise_mm(  # q/k/v with Qwen's biases, in the epilogue
         _qtensor(7, hidden, 1), _qtensor(2048, hidden, 128), out_dtype=bf, bias=torch.zeros(2048, dtype=bf))))
     for m in (1, 7, 64, 4096):  # decode (one row, a few), prefill, training
@@ -273,6 +299,7 @@ def main() -> dict:
         kernels.append(dict(case=case, group=group, kernel=name, hash=k.hash, num_warps=k.metadata.num_warps,
                             shared=k.metadata.shared,
                             **resources(k.asm["cubin"]), ptx_fp=ptx_fp(k.asm["ptx"]), sass_fp=sass_fp(k.asm["cubin"]),
+                            sass=sass_counts(k.asm["cubin"]),
                             ptx_mma=ptx_mma(k.asm["ptx"]), ptx_f32_consts=ptx_f32_consts(k.asm["ptx"])))
     return {"triton": triton.__version__, "torch": torch.__version__, "failures": failures, "kernels": kernels}
 

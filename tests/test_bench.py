@@ -73,11 +73,16 @@ def test_quantize_rows_against_copy():
     from .triton_interp_fix import fixed_fp8_conversion
 
     with fixed_fp8_conversion():  # Triton rows (interpreter on CPU) need the test-only cast fix
-        rows = bench("quantize", "--shapes", "130x256", *FAST)["results"]["quantize"]
+        rows = bench("quantize", "--shapes", "132x256", *FAST)["results"]["quantize"]
     assert rows[0]["quantizer"] == "copy (ceiling)" and rows[0]["vs_copy"] == 1.0
     ref = [r for r in rows if r.get("backend") == "torch (reference)"]
     assert len(ref) == 6
-    for r in rows[1:]:
+    transposes = [r for r in rows if r.get("kind") == "transpose"]  # W^T's bytes: kernel, torch's copy
+    assert [r["backend"] for r in transposes] == (["triton", "torch"] if any(r.get("backend") == "triton" for r in rows)
+                                                  else [])
+    for r in transposes:
+        assert r["matches_reference"] and r["bytes"] == 2 * 132 * 256
+    for r in (r for r in rows[1:] if r.get("kind") != "transpose"):
         assert r["gb_per_s"] > 0 and r["vs_copy"] > 0 and r["sqnr_db"] > 20
         assert r["bytes"] > 130 * 256 * 4  # read the fp32 input, write data + scales
         assert r["matches_reference"] is not False
@@ -105,10 +110,10 @@ def test_quantize_times_the_tile_kernels_at_each_warp_count():
         res = runner.invoke(app, ["bench", "quantize", "--shapes", "130x256", "--warps", "8,16", "--repeats", "1",
                                   "--warmup", "0", "--no-history", "--device", device])
     assert res.exit_code == 0, res.output
-    assert "16 warps" in res.stdout and "8 warps" in res.stdout  # the rows say which
+    assert "16 warps" in res.stdout and "8 warps" in res.stdout and "packed store" in res.stdout  # the rows say which
     with fixed_fp8_conversion():
-        rows = bench("quantize", "--shapes", "130x256", "--warps", "8,16", *FAST, device=device)["results"]["quantize"]
-    tri = [r for r in rows if r.get("backend") == "triton"]
+        rows = bench("quantize", "--shapes", "132x256", "--warps", "8,16", *FAST, device=device)["results"]["quantize"]
+    tri = [r for r in rows if r.get("backend") == "triton" and r.get("kind") != "transpose"]
     assert sorted({r["warps"] for r in tri if "warps" in r}) == [8, 16]
     by_kernel = {}
     for r in tri:
@@ -116,7 +121,15 @@ def test_quantize_times_the_tile_kernels_at_each_warp_count():
         assert r["matches_reference"] is not False
     int8 = by_kernel["int8 row"]  # one kernel with its own warps: one row, no warps
     assert len(int8) == 1 and "warps" not in int8[0]
-    assert all(len(v) == 2 for name, v in by_kernel.items() if name != "int8 row")
+    # the kernels with a transposed store: each warp count with bytes and packed words; the rest per warp count
+    stored_t = {"fp8 128x1 (wgrad operand)", "fp8 1x128 + 128x1 fused", "fp8 1x128 + 128x1 as two kernels",
+                "fp8 SwiGLU backward (d[g,u] 1x128 + 128x1, h^T)"}
+    for name, v in by_kernel.items():
+        if name in stored_t:
+            assert sorted((r["warps"], r["store"]) for r in v) == [(8, "bytes"), (8, "packed"), (16, "bytes"),
+                                                                   (16, "packed")], name
+        elif name != "int8 row":
+            assert sorted(r["warps"] for r in v) == [8, 16] and {r["store"] for r in v} == {"bytes"}, name
     worst = [t for t in targets({"quantize": rows}, "cuda") if t["target"].startswith("every Triton quantizer")][0]
     assert worst["value"] == min(max(r["vs_copy"] for r in v) for v in by_kernel.values())
 
@@ -629,3 +642,30 @@ def test_measuring_saved_activations_leaves_no_graph_behind():
     _saved_bytes(lambda: loss(w))[1].backward()
     loss(w2).backward()
     assert torch.equal(w.grad, w2.grad)
+
+
+def test_decode_gemm_rows_are_also_timed_from_a_graph_on_a_gpu(monkeypatch):
+    """On a GPU a decode-sized GEMM row (at most ``DECODE_ROWS`` rows) is also timed replayed from a
+    CUDA graph (``graph_s``: what a captured decode step pays; eager back-to-back calls of so small a
+    GEMM time the host's launches), and the table shows it beside the eager time. CPU rows have none."""
+    import io
+
+    from rich.console import Console
+
+    from jetrl_cli import bench as jbench
+    from jetrl_cli.precision import gemm
+
+    calls = []
+    monkeypatch.setattr(gemm, "device_time_ms", lambda fn, device: calls.append(device) or 0.5)
+    s = jbench.Settings(device="cuda")
+    assert jbench._graph_s(lambda: None, 64, s) == 0.5e-3 and jbench._graph_s(lambda: None, 65, s) is None
+    assert calls == [torch.device("cuda")]
+    assert jbench._graph_s(lambda: None, 8, jbench.Settings(device="cpu")) is None
+    row = {"shape": "s", "M": 8, "N": 16, "K": 16, "backend": "torch", "variant": "bf16 (cuBLAS)", "s": 1e-4,
+           "tflops": 1.0, "vs_bf16": 1.0, "rel_err": 0.0, "sqnr_db": 50.0, "kernel_rel_err": 0.0, "accuracy_ok": True}
+    fp8 = {**row, "backend": "triton", "variant": "fp8 1x128 x 128x128", "graph_s": 4e-6, "graph_vs_bf16": 1.25}
+    out = io.StringIO()
+    env = {"date": "today", "device": "cuda", "device_name": "a GPU", "threads": 2, "torch": torch.__version__}
+    gemm_rows = [{**row, "graph_s": 5e-6, "graph_vs_bf16": 1.0}, fp8]
+    jbench.render({"env": env, "targets": [], "results": {"gemm": gemm_rows}}, Console(file=out, width=250))
+    assert "graph vs bf16" in out.getvalue() and "1.25x" in out.getvalue() and "0.0040" in out.getvalue()

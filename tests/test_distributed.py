@@ -203,6 +203,7 @@ def _cuda() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+@pytest.mark.timeout(300)  # two whole runs on a GPU, each compiling its kernels: the H200's 40 s limit cut them
 @pytest.mark.parametrize("exact", ["0", "1"])
 def test_one_nccl_rank_reproduces_the_plain_gpu_run(tmp_path, exact):
     """Issue 17's GPU target: ``jetrl run --nproc 1`` on a GPU (torchrun, NCCL for CUDA tensors, FSDP2

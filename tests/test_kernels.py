@@ -17,7 +17,7 @@ from jetrl_cli.precision.flow import GemmSpec, LinearPrecision  # noqa: E402
 from jetrl_cli.precision.formats import Block, Format  # noqa: E402
 from jetrl_cli.precision.gemm import EmulatedBackend, get_backend  # noqa: E402
 from jetrl_cli.precision.linear import JetLinear  # noqa: E402
-from jetrl_cli.precision.quant import CastSpec, error_stats, quantize  # noqa: E402
+from jetrl_cli.precision.quant import CastSpec, QTensor, error_stats, quantize  # noqa: E402
 
 from .triton_interp_fix import fixed_fp8_conversion  # noqa: E402
 
@@ -146,6 +146,91 @@ def test_blockwise_gemm_adds_the_bias_to_its_fp32_sum_before_rounding(m):
     assert added == [], "the bias must be added in the GEMM, not after it"
     with pytest.raises(ValueError, match=r"bias must be a contiguous \(256,\)"):
         fp8.blockwise_mm(a, b, bias=bias[:128])
+
+
+@pytest.mark.parametrize("m,n,k,split", [(1, 200, 640, 2), (7, 96, 1000, 3), (33, 130, 1152, 4), (64, 64, 384, 8)])
+def test_split_k_gemm_adds_its_splits_partial_sums_in_order(m, n, k, split):
+    """Split-K (a decode step's GEMM, ``decode_split``): each split sums its run of K blocks as the
+    unsplit kernel sums all of them, and the partials are added in split order, in fp32, the bias
+    last, rounded once: bit for bit that, whatever the tiles; within the emulation's tolerance."""
+    from jetrl_cli.kernels import fp8
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x, w = torch.randn(m, k, generator=g).to(dev()), (torch.randn(n, k, generator=g) * 0.02).to(dev())
+    x[0, :128] = 0  # an all-zero group
+    a, b = quantize(x, CastSpec(E4, Block(1, 128))), quantize(w, CastSpec(E4, Block(128, 128)))
+    bias = (torch.randn(n, generator=g) * 0.1).bfloat16().to(dev())
+    kblocks = -(-k // 128)
+    splits = fp8._splits(kblocks, split)
+    per = -(-kblocks // splits)
+    tiles = fp8._mm_config(m, n)
+    parts = []
+    for s in range(splits):  # each split's run of blocks, as its own unsplit GEMM
+        lo, hi = s * per, min((s + 1) * per, kblocks)
+        cut = lambda q: QTensor(q.data[:, lo * 128:hi * 128], q.scale[:, lo:hi], q.spec)  # noqa: E731
+        parts.append(fp8.blockwise_mm(cut(a), cut(b), tiles=tiles, split=1))
+    want = parts[0]
+    for p in parts[1:]:
+        want = want + p
+    got = fp8.blockwise_mm(a, b, bias=bias, split=split)
+    assert torch.equal(got, want + bias.float())
+    assert torch.equal(fp8.blockwise_mm(a, b, out_dtype=torch.bfloat16, bias=bias, split=split),
+                       (want + bias.float()).bfloat16())
+    assert torch.equal(got, fp8.blockwise_mm(a, b, bias=bias, split=split))  # one order: deterministic
+    emu = EmulatedBackend().mm(a, b) + bias.float()
+    assert error_stats(emu, got)["rel_err"] < (2.0 ** -11 if torch.cuda.is_available() else 1e-5)
+    with fp8.split_k(split):  # the forced choice reaches a decode call that asks for none
+        assert torch.equal(fp8.blockwise_mm(a, b, bias=bias), got)
+
+
+def test_split_counts():
+    from jetrl_cli.kernels import fp8
+
+    assert [fp8._splits(70, s) for s in (1, 2, 4, 8)] == [1, 2, 4, 8]  # down_proj at the 1.5B shape
+    assert [fp8._splits(12, s) for s in (1, 5, 8, 16)] == [1, 4, 6, 12]  # 3, 2 and 1 blocks a split
+    assert fp8._splits(1, 8) == 1 and fp8._splits(0, 4) == 1
+    assert fp8.decode_split(16, 1536, 8960, torch.device("cpu")) == 1  # CPU: never split unless forced
+    with pytest.raises(ValueError, match="must be >= 1"):
+        with fp8.split_k(0):
+            pass
+
+
+def test_the_decode_split_is_timed_once_per_shape_and_reported(monkeypatch):
+    """On a GPU the first decode GEMM of a shape times 1, 2, 4 and 8 splits (those its K blocks allow)
+    and keeps the fastest, reported with the GEMM backends; a failing timing keeps one split and says
+    why; during a graph capture nothing is decided. (Scripted times; on CPU the interpreter runs.)"""
+    from jetrl_cli.kernels import fp8
+    from jetrl_cli.precision import gemm
+
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    ms, timed = {1: 3.0, 2: 1.0, 3: 2.0}, []
+
+    def device_time_ms(fn, device):
+        c = fn()
+        assert c.shape == (16, 96) and c.dtype == torch.bfloat16
+        timed.append(fp8._splits(3, int(fn.__defaults__[0])))
+        return ms[timed[-1]]
+
+    monkeypatch.setattr(gemm, "device_time_ms", device_time_ms)
+    where = torch.device(dev())
+    op = f"fp8 {fp8.SPLIT_OP} 16 rows, 96 x 384"
+    got = fp8._choose_split(op, "fp8", 16, 96, 384, where)  # 3 K blocks: 1, 2 or 3 splits
+    assert timed == [1, 2, 3] and got["split"] == 2 and got["kernel"] == "2 splits"
+    assert got["why"] == "timed on 16 x 384 x 96: 1 split 3.0000 ms, 2 splits 1.0000 ms, 3 splits 2.0000 ms"
+    assert gemm.kernel_choice(op, where) is got
+    if where.type == "cuda":
+        assert fp8.decode_split(16, 96, 384, where) == 2
+
+    def broken(fn, device):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(gemm, "device_time_ms", broken)
+    got = fp8._choose_split(op, "fp8", 16, 96, 384, where)
+    assert got["split"] == 1 and got["why"] == "not timed (RuntimeError: out of resources)"
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert fp8._choose_split(op, "fp8", 16, 96, 384, torch.device("cuda")) == {"split": 1}
+    assert gemm.kernel_choice(op, torch.device("cuda")) is None
 
 
 def test_gemm_tiles_by_rows_and_width():

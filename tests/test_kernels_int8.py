@@ -126,6 +126,45 @@ def test_int8_gemm_is_the_scaled_mm_backend_bit_for_bit(int8, m, n, k, seed):
     assert error_stats(ref[finite], int8.int8_mm(a, b).cpu().double()[finite])["rel_err"] < 1e-6, f"seed {seed}"
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 64, 384), (7, 130, 1000), (64, 48, 1536)])
+def test_int8_split_k_gemm_is_the_unsplit_gemm_bit_for_bit(int8, m, n, k, seed):
+    """A decode step's INT8 GEMM split over K (``fp8.decode_split``'s choice, or ``split_k``): the
+    splits' int32 partial sums add exactly, so every split gives the unsplit result's bits --
+    ``scaled_mm``'s -- with per-row and per-tensor scales and a strided weight."""
+    from jetrl_cli.kernels import fp8
+
+    for block in (ROW, TENSOR):
+        spec = CastSpec(Format.INT8, block)
+        a, b = quantize(spread(m, k, seed), spec), quantize(spread(n, k, seed + 1) * 0.05, spec)
+        b = QTensor(b.data.t().contiguous().t(), b.scale, spec)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            want = _scaled_mm_reference(a, b, out_dtype)
+            for split in (2, 3, 8):
+                assert torch.equal(int8.int8_mm(a, b, out_dtype, split=split).cpu(), want), (block, split)
+            with fp8.split_k(4):
+                assert torch.equal(int8.int8_mm(a, b, out_dtype).cpu(), want)
+
+
+def test_int8_decode_split_is_timed_on_int8_operands(int8, monkeypatch):
+    """The split choice of an INT8 decode GEMM times ``int8_mm`` (not the FP8 GEMM) under its own name."""
+    from jetrl_cli.kernels import fp8
+    from jetrl_cli.precision import gemm
+
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    runs = []
+
+    def device_time_ms(fn, device):
+        out = fn()
+        runs.append(out.shape)
+        return 1.0 / len(runs)  # the last (most splits) fastest
+
+    monkeypatch.setattr(gemm, "device_time_ms", device_time_ms)
+    where = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    op = f"int8 {fp8.SPLIT_OP} 16 rows, 40 x 640"
+    got = fp8._choose_split(op, "int8", 16, 40, 640, where)
+    assert runs == [(16, 40)] * 4 and got["split"] == 5 and gemm.kernel_choice(op, where) is got
+
+
 def test_int8_gemm_with_per_tensor_scales_and_strided_operands(int8, seed):
     t = CastSpec(Format.INT8, TENSOR)
     a, b = quantize(spread(20, 256, seed), t), quantize(spread(72, 256, seed + 1), t)

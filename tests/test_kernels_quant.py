@@ -753,124 +753,155 @@ def test_gemm_operands_fall_back_to_the_reference_below_the_kernels_floor(fp8):
 # ------------------------------------------------------------------ the launch configuration
 
 
+class Spy:
+    """A Triton kernel whose launches' keyword arguments are noted in ``seen``."""
+
+    def __init__(self, kernel, seen: list):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.seen.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
 @needs_triton
-@pytest.mark.parametrize("warps", [8, 16])
-def test_the_pair_as_two_kernels_or_at_other_warps_writes_the_same_bits(fp8, warps):
-    """``quantize_act``'s 1x128 + 128x1 pair from one kernel (one read of x) or two, at 8 or 16 warps:
-    the same data and scales (the choice a GPU times, ``launch_config``, changes no bit)."""
-    x = spread(200, 384, seed=5, dtype=torch.bfloat16)
-    want = fp8.quantize_act(x, pad_tokens_to=128)
-    for one in (True, False):
-        with fp8.tile_warps(warps, one_kernel=one):
-            got = fp8.quantize_act(x, pad_tokens_to=128)
-            w = fp8.quantize_weight(x.float(), transposed=True)
-        for a, b in zip(got, want):
+@pytest.mark.parametrize("warps,packed", [(8, False), (16, False), (8, True)])
+def test_the_pair_as_two_kernels_or_at_other_warps_writes_the_same_bits(fp8, warps, packed, monkeypatch):
+    """``quantize_act``'s 1x128 + 128x1 pair from one kernel (one read of x) or two, at 8 or 16 warps,
+    the transposed store packed into 32-bit words or not: the same data and scales (the choice a GPU
+    times, ``launch_config``, changes no bit). Packed where the padded token count allows it (a
+    multiple of 4), NaN groups and padding included."""
+    seen = []
+    monkeypatch.setattr(fp8, "_act_quant_kernel", Spy(fp8._act_quant_kernel, seen))
+    for m, pad in ((200, 128), (132, 1), (130, 1)):
+        x = spread(m, 384, seed=5 + m, dtype=torch.bfloat16)
+        x[7, 130] = float("nan")
+        want = fp8.quantize_act(x, pad_tokens_to=pad)
+        want_cols = fp8.quantize_act(x, rows=False, pad_tokens_to=pad)[1]
+        for one in (True, False):
+            seen.clear()
+            with fp8.tile_warps(warps, one_kernel=one, packed=packed):
+                got = fp8.quantize_act(x, pad_tokens_to=pad)
+                got_cols = fp8.quantize_act(x, rows=False, pad_tokens_to=pad)[1]
+                w = fp8.quantize_weight(x.float(), transposed=True)
+            assert [k["PACK"] for k in seen if k["COLS"]] == [packed and layouts.round_up(m, pad) % 4 == 0] * 2
+            for a, b in [*zip(got, want), (got_cols, want_cols)]:
+                assert same_data(a.data, b.data) and same_scales(a.scale, b.scale)
+                assert a.data.stride() == b.data.stride() and a.scale.stride() == b.scale.stride()
+            ref = quantize(x.float(), CastSpec(E4, B128))
+            assert same_data(w[0].data, ref.data) and same_data(w[1].data, ref.data.t())
+
+
+@needs_triton
+@pytest.mark.parametrize("warps,packed", [(8, False), (16, False), (8, True), (16, True)])
+def test_the_swiglu_backward_at_other_warps_writes_the_same_bits(fp8, warps, packed, monkeypatch):
+    """The SwiGLU backward kernels at 8 or 16 warps, stores packed or not (``swiglu_config``: timed on
+    a GPU) write the same d[g, u] copies and h^T, and launch as asked."""
+    gu = quantize(spread(132, 512, seed=7, dtype=torch.bfloat16).to(dev()), CastSpec(E4, B1x128))
+    gy = spread(132, 256, seed=8, dtype=torch.bfloat16).to(dev())
+    gy[5, 3] = float("inf")
+    for dt, pad in ((torch.bfloat16, 128), (torch.float32, 4)):
+        want = fp8.swiglu_grad_quantize(gu, gy, dt, pad_tokens_to=pad, h_cols=True)
+        want_rows = fp8.swiglu_grad_quantize(gu, gy, dt, cols=False, pad_tokens_to=pad)
+        want_t = fp8.swiglu_quantize_t(gu, dt, pad_tokens_to=pad)
+        seen = []
+        for name in ("_swiglu_grad_quant_kernel", "_swiglu_quant_t_kernel"):
+            monkeypatch.setattr(fp8, name, Spy(getattr(fp8, name), seen))
+        with fp8.tile_warps(warps, packed=packed):
+            got = fp8.swiglu_grad_quantize(gu, gy, dt, pad_tokens_to=pad, h_cols=True)
+            got_rows = fp8.swiglu_grad_quantize(gu, gy, dt, cols=False, pad_tokens_to=pad)
+            got_t = fp8.swiglu_quantize_t(gu, dt, pad_tokens_to=pad)
+        monkeypatch.undo()
+        assert [(k["num_warps"], k["PACK"]) for k in seen] == [(warps, packed), (warps, False), (warps, packed)]
+        for a, b in [*zip(got, want), *zip(got_rows, want_rows), (got_t, want_t)]:
+            if b is None:
+                assert a is None
+                continue
             assert same_data(a.data, b.data) and same_scales(a.scale, b.scale)
-        ref = quantize(x.float(), CastSpec(E4, B128))
-        assert same_data(w[0].data, ref.data) and same_data(w[1].data, ref.data.t())
-
-
-@needs_triton
-@pytest.mark.parametrize("warps", [8, 16])
-def test_the_swiglu_backward_at_other_warps_writes_the_same_bits(fp8, warps, monkeypatch):
-    """The SwiGLU backward kernels at 8 or 16 warps (``swiglu_warps``: timed on a GPU) write the same
-    d[g, u] copies and h^T, and launch at the warps asked for."""
-    gu = quantize(spread(130, 512, seed=7, dtype=torch.bfloat16).to(dev()), CastSpec(E4, B1x128))
-    gy = spread(130, 256, seed=8, dtype=torch.bfloat16).to(dev())
-    want = fp8.swiglu_grad_quantize(gu, gy, torch.bfloat16, pad_tokens_to=128, h_cols=True)
-    want_t = fp8.swiglu_quantize_t(gu, torch.bfloat16, pad_tokens_to=128)
-    launched = []
-
-    class Spy:  # the kernel, its launches' warps noted
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launched.append(kwargs["num_warps"])
-                return self.kernel[grid](*args, **kwargs)
-            return launch
-
-    for name in ("_swiglu_grad_quant_kernel", "_swiglu_quant_t_kernel"):
-        monkeypatch.setattr(fp8, name, Spy(getattr(fp8, name)))
-    with fp8.tile_warps(warps):
-        got = fp8.swiglu_grad_quantize(gu, gy, torch.bfloat16, pad_tokens_to=128, h_cols=True)
-        got_t = fp8.swiglu_quantize_t(gu, torch.bfloat16, pad_tokens_to=128)
-    assert launched == [warps, warps]
-    for a, b in [*zip(got, want), (got_t, want_t)]:
-        assert same_data(a.data, b.data) and same_scales(a.scale, b.scale)
 
 
 @needs_triton
 def test_the_launch_configuration_is_timed_once_per_device_and_reported(fp8, monkeypatch):
     """On a GPU the first act or weight quantizer times the 1x128 quantizer and the 1x128 + 128x1
-    pair (one kernel, two kernels) at 8 and 16 warps and keeps the fastest of each, reported with the
-    GEMM backends; a timing that fails keeps the defaults and says why; during a graph capture
-    nothing is timed or recorded. (Scripted times; on CPU the kernels run in the interpreter.)"""
+    pair (one kernel or two, transposed store packed or not) at 8 and 16 warps and keeps the fastest
+    of each, reported with the GEMM backends; a timing that fails keeps the defaults and says why;
+    during a graph capture nothing is timed or recorded. (Scripted times; on CPU the kernels run in
+    the interpreter.)"""
     from jetrl_cli.precision import gemm
 
     monkeypatch.setattr(gemm, "_KERNELS", {})
-    monkeypatch.setattr(fp8, "TIMING_SHAPE", (130, 256))
-    ms = {(8, "1x128"): 2.0, (8, True): 3.0, (8, False): 2.5, (16, "1x128"): 1.0, (16, True): 4.0, (16, False): 5.0}
+    monkeypatch.setattr(fp8, "TIMING_SHAPE", (132, 256))
+    pairs = [(one, packed) for one in (True, False) for packed in (False, True)]
+    ms = {(w, what): 5.0 for w in (8, 16) for what in ("1x128", *pairs)}
+    ms.update({(16, "1x128"): 1.0, (8, (False, True)): 2.0})
     timed = []
 
     def device_time_ms(fn, device):
         out = fn()  # it runs, under the configuration being timed
-        w, one = fp8._FORCED
-        what = "1x128" if out[1] is None else one
-        timed.append((w, what))
-        return ms[(w, what)]
+        f = fp8._FORCED
+        what = "1x128" if out[1] is None else (f.one_kernel, f.packed)
+        timed.append((f.warps, what))
+        return ms[(f.warps, what)]
 
     monkeypatch.setattr(gemm, "device_time_ms", device_time_ms)
     where = torch.device(dev())  # the GPU, or the CPU's interpreter
     got = fp8._choose_tiles(where)
     assert sorted(timed, key=str) == sorted(ms, key=str) and fp8._FORCED is None
-    assert (got["warps"], got["pair_warps"], got["one_kernel"]) == (16, 8, False)
+    assert (got["warps"], got["pair_warps"], got["one_kernel"], got["packed"]) == (16, 8, False, True)
     assert gemm.kernel_choice(fp8.TILES_OP, where) is got
-    assert got["kernel"] == "16 warps; the 1x128 + 128x1 pair as two kernels at 8 warps"
-    assert got["why"].startswith("timed on 130 x 256 bf16: 1x128 at 8 warps 2.000 ms")
+    assert got["kernel"] == "16 warps; the 1x128 + 128x1 pair as two kernels, packed at 8 warps"
+    assert got["why"].startswith("timed on 132 x 256 bf16: 1x128 at 8 warps 5.000 ms")
     assert any(k.get("op") == fp8.TILES_OP for k in gemm.backend_report()["kernels"])
+    if where.type == "cuda":
+        probe = torch.zeros(2, 2, device=where)
+        assert fp8.launch_config(probe, True) == (8, False, True) and fp8.launch_config(probe, False) == (16, True, True)
 
     def broken(fn, device):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(gemm, "device_time_ms", broken)
     got = fp8._choose_tiles(where)
-    assert (got["warps"], got["pair_warps"], got["one_kernel"]) == (fp8.NUM_WARPS, fp8.NUM_WARPS, True)
+    assert (got["warps"], got["pair_warps"], got["one_kernel"], got["packed"]) == (fp8.NUM_WARPS, fp8.NUM_WARPS,
+                                                                                     True, fp8.PACKED)
     assert got["why"] == "not timed (RuntimeError: operation not permitted when stream is capturing)"
     assert fp8._FORCED is None
     monkeypatch.setattr(gemm, "_KERNELS", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert fp8._choose_tiles(torch.device("cuda"))["one_kernel"] is True
     assert gemm.kernel_choice(fp8.TILES_OP, torch.device("cuda")) is None  # decided at the next eager call
-    assert fp8.launch_config(torch.zeros(2, 2), True) == (fp8.NUM_WARPS, True)  # CPU tensors: the defaults
+    assert fp8.launch_config(torch.zeros(2, 2), True) == (fp8.NUM_WARPS, True, fp8.PACKED)  # CPU tensors: the defaults
 
 
 @needs_triton
 def test_the_swiglu_backward_warps_are_timed_once_per_device_and_reported(fp8, monkeypatch):
     """The SwiGLU backward kernel is timed as a training step runs it (d[g, u] both ways and h^T) at 8
-    and 16 warps, at its first call on a GPU, and the faster kept and reported; a timing that fails
-    keeps the default and says why. (Scripted times; on CPU the kernel runs in the interpreter.)"""
+    and 16 warps, stores packed or not, at its first call on a GPU, and the fastest kept and
+    reported; a timing that fails keeps the default and says why. (Scripted times; on CPU the kernel
+    runs in the interpreter.)"""
     from jetrl_cli.precision import gemm
 
     monkeypatch.setattr(gemm, "_KERNELS", {})
-    monkeypatch.setattr(fp8, "TIMING_SHAPE", (130, 512))
-    ms, timed = {8: 3.0, 16: 2.0}, []
+    monkeypatch.setattr(fp8, "TIMING_SHAPE", (132, 512))
+    ms, timed = {(8, False): 3.0, (8, True): 2.5, (16, False): 2.0, (16, True): 1.5}, []
 
     def device_time_ms(fn, device):
         rows, cols, h_t = fn()  # the training step's call: all three outputs
         assert rows is not None and cols is not None and h_t is not None
-        timed.append(fp8._FORCED[0])
-        return ms[fp8._FORCED[0]]
+        timed.append((fp8._FORCED.warps, fp8._FORCED.packed))
+        return ms[timed[-1]]
 
     monkeypatch.setattr(gemm, "device_time_ms", device_time_ms)
     where = torch.device(dev())
     got = fp8._choose_swiglu_warps(where)
-    assert timed == [8, 16] and fp8._FORCED is None
-    assert got["warps"] == 16 and got["kernel"] == "16 warps" and gemm.kernel_choice(fp8.SWIGLU_TILES_OP, where) is got
-    assert got["why"] == "timed on [g, u] 130 x 512: 8 warps 3.000 ms, 16 warps 2.000 ms"
+    assert timed == list(ms) and fp8._FORCED is None
+    assert (got["warps"], got["packed"]) == (16, True) and got["kernel"] == "16 warps, packed store"
+    assert gemm.kernel_choice(fp8.SWIGLU_TILES_OP, where) is got
+    assert got["why"] == ("timed on [g, u] 132 x 512: 8 warps bytes 3.000 ms, 8 warps packed 2.500 ms, "
+                          "16 warps bytes 2.000 ms, 16 warps packed 1.500 ms")
     probe = torch.zeros(2, 2, device=where)  # its kernels launch at the device's choice (CPU: the default)
-    assert fp8.swiglu_warps(probe) == (16 if where.type == "cuda" else fp8.SWIGLU_WARPS)
+    assert fp8.swiglu_config(probe) == ((16, True, True) if where.type == "cuda" else (fp8.SWIGLU_WARPS, True, fp8.PACKED))
 
     def broken(fn, device):
         raise RuntimeError("out of resources")
@@ -879,3 +910,60 @@ def test_the_swiglu_backward_warps_are_timed_once_per_device_and_reported(fp8, m
     got = fp8._choose_swiglu_warps(where)
     assert got["warps"] == fp8.SWIGLU_WARPS and got["why"] == "not timed (RuntimeError: out of resources)"
     assert fp8._FORCED is None
+
+
+@needs_triton
+@pytest.mark.parametrize("n,k", [(260, 300), (128, 128), (4, 1), (6, 130)])
+def test_weight_bytes_transpose_by_kernel_equals_torchs(fp8, n, k):
+    """``transpose_bytes_``'s Triton kernel (four rows per 32-bit word) writes torch's ``src.t()``
+    byte for byte, ragged tiles included; where N is not a multiple of 4 it is torch's copy."""
+    src = torch.randint(0, 256, (n, k), generator=gen(n * k), dtype=torch.uint8).to(dev())
+    for kind in ("triton", "torch"):
+        dst = torch.full((k, n), 7, dtype=torch.uint8, device=dev())
+        with fp8.transpose_with(kind):
+            fp8.transpose_bytes_(dst, src)
+        assert torch.equal(dst, src.t())
+    w = spread(n if n % 128 == 0 else 128, 256, seed=n).float()
+    with fp8.transpose_with("triton"):
+        q, qt = fp8.quantize_weight(w, transposed=True)
+    assert same_data(qt.data, q.data.t()) and same_scales(qt.scale, q.scale.t())
+
+
+@needs_triton
+def test_the_weight_transpose_is_chosen_once_per_device_and_only_if_exact(fp8, monkeypatch):
+    """On a GPU the first weight transpose times the kernel against torch's copy and keeps the faster,
+    reported; a kernel whose bytes differ from torch's (a miscompiled transpose) is never chosen; a
+    failing timing keeps torch's copy; during a capture nothing is decided. (Scripted times.)"""
+    from jetrl_cli.precision import gemm
+
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    monkeypatch.setattr(fp8, "TIMING_SHAPE", (132, 260))
+    ms = iter([1.0, 4.0])  # triton, torch
+    monkeypatch.setattr(gemm, "device_time_ms", lambda fn, device: (fn(), next(ms))[1])
+    where = torch.device(dev())
+    got = fp8._choose_transpose(where)
+    assert got["kernel"] == "triton" and gemm.kernel_choice(fp8.TRANSPOSE_OP, where) is got
+    assert got["why"] == "timed on 132 x 260 bytes: triton 1.000 ms, torch 4.000 ms"
+
+    real = fp8._transpose_triton
+
+    def wrong(dst, src):  # one byte off
+        real(dst, src)
+        dst.view(-1)[5] ^= 1
+
+    monkeypatch.setattr(fp8, "_transpose_triton", wrong)
+    got = fp8._choose_transpose(where)
+    assert got["kernel"] == "torch" and got["why"] == "the Triton transpose's bytes differ from torch's"
+    monkeypatch.setattr(fp8, "_transpose_triton", real)
+
+    def broken(fn, device):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(gemm, "device_time_ms", broken)
+    assert fp8._choose_transpose(where)["why"] == "not timed (RuntimeError: out of resources)"
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert fp8._choose_transpose(torch.device("cuda")) == {"kernel": "torch"}
+    assert gemm.kernel_choice(fp8.TRANSPOSE_OP, torch.device("cuda")) is None
+
+

@@ -78,6 +78,26 @@ def test_fast_paths_do_not_spill_registers(report):
         assert k["shared"] <= 227 * 1024, k["case"]  # an H100 block's shared memory
 
 
+def test_packed_transposed_stores_move_words_not_bytes(report):
+    """The quantizers' packed x^T stores (``tile_warps(packed=True)``, a GPU's timed choice) and the
+    weight-bytes transpose move 32-bit words through shared memory, never single bytes (the byte-wise
+    ``tl.trans`` of an FP8 tile: 64 ``LDS.U8`` per thread, 128 in the SwiGLU backward), and keep
+    within the unpacked kernels' instruction counts."""
+    by_case = collections.defaultdict(dict)
+    for k in report["kernels"]:
+        by_case[k["case"]][k["kernel"]] = k
+    packed = {c: ks for c, ks in by_case.items() if c.startswith("packed ")}
+    assert len(packed) == 5
+    for case, ks in packed.items():
+        for name, k in ks.items():
+            assert not any(op.split(".")[-1] == "U8" for op in k["sass"]["shared"]), (case, name, k["sass"])
+    assert "_transpose_words_kernel" in packed["packed weight transpose"]
+    for case, plain in (("packed quantize_act cols", "quantize_act cols pow2=False"),
+                        ("packed swiglu_grad_quantize h_cols", "swiglu_grad_quantize h_cols pow2=False")):
+        (k,), (p,) = packed[case].values(), by_case[plain].values()
+        assert k["sass"]["total"] <= p["sass"]["total"], (case, k["sass"]["total"], p["sass"]["total"])
+
+
 def test_fp8_gemm_runs_on_the_tensor_cores_at_every_tile(report):
     """The plain FP8 GEMM's decode tiles (16-64 rows x 32-64 columns) and its 64 x 128 tiles: from 64
     rows ``wgmma`` on e4m3 operands; a 16-row tile is ``mma.sync`` on f16 operands converted from e4m3
@@ -92,6 +112,25 @@ def test_fp8_gemm_runs_on_the_tensor_cores_at_every_tile(report):
         (op,) = gemms[case]["ptx_mma"]
         assert op.startswith("mma.sync") and ".f32.f16.f16.f32" in op, (case, op)
         assert "cvt.rn.f16x2.e4m3x2" in gemms[case]["ptx_fp"], case
+
+
+def test_split_k_gemm_runs_on_the_tensor_cores_and_sums_in_fp32(report):
+    """A decode step's split-K FP8 and INT8 GEMMs (``decode_split``): the splits' kernels multiply on
+    the tensor cores as the unsplit ones do at that tile; the FP8 sum kernel adds fp32 partials (and
+    rounds to bf16 once, a ``cvt.rn``), the INT8 one int32 partials."""
+    ks = {k["kernel"]: k for k in report["kernels"] if k["case"] == "split-K blockwise_mm M=32 N=1536 bias"}
+    assert set(ks) == {"_blockwise_mm_split_kernel", "_split_sum_kernel"}
+    (op,) = ks["_blockwise_mm_split_kernel"]["ptx_mma"]
+    assert op.startswith(("wgmma", "mma.sync")), op
+    fp = ks["_split_sum_kernel"]["ptx_fp"]
+    assert "add.f32" in fp or "add.rn.f32" in fp, fp
+    assert any(o.startswith("cvt.rn.bf16") for o in fp), fp
+    assert not ks["_split_sum_kernel"]["ptx_mma"]
+    ks = {k["kernel"]: k for k in report["kernels"] if k["case"] == "split-K int8_mm M=32 N=1536"}
+    assert set(ks) == {"_int8_mm_split_kernel", "_int8_split_sum_kernel"}
+    (op,) = ks["_int8_mm_split_kernel"]["ptx_mma"]
+    assert ".s8.s8" in op, op  # int8 x int8 -> int32 on the tensor cores; the partials then add exactly
+    assert not ks["_int8_split_sum_kernel"]["ptx_mma"]
 
 
 def test_the_swiglu_quantizers_divide_exactly(report):

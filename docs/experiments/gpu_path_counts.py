@@ -92,7 +92,7 @@ def _stand_in_kernels() -> collections.Counter:
     kernels_pkg.unavailable_reason = lambda: None
     for mod, name in ((fp8, "_act_quant_kernel"), (fp8, "_weight_quant_kernel"), (fp8, "_swiglu_quant_kernel"),
                       (fp8, "_swiglu_quant_t_kernel"), (fp8, "_swiglu_grad_quant_kernel"),
-                      (fp8, "_rms_norm_quant_kernel"), (int8, "_row_quant_kernel")):
+                      (fp8, "_rms_norm_quant_kernel"), (fp8, "_transpose_words_kernel"), (int8, "_row_quant_kernel")):
         setattr(mod, name, Launch(name, {}))
     return launches
 
@@ -156,10 +156,14 @@ def host(args) -> dict:
     ours = [v for k, v in pstats.Stats(prof).stats.items() if os.sep + "jetrl_cli" + os.sep in k[0]
             or os.sep + "kernels" + os.sep in k[0]]
     ops = {k: v for k, v in mode.ops.items() if not k.startswith("prim.")}
+    mine = sorted(((v[1], f"{os.path.relpath(k[0], ROOT)}:{k[1]}:{k[2]}") for k, v in pstats.Stats(prof).stats.items()
+                   if os.sep + "jetrl_cli" + os.sep in k[0] or os.sep + "kernels" + os.sep in k[0]), reverse=True)
     return {"model": label, "flow": args.flow, "tokens": [args.batch, args.seq],
             "aten_ops": sum(v for k, v in ops.items() if k not in VIEWS),
             "view_ops": sum(v for k, v in ops.items() if k in VIEWS),
-            "triton_launches": dict(launches), "jetrl_python_calls": sum(v[1] for v in ours)}
+            "triton_launches": dict(launches), "jetrl_python_calls": sum(v[1] for v in ours),
+            "most_called": [[n, where] for n, where in mine[:args.top]],
+            "aten_ops_most_dispatched": mode.ops.most_common(args.top)}
 
 
 def bench(args) -> dict:

@@ -63,15 +63,13 @@ class Format(str, enum.Enum):
         return {"fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}.get(self.value, self.value)
 
     def torch_dtype(self):
-        import torch
+        if not _DTYPES:  # torch imported on first use (the CLI starts without it), the map built once
+            import torch
 
-        return {
-            Format.FP32: torch.float32,
-            Format.BF16: torch.bfloat16,
-            Format.FP8_E4M3: torch.float8_e4m3fn,
-            Format.FP8_E5M2: torch.float8_e5m2,
-            Format.INT8: torch.int8,
-        }[self]
+            _DTYPES.update({Format.FP32: torch.float32, Format.BF16: torch.bfloat16,
+                            Format.FP8_E4M3: torch.float8_e4m3fn, Format.FP8_E5M2: torch.float8_e5m2,
+                            Format.INT8: torch.int8})
+        return _DTYPES[self]
 
     @classmethod
     def parse(cls, value: str) -> "Format":
@@ -83,6 +81,8 @@ class Format(str, enum.Enum):
             allowed = ", ".join(f.value for f in cls)
             raise ValueError(f"unknown format {value!r} (allowed: {allowed})") from None
 
+
+_DTYPES: dict = {}  # Format -> torch dtype (``Format.torch_dtype``)
 
 _MAX = {
     Format.FP32: 3.4028234663852886e38,
@@ -148,11 +148,14 @@ class Block:
         return self.name
 
 
+# The blockwise FP8 recipe's groups, made once (the GEMM paths compare specs with them at every call)
+B1x128, B128x1, B128x128 = Block(1, 128), Block(128, 1), Block(128, 128)
+
 _NAMED_BLOCKS = {
     "tensor": Block(0, 0),
     "row": Block(1, 0),
     "col": Block(0, 1),
-    "1x128": Block(1, 128),
-    "128x1": Block(128, 1),
-    "128x128": Block(128, 128),
+    "1x128": B1x128,
+    "128x1": B128x1,
+    "128x128": B128x128,
 }

@@ -77,7 +77,7 @@ import torch
 from ..errors import JetrlError
 from ..choices import GEMM_BACKENDS
 from .flow import OPERANDS, REDUCTION_ON_ROWS
-from .formats import Block, Format
+from .formats import B1x128, B128x1, B128x128, Block, Format
 from .fuse import report as fuse_report
 from .quant import CastSpec, QTensor, quantize, round_to, to_float
 
@@ -483,11 +483,11 @@ def _scaled_mm_v2():
 
 def blockwise_kind(a: CastSpec, b: CastSpec) -> str | None:
     """``"1x128x128x128"`` (Fprop/Dgrad), ``"1x128x1x128"`` (Wgrad) or None, for K-major blocks."""
-    if a.block != Block(1, TILE):
+    if a.block != B1x128:
         return None
-    if b.block == Block(TILE, TILE):
+    if b.block == B128x128:
         return "1x128x128x128"
-    if b.block == Block(1, TILE):
+    if b.block == B1x128:
         return "1x128x1x128"
     return None
 
@@ -557,7 +557,7 @@ class ScaledMMBackend:
         if blockwise_kind(a.spec, b.spec) is not None:
             if k % TILE:
                 return f"blockwise scaled_mm needs the reduction dim to be a multiple of {TILE}, got {k}"
-            if b.spec.block == Block(TILE, TILE) and b.data.shape[0] % TILE:
+            if b.spec.block == B128x128 and b.data.shape[0] % TILE:
                 return f"blockwise scaled_mm needs N to be a multiple of {TILE} for 128x128 scales, got {b.data.shape[0]}"
         elif a.data.is_cuda and (k % 16 or b.data.shape[0] % 16):
             return f"scaled_mm needs K and N to be multiples of 16, got K={k}, N={b.data.shape[0]}"
@@ -600,7 +600,7 @@ class ScaledMMBackend:
         sa, sb = scaled_mm_scale(a, "a", api), scaled_mm_scale(b, "b", api)
         if v2 is not None:
             f, st = v2
-            rb = st.BlockWise128x128 if b.spec.block == Block(TILE, TILE) else st.BlockWise1x128
+            rb = st.BlockWise128x128 if b.spec.block == B128x128 else st.BlockWise1x128
             kw = {} if bias is None else {"bias": bias}
             y = f(a.data, b.data.t(), sa, st.BlockWise1x128, sb, rb, output_dtype=out_dtype, **kw)
         else:
@@ -668,14 +668,14 @@ def one_read_pair(rows: CastSpec | None, cols: CastSpec | None) -> bool:
     specs = [c for c in (rows, cols) if c is not None]
     return bool(specs) and all(c.format.is_fp8 for c in specs) and len(
         {(c.format, c.pow2_scale, c.amax_floor) for c in specs}) == 1 and (
-        rows is None or rows.block == Block(1, TILE)) and (cols is None or cols.block == Block(TILE, 1))
+        rows is None or rows.block == B1x128) and (cols is None or cols.block == B128x1)
 
 
 def cast_weight_pair(w: torch.Tensor, spec: CastSpec, backends) -> tuple | None:
     """``(W, W^T)`` quantized with 128x128 blocks from one read of ``w`` (the Triton kernel), when one
     of ``backends`` is a kernel backend and the kernel can run here; None otherwise (the caller then
     transposes W's operand: the block grid is transpose-symmetric, so the values are the same)."""
-    if not (spec.format.is_fp8 and spec.block == Block(TILE, TILE) and w.dim() == 2):
+    if not (spec.format.is_fp8 and spec.block == B128x128 and w.dim() == 2):
         return None
     tri = kernel_quantizers(w, backends, spec)
     if tri is None:

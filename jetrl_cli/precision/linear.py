@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .flow import GemmSpec, LinearPrecision, PrecisionFlow
-from .formats import Block, Format
+from .formats import B1x128, B128x1, B128x128, Format
 from .fuse import fused
 from .gemm import (
     ExactOperand,
@@ -316,7 +316,7 @@ def _stack_fp8(mods, hit, owner: nn.Module, key: tuple) -> QTensor | None:
     emulated backend, a layer that is not a whole number of blocks tall before the last one."""
     p = mods[0].precision
     spec, w0 = p.fprop, mods[0].weight
-    if (len(mods) < 2 or p.dgrad.b != spec.b or not spec.b.format.is_fp8 or spec.b.block != Block(TILE, TILE)
+    if (len(mods) < 2 or p.dgrad.b != spec.b or not spec.b.format.is_fp8 or spec.b.block != B128x128
             or any(m._wfixed is not None or not m.weight.requires_grad for m in mods)
             or any(m.out_features % TILE for m in mods[:-1]) or not native(w0)):
         return None
@@ -556,7 +556,7 @@ def _fp8_input_kernels(prec: LinearPrecision, x: torch.Tensor):
     """``kernels.fp8`` where the layer's Fprop input is FP8 in 1x128 groups on a kernel backend
     (``scaled_mm``, ``triton``) and Triton runs where ``x`` is (a GPU, or the interpreter); else None."""
     a = prec.fprop.a
-    if not (a.format.is_fp8 and a.block == Block(1, TILE)):
+    if not (a.format.is_fp8 and a.block == B1x128):
         return None
     return kernel_quantizers(x, (backend_for(prec.fprop, "fprop", x.device),), a)
 
@@ -1065,8 +1065,8 @@ def _swiglu_t_kernel(q, gu_dtype: torch.dtype, wg: GemmSpec):
     ``q`` of [g, u] as ``cast_pair`` would make it from h (Triton's 128x1 quantizer on a kernel
     backend, where Triton runs); else None."""
     b = wg.b
-    if not (isinstance(q, QTensor) and q.spec.block == Block(1, TILE) and b.format.is_fp8
-            and b.block == Block(TILE, 1) and gu_dtype in (torch.bfloat16, torch.float32)
+    if not (isinstance(q, QTensor) and q.spec.block == B1x128 and b.format.is_fp8
+            and b.block == B128x1 and gu_dtype in (torch.bfloat16, torch.float32)
             and q.data.shape[-1] % (2 * TILE) == 0 and q.data.stride(-1) == 1):
         return None
     return kernel_quantizers(q.data, (backend_for(wg, "wgrad", q.data.device),), b)
@@ -1248,7 +1248,7 @@ def swiglu_save_spec(prec: LinearPrecision) -> CastSpec | None:
         return None
     a = prec.fprop.a
     fmt = a.format if a.format.is_fp8 else Format.FP8_E4M3
-    return CastSpec(fmt, Block(1, TILE), a.pow2_scale, a.amax_floor)
+    return CastSpec(fmt, B1x128, a.pow2_scale, a.amax_floor)
 
 
 # --------------------------------------------------------------------------- applying a flow
