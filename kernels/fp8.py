@@ -91,6 +91,7 @@ quantize`` on a GPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -908,6 +909,13 @@ def _check(x: torch.Tensor, fmt: Format, amax_floor: float, where: str) -> None:
 _DUMMIES: dict = {}  # device -> the one-element tensor a kernel gets for an output it does not write
 
 
+@functools.lru_cache(maxsize=None)
+def _spec_1x128(fmt: Format, pow2_scale: bool, amax_floor: float) -> CastSpec:
+    """The 1x128 spec of the quantizers' outputs, made once per (format, pow2, floor): a CastSpec is a
+    validated frozen dataclass, built at every quantizer call before (host time of the FP8 step)."""
+    return CastSpec(fmt, B1x128, pow2_scale, amax_floor)
+
+
 def _dummy(dev) -> torch.Tensor:
     """A stand-in pointer for the outputs a launch skips (never read or written), one per device: an
     allocation per quantizer call was an aten op of host time each (about 200 per training update of
@@ -963,7 +971,7 @@ def quantize_act(x: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale: boo
                 st if c else dummy, m, k, m_pad, x.stride(0), x.stride(1), FMAX=fmt.max, FLOOR=amax_floor,
                 POW2=pow2_scale, OUT=_TL_FP8[fmt], ROWS=r, COLS=c, ZERO_PAD=c and m_pad > m, PACK=c and pack, T=TILE,
                 num_warps=launch.warps, enable_fp_fusion=FP_FUSION)
-    spec = CastSpec(fmt, B1x128, pow2_scale, amax_floor)
+    spec = _spec_1x128(fmt, pow2_scale, amax_floor)
     return (QTensor(qr, sr, spec) if rows else None), (QTensor(qt, st, spec) if cols else None)
 
 
@@ -997,7 +1005,7 @@ def swiglu_quantize(gu: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale:
             gu, qh, sh, qg if save else qh, sg if save else sh, m, i, gu.stride(0), gu.stride(1),
             FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], SAVE=save, BM=SWIGLU_ROWS, T=TILE,
             num_warps=4, enable_fp_fusion=FP_FUSION)
-    spec = CastSpec(fmt, B1x128, pow2_scale, amax_floor)
+    spec = _spec_1x128(fmt, pow2_scale, amax_floor)
     return QTensor(qh, sh, spec), (QTensor(qg, sg, spec) if save else None)
 
 
@@ -1042,7 +1050,7 @@ def swiglu_quantize_t(gu: QTensor, gu_dtype: torch.dtype, fmt: Format = Format.F
             gu.scale.stride(0), gu.scale.stride(1), FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt],
             ROUND_BF16=gu_dtype is torch.bfloat16, INTERPRET=_interpreting(), ZERO_PAD=m_pad > m, PACK=pack, T=TILE,
             num_warps=launch.warps, enable_fp_fusion=FP_FUSION)
-    return QTensor(qt, st, CastSpec(fmt, B1x128, pow2_scale, amax_floor))
+    return QTensor(qt, st, _spec_1x128(fmt, pow2_scale, amax_floor))
 
 
 def swiglu_grad_quantize(gu: QTensor, gy: torch.Tensor, out_dtype: torch.dtype, fmt: Format = Format.FP8_E4M3,
@@ -1088,7 +1096,7 @@ def swiglu_grad_quantize(gu: QTensor, gy: torch.Tensor, out_dtype: torch.dtype, 
             FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], ROUND_BF16=out_dtype is torch.bfloat16,
             INTERPRET=_interpreting(), ROWS=rows, COLS=cols, ZERO_PAD=m_pad > m, PACK=pack, T=TILE,
             num_warps=launch.warps, enable_fp_fusion=FP_FUSION)
-    spec = CastSpec(fmt, B1x128, pow2_scale, amax_floor)
+    spec = _spec_1x128(fmt, pow2_scale, amax_floor)
     return tuple(QTensor(q, sc, spec) if q is not None else None for q, sc in ((qr, sr), (qt, st), (qh, sh)))
 
 
@@ -1141,7 +1149,7 @@ def rms_norm_quantize(x: torch.Tensor, delta: torch.Tensor | None, weight: torch
             OUT=_TL_FP8[fmt], HAS_DELTA=delta is not None, S_BF16=s_dtype is torch.bfloat16,
             Y_BF16=out_dtype is torch.bfloat16, WRITE_Y=write_y, WRITE_R=rsqrt, INTERPRET=_interpreting(),
             BM=NORM_ROWS, T=TILE, num_warps=4, enable_fp_fusion=FP_FUSION)
-    return s, y, r, QTensor(q, sc, CastSpec(fmt, B1x128, pow2_scale, amax_floor))
+    return s, y, r, QTensor(q, sc, _spec_1x128(fmt, pow2_scale, amax_floor))
 
 
 def quantize_weight(w: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale: bool = False,
@@ -1394,9 +1402,9 @@ def decode_split(block_m: int, n: int, k: int, device: torch.device, kind: str =
 
 def _fp8_split_run(block_m: int, n: int, k: int, device: torch.device):
     """``blockwise_mm`` at a given split on random operands of a decode GEMM's shape."""
-    g = torch.Generator().manual_seed(0)
-    a = quantize_act(torch.randn(block_m, k, generator=g).to(device, torch.bfloat16), cols=False)[0]
-    b = quantize_weight((torch.randn(n, k, generator=g) * 0.05).to(device))
+    g = torch.Generator(device).manual_seed(0)  # drawn on the device: a 7-8B weight's shape is 10^8 values
+    a = quantize_act(torch.randn(block_m, k, generator=g, device=device, dtype=torch.bfloat16), cols=False)[0]
+    b = quantize_weight(torch.randn(n, k, generator=g, device=device) * 0.05)
     return lambda s: blockwise_mm(a, b, torch.bfloat16, split=s)
 
 

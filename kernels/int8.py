@@ -247,10 +247,10 @@ def int8_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
 
 def _int8_split_run(block_m: int, n: int, k: int, device: torch.device):
     """``int8_mm`` at a given split on random operands of a decode GEMM's shape (``fp8.decode_split``)."""
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device).manual_seed(0)  # drawn on the device, as fp8's
     spec = CastSpec(Format.INT8, Block(1, 0))
-    a = quantize_rows(torch.randn(block_m, k, generator=g).to(device, torch.bfloat16), spec)
-    b = quantize_rows((torch.randn(n, k, generator=g) * 0.05).to(device), spec)
+    a = quantize_rows(torch.randn(block_m, k, generator=g, device=device, dtype=torch.bfloat16), spec)
+    b = quantize_rows(torch.randn(n, k, generator=g, device=device) * 0.05, spec)
     return lambda s: int8_mm(a, b, torch.bfloat16, split=s)
 
 
