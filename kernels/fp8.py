@@ -76,7 +76,9 @@ per-element work small:
   run measured the 3760 version.
 - Every store is whole, contiguous lines: the 1x128 data is 128 bytes of a row per group; the
   transposed 128x1 data is 128 bytes of a row of x^T per tile row (Triton turns the tile around
-  through shared memory so that the store is coalesced along T); a tile's 128 row scales are 512
+  through shared memory so that the store is coalesced along T: byte by byte, or -- the packed
+  form, ``_store_cols4``, timed against it on a GPU -- as 32-bit words of four tokens that one
+  thread packed in its registers); a tile's 128 row scales are 512
   contiguous bytes of the column-major scale grid (that layout is also the cheapest to write), and
   so are its 128 column scales in the (T/128, K) grid behind x^T's scales.
 - A group's scale is a reduced, replicated value: Triton's store drops the replicas, so each scale
