@@ -238,10 +238,12 @@ def _choose_tiles(device: torch.device) -> dict:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(TIMING_SHAPE, generator=g).to(device, torch.bfloat16)
     runs = {"1x128": lambda: quantize_act(x, cols=False), "pair": lambda: quantize_act(x, pad_tokens_to=TILE)}
-    cases = [(("1x128", w), (w, True, False), runs["1x128"]) for w in WARP_CHOICES]
-    cases += [((f"pair as {'one kernel' if one else 'two kernels'}, {_store_name(packed)}", w), (w, one, packed),
-               runs["pair"]) for w in WARP_CHOICES for one in (True, False) for packed in (False, True)]
     try:
+        bad = _packed_mismatch(runs["pair"])
+        stores = (False,) if bad else (False, True)
+        cases = [(("1x128", w), (w, True, False), runs["1x128"]) for w in WARP_CHOICES]
+        cases += [((f"pair as {'one kernel' if one else 'two kernels'}, {_store_name(packed)}", w), (w, one, packed),
+                   runs["pair"]) for w in WARP_CHOICES for one in (True, False) for packed in stores]
         t = _time_forced(device, cases)
     except Exception as e:  # noqa: BLE001 - nothing timed: the defaults, said why
         return gemm.note_kernel(TILES_OP, device, f"{NUM_WARPS} warps, the pair as one kernel", _untimed(e), **default)
@@ -250,9 +252,35 @@ def _choose_tiles(device: torch.device) -> dict:
     one, packed = pair.startswith("pair as one kernel"), pair.endswith("packed")
     m, k = TIMING_SHAPE
     why = f"timed on {m} x {k} bf16: " + ", ".join(f"{what} at {w} warps {ms:.3f} ms" for (what, w), ms in t.items())
+    why += f"; no packed store: {bad}" if bad else ""
     return gemm.note_kernel(TILES_OP, device, f"{w1} warps; the 1x128 + 128x1 {pair} at {wp} warps", why,
                             warps=w1, pair_warps=wp, one_kernel=one, packed=packed,
                             timings_ms={f"{what} @ {w}": ms for (what, w), ms in t.items()})
+
+
+def _same_operand(a: QTensor | None, b: QTensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(
+        a.scale.nan_to_num(-1.0), b.scale.nan_to_num(-1.0))
+
+
+def _packed_mismatch(run) -> str | None:
+    """Why the packed store may not be chosen on this device: ``run()``'s outputs (QTensors, or None)
+    under it differ from the byte store's at some warp count -- a GPU compiler that miscompiles the
+    word transpose (Triton 3.6 once wrote garbage through ``tl.trans`` of fp32 tiles on sm_90) is
+    caught at the choice, not in a training step. None when they agree."""
+    global _FORCED
+    try:
+        for w in WARP_CHOICES:
+            _FORCED = Launch(w, True, False)
+            want = run()
+            _FORCED = Launch(w, True, True)
+            if not all(_same_operand(a, b) for a, b in zip(run(), want)):
+                return f"its bytes differ from the byte store's at {w} warps"
+    finally:
+        _FORCED = None
+    return None
 
 
 def _untimed(e: Exception) -> str:
@@ -274,12 +302,15 @@ def _choose_swiglu_warps(device: torch.device) -> dict:
                       CastSpec(Format.FP8_E4M3, B1x128))  # [g, u]'s FP8 copy, halves k / 2 wide
         gy = torch.randn((m, k // 2), generator=g).to(device, torch.bfloat16)
         run = lambda: swiglu_grad_quantize(gu, gy, torch.bfloat16, pad_tokens_to=TILE, h_cols=True)  # noqa: E731
-        t = _time_forced(device, [((w, p), (w, True, p), run) for w in WARP_CHOICES for p in (False, True)])
+        bad = _packed_mismatch(run)
+        stores = (False,) if bad else (False, True)
+        t = _time_forced(device, [((w, p), (w, True, p), run) for w in WARP_CHOICES for p in stores])
     except Exception as e:  # noqa: BLE001 - nothing timed: the default, said why
         return gemm.note_kernel(SWIGLU_TILES_OP, device, f"{SWIGLU_WARPS} warps", _untimed(e), **default)
     best, packed = min(t, key=t.get)
     why = f"timed on [g, u] {m} x {k}: " + ", ".join(f"{w} warps {_store_name(p)} {ms:.3f} ms"
                                                        for (w, p), ms in t.items())
+    why += f"; no packed store: {bad}" if bad else ""
     return gemm.note_kernel(SWIGLU_TILES_OP, device, f"{best} warps, {_store_name(packed)} store", why, warps=best,
                             packed=packed, timings_ms={f"{w} warps {_store_name(p)}": ms for (w, p), ms in t.items()})
 

@@ -913,6 +913,42 @@ def test_the_swiglu_backward_warps_are_timed_once_per_device_and_reported(fp8, m
 
 
 @needs_triton
+def test_a_packed_store_whose_bytes_differ_is_never_timed_or_chosen(fp8, monkeypatch):
+    """The packed form is a candidate only where it writes the byte form's bits on the device: each
+    chooser first runs both at every warp count and compares (a miscompiled word transpose is caught
+    there); a mismatch leaves only byte stores, and the report says why."""
+    from jetrl_cli.precision import gemm
+
+    x = spread(132, 256, seed=3, dtype=torch.bfloat16)
+    assert fp8._packed_mismatch(lambda: fp8.quantize_act(x, pad_tokens_to=128)) is None  # the real kernels agree
+
+    def off_by_one():  # a packed form that writes one wrong byte
+        r, c = fp8.quantize_act(x, pad_tokens_to=128)
+        if fp8._FORCED.packed:
+            c.data.view(torch.uint8).view(-1)[7] ^= 1
+        return r, c
+
+    assert fp8._packed_mismatch(off_by_one) == "its bytes differ from the byte store's at 8 warps"
+    assert fp8._FORCED is None
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    monkeypatch.setattr(fp8, "TIMING_SHAPE", (132, 512))
+    monkeypatch.setattr(fp8, "_packed_mismatch", lambda run: "its bytes differ from the byte store's at 16 warps")
+    forced = []
+
+    def device_time_ms(fn, device):
+        forced.append(fp8._FORCED)
+        return 1.0 if fp8._FORCED.packed else 2.0  # packed would win, were it timed
+
+    monkeypatch.setattr(gemm, "device_time_ms", device_time_ms)
+    where = torch.device(dev())
+    for choose, op in ((fp8._choose_tiles, fp8.TILES_OP), (fp8._choose_swiglu_warps, fp8.SWIGLU_TILES_OP)):
+        forced.clear()
+        got = choose(where)
+        assert forced and not any(f.packed for f in forced) and got["packed"] is False, op
+        assert got["why"].endswith("; no packed store: its bytes differ from the byte store's at 16 warps"), op
+
+
+@needs_triton
 @pytest.mark.parametrize("n,k", [(260, 300), (128, 128), (4, 1), (6, 130)])
 def test_weight_bytes_transpose_by_kernel_equals_torchs(fp8, n, k):
     """``transpose_bytes_``'s Triton kernel (four rows per 32-bit word) writes torch's ``src.t()``
