@@ -198,11 +198,6 @@ def swiglu_config(x: torch.Tensor) -> Launch:
     return Launch(c["warps"], True, c["packed"])
 
 
-def swiglu_warps(x: torch.Tensor) -> int:
-    """Warps of the SwiGLU backward kernels for an input on ``x``'s device."""
-    return swiglu_config(x).warps
-
-
 def _packs(m_pad: int, launch: Launch) -> bool:
     """Whether a transposed store of ``m_pad`` (padded) tokens is packed into 32-bit words."""
     return launch.packed and m_pad % 4 == 0
