@@ -501,7 +501,7 @@ def quantizers() -> list[tuple[str, object]]:
 
 def bench_quantize(s: Settings) -> list[dict]:
     from .kernels import quantize as triton_quantize  # light: imports Triton only when called
-    from .precision.quant import dequantize, error_stats, quantize
+    from .precision.quant import dequantize, error_stats, quantize, same_bits
 
     dev = torch.device(s.device)
     dtype = torch.bfloat16 if s.device == "cuda" else torch.float32  # the activation dtype of each device
@@ -551,8 +551,7 @@ def bench_quantize(s: Settings) -> list[dict]:
                             else (contextlib.nullcontext(), None))
                 with ctx:
                     got = fn()
-                    same = torch.equal(got.data.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(
-                        got.scale.nan_to_num(-1.0), q.scale.nan_to_num(-1.0))
+                    same = same_bits(got, q)
                     timed(shape, name, backend, fn, moved, copy_bw, **launch(ran),
                           sqnr_db=error_stats(x.float(), dequantize(got))["sqnr_db"], matches_reference=same)
         if kernels is None:

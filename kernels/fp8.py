@@ -104,7 +104,7 @@ import triton.language as tl
 
 from jetrl_cli.precision.formats import B1x128, B128x1, B128x128, Format
 from jetrl_cli.precision import gemm  # its registry, timer and capture check (looked up at call time)
-from jetrl_cli.precision.quant import DEFAULT_AMAX_FLOOR, CastSpec, QTensor
+from jetrl_cli.precision.quant import DEFAULT_AMAX_FLOOR, CastSpec, QTensor, same_bits
 
 from .layouts import cdiv, padded_groups, round_up, scale_buffer
 
@@ -253,13 +253,6 @@ def _choose_tiles(device: torch.device) -> dict:
                             timings_ms={f"{what} @ {w}": ms for (what, w), ms in t.items()})
 
 
-def _same_operand(a: QTensor | None, b: QTensor | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(
-        a.scale.nan_to_num(-1.0), b.scale.nan_to_num(-1.0))
-
-
 def _packed_mismatch(run) -> str | None:
     """Why the packed store may not be chosen on this device: ``run()``'s outputs (QTensors, or None)
     under it differ from the byte store's at some warp count -- a GPU compiler that miscompiles the
@@ -271,7 +264,7 @@ def _packed_mismatch(run) -> str | None:
             _FORCED = Launch(w, True, False)
             want = run()
             _FORCED = Launch(w, True, True)
-            if not all(_same_operand(a, b) for a, b in zip(run(), want)):
+            if not all(same_bits(a, b) for a, b in zip(run(), want)):
                 return f"its bytes differ from the byte store's at {w} warps"
     finally:
         _FORCED = None

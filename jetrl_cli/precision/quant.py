@@ -174,6 +174,15 @@ def to_float(data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
     return table.index_select(0, idx).view(data.shape)
 
 
+def same_bits(a: "QTensor | None", b: "QTensor | None") -> bool:
+    """Whether two quantized tensors hold the same data bytes and the same scales (NaN scales equal
+    where both are NaN); None equals only None."""
+    if a is None or b is None:
+        return a is b
+    return torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(
+        a.scale.nan_to_num(-1.0), b.scale.nan_to_num(-1.0))
+
+
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``data * scale`` in fp32, cast to ``dtype``."""
     d2 = _as_2d(q.data)
