@@ -886,10 +886,12 @@ def engine_details(eng, model, flow, prompts, sp, s: Settings) -> dict:
         else:
             out["kv_attention"] = kv["kernel"] + (f" ({kv['why']})" if kv.get("why") else "")
     from .precision.fuse import report as fuse_report
+    from .precision.gemm import backend_report
 
     fused = fuse_report()
     if fused is not None:
         out["fused"] = fused
+    out["gemm_backends"] = backend_report()  # on a GPU: each decode GEMM shape's split-K, timed at its first call
     if s.device == "cuda":
         # the rollout's own peak: above what the process held before it (in a bench of several engines,
         # every engine's weights: an H200 run showed one process peak for all three rows)
@@ -1521,6 +1523,20 @@ def write_json(res: dict, path: Path) -> None:
 # --------------------------------------------------------------------------- tables
 
 
+def _print_backends(console, rows: list[dict]) -> None:
+    """The GEMM backends and kernel choices the rows report (``gemm_backends``), each line once."""
+    from rich.markup import escape
+
+    from .live import backend_lines
+
+    seen = set()
+    for x in rows:
+        for line in backend_lines(x.get("gemm_backends")):
+            if line not in seen:
+                seen.add(line)
+                console.print(escape(line), highlight=False)
+
+
 def _f(v, fmt="{:.3g}") -> str:
     if v is None:
         return "-"
@@ -1628,6 +1644,7 @@ def render(res: dict, console) -> None:
                 if x.get("kv_attention"):
                     console.print(escape(f"{x['flow']}: decode attention over its KV cache: {x['kv_attention']}"),
                                   highlight=False)
+        _print_backends(console, r["rollout"])
     if "train" in r:
         x0 = r["train"][0]
         micro = x0.get("micro_batch", x0["batch"])
@@ -1658,15 +1675,7 @@ def render(res: dict, console) -> None:
                                      f"{ev.get('num_device_free', 0)} times"), highlight=False)
             for line in peak_lines(x):
                 console.print(escape(line), highlight=False)
-        if any(x.get("gemm_backends") is not None for x in r["train"]):
-            from .live import backend_lines
-
-            seen = set()
-            for x in r["train"]:
-                for line in backend_lines(x.get("gemm_backends")):
-                    if line not in seen:
-                        seen.add(line)
-                        console.print(escape(line), highlight=False)
+        _print_backends(console, r["train"])
     if "e2e" in r:
         t = Table(title="e2e: jetrl run, median seconds per step (eval excluded)", title_justify="left")
         for c in ("flow", "steps", "rollout", "score", "train", "sync", "step", "rollout share", "rollout tok/s"):

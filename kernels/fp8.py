@@ -364,10 +364,18 @@ def _quotient(x, s, r):
     ``unsupported``: s a normal number >= 2^-64 (the floor), so 1 / s is finite, and any quotient
     that can round to a non-zero FP8 or INT8 value has a residual far above the subnormal range;
     for |x / s| < 2^-18 any error is rounded away by the cast. About 5 instructions per element
-    against ~10 and a multi-function-unit reciprocal for ``div_rn``."""
+    against ~10 and a multi-function-unit reciprocal for ``div_rn``.
+
+    Each correction is ``fma(residual, -r, q)``, not ``fma(-residual, r, q)``: Triton 3.6 compiles a
+    float's negation as ``0.0 - v``, which leaves +0 at +0, so for x = -0 (and a negative x whose
+    quotient cancels to zero) the negated residual was +0 and the quotient +0 -- FP8 byte 0x00 where
+    the reference writes 0x80 (seen on an H200; the PTX has ``sub.f32`` from ``0f00000000``, where
+    Triton 3.9 emits ``neg.f32``). ``-r`` is exact either way (r > 0), and the residual is never
+    -0 (its two terms are never both -0), so the sign of a zero quotient is x's with both."""
+    nr = -r
     q = x * r
-    q = tl.fma(-tl.fma(q, s, -x), r, q)
-    return tl.fma(-tl.fma(q, s, -x), r, q)
+    q = tl.fma(tl.fma(q, s, -x), nr, q)
+    return tl.fma(tl.fma(q, s, -x), nr, q)
 
 
 @triton.jit
@@ -745,15 +753,46 @@ def _residual(x_at, d_at, k, ok, HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr, 
 
 
 @triton.jit
+def _norm_squares(ss, x_at, d_at, k, row_ok, N: tl.constexpr, HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """``ss`` plus the squares of one 128-wide chunk of the residual (per lane: K order)."""
+    s = _residual(x_at, d_at, k, row_ok[:, None] & (k < N)[None, :], HAS_DELTA, S_BF16, INTERPRET)
+    return ss + s * s
+
+
+@triton.jit
+def _norm_chunk(kb, r, w_ptr, s_ptr, y_ptr, q_ptr, sc_ptr, x_at, d_at, rows, rm, rk, row_ok, M, N: tl.constexpr,
+                FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
+                HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr, Y_BF16: tl.constexpr, WRITE_Y: tl.constexpr,
+                INTERPRET: tl.constexpr, T: tl.constexpr):
+    """The second pass over chunk ``kb``: s (with a delta), y (with ``WRITE_Y``) and y's 1x128 cast."""
+    k = kb * T + rk
+    ok = row_ok[:, None] & (k < N)[None, :]
+    s = _residual(x_at, d_at, k, ok, HAS_DELTA, S_BF16, INTERPRET)  # recomputed: pass 1's bits
+    if HAS_DELTA:
+        tl.store(s_ptr + rows * N + k[None, :], s.to(s_ptr.dtype.element_ty), mask=ok)
+    y = s * r[:, None] * tl.load(w_ptr + k, mask=k < N, other=0.0).to(tl.float32)[None, :]
+    if Y_BF16:  # the values a bf16 output holds: what is quantized
+        y = _to_bf16(y, INTERPRET).to(tl.float32)
+    if WRITE_Y:
+        tl.store(y_ptr + rows * N + k[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
+    q, sc = _rows_quantized(y, FMAX, FLOOR, POW2)
+    tl.store(sc_ptr + kb * M + rm, sc, mask=row_ok)  # < numel / 128: int32 is enough
+    tl.store(q_ptr + rows * N + k[None, :], q.to(OUT), mask=ok)
+
+
+@triton.jit
 def _rms_norm_quant_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, r_ptr, q_ptr, sc_ptr, M, eps,
                            stride_xm, stride_dm, N: tl.constexpr, FMAX: tl.constexpr, FLOOR: tl.constexpr,
                            POW2: tl.constexpr, OUT: tl.constexpr, HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr,
                            Y_BF16: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_R: tl.constexpr,
-                           INTERPRET: tl.constexpr, BM: tl.constexpr, T: tl.constexpr):
-    # Both passes unrolled (N, the model's width, is a compile-time constant) and the first pass
-    # free of stores, so its loads of every 128-wide chunk issue back to back: a decode step's few
-    # rows (16 programs at 64 rows) wait for memory once, not once per chunk (12 at width 1536). The
-    # arithmetic and its order are the loop's.
+                           INTERPRET: tl.constexpr, UNROLL: tl.constexpr, BM: tl.constexpr, T: tl.constexpr):
+    # With UNROLL (N, the model's width, is a compile-time constant) both passes are unrolled and the
+    # first is free of stores, so its loads of every 128-wide chunk issue back to back: a decode
+    # step's few rows (16 programs at 64 rows) wait for memory once, not once per chunk (12 at width
+    # 1536). Unrolled, Triton's compile time grows faster than the width (on sm_90a, 0.9 s at 1536,
+    # 28 s at 4096: an 8B model's first step stalled in it), so wider rows loop. The arithmetic and
+    # its order are the same either way.
     pm = tl.program_id(0)
     rm = pm * BM + tl.arange(0, BM)
     rk = tl.arange(0, T)
@@ -762,29 +801,24 @@ def _rms_norm_quant_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, r_ptr, q_ptr, sc_p
     x_at = x_ptr + rows * stride_xm
     d_at = d_ptr + rows * stride_dm
     ss = tl.zeros((BM, T), dtype=tl.float32)  # a running sum of squares per lane, in K order
-    for k0 in tl.static_range(0, N, T):
-        k = k0 + rk
-        ok = row_ok[:, None] & (k < N)[None, :]
-        s = _residual(x_at, d_at, k, ok, HAS_DELTA, S_BF16, INTERPRET)
-        ss += s * s
+    if UNROLL:
+        for k0 in tl.static_range(0, N, T):
+            ss = _norm_squares(ss, x_at, d_at, k0 + rk, row_ok, N, HAS_DELTA, S_BF16, INTERPRET)
+    else:
+        for k0 in range(0, N, T):
+            ss = _norm_squares(ss, x_at, d_at, k0 + rk, row_ok, N, HAS_DELTA, S_BF16, INTERPRET)
     ms = tl.div_rn(tl.sum(ss, axis=1), tl.full((BM,), N, tl.float32))
     r = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))  # correctly rounded, as the batch-invariant RMSNorm
     if WRITE_R:
         tl.store(r_ptr + rm, r, mask=row_ok)
-    for kb in tl.static_range(0, (N + T - 1) // T):
-        k = kb * T + rk
-        ok = row_ok[:, None] & (k < N)[None, :]
-        s = _residual(x_at, d_at, k, ok, HAS_DELTA, S_BF16, INTERPRET)  # recomputed: pass 1's bits
-        if HAS_DELTA:
-            tl.store(s_ptr + rows * N + k[None, :], s.to(s_ptr.dtype.element_ty), mask=ok)
-        y = s * r[:, None] * tl.load(w_ptr + k, mask=k < N, other=0.0).to(tl.float32)[None, :]
-        if Y_BF16:  # the values a bf16 output holds: what is quantized
-            y = _to_bf16(y, INTERPRET).to(tl.float32)
-        if WRITE_Y:
-            tl.store(y_ptr + rows * N + k[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
-        q, sc = _rows_quantized(y, FMAX, FLOOR, POW2)
-        tl.store(sc_ptr + kb * M + rm, sc, mask=row_ok)  # < numel / 128: int32 is enough
-        tl.store(q_ptr + rows * N + k[None, :], q.to(OUT), mask=ok)
+    if UNROLL:
+        for kb in tl.static_range(0, (N + T - 1) // T):
+            _norm_chunk(kb, r, w_ptr, s_ptr, y_ptr, q_ptr, sc_ptr, x_at, d_at, rows, rm, rk, row_ok, M, N, FMAX,
+                        FLOOR, POW2, OUT, HAS_DELTA, S_BF16, Y_BF16, WRITE_Y, INTERPRET, T)
+    else:
+        for kb in range(0, (N + T - 1) // T):
+            _norm_chunk(kb, r, w_ptr, s_ptr, y_ptr, q_ptr, sc_ptr, x_at, d_at, rows, rm, rk, row_ok, M, N, FMAX,
+                        FLOOR, POW2, OUT, HAS_DELTA, S_BF16, Y_BF16, WRITE_Y, INTERPRET, T)
 
 
 @triton.jit
@@ -1122,6 +1156,7 @@ def swiglu_grad_quantize(gu: QTensor, gy: torch.Tensor, out_dtype: torch.dtype, 
 
 
 NORM_ROWS = 4  # rows per program of the RMSNorm quantizer (4 x 128 fp32 tiles at 4 warps)
+NORM_UNROLL_MAX = 2048  # widest row whose two passes the RMSNorm quantizer unrolls (compile time)
 _NORM_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -1169,7 +1204,7 @@ def rms_norm_quantize(x: torch.Tensor, delta: torch.Tensor | None, weight: torch
             x.stride(0) if delta is None else delta.stride(0), N=n, FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale,
             OUT=_TL_FP8[fmt], HAS_DELTA=delta is not None, S_BF16=s_dtype is torch.bfloat16,
             Y_BF16=out_dtype is torch.bfloat16, WRITE_Y=write_y, WRITE_R=rsqrt, INTERPRET=_interpreting(),
-            BM=NORM_ROWS, T=TILE, num_warps=4, enable_fp_fusion=FP_FUSION)
+            UNROLL=n <= NORM_UNROLL_MAX, BM=NORM_ROWS, T=TILE, num_warps=4, enable_fp_fusion=FP_FUSION)
     return s, y, r, QTensor(q, sc, _spec_1x128(fmt, pow2_scale, amax_floor))
 
 

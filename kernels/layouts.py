@@ -105,6 +105,11 @@ def scale_buffer(q: QTensor) -> torch.Tensor:
     """The whole contiguous (ceil(R/128), L4) buffer a 128x128 GEMM-layout scale is a view into."""
     if q.spec.block != SQUARE or not is_gemm_layout(q):
         raise ValueError("scale_buffer: takes a 128x128 QTensor in the GEMM layout (see to_gemm_layout)")
+    return _scale_buffer(q)
+
+
+def _scale_buffer(q: QTensor) -> torch.Tensor:
+    """``scale_buffer`` of a ``q`` known to be a 128x128 QTensor in the GEMM layout."""
     gr, l4 = q.scale.shape[0], padded_groups(q.data.shape[1])
     return q.scale.as_strided((gr, l4), (l4, 1))
 
@@ -147,6 +152,11 @@ def pad_rows(q: QTensor, multiple: int = ROW_ALIGN) -> QTensor:
     a decode step's M for before cuBLASLt's blockwise FP8 GEMM. ``q`` itself when aligned."""
     if q.spec.block != ROW_GROUP or not is_gemm_layout(q):
         raise ValueError("pad_rows: takes a 1x128 QTensor in the GEMM layout (see to_gemm_layout)")
+    return _pad_rows(q, multiple)
+
+
+def _pad_rows(q: QTensor, multiple: int = ROW_ALIGN) -> QTensor:
+    """``pad_rows`` of a ``q`` known to be a 1x128 QTensor in the GEMM layout."""
     r = q.data.shape[0]
     rp = round_up(r, multiple)
     if rp == r:
@@ -166,10 +176,17 @@ def scaled_mm_scale(q: QTensor, operand: str, api: str = "v2") -> torch.Tensor:
         raise ValueError(f"scaled_mm_scale: operand is 'a' or 'b' and api 'v2' or 'legacy', got {operand!r}, {api!r}")
     if not is_gemm_layout(q):
         raise ValueError("scaled_mm_scale: the QTensor is not in the GEMM layout (use to_gemm_layout)")
+    return _scaled_mm_scale(q, operand, api)
+
+
+def _scaled_mm_scale(q: QTensor, operand: str, api: str) -> torch.Tensor:
+    """``scaled_mm_scale`` of a ``q`` known to be in the GEMM layout, arguments known valid. A GEMM
+    checks each operand's layout once and calls this (each check reads a dozen tensor attributes:
+    on the H200's host, 1904 checks took 18 ms of a 1.5B-shape FP8 update, six per GEMM)."""
     if operand == "a":
         if q.spec.block == SQUARE and api == "v2":
-            return scale_buffer(q).t()  # (L4, M/128), strides (1, L4): BlockWise128x128 as a
+            return _scale_buffer(q).t()  # (L4, M/128), strides (1, L4): BlockWise128x128 as a
         return q.scale
     if api == "legacy":
         return q.scale.t()
-    return scale_buffer(q).t() if q.spec.block == SQUARE else q.scale
+    return _scale_buffer(q).t() if q.spec.block == SQUARE else q.scale

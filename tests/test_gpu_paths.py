@@ -1145,8 +1145,12 @@ def test_a_group_dgrad_is_one_gemm_over_its_stacked_weights(backend, forced_nati
     dy = quantize(gy.float(), prec.dgrad.a).dequantize(torch.float64)
     w = torch.cat([quantize(m.weight.detach().float(), prec.dgrad.b).dequantize(torch.float64) for m in mods])
     want = dy @ w
-    err = (x.grad.double() - want).abs() / (want.abs() + 1e-3)
-    assert err.max() <= 2 ** -8, f"seed {seed}: {err.max()}"  # one bf16 rounding of an fp32 sum
+    err = (x.grad.double() - want).abs() - 2 ** -8 * (want.abs() + 1e-3)  # one bf16 rounding of an fp32 sum
+    if x.is_cuda and backend == "triton":
+        # plus the tensor cores' FP8 sums: within a 128-wide K block Hopper adds the products in fewer
+        # bits than fp32 (an H200 measured 0.07 relative at small outputs against the bound above)
+        err -= 2 ** -13 * (dy.abs() @ w.abs())
+    assert err.max() <= 0, f"seed {seed}: {err.max()}"
 
 
 def linear_group_of(mods, x):
@@ -1646,6 +1650,9 @@ def test_the_mlp_backward_writes_the_gate_up_operands_from_the_swiglu_gradient(x
         gh, sig = gh.float(), 1 / (1 + numpy_exp(-gv))
         return torch.cat([(gh * uv * sig * (1 + gv * (1 - sig))).to(out_dtype), (gh * gv * sig).to(out_dtype)], -1)
 
+    if torch.cuda.is_available():  # a GPU times its kernels' launch choices at their first calls: not recorded
+        run()
+        calls.clear(), dgu_written.clear(), fns.clear()
     with fixed_fp8_conversion():
         with torch.no_grad():
             plain = swiglu_down(linear_group((gate, up), x, owner), down)
@@ -1742,6 +1749,9 @@ def test_a_norm_writes_its_gemms_fp8_input_in_rollout_and_training(save, forced_
         q = quantize(y, CastSpec(fmt, Block(1, 128), pow2, floor))
         return (None if delta is None else s), (y if write_y else None), (r[:, 0] if rsqrt else None), q
 
+    if torch.cuda.is_available():  # a GPU times its kernels' launch choices at their first calls: not counted
+        run("rollout", grad=False), run("train")
+        calls.clear(), fp8_fills.clear(), widened.clear()
     with fixed_fp8_conversion():
         want, _, casts = run("rollout", grad=False)
         assert calls == [False] * 4 and casts == 2  # two norms per layer, no output written

@@ -242,12 +242,19 @@ def test_int8_rollout_through_triton_samples_what_scaled_mm_samples(forced_nativ
     model = random_model(tiny_config("qwen2", hidden=128, layers=1, vocab=128), seed=5, std=0.05).to(dev())
     prompts = [[5, 9, 3], [7, 2, 11, 4, 8]]
     params = SamplingParams(n=2, max_new_tokens=5, temperature=1.0)
-    outs = {}
-    for backend in ("triton", "scaled_mm"):
+
+    def rollout(backend):
         flow = parse_flow({"base": "int8-rollout", "rollout": {"linear": {"backend": backend}}})
         eng = EmbeddedEngine(model, flow, 32, max_batch=4, cuda_graphs=False)
         eng.load_weights(make_payload(model, flow))
-        outs[backend] = [(c.tokens, c.logprobs) for g in eng.generate(prompts, params, seed=4) for c in g]
+        return [(c.tokens, c.logprobs) for g in eng.generate(prompts, params, seed=4) for c in g]
+
+    if torch.cuda.is_available():  # a GPU times its split-K choices at each GEMM shape's first call: not counted
+        rollout("triton")
+        calls.update(int8_mm=0, quantize_rows=0)
+    outs = {}
+    for backend in ("triton", "scaled_mm"):
+        outs[backend] = rollout(backend)
         if backend == "triton":
             assert calls["int8_mm"] > 0 and calls["quantize_rows"] > calls["int8_mm"], calls  # + the weights
             gemms = calls["int8_mm"]

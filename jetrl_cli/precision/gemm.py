@@ -590,14 +590,17 @@ class ScaledMMBackend:
 
     @staticmethod
     def _blockwise(a: QTensor, b: QTensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-        from ..kernels.layouts import is_gemm_layout, pad_rows, scaled_mm_scale, to_gemm_layout
+        from ..kernels.layouts import _pad_rows, _scaled_mm_scale, is_gemm_layout, to_gemm_layout
 
         m = a.data.shape[0]
-        a, b = (q if is_gemm_layout(q) else to_gemm_layout(q) for q in (a, b))
-        a = pad_rows(a)  # M a multiple of 4: a decode step's few rows, a prefill's any number
+        a = a if is_gemm_layout(a) else to_gemm_layout(a)  # each operand's layout checked once
+        b = b if is_gemm_layout(b) else to_gemm_layout(b)
+        if a.spec.block != B1x128:
+            raise ValueError(f"scaled_mm blockwise: operand a must be 1x128, got {a.spec.block.name}")
+        a = _pad_rows(a)  # M a multiple of 4: a decode step's few rows, a prefill's any number
         v2 = _scaled_mm_v2()
         api = "v2" if v2 is not None else "legacy"
-        sa, sb = scaled_mm_scale(a, "a", api), scaled_mm_scale(b, "b", api)
+        sa, sb = _scaled_mm_scale(a, "a", api), _scaled_mm_scale(b, "b", api)
         if v2 is not None:
             f, st = v2
             rb = st.BlockWise128x128 if b.spec.block == B128x128 else st.BlockWise1x128
