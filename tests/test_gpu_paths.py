@@ -1147,9 +1147,11 @@ def test_a_group_dgrad_is_one_gemm_over_its_stacked_weights(backend, forced_nati
     want = dy @ w
     err = (x.grad.double() - want).abs() - 2 ** -8 * (want.abs() + 1e-3)  # one bf16 rounding of an fp32 sum
     if x.is_cuda and backend == "triton":
-        # plus the tensor cores' FP8 sums: within a 128-wide K block Hopper adds the products in fewer
-        # bits than fp32 (an H200 measured 0.07 relative at small outputs against the bound above)
-        err -= 2 ** -13 * (dy.abs() @ w.abs())
+        # plus the tensor cores' FP8 sums: within a 128-wide K block Hopper adds the products with
+        # about 13 bits kept (truncated), so a block's error can reach 128 * 2^-13 of its terms' sum of
+        # magnitudes; 2^-11 of it, 8x under that worst case (an H200 measured 0.07 relative at small
+        # outputs against the fp32 bound above)
+        err -= 2 ** -11 * (dy.abs() @ w.abs())
     assert err.max() <= 0, f"seed {seed}: {err.max()}"
 
 
