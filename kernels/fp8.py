@@ -955,6 +955,12 @@ def unsupported(x: torch.Tensor | None, fmt: Format, amax_floor: float) -> str |
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def format_unsupported(fmt: Format, amax_floor: float) -> str | None:
+    """``unsupported(None, fmt, amax_floor)``, computed once per (format, floor)."""
+    return unsupported(None, fmt, amax_floor)
+
+
 def _check(x: torch.Tensor, fmt: Format, amax_floor: float, where: str) -> None:
     why = unsupported(x, fmt, amax_floor)
     if why is not None:

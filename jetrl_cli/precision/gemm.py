@@ -698,10 +698,23 @@ def kernel_quantizers(x: torch.Tensor, backends, spec: CastSpec):
 def fp8_kernels_for(x: torch.Tensor, spec: CastSpec):
     """``jetrl_cli.kernels.fp8`` where its Triton kernels run on ``x`` (a GPU, or the interpreter) and
     take ``spec``'s format and floor, else None."""
-    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if x.is_cuda:  # a CUDA tensor: CUDA is there, so Triton's import decides (asked once: ~420 calls an update)
+        fp8 = _cuda_fp8_kernels()
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        fp8 = triton_fp8_kernels()
+    else:
         return None
-    fp8 = triton_fp8_kernels()
-    return fp8 if fp8 is not None and fp8.unsupported(None, spec.format, spec.amax_floor) is None else None
+    return fp8 if fp8 is not None and fp8.format_unsupported(spec.format, spec.amax_floor) is None else None
+
+
+_CUDA_FP8: list = []  # [kernels.fp8 or None], once known: whether Triton imports, for CUDA tensors
+
+
+def _cuda_fp8_kernels():
+    """``triton_fp8_kernels()`` for a CUDA tensor's caller, looked up once per process."""
+    if not _CUDA_FP8:
+        _CUDA_FP8.append(triton_fp8_kernels())
+    return _CUDA_FP8[0]
 
 
 def triton_fp8_kernels():
