@@ -67,6 +67,7 @@ Backends (for 8-bit GEMMs; an unscaled GEMM always runs ``torch.matmul`` as abov
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -707,14 +708,11 @@ def fp8_kernels_for(x: torch.Tensor, spec: CastSpec):
     return fp8 if fp8 is not None and fp8.format_unsupported(spec.format, spec.amax_floor) is None else None
 
 
-_CUDA_FP8: list = []  # [kernels.fp8 or None], once known: whether Triton imports, for CUDA tensors
-
-
+@functools.lru_cache(maxsize=1)
 def _cuda_fp8_kernels():
-    """``triton_fp8_kernels()`` for a CUDA tensor's caller, looked up once per process."""
-    if not _CUDA_FP8:
-        _CUDA_FP8.append(triton_fp8_kernels())
-    return _CUDA_FP8[0]
+    """``triton_fp8_kernels()`` for a CUDA tensor's caller (whether Triton imports), looked up once
+    per process."""
+    return triton_fp8_kernels()
 
 
 def triton_fp8_kernels():
