@@ -1279,9 +1279,10 @@ def _weight_stack(ws, fmt: Format, pow2_scale: bool, amax_floor: float, transpos
                 num_warps=warps, enable_fp_fusion=FP_FUSION)
         start += n
     if transposed:  # the layers' W^T side by side is the stack's transpose: its bytes and block scales
-        # copied by torch (on sm_90, Triton 3.6, the kernel's tl.trans of a tile wrote garbage into
-        # W^T for fp32 weights with non-power-of-two scales, also transposed in fp32 before the cast).
-        # Once per update: the N x K bytes read and written again.
+        # copied after the quantizer, not written by it (on sm_90, Triton 3.6, the quantizer's tl.trans
+        # of a tile wrote garbage into W^T for fp32 weights with non-power-of-two scales, also
+        # transposed in fp32 before the cast): the bytes by ``transpose_bytes_`` (a word-transposing
+        # kernel or torch's copy, whichever is faster and exact on the device). Once per update.
         transpose_bytes_(wt.data.view(torch.uint8), wq.data.view(torch.uint8))
         st[:, :gtot].copy_(s[:, :gk].t())
         st[:, gtot:] = 1.0
