@@ -6,9 +6,11 @@ GEMM consumes (``kernels/layouts.py`` describes them and why each exists):
   quantization (groups along K; Fprop's and Dgrad's operand a) *and* the 128x1 quantization (groups
   along T; Wgrad's operands), the latter written already transposed as the K-major operand x^T
   (K, T_pad) with zero padding of T. Scales go straight into the GEMM's column-major grids.
-- ``quantize_weight(w)``: 128x128 blocks of W (N x K) and W^T (K x N) for Dgrad (W's bytes and
-  scales copied transposed by torch); scales in the padded
-  (ceil(N/128), round_up(ceil(K/128), 4)) buffers the GEMM reads.
+- ``quantize_weight(w)``: 128x128 blocks of W (N x K) and W^T (K x N) for Dgrad (W^T's block scales
+  written by the quantizer, its bytes transposed after it: ``transpose_bytes_``); scales in the
+  padded (ceil(N/128), round_up(ceil(K/128), 4)) buffers the GEMM reads. ``quantize_weight_stacks``
+  does a whole model's groups of weights in one launch (and their W^T bytes in one more): the
+  kernel reads a table of each weight's offsets and sizes, one program per 128x128 block.
 - ``swiglu_quantize(gu)``: from ONE read of a gated MLP's [g, u], ``silu(g) * u`` computed in fp32
   and quantized 1x128 (the down projection's Fprop operand), and [g, u]'s own 1x128 copy (what the
   backward keeps with ``save_fp8_activations``): the SwiGLU output is never written in high
@@ -92,6 +94,7 @@ quantize`` on a GPU.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
@@ -821,25 +824,74 @@ def _rms_norm_quant_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, r_ptr, q_ptr, sc_p
                         FLOOR, POW2, OUT, HAS_DELTA, S_BF16, Y_BF16, WRITE_Y, INTERPRET, T)
 
 
+# The job tables of the table-driven kernels (one launch for many tensors): one row of int64 fields
+# per tensor, and beside it, per program, the row it works on (``_job_table``). Columns of a row of
+# the weight quantizer's table; the word transpose's use the first five.
+(_J_SRC, _J_DST, _J_S, _J_ST, _J_N, _J_K, _J_SN, _J_GK, _J_L4, _J_PAD, _J_LT4, _J_PAD_T, _J_TILE0) = (
+    0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13)
+_J_COLS = 16
+
+
 @triton.jit
-def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_wk, GK, L4, PAD_S, FMAX: tl.constexpr,
-                         FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr, T: tl.constexpr):
-    pn = tl.program_id(0)
-    pk = tl.program_id(1)
+def _job_row(tab_ptr, jobs_ptr, COLS: tl.constexpr):
+    """This program's row of a job table and its tile's index within that job."""
+    pid = tl.program_id(0)
+    row = tab_ptr + tl.load(jobs_ptr + pid).to(tl.int64) * COLS
+    return row, pid - tl.load(row + 13).to(tl.int32)
+
+
+@triton.jit
+def _field(row, col: tl.constexpr, ALIGNED: tl.constexpr):
+    """An int64 field of a job's row; with ``ALIGNED`` (the launch's every job has it a multiple of 16)
+    written so the compiler knows it (``(v // 16) * 16``, the same value): values read from memory
+    carry no divisibility, and without it every load and store of a tile is one element wide (sm_90a:
+    254 registers and 3040 instructions per thread for the weight quantizer, against 94 and 776
+    when its arguments were specialised). Addresses are fields too, as element offsets from a
+    tensor argument (whose alignment Triton specialises): a pointer made from an integer carries
+    no alignment whatever the hint."""
+    v = tl.load(row + col)
+    if ALIGNED:
+        v = (v // 16) * 16
+    return v
+
+
+@triton.jit
+def _weight_quant_kernel(tab_ptr, jobs_ptr, w_base, q_base, s_base, st_base, FMAX: tl.constexpr,
+                         FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr, TRANS: tl.constexpr,
+                         ALIGNED: tl.constexpr, COLS: tl.constexpr, T: tl.constexpr):
+    # one 128x128 block of one weight of the table: the weight, its rows of the stacked data and
+    # scale buffer, and (``TRANS``) its columns of the W^T scale buffer are at its row's offsets from
+    # the base arguments; the weight's rows are contiguous, each ``row + 6`` elements apart
+    row, t = _job_row(tab_ptr, jobs_ptr, COLS)
+    w_ptr = w_base + _field(row, 0, ALIGNED)
+    q_ptr = q_base + _field(row, 1, ALIGNED)
+    s_ptr = s_base + tl.load(row + 2)
+    N = tl.load(row + 4).to(tl.int32)
+    K = _field(row, 5, ALIGNED).to(tl.int32)
+    GK = tl.load(row + 8).to(tl.int32)
+    L4 = tl.load(row + 9).to(tl.int32)
+    pn = t // GK
+    pk = t % GK
     rn = pn * T + tl.arange(0, T)
     rk = pk * T + tl.arange(0, T)
     inb = (rn < N)[:, None] & (rk < K)[None, :]
-    x = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :] * stride_wk, mask=inb, other=0.0,
+    x = tl.load(w_ptr + rn.to(tl.int64)[:, None] * _field(row, 6, ALIGNED) + rk[None, :], mask=inb, other=0.0,
                 eviction_policy="evict_first").to(tl.float32)
     amax = tl.max(tl.max(_abs_bits(x), 1), 0).to(tl.float32, bitcast=True)
     s = _group_scale(amax, FMAX, FLOOR, POW2)
     q = _scaled(x, s, _divisor(s), POW2).to(OUT)
     pad = tl.arange(0, 4)
     ones = tl.full((4,), 1.0, tl.float32)
-    # scales into a buffer with rows L4 apart; the PAD_S entries after a row's GK (1.0) written by
+    # scales into a buffer with rows L4 apart; the pad entries after a row's GK (1.0) written by
     # the last K tile
     tl.store(s_ptr + pn * L4 + pk, s)
-    tl.store(s_ptr + pn * L4 + GK + pad, ones, mask=pad < tl.where(pk == GK - 1, PAD_S, 0))
+    tl.store(s_ptr + pn * L4 + GK + pad, ones, mask=pad < tl.where(pk == GK - 1, tl.load(row + 10), 0))
+    if TRANS:  # W^T's block scale, and the pads after the group's last block column (last job, last row tile)
+        st_ptr = st_base + tl.load(row + 3)
+        lt4 = tl.load(row + 11).to(tl.int32)
+        gn = (N + T - 1) // T
+        tl.store(st_ptr + pk * lt4 + pn, s)
+        tl.store(st_ptr + pk * lt4 + gn + pad, ones, mask=pad < tl.where(pn == gn - 1, tl.load(row + 12), 0))
     tl.store(q_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :], q, mask=inb)
 
 
@@ -1225,7 +1277,7 @@ def quantize_weight(w: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale: 
     into a (ceil(K/128), round_up(ceil(N/128), 4)) buffer; equal to ``quantize(w, 128x128).t()``.
     (A group of one weight: ``quantize_weight_stack``.)
     """
-    q, qt = _weight_stack([w], fmt, pow2_scale, amax_floor, transposed, None, "quantize_weight")
+    q, qt = _weight_stacks([[w]], fmt, pow2_scale, amax_floor, transposed, [None], "quantize_weight")[0]
     return (q, qt) if transposed else q
 
 
@@ -1239,63 +1291,192 @@ def quantize_weight_stack(ws: Sequence[torch.Tensor], fmt: Format = Format.FP8_E
     layers' own ``quantize_weight`` results, in the GEMM layout, from one read of each weight and no
     concatenation (which read and wrote both FP8 copies again: 3.4 GB per update of the Qwen2.5-1.5B
     shape's q/k/v and gate/up). ``held``: a previous result of the same shapes, written in place
-    (its addresses kept); else new buffers. ``(W, W^T or None)``."""
-    return _weight_stack(ws, fmt, pow2_scale, amax_floor, transposed, held, "quantize_weight_stack")
+    (its addresses kept); else new buffers. ``(W, W^T or None)``. (Many groups in one launch:
+    ``quantize_weight_stacks``.)"""
+    return _weight_stacks([ws], fmt, pow2_scale, amax_floor, transposed, [held], "quantize_weight_stack")[0]
 
 
-def _weight_stack(ws, fmt: Format, pow2_scale: bool, amax_floor: float, transposed: bool, held,
-                  where: str) -> tuple[QTensor, QTensor | None]:
-    for w in ws:
-        _check(w, fmt, amax_floor, where)
-    sizes = [w.shape[0] for w in ws]
-    k, total, dev = ws[0].shape[1], sum(sizes), ws[0].device
-    if any(w.shape[1] != k for w in ws) or any(n % TILE for n in sizes[:-1]):
-        raise ValueError(f"{where}: weights {[tuple(w.shape) for w in ws]}: each needs the same K, "
-                         f"and every N but the last a multiple of {TILE}")
-    gk, gtot = cdiv(k, TILE), cdiv(total, TILE)
+def quantize_weight_stacks(groups: Sequence[Sequence[torch.Tensor]], fmt: Format = Format.FP8_E4M3,
+                           pow2_scale: bool = False, amax_floor: float = DEFAULT_AMAX_FLOOR, transposed: bool = False,
+                           helds: Sequence | None = None) -> list[tuple[QTensor, QTensor | None]]:
+    """``quantize_weight_stack`` of each group (``helds``: each group's ``held``), every group's weights
+    quantized by one kernel launch (per weight dtype) and, with ``transposed``, every W^T's bytes moved
+    by one more (``transpose_bytes_``'s choice; torch's copy is one per group). The same bits as the
+    groups one at a time. A training step's weights -- 196 at the Qwen2.5-1.5B shape, 28 layers --
+    took 196 quantizer launches, 112 transposes and 224 scale copies and fills, one by one (48 ms of
+    an H200 host's time per update, under cProfile): now two launches."""
+    return _weight_stacks(groups, fmt, pow2_scale, amax_floor, transposed, helds or [None] * len(groups),
+                          "quantize_weight_stacks")
+
+
+def _weight_stacks(groups, fmt: Format, pow2_scale: bool, amax_floor: float, transposed: bool, helds,
+                   where: str) -> list[tuple[QTensor, QTensor | None]]:
     spec = CastSpec(fmt, B128x128, pow2_scale, amax_floor)
+    why = format_unsupported(fmt, amax_floor)
+    if why is not None:
+        raise ValueError(f"{where}: {why}")
+    dev = groups[0][0].device if groups and groups[0] else None
+    outs, jobs, stacks = [], {}, []
+    for ws, held in zip(groups, helds):
+        k, total = ws[0].shape[1], 0
+        for w in ws:  # unsupported()'s per-tensor checks, inline: a step quantizes ~200 weights
+            if w.dim() != 2 or w.dtype not in _INPUTS:
+                _check(w, fmt, amax_floor, where)
+            if w.shape[1] != k or total % TILE:
+                raise ValueError(f"{where}: weights {[tuple(w.shape) for w in ws]}: each needs the same K, "
+                                 f"and every N but the last a multiple of {TILE}")
+            if w.device != dev:
+                raise ValueError(f"{where}: weights on {w.device} and {dev}: one device")
+            total += w.shape[0]
+        wq, wt, s, st = _stack_outputs(spec, total, k, dev, transposed, held)
+        gk, gtot = -(-k // TILE), -(-total // TILE)
+        start, last = 0, ws[-1]
+        for w in ws:  # the layer's rows of W and s, its columns of W^T's scales
+            n = w.shape[0]
+            g0 = start // TILE
+            if n * k:
+                if w.stride(1) != 1 and k > 1:
+                    w = w.contiguous()  # the kernel reads rows of consecutive elements
+                row = [0] * _J_COLS
+                row[_J_N], row[_J_K], row[_J_SN], row[_J_GK], row[_J_L4] = n, k, w.stride(0), gk, s.stride(0)
+                row[_J_PAD] = s.shape[1] - gk
+                if transposed:
+                    row[_J_LT4], row[_J_PAD_T] = st.stride(0), st.shape[1] - gtot if w is last else 0
+                at = (w, wq.data[start:], s[g0:], st[:, g0:] if transposed else None)
+                jobs.setdefault(w.dtype, []).append((row, at))
+            start += n
+        if transposed:
+            if gtot * gk == 0:  # no block to write W^T's scale pads
+                st[:, gtot:] = 1.0
+            stacks.append((wt.data.view(torch.uint8), wq.data.view(torch.uint8)))
+        outs.append((wq, wt))
+    if jobs:
+        warps = launch_config(groups[0][0], False).warps
+        for parts in jobs.values():
+            rows = [row for row, _ in parts]
+            bases = _offsets(rows, [at for _, at in parts], (_J_SRC, _J_DST, _J_S, _J_ST))
+            aligned = _aligned(rows, (_J_SRC, _J_DST, _J_K, _J_SN), bases[:2])
+            tab, which = _job_table(rows, [-(-r[_J_N] // TILE) * r[_J_GK] for r in rows], dev, where)
+            _weight_quant_kernel[(which.numel(),)](
+                tab, which, *bases, FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt],
+                TRANS=transposed, ALIGNED=aligned, COLS=_J_COLS, T=TILE, num_warps=warps, enable_fp_fusion=FP_FUSION)
+    if stacks:  # each group's W^T is its stack's transpose: the bytes copied after the quantizer, not
+        # written by it (on sm_90, Triton 3.6, the quantizer's tl.trans of a tile wrote garbage into W^T
+        # for fp32 weights with non-power-of-two scales, also transposed in fp32 before the cast). Its
+        # block scales the quantizer does write: a scalar store each, no tile transposed.
+        transpose_many_(stacks)
+    return outs
+
+
+def _stack_outputs(spec: CastSpec, total: int, k: int, dev, transposed: bool, held) -> tuple:
+    """A group's W (total x k) and W^T operands and their scale buffers: ``held`` where it has their
+    shapes, spec and layout, else new buffers."""
+    gk, gtot = -(-k // TILE), -(-total // TILE)
 
     def fits(op, shape) -> bool:  # a held operand to write into: the shape, spec and layout we make
         return (isinstance(op, QTensor) and op.spec == spec and op.data.shape == shape and op.data.device == dev
                 and op.data.is_contiguous() and op.scale.stride() == (padded_groups(shape[1]), 1))
 
     if held is not None and fits(held[0], (total, k)) and (fits(held[1], (k, total)) if transposed else held[1] is None):
-        wq, wt = held
-        s, st = scale_buffer(wq), scale_buffer(wt) if transposed else None
+        return held[0], held[1], scale_buffer(held[0]), scale_buffer(held[1]) if transposed else None
+    dt = spec.format.torch_dtype()
+    s = torch.empty((gtot, round_up(gk, 4)), dtype=torch.float32, device=dev)
+    wq = QTensor(torch.empty((total, k), dtype=dt, device=dev), s[:, :gk], spec)
+    if not transposed:
+        return wq, None, s, None
+    st = torch.empty((gk, round_up(gtot, 4)), dtype=torch.float32, device=dev)
+    return wq, QTensor(torch.empty((k, total), dtype=dt, device=dev), st[:, :gtot], spec), s, st
+
+
+def _offsets(rows: list[list[int]], tensors: list[tuple], cols: tuple[int, ...]) -> list[torch.Tensor]:
+    """Fields ``cols`` of each job's row: its tensors' (``tensors``, one tuple per row, in ``cols``'
+    order) addresses as element offsets from the first row's, which are returned as the kernel's
+    base arguments (a missing tensor: offset 0 from the first, or from a stand-in)."""
+    bases = [t if t is not None else _dummy(tensors[0][0].device) for t in tensors[0]]
+    for row, ts in zip(rows, tensors):
+        for c, t, b in zip(cols, ts, bases):
+            if t is not None:
+                d = t.data_ptr() - b.data_ptr()
+                if d % t.element_size():
+                    raise ValueError(f"{t.dtype} tensors {d} bytes apart: not a whole number of elements")
+                row[c] = d // t.element_size()
+    return bases
+
+
+def _aligned(rows: list[list[int]], cols: tuple[int, ...], bases: Sequence[torch.Tensor]) -> bool:
+    """Whether fields ``cols`` of every job are multiples of 16 (offsets in elements, sizes and strides)
+    and the ``bases`` 16-byte aligned: the kernel's ``ALIGNED``, under which its loads and stores are
+    vectors."""
+    for b in bases:
+        if b.data_ptr() % 16:
+            return False
+    for row in rows:
+        for c in cols:
+            if row[c] % 16:
+                return False
+    return True
+
+
+_JOB_MAPS: collections.OrderedDict = collections.OrderedDict()  # (device, tiles per job) -> program -> job
+
+
+def _stream_capturing(dev) -> bool:
+    """Whether ``dev``'s current stream is capturing a CUDA graph; False where no stream can be asked
+    (no driver: nothing is captured)."""
+    try:
+        return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _job_table(rows: list[list[int]], tiles: list[int], dev, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A table-driven launch's inputs on ``dev``: the jobs' rows (int64, ``_J_COLS`` fields, each row's
+    first tile filled in here) and, per program, its job (int32; one program per tile, jobs in
+    order). The program map depends on the jobs' tile counts alone, so it is built once per model
+    shape (a few kept); the table, which holds the tensors' addresses, is copied to the device at
+    each call, from pinned memory, without waiting. Not inside a CUDA graph capture: the copy would
+    be recorded from a host buffer that is not kept."""
+    if _stream_capturing(dev):
+        raise RuntimeError(f"{where}: weights are quantized outside a CUDA graph capture (its job table is "
+                           "copied from the host)")
+    first = 0
+    for row, n in zip(rows, tiles):
+        row[_J_TILE0] = first
+        first += n
+    key = (str(dev), tuple(tiles))
+    which = _JOB_MAPS.get(key)
+    if which is None:
+        which = _to_device(torch.repeat_interleave(torch.arange(len(tiles), dtype=torch.int32), torch.tensor(tiles)),
+                           dev)
+        _JOB_MAPS[key] = which
+        if len(_JOB_MAPS) > 16:
+            _JOB_MAPS.popitem(last=False)
     else:
-        dt = fmt.torch_dtype()
-        s = torch.empty((gtot, padded_groups(k)), dtype=torch.float32, device=dev)
-        wq = QTensor(torch.empty((total, k), dtype=dt, device=dev), s[:, :gk], spec)
-        st = torch.empty((gk, padded_groups(total)), dtype=torch.float32, device=dev) if transposed else None
-        wt = QTensor(torch.empty((k, total), dtype=dt, device=dev), st[:, :gtot], spec) if transposed else None
-    start = 0
-    warps = launch_config(ws[0], False).warps
-    for w, n in zip(ws, sizes):  # the layer's rows of W and of s (rows L4 apart: each row's pads after its K blocks)
-        gn, g0 = cdiv(n, TILE), start // TILE
-        if gn * gk:
-            _weight_quant_kernel[(gn, gk)](
-                w, wq.data[start:start + n], s[g0:], n, k, w.stride(0), w.stride(1), gk, s.stride(0), s.shape[1] - gk,
-                FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], T=TILE,
-                num_warps=warps, enable_fp_fusion=FP_FUSION)
-        start += n
-    if transposed:  # the layers' W^T side by side is the stack's transpose: its bytes and block scales
-        # copied after the quantizer, not written by it (on sm_90, Triton 3.6, the quantizer's tl.trans
-        # of a tile wrote garbage into W^T for fp32 weights with non-power-of-two scales, also
-        # transposed in fp32 before the cast): the bytes by ``transpose_bytes_`` (a word-transposing
-        # kernel or torch's copy, whichever is faster and exact on the device). Once per update.
-        transpose_bytes_(wt.data.view(torch.uint8), wq.data.view(torch.uint8))
-        st[:, :gtot].copy_(s[:, :gk].t())
-        st[:, gtot:] = 1.0
-    return wq, wt
+        _JOB_MAPS.move_to_end(key)
+    return _to_device(torch.tensor(rows, dtype=torch.int64), dev), which
+
+
+def _to_device(t: torch.Tensor, dev) -> torch.Tensor:
+    """A host tensor on ``dev``; to a GPU from pinned memory, without waiting for the work queued there
+    (torch's caching host allocator keeps the pinned block until the copy has run)."""
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
 
 
 @triton.jit
-def _transpose_words_kernel(src_ptr, dst_ptr, N, K, T: tl.constexpr):
-    """One T x T tile of ``dst = src^T`` for bytes (src N x K row-major, dst K x N row-major viewed as
-    int32 K x N/4, N a multiple of 4): four rows of src (4i + j) packed into one little-endian word
-    in registers, words transposed (``_store_cols4``'s store) -- no byte moves through shared memory."""
-    pn = tl.program_id(0)
-    pk = tl.program_id(1)
+def _transpose_words_kernel(tab_ptr, jobs_ptr, src_base, dst_base, ALIGNED: tl.constexpr, COLS: tl.constexpr,
+                            T: tl.constexpr):
+    """One T x T tile of ``dst = src^T`` for bytes, for the table's job (src N x K row-major, dst K x N
+    row-major viewed as int32 K x N/4, N a multiple of 4): four rows of src (4i + j) packed into one
+    little-endian word in registers, words transposed (``_store_cols4``'s store) -- no byte moves
+    through shared memory."""
+    row, t = _job_row(tab_ptr, jobs_ptr, COLS)
+    src_ptr = src_base + _field(row, 0, ALIGNED)
+    dst_ptr = dst_base + _field(row, 1, ALIGNED)
+    N = _field(row, 4, ALIGNED).to(tl.int32)
+    K = _field(row, 5, ALIGNED).to(tl.int32)
+    GK = tl.load(row + 8).to(tl.int32)
+    pn = t // GK
+    pk = t % GK
     r0 = _word_rows(pn, T)
     rk = pk * T + tl.arange(0, T)
     col_ok = rk[None, :] < K
@@ -1325,10 +1506,23 @@ def transpose_with(kind: str):
         _TRANSPOSE_FORCED = old
 
 
-def _transpose_triton(dst: torch.Tensor, src: torch.Tensor) -> None:
-    n, k = src.shape
-    _transpose_words_kernel[(cdiv(n, TILE), cdiv(k, TILE))](
-        src, dst.view(torch.int32), n, k, T=TILE, num_warps=8, enable_fp_fusion=FP_FUSION)
+def _transpose_triton(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst = src^T`` for every ``(dst, src)`` of ``pairs`` (uint8, src N x K with N a multiple of 4), one launch."""
+    rows, tiles, tensors = [], [], []
+    for dst, src in pairs:
+        n, k = src.shape
+        if n * k:
+            row = [0] * _J_COLS
+            row[_J_N], row[_J_K], row[_J_GK] = n, k, cdiv(k, TILE)
+            rows.append(row)
+            tiles.append(cdiv(n, TILE) * cdiv(k, TILE))
+            tensors.append((src, dst))
+    if rows:
+        bases = _offsets(rows, tensors, (_J_SRC, _J_DST))
+        aligned = _aligned(rows, (_J_SRC, _J_DST, _J_N, _J_K), bases)
+        tab, which = _job_table(rows, tiles, pairs[0][1].device, "transpose_bytes_")
+        _transpose_words_kernel[(which.numel(),)](tab, which, *bases, ALIGNED=aligned, COLS=_J_COLS, T=TILE,
+                                                  num_warps=8, enable_fp_fusion=FP_FUSION)
 
 
 def transpose_bytes_(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -1337,16 +1531,24 @@ def transpose_bytes_(dst: torch.Tensor, src: torch.Tensor) -> None:
     an H200 7.9 ms of a 1.5B-shape update, 28 layers); the Triton kernel moves 32-bit words. On a GPU
     which runs is timed once per device, the kernel only where its bytes equal torch's on a test
     tensor (``_choose_transpose``); on CPU torch's copy."""
-    n, k = src.shape
+    transpose_many_([(dst, src)])
+
+
+def transpose_many_(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``transpose_bytes_`` of each ``(dst, src)``: those the Triton kernel takes in one launch, the
+    rest by torch's copy, one each."""
     kind = _TRANSPOSE_FORCED
     if kind is None:
         kind = "torch"
-        if src.is_cuda and n % 4 == 0:
+        src = pairs[0][1] if pairs else None
+        if src is not None and src.is_cuda:
             kind = (gemm.kernel_choice(TRANSPOSE_OP, src.device) or _choose_transpose(src.device))["kernel"]
-    if kind == "triton" and n % 4 == 0 and n * k:
-        _transpose_triton(dst, src)
-    else:
-        dst.copy_(src.t())
+    words = [(d, s) for d, s in pairs if kind == "triton" and s.shape[0] % 4 == 0]
+    if words:
+        _transpose_triton([(d.view(torch.int32), s) for d, s in words])
+    for dst, src in pairs:
+        if not any(d is dst for d, _ in words):
+            dst.copy_(src.t())
 
 
 def _choose_transpose(device: torch.device) -> dict:
@@ -1361,10 +1563,10 @@ def _choose_transpose(device: torch.device) -> dict:
     want = src.t().contiguous()
     dst = torch.empty_like(want)
     try:
-        _transpose_triton(dst, src)
+        _transpose_triton([(dst.view(torch.int32), src)])
         if not torch.equal(dst, want):
             return gemm.note_kernel(TRANSPOSE_OP, device, "torch", "the Triton transpose's bytes differ from torch's")
-        t = {"triton": gemm.device_time_ms(lambda: _transpose_triton(dst, src), device),
+        t = {"triton": gemm.device_time_ms(lambda: _transpose_triton([(dst.view(torch.int32), src)]), device),
              "torch": gemm.device_time_ms(lambda: dst.copy_(src.t()), device)}
     except Exception as e:  # noqa: BLE001 - nothing timed: torch's copy, said why
         return gemm.note_kernel(TRANSPOSE_OP, device, "torch", _untimed(e))

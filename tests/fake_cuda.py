@@ -474,13 +474,12 @@ def main() -> int:
                       (fp8, "_swiglu_quant_t_kernel"), (fp8, "_swiglu_grad_quant_kernel"), (fp8, "_rms_norm_quant_kernel"),
                       (int8, "_row_quant_kernel")):
         setattr(mod, name, _NoLaunch(name, report["triton_launches"]))  # wrappers run, on the device
-    stack = fp8.quantize_weight_stack  # a trainer's FP8 group weights, quantized into their stacks
+    for name in ("quantize_weight_stack", "quantize_weight_stacks"):  # FP8 group weights, into their stacks
+        def counted(*args, _fn=getattr(fp8, name), _name=name, **kwargs):
+            report["triton_launches"][_name] = report["triton_launches"].get(_name, 0) + 1
+            return _fn(*args, **kwargs)
 
-    def counted_stack(*args, **kwargs):
-        report["triton_launches"]["quantize_weight_stack"] = report["triton_launches"].get("quantize_weight_stack", 0) + 1
-        return stack(*args, **kwargs)
-
-    fp8.quantize_weight_stack = counted_stack
+        setattr(fp8, name, counted)
 
     def attempt(where: dict, key, name: str, fn, *args) -> None:  # a failure is reported: the test fails on it
         try:

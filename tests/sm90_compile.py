@@ -76,10 +76,12 @@ def sass_fp(cubin: bytes) -> dict[str, int]:
 
 
 def sass_counts(cubin: bytes) -> dict:
-    """``{"total": instructions, "shared": {shared-memory load/store mnemonic: count}}`` of the SASS."""
+    """``{"total": instructions, "shared": {shared-memory load/store mnemonic: count}, "global": {global
+    load/store mnemonic: count}}`` of the SASS."""
     ops = [m.group(1) for line in _cuobjdump(cubin, "-sass").splitlines() if (m := _SASS_OP.search(line))]
     shared = collections.Counter(o for o in ops if o.split(".")[0] in ("LDS", "STS", "LDSM", "STSM"))
-    return {"total": len(ops), "shared": dict(shared)}
+    glob = collections.Counter(o for o in ops if o.split(".")[0] in ("LDG", "STG"))
+    return {"total": len(ops), "shared": dict(shared), "global": dict(glob)}
 
 
 def resources(cubin: bytes) -> dict[str, int]:
@@ -183,6 +185,14 @@ def cases():
         gu_q, gy, bf, pad_tokens_to=128, h_cols=True))))
     out.append(("packed weight transpose", None, packed(lambda: fp8.quantize_weight(
         torch.zeros(inter, hidden), transposed=True))))
+
+    def model_weights():  # a layer's four groups of fp32 masters in one call, W^T by the word transpose
+        qkv = [torch.zeros(n, hidden) for n in (hidden, 256, 256)]
+        groups = [qkv, [torch.zeros(hidden, hidden)], [torch.zeros(inter, hidden)] * 2, [torch.zeros(hidden, inter)]]
+        with fp8.transpose_with("triton"):
+            fp8.quantize_weight_stacks(groups, transposed=True)
+
+    out.append(("quantize_weight_stacks model", None, model_weights))
     for pow2 in (False, True):  # INT8 rollout: per-token activations (bf16), per-channel weights (fp32 masters)
         spec = CastSpec(Format.INT8, Block(1, 0), pow2)
         for m in (1, 64, 4096):

@@ -2560,3 +2560,77 @@ def test_a_frozen_reference_model_holds_its_forward_weights_only(forced_native, 
     assert all(p.grad is None and p.requires_grad for p in frozen.model.parameters())  # the policy trains
     assert torch.equal(frozen.score(b, ref=True), kept.score(b, ref=True))
     assert torch.equal(frozen.score(b, ref=True), kept.score(b))  # the policy's weights, not yet trained
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or TRITON_INTERPRET=1")
+def test_a_trainers_weights_are_quantized_together_after_an_update(forced_native, monkeypatch):
+    """``batch_weight_casts``: after an optimizer step the first group to need its weights quantizes every
+    FP8 group of the model whose weights changed, in one batched call (two launches), and the others
+    take those results: the logprobs and gradients are bit for bit those of the groups quantized one at
+    a time. A result is never taken for other weights (a weight changed after the batch: quantized
+    again), and one released with the group's caches is dropped."""
+    from jetrl_cli.precision import linear, parse_flow
+
+    from .triton_interp_fix import fixed_fp8_conversion
+
+    gemms = {g: {"backend": "triton"} for g in ("fprop", "dgrad", "wgrad")}
+    flow = parse_flow({"base": "fp8-unified", "rollout": {"linear": {"backend": "triton"}}, "train": gemms},
+                      source="<test>")
+    seed = torch.seed() % 2**31
+    base = _model(seed=seed, hidden=256, layers=2).to(TRITON_DEV)  # q/k/v and gate/up: whole 128-row blocks
+    batch = _batch(256, n=2, t=20, seed=seed)
+    fp8 = gemm.triton_fp8_kernels()
+    calls = collections.Counter()
+    for name in ("quantize_weight", "quantize_weight_stack", "quantize_weight_stacks"):
+        real = getattr(fp8, name)
+        monkeypatch.setattr(fp8, name, lambda *a, _r=real, _n=name, **k: calls.update([_n]) or _r(*a, **k))
+
+    def run(batched: bool):
+        m = copy.deepcopy(base)
+        apply_flow(m, flow, "train")
+        casts = linear.batch_weight_casts(m) if batched else None
+        out = []
+        for step in range(3):
+            calls.clear()
+            with fixed_fp8_conversion():
+                lp = token_logprobs(m, batch, SamplingParams(max_new_tokens=12))
+                (lp.sum() * 1e-2).backward()
+            out.append((lp.detach(), [p.grad.clone() for p in m.parameters()], dict(calls)))
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.sub_(p.grad.sign() * 1e-3)  # an update in place, versions bumped as AdamW's
+                    p.grad = None
+            linear.mark_updated(list(m.parameters()))
+        return m, casts, out
+
+    _, _, alone = run(False)
+    m, casts, together = run(True)
+    groups = 4 * 2  # q/k/v, o, gate/up and down of each layer (the tiny model's lm_head is bf16)
+    for (lp_a, g_a, calls_a), (lp_b, g_b, calls_b), step in zip(alone, together, range(3)):
+        assert torch.equal(lp_a, lp_b) and all(torch.equal(a, b) for a, b in zip(g_a, g_b))
+        # every group on its own (its W^T in the same call), or: learnt one by one, then all in one call
+        assert calls_a == {"quantize_weight_stack": 2 * 2, "quantize_weight": 2 * 2}
+        assert calls_b == {"quantize_weight_stacks": groups if step == 0 else 1}
+    assert casts.launches == groups + 2 and len(casts.groups) == groups and casts.ready == {}
+
+    # a group whose weights change after the batch quantized them: its result is not taken
+    attn0, attn1 = m.model.layers[0].self_attn, m.model.layers[1].self_attn
+    mods0 = (attn0.q_proj, attn0.k_proj, attn0.v_proj)
+    mods1 = (attn1.q_proj, attn1.k_proj, attn1.v_proj)
+    with fixed_fp8_conversion():
+        linear.group_weight(mods0, attn0)  # quantizes every group, attn1's q/k/v included
+        assert tuple(map(id, mods1)) in casts.ready
+        with torch.no_grad():
+            attn1.k_proj.weight.mul_(3)
+        linear.mark_updated([attn1.k_proj.weight])
+        w1, _ = linear.group_weight(mods1, attn1)
+    spec = mods1[0].precision.fprop.b
+    want = [quantize(x.weight.detach().float(), spec) for x in mods1]
+    assert torch.equal(w1.data.view(torch.uint8), torch.cat([r.data for r in want]).view(torch.uint8))
+    assert torch.equal(w1.scale, torch.cat([r.scale for r in want]))
+    # released caches drop what was quantized ahead for them
+    mlp1 = m.model.layers[1].mlp
+    assert tuple(map(id, (mlp1.gate_proj, mlp1.up_proj))) in casts.ready
+    linear._release_weights((mlp1.gate_proj, mlp1.up_proj), mlp1)
+    assert tuple(map(id, (mlp1.gate_proj, mlp1.up_proj))) not in casts.ready

@@ -7,6 +7,8 @@ Triton outputs, and torch's own shape/stride checks of ``scaled_mm`` (run on met
 needed) accept the operands of all three GEMMs of a linear layer.
 """
 
+import collections
+
 import pytest
 import torch
 import triton
@@ -445,6 +447,53 @@ def test_weight_stack_is_the_layers_quantizations_side_by_side(fp8, sizes, k, fm
     assert torch.equal(bytes_of(alone.data), torch.cat([bytes_of(r[0].data) for r in ref]))
     with pytest.raises(ValueError, match="every N but the last a multiple of 128"):
         fp8.quantize_weight_stack([ws[-1], ws[0]] if sizes[-1] % 128 else [ws[0][:100], ws[1]], fmt)
+
+
+@needs_triton
+def test_weight_stacks_of_a_model_are_one_launch_and_the_groups_bits(fp8, monkeypatch):
+    """``quantize_weight_stacks``: groups of other widths, heights and dtypes (a step's q/k/v, o,
+    gate/up and down, fp32 and bf16 masters) quantized by one launch per weight dtype and their W^T
+    bytes moved by one more -- bit for bit each group's ``quantize_weight_stack``, scales and pads
+    included, with or without W^T; held operands written in place."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    groups = [[torch.randn(256, 200, generator=gen) * 0.02, torch.randn(100, 200, generator=gen)],
+              [torch.randn(132, 384, generator=gen).to(torch.bfloat16)],
+              [torch.randn(128, 128, generator=gen), torch.randn(384, 128, generator=gen) * 30,
+               torch.zeros(64, 128)],
+              [torch.randn(520, 140, generator=gen).to(torch.bfloat16)]]
+    groups[0][1][3, 7] = float("nan")  # a NaN block: a NaN scale in W's and in W^T's grid
+    launches = collections.Counter()
+    for name in ("_weight_quant_kernel", "_transpose_words_kernel"):
+        kernel = getattr(fp8, name)
+
+        class Counted:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                launches[name] += 1
+                return kernel[grid]
+
+        monkeypatch.setattr(fp8, name, Counted())
+    for transposed in (True, False):
+        launches.clear()
+        with fp8.transpose_with("triton"):
+            got = fp8.quantize_weight_stacks(groups, E4, transposed=transposed)
+        assert launches == ({"_weight_quant_kernel": 2, "_transpose_words_kernel": 1} if transposed
+                            else {"_weight_quant_kernel": 2})  # fp32 and bf16 weights, one launch each
+        for ws, (w, wt) in zip(groups, got):
+            want_w, want_t = fp8.quantize_weight_stack(ws, E4, transposed=transposed)
+            assert (wt is None) == (not transposed)
+            for a, b in ((w, want_w), (wt, want_t)) if transposed else ((w, want_w),):
+                assert a.spec == b.spec and layouts.is_gemm_layout(a)
+                assert torch.equal(bytes_of(a.data), bytes_of(b.data))
+                assert torch.equal(layouts.scale_buffer(a).view(torch.int32), layouts.scale_buffer(b).view(torch.int32))
+        assert bool(got[0][0].scale.isnan().any()) and (not transposed or bool(got[0][1].scale.isnan().any()))
+    helds = fp8.quantize_weight_stacks(groups, E4, transposed=True)
+    again = fp8.quantize_weight_stacks([[x * 2 for x in ws] for ws in groups], E4, transposed=True, helds=helds)
+    fresh = fp8.quantize_weight_stacks([[x * 2 for x in ws] for ws in groups], E4, transposed=True)
+    for (w, wt), (hw, hwt), (fw, fwt) in zip(again, helds, fresh):
+        assert w.data.data_ptr() == hw.data.data_ptr() and wt.data.data_ptr() == hwt.data.data_ptr()
+        assert torch.equal(bytes_of(w.data), bytes_of(fw.data)) and torch.equal(bytes_of(wt.data), bytes_of(fwt.data))
+    with pytest.raises(ValueError, match="quantize_weight_stacks: weights .*: each needs the same K"):
+        fp8.quantize_weight_stacks([groups[1], [groups[0][1], groups[0][0]]], E4)
 
 
 @needs_triton
@@ -983,9 +1032,9 @@ def test_the_weight_transpose_is_chosen_once_per_device_and_only_if_exact(fp8, m
 
     real = fp8._transpose_triton
 
-    def wrong(dst, src):  # one byte off
-        real(dst, src)
-        dst.view(-1)[5] ^= 1
+    def wrong(pairs):  # one byte off
+        real(pairs)
+        pairs[0][0].view(torch.uint8).view(-1)[5] ^= 1
 
     monkeypatch.setattr(fp8, "_transpose_triton", wrong)
     got = fp8._choose_transpose(where)

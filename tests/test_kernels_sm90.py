@@ -232,6 +232,23 @@ def test_kv_store_quantizes_with_the_references_rounding(report):
         assert k["stack"] == 0, k["case"]
 
 
+def test_table_driven_weight_kernels_keep_vector_loads(report):
+    """The model's weights in one launch (``quantize_weight_stacks``: a job table of offsets and sizes)
+    compile as the per-weight kernels did: 16-byte loads of the weights and 16-byte stores of the FP8
+    data (sizes read from memory carry no divisibility unless restated: the first version loaded one
+    element at a time, 254 registers and 3040 instructions per thread), no more than 128 registers
+    per thread for the quantizer (two programs per SM at 8 warps), the transpose's bytes read 16 at a
+    time."""
+    ks = {k["kernel"]: k for k in report["kernels"] if k["case"] == "quantize_weight_stacks model"}
+    assert set(ks) == {"_weight_quant_kernel", "_transpose_words_kernel"}, sorted(ks)
+    quant, words = ks["_weight_quant_kernel"], ks["_transpose_words_kernel"]
+    assert quant["reg"] <= 128 and quant["stack"] == 0 and words["stack"] == 0, (quant["reg"], words["reg"])
+    wide = {op: n for op, n in quant["sass"]["global"].items() if op.endswith(".128")}
+    assert sum(n for op, n in wide.items() if op.startswith("LDG")) == 16, quant["sass"]["global"]  # 64 fp32 a thread
+    assert sum(n for op, n in wide.items() if op.startswith("STG")) == 4, quant["sass"]["global"]  # 64 bytes a thread
+    assert words["sass"]["global"].get("LDG.E.128", 0) == 4 and "LDG.E.U8" not in words["sass"]["global"]
+
+
 def test_no_fp8_quantizer_clamps_with_nan_propagating_min_max(report):
     """Every kernel that writes FP8 (a ``cvt...e4m3x2`` / ``e5m2x2`` cast) clamps with selects, never
     with ``min.NaN`` / ``max.NaN`` (``tl.clamp(propagate_nan=ALL)``): after those, Triton 3.6 on an

@@ -241,7 +241,7 @@ def fused_quantizers(run=lambda kind, fn, *tensors: fn(*tensors)):
     """jetrl's SwiGLU quantizers (``kernels.fp8.swiglu_quantize`` / ``swiglu_quantize_t`` /
     ``swiglu_grad_quantize``), which ``gated_mlp`` takes on a kernel backend where Triton runs, its
     RMSNorm quantizer (``rms_norm_quantize``, which ``models.llama.norm_linear`` takes there) and its
-    group weight quantizer (``quantize_weight_stack``, which a trainer's FP8 q/k/v and gate/up take),
+    group weight quantizer (``quantize_weight_stack(s)``, which a trainer's FP8 q/k/v and gate/up take),
     taken on the (fake) CPU tensors too: their reference (the SwiGLU or the norm, and the quantizer)
     runs, as ``run(kind, fn, *tensors)`` with ``kind`` ``"swiglu"``, ``"norm"`` or ``"weight"`` (a
     counter may take it as the one kernel it is on a GPU; its temporaries are the reference's, not
@@ -317,6 +317,10 @@ def fused_quantizers(run=lambda kind, fn, *tensors: fn(*tensors)):
                 run("weight", reference, w)
                 start += n
             return wq, wt
+
+        @staticmethod
+        def quantize_weight_stacks(groups, fmt, pow2_scale, amax_floor, transposed=False, helds=None):
+            return [Kernels.quantize_weight_stack(ws, fmt, pow2_scale, amax_floor, transposed) for ws in groups]
 
     plain = linear.kernel_quantizers
     linear.kernel_quantizers = lambda x, backends, spec=None: Kernels if any(

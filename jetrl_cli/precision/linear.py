@@ -210,8 +210,13 @@ class JetLinear(nn.Module):
         p = self.precision
         if self.weight.requires_grad and p.dgrad.b == p.fprop.b:  # a trainer's layer: W and W^T in one read
             dev = self.weight.device
-            pair = cast_weight_pair(self.weight.detach(), p.fprop.b,
-                                    (backend_for(p.fprop, "fprop", dev), backend_for(p.dgrad, "dgrad", dev)))
+            backends = (backend_for(p.fprop, "fprop", dev), backend_for(p.dgrad, "dgrad", dev))
+            batch = self.__dict__.get("_cast_batch")
+            if batch is not None and _batchable((self,)) is not None:
+                tri = kernel_quantizers(self.weight, backends, p.fprop.b)
+                pair = None if tri is None else batch.stack(tri, (self,), None, _group_key((self,)))
+            else:
+                pair = cast_weight_pair(self.weight.detach(), p.fprop.b, backends)
             if pair is not None:
                 self._cache["dgrad"] = (self.weight_key(), pair[1])
                 return pair[0]
@@ -329,12 +334,89 @@ def _stack_fp8(mods, hit, owner: nn.Module, key: tuple) -> QTensor | None:
         return None
     held = owner.__dict__.get("_jet_group_dgrad")
     held = (hit[1], held[1]) if hit is not None and held is not None else None
-    w, wt = tri.quantize_weight_stack([m.weight.detach() for m in mods], spec.b.format, spec.b.pow2_scale,
-                                      spec.b.amax_floor, transposed=True, held=held)
+    batch = mods[0].__dict__.get("_cast_batch")
+    if batch is not None and _batchable(mods) is not None:
+        w, wt = batch.stack(tri, mods, held, key)
+    else:
+        w, wt = tri.quantize_weight_stack([m.weight.detach() for m in mods], spec.b.format, spec.b.pow2_scale,
+                                          spec.b.amax_floor, transposed=True, held=held)
     owner.__dict__["_jet_group_dgrad"] = (key, wt)
     for m in mods:
         m._cache.pop("dgrad", None)
     return w
+
+
+def _batchable(mods) -> CastSpec | None:
+    """The FP8 128x128 weight spec of a trainer's linear group whose W and W^T the Triton quantizer
+    writes (``_stack_fp8``'s case, or one layer's ``cast_weight_pair``), so ``WeightCastBatch`` may
+    quantize it with the model's other groups; None for any other group."""
+    p = mods[0].precision
+    spec = p.fprop.b
+    if (p.dgrad.b != spec or not spec.format.is_fp8 or spec.block != B128x128
+            or any(m.precision != p or m._wfixed is not None or not m.weight.requires_grad for m in mods)
+            or any(m.out_features % TILE for m in mods[:-1]) or (len(mods) > 1 and not native(mods[0].weight))):
+        return None
+    return spec
+
+
+class WeightCastBatch:
+    """A trainer model's FP8 weight groups (``_batchable``), quantized together.
+
+    An optimizer step changes every weight, and each linear group's forward then quantizes its own
+    (W and Dgrad's W^T): at the 1.5B shape 112 groups a step, each a few launches and copies of host
+    work. Here the first group to need its weights after a step quantizes, in the same launches
+    (``kernels.fp8.quantize_weight_stacks``: two for the whole model), every group of the model it
+    has seen whose weights changed too; the others take their results when their forwards reach them
+    (``stack``). Results are keyed on the weights' address, version and precision, as the layers'
+    own caches are, so a group never takes a result made from other weights: it quantizes again.
+    Groups are learnt as they first quantize (the first step is one group at a time). Memory: every
+    group's FP8 weights exist from the step's first forward on, as they do by the end of it anyway.
+    One per model (``batch_weight_casts``); not for FSDP's sharded weights (gathered layer by layer)."""
+
+    def __init__(self):
+        self.groups: dict[tuple, tuple] = {}  # ids of a group's layers -> (layers, _group_key at its last quantization)
+        self.ready: dict[tuple, tuple] = {}  # ids -> (key, (W, W^T)): quantized ahead of the group's forward
+        self.launches = 0  # calls of the batched quantizer (tests, diagnostics)
+
+    def stack(self, tri, mods: tuple, held, key: tuple) -> tuple:
+        """``(W, W^T)`` of the group ``mods`` (``held``: its operands to write into, or None; ``key``:
+        ``_group_key(mods)``): quantized ahead with the others, or now, with every other known group
+        whose weights changed."""
+        ids = tuple(map(id, mods))
+        got = self.ready.pop(ids, None)
+        if got is not None and got[0] == key:
+            return got[1]
+        spec, p = mods[0].precision.fprop.b, mods[0].precision
+        others = []
+        for i, (g, last) in self.groups.items():
+            if i != ids and g[0].precision == p and _batchable(g) is not None:
+                k = _group_key(g)
+                if k != last and (i not in self.ready or self.ready[i][0] != k):
+                    others.append((i, g, k))
+        outs = tri.quantize_weight_stacks([[m.weight.detach() for m in mods]] + [[m.weight.detach() for m in g]
+                                                                               for _, g, _ in others],
+                                          spec.format, spec.pow2_scale, spec.amax_floor, transposed=True,
+                                          helds=[held] + [None] * len(others))
+        self.launches += 1
+        self.groups[ids] = (mods, key)
+        for (i, g, k), out in zip(others, outs[1:]):
+            self.groups[i] = (g, k)
+            self.ready[i] = (k, out)
+        return outs[0]
+
+    def discard(self, mods) -> None:
+        """Drop a result made ahead for ``mods`` (their cached weights were released)."""
+        self.ready.pop(tuple(map(id, mods)), None)
+
+
+def batch_weight_casts(model: nn.Module) -> WeightCastBatch:
+    """Quantize ``model``'s trainable FP8 linear groups together after each optimizer step
+    (``WeightCastBatch``): the trainer's model, in one process."""
+    batch = WeightCastBatch()
+    for m in model.modules():
+        if isinstance(m, JetLinear) and m.weight.requires_grad:
+            m._cast_batch = batch
+    return batch
 
 
 def _native_stack(mods, w) -> bool:
@@ -628,6 +710,9 @@ def _release_weights(mods, owner: nn.Module) -> None:
     Not for a layer holding a loaded quantized weight (a rollout engine's): that is its only copy."""
     if any(m._wfixed is not None for m in mods):
         return
+    batch = mods[0].__dict__.get("_cast_batch")
+    if batch is not None:
+        batch.discard(mods)
     owner.__dict__.pop("_jet_group_cache", None)
     owner.__dict__.pop("_jet_group_dgrad", None)
     for m in mods:

@@ -28,7 +28,8 @@ from ..config import TrainConfig
 from ..engine.sampling import SamplingParams, gathered_logprobs, gathered_logprobs_entropy, invariant_for
 from ..errors import JetrlError
 from ..precision.gemm import configure_cuda_numerics
-from ..precision.linear import JetLinear, apply_flow, grads_in_place, mark_updated, releasing_weights, summing_wgrad
+from ..precision.linear import (JetLinear, apply_flow, batch_weight_casts, grads_in_place, mark_updated,
+                                releasing_weights, summing_wgrad)
 from .head_grad import head_logprobs, sliced_backward_applies
 
 # Logits held at once: 128M fp32 values (512 MiB), whatever the vocab: 768 rows at a 152K vocabulary,
@@ -221,10 +222,15 @@ class Trainer:
     # The frozen reference model holds its linear layers' forward weights only (natively: bf16 or
     # 8-bit, no fp32 master copy beside them). Not under FSDP, which shards the masters instead.
     freeze_reference = True
+    # The model's FP8 weight groups are quantized together after each optimizer step
+    # (``WeightCastBatch``). Not under FSDP, which gathers a layer's weights only for its own forward.
+    batch_casts = True
 
     def _prepare(self) -> None:
         """The training precision on the model, and on the frozen reference model."""
         apply_flow(self.model, self.flow, "train")
+        if self.batch_casts:
+            batch_weight_casts(self.model)
         if self.ref is not None:
             apply_flow(self.ref.eval(), self.flow, "train")
             for p in self.ref.parameters():
