@@ -510,11 +510,11 @@ def bench_quantize(s: Settings) -> list[dict]:
     warps = s.quant_warps or (None,)  # None: each kernel as it runs here (on a GPU: the timed choice)
     rows = []
 
-    def at(w, packed, default):  # (context, the launch a row ran at: warps, transposed store packed)
-        return (kernels.tile_warps(w, packed=packed), (w, packed)) if w else (contextlib.nullcontext(), default)
+    def at(w, default):  # (context, the warps a row ran at)
+        return (kernels.tile_warps(w), w) if w else (contextlib.nullcontext(), default)
 
     def launch(ran):  # a row's launch fields
-        return {"warps": ran[0], "store": "packed" if ran[1] else "bytes"} if ran else {}
+        return {"warps": ran} if ran else {}
 
     def timed(shape, name, backend, fn, moved, copy_bw, **extra):
         t = measure(fn, s)
@@ -538,17 +538,13 @@ def bench_quantize(s: Settings) -> list[dict]:
                 continue
             q = quantize(x, spec)
             moved = x.numel() * x.element_size() + q.nbytes()
-            impls = [("torch (reference)", None, False, lambda spec=spec: quantize(x, spec))]
+            impls = [("torch (reference)", None, lambda spec=spec: quantize(x, spec))]
             tile = spec.format.is_fp8  # the 128x128-tile kernels (INT8 rows: one kernel, its own warps)
-            transposed = spec.block.rows > 1 and spec.block.cols == 1  # the 128x1 copy: stored as x^T
             if kernels is not None and triton_quantize(x, spec) is not None:
-                stores = (False, True) if transposed else (False,)
-                impls += [("triton", w, p, lambda spec=spec: triton_quantize(x, spec))
-                          for w in (warps if tile else (None,)) for p in (stores if w else (False,))]
-            for backend, w, p, fn in impls:
+                impls += [("triton", w, lambda spec=spec: triton_quantize(x, spec)) for w in (warps if tile else (None,))]
+            for backend, w, fn in impls:
                 here = kernels.launch_config(x, False) if backend == "triton" and tile else None
-                ctx, ran = (at(w, p, (here.warps, here.packed and transposed)) if here is not None
-                            else (contextlib.nullcontext(), None))
+                ctx, ran = at(w, here.warps) if here is not None else (contextlib.nullcontext(), None)
                 with ctx:
                     got = fn()
                     same = same_bits(got, q)
@@ -560,14 +556,13 @@ def bench_quantize(s: Settings) -> list[dict]:
         moved = x.numel() * x.element_size() + r.nbytes() + c.nbytes()
         sqnr = error_stats(x.float(), dequantize(r))["sqnr_db"]
         here = kernels.launch_config(x, True)
-        for w in warps:  # without --warps: the pair's warps and store as chosen here, as one kernel and two
-            for p in (False, True) if w else (here.packed,):
-                for one, name in ((True, "fp8 1x128 + 128x1 fused"), (False, "fp8 1x128 + 128x1 as two kernels")):
-                    # two kernels: two reads of x, each kernel with more programs per SM; the same bytes
-                    # written, so the same "moved" (``launch_config`` picks the faster on a GPU)
-                    with kernels.tile_warps(w or here.warps, one_kernel=one, packed=p):
-                        timed(shape, name, "triton", lambda: kernels.quantize_act(x, pad_tokens_to=128), moved,
-                              copy_bw, **launch((w or here.warps, p)), sqnr_db=sqnr, matches_reference=None)
+        for w in warps:  # without --warps: the pair's warps as chosen here, as one kernel and two
+            for one, name in ((True, "fp8 1x128 + 128x1 fused"), (False, "fp8 1x128 + 128x1 as two kernels")):
+                # two kernels: two reads of x, each kernel with more programs per SM; the same bytes
+                # written, so the same "moved" (``launch_config`` picks the faster on a GPU)
+                with kernels.tile_warps(w or here.warps, one_kernel=one):
+                    timed(shape, name, "triton", lambda: kernels.quantize_act(x, pad_tokens_to=128), moved,
+                          copy_bw, **launch(w or here.warps), sqnr_db=sqnr, matches_reference=None)
         if m % 4 == 0:  # a weight's FP8 bytes as Dgrad's W^T (once per update): the kernel and torch's copy
             src = torch.randint(0, 256, (m, k), dtype=torch.uint8, device=dev)
             dst = torch.empty((k, m), dtype=torch.uint8, device=dev)
@@ -586,12 +581,11 @@ def bench_quantize(s: Settings) -> list[dict]:
             sqnr = error_stats(want, dequantize(outs[0]).float())["sqnr_db"]
             here = kernels.swiglu_config(x)
             for w in warps:
-                for p in (False, True) if w else (here.packed,):
-                    ctx, ran = at(w, p, (here.warps, here.packed))
-                    with ctx:
-                        timed(shape, "fp8 SwiGLU backward (d[g,u] 1x128 + 128x1, h^T)", "triton",
-                              lambda: kernels.swiglu_grad_quantize(copy, x, dtype, pad_tokens_to=128, h_cols=True),
-                              moved, copy_bw, **launch(ran), sqnr_db=sqnr, matches_reference=None)
+                ctx, ran = at(w, here.warps)
+                with ctx:
+                    timed(shape, "fp8 SwiGLU backward (d[g,u] 1x128 + 128x1, h^T)", "triton",
+                          lambda: kernels.swiglu_grad_quantize(copy, x, dtype, pad_tokens_to=128, h_cols=True),
+                          moved, copy_bw, **launch(ran), sqnr_db=sqnr, matches_reference=None)
     return rows
 
 
@@ -1587,7 +1581,6 @@ def render(res: dict, console) -> None:
             t.add_column(c, justify="left" if c in ("shape", "quantizer", "dtype") else "right")
         for x in r["quantize"]:
             how = [f"{x['warps']} warps"] if "warps" in x and s_warps else []
-            how += ["packed store"] if x.get("store") == "packed" else []
             where = (f" @ {x['backend']}" if x.get("kind") == "transpose" else
                      " @ triton" + (f" ({', '.join(how)})" if how else "") if x.get("backend") == "triton" else "")
             t.add_row(x["shape"], x["quantizer"] + where, x["dtype"], f"{1e3 * x['s']:.3f}", f"{x['gb_per_s']:.1f}",

@@ -78,9 +78,9 @@ per-element work small:
   run measured the 3760 version.
 - Every store is whole, contiguous lines: the 1x128 data is 128 bytes of a row per group; the
   transposed 128x1 data is 128 bytes of a row of x^T per tile row (Triton turns the tile around
-  through shared memory so that the store is coalesced along T: byte by byte, or -- the packed
-  form, ``_store_cols4``, timed against it on a GPU -- as 32-bit words of four tokens that one
-  thread packed in its registers); a tile's 128 row scales are 512
+  through shared memory, byte by byte, so that the store is coalesced along T; a form that packed
+  four tokens into 32-bit words in registers and transposed words had fewer instructions but ran
+  1.3-2.3x slower on an H200, ``docs/benchmarks.md``, and was removed); a tile's 128 row scales are 512
   contiguous bytes of the column-major scale grid (that layout is also the cheapest to write), and
   so are its 128 column scales in the (T/128, K) grid behind x^T's scales.
 - A group's scale is a reduced, replicated value: Triton's store drops the replicas, so each scale
@@ -107,7 +107,7 @@ import triton.language as tl
 
 from jetrl_cli.precision.formats import B1x128, B128x1, B128x128, Format
 from jetrl_cli.precision import gemm  # its registry, timer and capture check (looked up at call time)
-from jetrl_cli.precision.quant import DEFAULT_AMAX_FLOOR, CastSpec, QTensor, same_bits
+from jetrl_cli.precision.quant import DEFAULT_AMAX_FLOOR, CastSpec, QTensor
 
 from .layouts import cdiv, padded_groups, round_up, scale_buffer
 
@@ -146,35 +146,23 @@ SWIGLU_TILES_OP = "fp8 SwiGLU backward tiles"
 TRANSPOSE_OP = "fp8 weight transpose"
 WARP_CHOICES = (8, 16)
 TIMING_SHAPE = (4096, 4096)  # bf16 tokens x features the choice is timed on
-# The transposed (128x1) stores: each byte of a tile's x^T moved through shared memory on its own
-# (``tl.trans`` of an FP8 tile: 64 byte-wide shared-memory loads per thread, sm_90a), or packed --
-# the tile loaded as four interleaved sub-tiles (tokens 4i + j), so that every thread holds the four
-# tokens of one 32-bit word of x^T in its own registers, and words, not bytes, are transposed
-# (``_store_cols4``). The same quotient and cast per element, the same bits (tested); packed needs
-# a padded token count that is a multiple of 4. Which is faster is timed with the warps.
-PACKED = False  # where nothing was timed (CPU, the interpreter)
-
-
 class Launch(NamedTuple):
-    """A 128x128-tile kernel's launch: its warps, the 1x128 + 128x1 pair as one kernel or two, and the
-    transposed store packed into 32-bit words or not."""
+    """A 128x128-tile kernel's launch: its warps, and the 1x128 + 128x1 pair as one kernel or two."""
     warps: int
     one_kernel: bool = True
-    packed: bool = False
 
 
 _FORCED: Launch | None = None  # while set by tile_warps or the timing
 
 
 @contextlib.contextmanager
-def tile_warps(n: int, one_kernel: bool = True, packed: bool = False):
+def tile_warps(n: int, one_kernel: bool = True):
     """Launch every 128x128-tile kernel at ``n`` warps inside the block, the 1x128 + 128x1 pair as one
-    kernel or two, the transposed stores packed or not (``jetrl bench quantize --warps``), instead of
-    the device's timed choice."""
+    kernel or two (``jetrl bench quantize --warps``), instead of the device's timed choice."""
     global _FORCED
     if n not in (4, 8, 16, 32):
         raise ValueError(f"tile_warps: allowed 4, 8, 16 or 32 warps, got {n}")
-    old, _FORCED = _FORCED, Launch(n, one_kernel, packed)
+    old, _FORCED = _FORCED, Launch(n, one_kernel)
     try:
         yield
     finally:
@@ -186,9 +174,9 @@ def launch_config(x: torch.Tensor, pair: bool) -> Launch:
     if _FORCED is not None:
         return _FORCED
     if not x.is_cuda:
-        return Launch(NUM_WARPS, True, PACKED)
+        return Launch(NUM_WARPS)
     c = gemm.kernel_choice(TILES_OP, x.device) or _choose_tiles(x.device)
-    return Launch(c["pair_warps"], c["one_kernel"], c["packed"]) if pair else Launch(c["warps"], True, c["packed"])
+    return Launch(c["pair_warps"], c["one_kernel"]) if pair else Launch(c["warps"])
 
 
 def swiglu_config(x: torch.Tensor) -> Launch:
@@ -196,14 +184,9 @@ def swiglu_config(x: torch.Tensor) -> Launch:
     if _FORCED is not None:
         return _FORCED
     if not x.is_cuda:
-        return Launch(SWIGLU_WARPS, True, PACKED)
+        return Launch(SWIGLU_WARPS)
     c = gemm.kernel_choice(SWIGLU_TILES_OP, x.device) or _choose_swiglu_warps(x.device)
-    return Launch(c["warps"], True, c["packed"])
-
-
-def _packs(m_pad: int, launch: Launch) -> bool:
-    """Whether a transposed store of ``m_pad`` (padded) tokens is packed into 32-bit words."""
-    return launch.packed and m_pad % 4 == 0
+    return Launch(c["warps"])
 
 
 def _time_forced(device: torch.device, cases) -> dict:
@@ -220,58 +203,31 @@ def _time_forced(device: torch.device, cases) -> dict:
     return t
 
 
-def _store_name(packed: bool) -> str:
-    return "packed" if packed else "bytes"
-
-
 def _choose_tiles(device: torch.device) -> dict:
     """Time the quantizers' launch configurations on ``device`` (``launch_config``) and record the
     fastest with ``note_kernel``: the 1x128 quantizer's warps, and the 1x128 + 128x1 pair's warps,
-    one kernel or two, transposed store packed or not; while a CUDA graph is being captured nothing
-    can be timed: the defaults, unrecorded (an engine's first decode step runs eagerly before its
-    capture)."""
-    default = {"warps": NUM_WARPS, "pair_warps": NUM_WARPS, "one_kernel": True, "packed": PACKED}
+    one kernel or two; while a CUDA graph is being captured nothing can be timed: the defaults,
+    unrecorded (an engine's first decode step runs eagerly before its capture)."""
+    default = {"warps": NUM_WARPS, "pair_warps": NUM_WARPS, "one_kernel": True}
     if gemm.capturing(device):
         return default
     g = torch.Generator().manual_seed(0)
     x = torch.randn(TIMING_SHAPE, generator=g).to(device, torch.bfloat16)
     runs = {"1x128": lambda: quantize_act(x, cols=False), "pair": lambda: quantize_act(x, pad_tokens_to=TILE)}
     try:
-        bad = _packed_mismatch(runs["pair"])
-        stores = (False,) if bad else (False, True)
-        cases = [(("1x128", w), (w, True, False), runs["1x128"]) for w in WARP_CHOICES]
-        cases += [((f"pair as {'one kernel' if one else 'two kernels'}, {_store_name(packed)}", w), (w, one, packed),
-                   runs["pair"]) for w in WARP_CHOICES for one in (True, False) for packed in stores]
+        cases = [(("1x128", w), (w, True), runs["1x128"]) for w in WARP_CHOICES]
+        cases += [((f"pair as {'one kernel' if one else 'two kernels'}", w), (w, one), runs["pair"])
+                  for w in WARP_CHOICES for one in (True, False)]
         t = _time_forced(device, cases)
     except Exception as e:  # noqa: BLE001 - nothing timed: the defaults, said why
         return gemm.note_kernel(TILES_OP, device, f"{NUM_WARPS} warps, the pair as one kernel", _untimed(e), **default)
     w1 = min(WARP_CHOICES, key=lambda w: t[("1x128", w)])
     pair, wp = min((k for k in t if k[0] != "1x128"), key=t.get)
-    one, packed = pair.startswith("pair as one kernel"), pair.endswith("packed")
     m, k = TIMING_SHAPE
     why = f"timed on {m} x {k} bf16: " + ", ".join(f"{what} at {w} warps {ms:.3f} ms" for (what, w), ms in t.items())
-    why += f"; no packed store: {bad}" if bad else ""
     return gemm.note_kernel(TILES_OP, device, f"{w1} warps; the 1x128 + 128x1 {pair} at {wp} warps", why,
-                            warps=w1, pair_warps=wp, one_kernel=one, packed=packed,
+                            warps=w1, pair_warps=wp, one_kernel=pair == "pair as one kernel",
                             timings_ms={f"{what} @ {w}": ms for (what, w), ms in t.items()})
-
-
-def _packed_mismatch(run) -> str | None:
-    """Why the packed store may not be chosen on this device: ``run()``'s outputs (QTensors, or None)
-    under it differ from the byte store's at some warp count -- a GPU compiler that miscompiles the
-    word transpose (Triton 3.6 once wrote garbage through ``tl.trans`` of fp32 tiles on sm_90) is
-    caught at the choice, not in a training step. None when they agree."""
-    global _FORCED
-    try:
-        for w in WARP_CHOICES:
-            _FORCED = Launch(w, True, False)
-            want = run()
-            _FORCED = Launch(w, True, True)
-            if not all(same_bits(a, b) for a, b in zip(run(), want)):
-                return f"its bytes differ from the byte store's at {w} warps"
-    finally:
-        _FORCED = None
-    return None
 
 
 def _untimed(e: Exception) -> str:
@@ -280,10 +236,9 @@ def _untimed(e: Exception) -> str:
 
 def _choose_swiglu_warps(device: torch.device) -> dict:
     """Time the SwiGLU backward kernel (as a training step runs it, with down's h^T) at each of
-    ``WARP_CHOICES``, with its transposed stores packed or not, on ``device`` and record the fastest
-    (``swiglu_config``); at its first call on the device, a training backward's. Inside a graph
-    capture nothing is timed: the default, unrecorded."""
-    default = {"warps": SWIGLU_WARPS, "packed": PACKED}
+    ``WARP_CHOICES`` on ``device`` and record the fastest (``swiglu_config``); at its first call on the
+    device, a training backward's. Inside a graph capture nothing is timed: the default, unrecorded."""
+    default = {"warps": SWIGLU_WARPS}
     if gemm.capturing(device):
         return default
     g = torch.Generator().manual_seed(0)
@@ -293,17 +248,13 @@ def _choose_swiglu_warps(device: torch.device) -> dict:
                       CastSpec(Format.FP8_E4M3, B1x128))  # [g, u]'s FP8 copy, halves k / 2 wide
         gy = torch.randn((m, k // 2), generator=g).to(device, torch.bfloat16)
         run = lambda: swiglu_grad_quantize(gu, gy, torch.bfloat16, pad_tokens_to=TILE, h_cols=True)  # noqa: E731
-        bad = _packed_mismatch(run)
-        stores = (False,) if bad else (False, True)
-        t = _time_forced(device, [((w, p), (w, True, p), run) for w in WARP_CHOICES for p in stores])
+        t = _time_forced(device, [(w, (w,), run) for w in WARP_CHOICES])
     except Exception as e:  # noqa: BLE001 - nothing timed: the default, said why
         return gemm.note_kernel(SWIGLU_TILES_OP, device, f"{SWIGLU_WARPS} warps", _untimed(e), **default)
-    best, packed = min(t, key=t.get)
-    why = f"timed on [g, u] {m} x {k}: " + ", ".join(f"{w} warps {_store_name(p)} {ms:.3f} ms"
-                                                       for (w, p), ms in t.items())
-    why += f"; no packed store: {bad}" if bad else ""
-    return gemm.note_kernel(SWIGLU_TILES_OP, device, f"{best} warps, {_store_name(packed)} store", why, warps=best,
-                            packed=packed, timings_ms={f"{w} warps {_store_name(p)}": ms for (w, p), ms in t.items()})
+    best = min(t, key=t.get)
+    why = f"timed on [g, u] {m} x {k}: " + ", ".join(f"{w} warps {ms:.3f} ms" for w, ms in t.items())
+    return gemm.note_kernel(SWIGLU_TILES_OP, device, f"{best} warps", why, warps=best,
+                            timings_ms={f"{w} warps": ms for w, ms in t.items()})
 
 
 def _interpreter_fma_is_exact() -> bool:
@@ -431,70 +382,9 @@ def _load_rows(at, rm, M, col_ok, stride_m):
 
 @triton.jit
 def _word_rows(pm, T: tl.constexpr):
-    """A packed tile's sub-tile 0: tokens ``pm * T + 4 i`` (i < T / 4), the first of each 32-bit word
-    of x^T; sub-tile j holds tokens ``+ j``."""
+    """Rows ``pm * T + 4 i`` (i < T / 4) of a tile: the first of each 32-bit word of its transpose
+    (``_transpose_words_kernel``); rows ``+ j`` are the word's byte j."""
     return pm * T + 4 * tl.arange(0, T // 4)
-
-
-@triton.jit
-def _col_amax4(x0, x1, x2, x3):
-    """The NaN-propagating amax of each column over four sub-tiles (``_amax``'s integer max)."""
-    a = tl.maximum(tl.maximum(_abs_bits(x0), _abs_bits(x1)), tl.maximum(_abs_bits(x2), _abs_bits(x3)))
-    return _amax(a, 0)  # elementwise first: one reduction across the warps, not four
-
-
-@triton.jit
-def _byte(x, s, r, ok, POW2: tl.constexpr, OUT: tl.constexpr, ZERO_PAD: tl.constexpr):
-    """``_store_cols``' quotient and cast of a sub-tile, as the low byte of a uint32 (rows not ``ok``:
-    zeros, with ``ZERO_PAD``)."""
-    q = _scaled(x, s, r, POW2)
-    if ZERO_PAD:
-        q = tl.where(ok[:, None], q, 0.0)
-    return q.to(OUT).to(tl.uint8, bitcast=True).to(tl.uint32)
-
-
-@triton.jit
-def _store_cols4(x0, x1, x2, x3, s, qt_ptr, st_ptr, pm, r0, rk, col_ok, M, K, M_PAD,
-                 POW2: tl.constexpr, OUT: tl.constexpr, ZERO_PAD: tl.constexpr):
-    """``_store_cols`` of a tile held as four sub-tiles (sub-tile j: tokens ``r0 + j``), the bytes of
-    four tokens packed into one little-endian 32-bit word of x^T, words transposed: ``qt_ptr`` is x^T
-    (K, M_PAD) viewed as int32 (K, M_PAD / 4), M_PAD a multiple of 4."""
-    tl.store(st_ptr + pm.to(tl.int64) * K + rk, s, mask=col_ok)
-    sc = s[None, :]
-    r = _divisor(s)[None, :]
-    w = _byte(x0, sc, r, r0 < M, POW2, OUT, ZERO_PAD)
-    w = w | (_byte(x1, sc, r, r0 + 1 < M, POW2, OUT, ZERO_PAD) << 8)
-    w = w | (_byte(x2, sc, r, r0 + 2 < M, POW2, OUT, ZERO_PAD) << 16)
-    w = w | (_byte(x3, sc, r, r0 + 3 < M, POW2, OUT, ZERO_PAD) << 24)
-    words = tl.trans(w.to(tl.int32, bitcast=True))
-    tl.store(qt_ptr + rk.to(tl.int64)[:, None] * (M_PAD // 4) + (r0 // 4)[None, :], words,
-             mask=col_ok[:, None] & (r0 < M_PAD)[None, :])
-
-
-@triton.jit
-def _store_rows(x, qr_ptr, sr_ptr, pk, rm, rk, col_ok, M, K, FMAX: tl.constexpr, FLOOR: tl.constexpr,
-                POW2: tl.constexpr, OUT: tl.constexpr):
-    """Rows ``rm`` of a tile quantized 1x128 into ``quantize_act``'s rows output (``_store_tile``'s)."""
-    row_ok = rm < M
-    q, s = _rows_quantized(x, FMAX, FLOOR, POW2)
-    tl.store(sr_ptr + pk.to(tl.int64) * M + rm, s, mask=row_ok)
-    tl.store(qr_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :], q.to(OUT), mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _store_tile4(x0, x1, x2, x3, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk, r0, rk, col_ok, M, K, M_PAD,
-                 FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr, ROWS: tl.constexpr,
-                 COLS: tl.constexpr, ZERO_PAD: tl.constexpr):
-    """``_store_tile`` of a tile held as four sub-tiles (``_store_cols4``), the same bytes and scales."""
-    if COLS:
-        s_col = _group_scale(_col_amax4(x0, x1, x2, x3), FMAX, FLOOR, POW2)
-    if ROWS:
-        _store_rows(x0, qr_ptr, sr_ptr, pk, r0, rk, col_ok, M, K, FMAX, FLOOR, POW2, OUT)
-        _store_rows(x1, qr_ptr, sr_ptr, pk, r0 + 1, rk, col_ok, M, K, FMAX, FLOOR, POW2, OUT)
-        _store_rows(x2, qr_ptr, sr_ptr, pk, r0 + 2, rk, col_ok, M, K, FMAX, FLOOR, POW2, OUT)
-        _store_rows(x3, qr_ptr, sr_ptr, pk, r0 + 3, rk, col_ok, M, K, FMAX, FLOOR, POW2, OUT)
-    if COLS:
-        _store_cols4(x0, x1, x2, x3, s_col, qt_ptr, st_ptr, pm, r0, rk, col_ok, M, K, M_PAD, POW2, OUT, ZERO_PAD)
 
 
 @triton.jit
@@ -507,23 +397,15 @@ def _silu_mul(g, u):
 @triton.jit
 def _act_quant_kernel(x_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, K, M_PAD, stride_xm, stride_xk,
                       FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
-                      ROWS: tl.constexpr, COLS: tl.constexpr, ZERO_PAD: tl.constexpr, PACK: tl.constexpr,
-                      T: tl.constexpr):
+                      ROWS: tl.constexpr, COLS: tl.constexpr, ZERO_PAD: tl.constexpr, T: tl.constexpr):
     pm = tl.program_id(0)
     pk = tl.program_id(1)
     rk = pk * T + tl.arange(0, T)
     col_ok = rk < K
     at = x_ptr + rk[None, :] * stride_xk
-    if PACK:  # four interleaved sub-tiles: x^T stored as 32-bit words (``_store_cols4``)
-        r0 = _word_rows(pm, T)
-        _store_tile4(_load_rows(at, r0, M, col_ok, stride_xm), _load_rows(at, r0 + 1, M, col_ok, stride_xm),
-                     _load_rows(at, r0 + 2, M, col_ok, stride_xm), _load_rows(at, r0 + 3, M, col_ok, stride_xm),
-                     qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk, r0, rk, col_ok, M, K, M_PAD, FMAX, FLOOR, POW2, OUT,
-                     ROWS, COLS, ZERO_PAD)
-    else:
-        rm = pm * T + tl.arange(0, T)
-        _store_tile(_load_rows(at, rm, M, col_ok, stride_xm), qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk, rm, rk, rm < M,
-                    col_ok, M, K, M_PAD, FMAX, FLOOR, POW2, OUT, ROWS, COLS, ZERO_PAD)
+    rm = pm * T + tl.arange(0, T)
+    _store_tile(_load_rows(at, rm, M, col_ok, stride_xm), qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk, rm, rk, rm < M,
+                col_ok, M, K, M_PAD, FMAX, FLOOR, POW2, OUT, ROWS, COLS, ZERO_PAD)
 
 
 @triton.jit
@@ -593,60 +475,15 @@ def _copy_group(at, s_at, cols, group, mask, row_ok, stride_sk):
 
 
 @triton.jit
-def _h_rows(q_ptr, s_ptr, rm, rk, pk, M, I, col_ok, stride_qm, stride_sm, stride_sk, ROUND_BF16: tl.constexpr,
-            INTERPRET: tl.constexpr, T: tl.constexpr):
-    """h = silu(g) * u at rows ``rm``, columns ``rk`` (h's group ``pk``), at the values of the FP8 copy
-    of [g, u] (rounded to bf16 with ``ROUND_BF16``: the forward's [g, u]), as ``swiglu_quantize``
-    computes it; zeros past ``M``."""
-    row_ok = rm < M
-    inb = row_ok[:, None] & col_ok[None, :]
-    at = q_ptr + rm.to(tl.int64)[:, None] * stride_qm
-    s_at = s_ptr + rm.to(tl.int64) * stride_sm
-    g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
-    u = _copy_group(at, s_at, I + rk, pk + I // T, inb, row_ok, stride_sk)
-    if ROUND_BF16:  # the values the forward's bf16 [g, u] had
-        g = _to_bf16(g, INTERPRET).to(tl.float32)
-        u = _to_bf16(u, INTERPRET).to(tl.float32)
-    return _silu_mul(g, u)
-
-
-@triton.jit
-def _d_rows(gy_ptr, q_ptr, s_ptr, rm, rk, pk, half, M, I, col_ok, stride_qm, stride_sm, stride_sk, stride_gm,
-            stride_gk, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, T: tl.constexpr):
-    """d[g] (``half`` 0) or d[u] (1) of silu(g) * u for the gradient ``gy`` at rows ``rm``, columns
-    ``rk`` of the half, at the values of the FP8 copy of [g, u], rounded to bf16 with ``ROUND_BF16``
-    (the gradient's dtype); zeros past ``M``: ``_swiglu_grad_quant_kernel``'s math, per sub-tile of
-    the packed kernels."""
-    row_ok = rm < M
-    inb = row_ok[:, None] & col_ok[None, :]
-    at = q_ptr + rm.to(tl.int64)[:, None] * stride_qm
-    s_at = s_ptr + rm.to(tl.int64) * stride_sm
-    gy = tl.load(gy_ptr + rm.to(tl.int64)[:, None] * stride_gm + rk[None, :] * stride_gk, mask=inb, other=0.0)
-    g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
-    sig = tl.div_rn(1.0, 1.0 + tl.exp(-g))
-    dg = (rm * 0 + half) == 0  # a vector: the interpreter takes no scalar in a load's mask
-    u = _copy_group(at, s_at, I + rk, pk + I // T, inb & dg[:, None], row_ok & dg, stride_sk)
-    a = tl.where(dg[:, None], u, g)
-    d = gy.to(tl.float32) * a * sig * tl.where(dg[:, None], 1.0 + g * (1.0 - sig), 1.0)
-    if ROUND_BF16:
-        d = _to_bf16(d, INTERPRET).to(tl.float32)
-    return d
-
-
-@triton.jit
 def _swiglu_quant_t_kernel(q_ptr, s_ptr, qt_ptr, st_ptr, M, I, M_PAD, stride_qm, stride_sm, stride_sk,
                            FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
                            ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, ZERO_PAD: tl.constexpr,
-                           PACK: tl.constexpr, T: tl.constexpr):
+                           T: tl.constexpr):
     pm = tl.program_id(0)
     pk = tl.program_id(1)  # h's 128-wide column tile: g's group pk and u's group I/128 + pk
-    if PACK:
-        _store_h_cols4(q_ptr, s_ptr, qt_ptr, st_ptr, pm, pk, M, I, M_PAD, stride_qm, stride_sm, stride_sk, FMAX, FLOOR,
-                       POW2, OUT, ROUND_BF16, INTERPRET, ZERO_PAD, T)
-    else:
-        rm, rk, row_ok, col_ok, inb, at, s_at = _copy_tile(q_ptr, s_ptr, pm, pk, M, I, stride_qm, stride_sm, T)
-        _store_h_cols(at, s_at, qt_ptr, st_ptr, pm, pk, rm, rk, row_ok, col_ok, inb, stride_sk, I, M_PAD, FMAX, FLOOR,
-                      POW2, OUT, ROUND_BF16, INTERPRET, ZERO_PAD, T)
+    rm, rk, row_ok, col_ok, inb, at, s_at = _copy_tile(q_ptr, s_ptr, pm, pk, M, I, stride_qm, stride_sm, T)
+    _store_h_cols(at, s_at, qt_ptr, st_ptr, pm, pk, rm, rk, row_ok, col_ok, inb, stride_sk, I, M_PAD, FMAX, FLOOR,
+                  POW2, OUT, ROUND_BF16, INTERPRET, ZERO_PAD, T)
 
 
 @triton.jit
@@ -667,81 +504,35 @@ def _store_h_cols(at, s_at, qt_ptr, st_ptr, pm, pk, rm, rk, row_ok, col_ok, inb,
 
 
 @triton.jit
-def _store_h_cols4(q_ptr, s_ptr, qt_ptr, st_ptr, pm, pk, M, I, M_PAD, stride_qm, stride_sm, stride_sk,
-                   FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
-                   ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, ZERO_PAD: tl.constexpr, T: tl.constexpr):
-    """``_store_h_cols`` with the tile as four sub-tiles and x^T stored as 32-bit words (``_store_cols4``)."""
-    rk = pk * T + tl.arange(0, T)
-    col_ok = rk < I
-    r0 = _word_rows(pm, T)
-    h0 = _h_rows(q_ptr, s_ptr, r0, rk, pk, M, I, col_ok, stride_qm, stride_sm, stride_sk, ROUND_BF16, INTERPRET, T)
-    h1 = _h_rows(q_ptr, s_ptr, r0 + 1, rk, pk, M, I, col_ok, stride_qm, stride_sm, stride_sk, ROUND_BF16, INTERPRET, T)
-    h2 = _h_rows(q_ptr, s_ptr, r0 + 2, rk, pk, M, I, col_ok, stride_qm, stride_sm, stride_sk, ROUND_BF16, INTERPRET, T)
-    h3 = _h_rows(q_ptr, s_ptr, r0 + 3, rk, pk, M, I, col_ok, stride_qm, stride_sm, stride_sk, ROUND_BF16, INTERPRET, T)
-    s = _group_scale(_col_amax4(h0, h1, h2, h3), FMAX, FLOOR, POW2)  # 128x1: one scale per column of h
-    _store_cols4(h0, h1, h2, h3, s, qt_ptr, st_ptr, pm, r0, rk, col_ok, M, I, M_PAD, POW2, OUT, ZERO_PAD)
-
-
-@triton.jit
-def _d_cols4(gy_ptr, q_ptr, s_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk, half, M, I, M_PAD, stride_qm, stride_sm,
-             stride_sk, stride_gm, stride_gk, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr,
-             OUT: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, ROWS: tl.constexpr,
-             COLS: tl.constexpr, ZERO_PAD: tl.constexpr, T: tl.constexpr):
-    """``_swiglu_grad_quant_kernel``'s d[g] / d[u] tile as four sub-tiles, x^T stored as 32-bit words."""
-    rk = pk * T + tl.arange(0, T)
-    col_ok = rk < I
-    r0 = _word_rows(pm, T)
-    d0 = _d_rows(gy_ptr, q_ptr, s_ptr, r0, rk, pk, half, M, I, col_ok, stride_qm, stride_sm, stride_sk, stride_gm,
-                 stride_gk, ROUND_BF16, INTERPRET, T)
-    d1 = _d_rows(gy_ptr, q_ptr, s_ptr, r0 + 1, rk, pk, half, M, I, col_ok, stride_qm, stride_sm, stride_sk, stride_gm,
-                 stride_gk, ROUND_BF16, INTERPRET, T)
-    d2 = _d_rows(gy_ptr, q_ptr, s_ptr, r0 + 2, rk, pk, half, M, I, col_ok, stride_qm, stride_sm, stride_sk, stride_gm,
-                 stride_gk, ROUND_BF16, INTERPRET, T)
-    d3 = _d_rows(gy_ptr, q_ptr, s_ptr, r0 + 3, rk, pk, half, M, I, col_ok, stride_qm, stride_sm, stride_sk, stride_gm,
-                 stride_gk, ROUND_BF16, INTERPRET, T)
-    _store_tile4(d0, d1, d2, d3, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk + half * (I // T), r0, half * I + rk, col_ok,
-                 M, 2 * I, M_PAD, FMAX, FLOOR, POW2, OUT, ROWS, COLS, ZERO_PAD)
-
-
-@triton.jit
 def _swiglu_grad_quant_kernel(q_ptr, s_ptr, gy_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, qh_ptr, sh_ptr, M, I, M_PAD,
                               stride_qm, stride_sm, stride_sk, stride_gm, stride_gk, FMAX: tl.constexpr,
                               FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr, ROUND_BF16: tl.constexpr,
                               INTERPRET: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                              ZERO_PAD: tl.constexpr, PACK: tl.constexpr, T: tl.constexpr):
+                              ZERO_PAD: tl.constexpr, T: tl.constexpr):
     # 0: d[g], 1: d[u], 2 (when launched): h^T; a tile's programs run side by side (gy, g, u: one DRAM read)
     part = tl.program_id(0)
     pk = tl.program_id(1)  # gy's 128-wide column tile: d[g]'s group pk, d[u]'s group I/128 + pk
     pm = tl.program_id(2)
-    if PACK:  # four interleaved sub-tiles: x^T and h^T stored as 32-bit words (``_store_cols4``)
-        if part == 2:
-            _store_h_cols4(q_ptr, s_ptr, qh_ptr, sh_ptr, pm, pk, M, I, M_PAD, stride_qm, stride_sm, stride_sk, FMAX,
-                           FLOOR, POW2, OUT, ROUND_BF16, INTERPRET, ZERO_PAD, T)
-        else:
-            _d_cols4(gy_ptr, q_ptr, s_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk, part, M, I, M_PAD, stride_qm,
-                     stride_sm, stride_sk, stride_gm, stride_gk, FMAX, FLOOR, POW2, OUT, ROUND_BF16, INTERPRET, ROWS,
-                     COLS, ZERO_PAD, T)
+    rm, rk, row_ok, col_ok, inb, at, s_at = _copy_tile(q_ptr, s_ptr, pm, pk, M, I, stride_qm, stride_sm, T)
+    if part == 2:  # down's Wgrad operand h^T (its own program: within d[g]'s, 255 registers and spills)
+        _store_h_cols(at, s_at, qh_ptr, sh_ptr, pm, pk, rm, rk, row_ok, col_ok, inb, stride_sk, I, M_PAD, FMAX, FLOOR,
+                      POW2, OUT, ROUND_BF16, INTERPRET, ZERO_PAD, T)
     else:
-        rm, rk, row_ok, col_ok, inb, at, s_at = _copy_tile(q_ptr, s_ptr, pm, pk, M, I, stride_qm, stride_sm, T)
-        if part == 2:  # down's Wgrad operand h^T (its own program: within d[g]'s, 255 registers and spills)
-            _store_h_cols(at, s_at, qh_ptr, sh_ptr, pm, pk, rm, rk, row_ok, col_ok, inb, stride_sk, I, M_PAD, FMAX, FLOOR,
-                          POW2, OUT, ROUND_BF16, INTERPRET, ZERO_PAD, T)
-        else:
-            half = part
-            gy = tl.load(gy_ptr + rm.to(tl.int64)[:, None] * stride_gm + rk[None, :] * stride_gk, mask=inb, other=0.0)
-            g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
-            sig = tl.div_rn(1.0, 1.0 + tl.exp(-g))  # as precision.linear's ``_silu_mul_grad`` computes it
-            # d[g] = gy * u * sig * (1 + g * (1 - sig)), d[u] = gy * g * sig (* 1: exact), in that order of
-            # operations (one path for both halves, u read by d[g]'s program only: 202-207 registers per
-            # thread with the h^T branch beside it, sm_90a, where an if/else between the halves took 252)
-            dg = (rm * 0 + half) == 0  # a vector: the interpreter takes no scalar in a load's mask
-            u = _copy_group(at, s_at, I + rk, pk + I // T, inb & dg[:, None], row_ok & dg, stride_sk)
-            a = tl.where(dg[:, None], u, g)
-            d = gy.to(tl.float32) * a * sig * tl.where(dg[:, None], 1.0 + g * (1.0 - sig), 1.0)
-            if ROUND_BF16:  # the gradient's dtype: the values its Dgrad and Wgrad casts would read
-                d = _to_bf16(d, INTERPRET).to(tl.float32)
-            _store_tile(d, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk + half * (I // T), rm, half * I + rk, row_ok, col_ok,
-                        M, 2 * I, M_PAD, FMAX, FLOOR, POW2, OUT, ROWS, COLS, ZERO_PAD)
+        half = part
+        gy = tl.load(gy_ptr + rm.to(tl.int64)[:, None] * stride_gm + rk[None, :] * stride_gk, mask=inb, other=0.0)
+        g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
+        sig = tl.div_rn(1.0, 1.0 + tl.exp(-g))  # as precision.linear's ``_silu_mul_grad`` computes it
+        # d[g] = gy * u * sig * (1 + g * (1 - sig)), d[u] = gy * g * sig (* 1: exact), in that order of
+        # operations (one path for both halves, u read by d[g]'s program only: 202-207 registers per
+        # thread with the h^T branch beside it, sm_90a, where an if/else between the halves took 252)
+        dg = (rm * 0 + half) == 0  # a vector: the interpreter takes no scalar in a load's mask
+        u = _copy_group(at, s_at, I + rk, pk + I // T, inb & dg[:, None], row_ok & dg, stride_sk)
+        a = tl.where(dg[:, None], u, g)
+        d = gy.to(tl.float32) * a * sig * tl.where(dg[:, None], 1.0 + g * (1.0 - sig), 1.0)
+        if ROUND_BF16:  # the gradient's dtype: the values its Dgrad and Wgrad casts would read
+            d = _to_bf16(d, INTERPRET).to(tl.float32)
+        _store_tile(d, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk + half * (I // T), rm, half * I + rk, row_ok, col_ok,
+                    M, 2 * I, M_PAD, FMAX, FLOOR, POW2, OUT, ROWS, COLS, ZERO_PAD)
 
 
 @triton.jit
@@ -1076,13 +867,12 @@ def quantize_act(x: torch.Tensor, fmt: Format = Format.FP8_E4M3, pow2_scale: boo
     if (rows or cols) and gm * gk > 0:
         dummy = _dummy(dev)
         launch = launch_config(x, rows and cols)
-        pack = cols and _packs(m_pad, launch)
         pair_as_two = rows and cols and not launch.one_kernel  # the pair: one read of x, or two
         for r, c in ((True, False), (False, True)) if pair_as_two else ((rows, cols),):
             _act_quant_kernel[(cdiv(m_pad if c else m, TILE), gk)](
-                x, qr if r else dummy, sr if r else dummy, (qt.view(torch.int32) if pack else qt) if c else dummy,
+                x, qr if r else dummy, sr if r else dummy, qt if c else dummy,
                 st if c else dummy, m, k, m_pad, x.stride(0), x.stride(1), FMAX=fmt.max, FLOOR=amax_floor,
-                POW2=pow2_scale, OUT=_TL_FP8[fmt], ROWS=r, COLS=c, ZERO_PAD=c and m_pad > m, PACK=c and pack, T=TILE,
+                POW2=pow2_scale, OUT=_TL_FP8[fmt], ROWS=r, COLS=c, ZERO_PAD=c and m_pad > m, T=TILE,
                 num_warps=launch.warps, enable_fp_fusion=FP_FUSION)
     spec = _spec_1x128(fmt, pow2_scale, amax_floor)
     return (QTensor(qr, sr, spec) if rows else None), (QTensor(qt, st, spec) if cols else None)
@@ -1157,11 +947,10 @@ def swiglu_quantize_t(gu: QTensor, gu_dtype: torch.dtype, fmt: Format = Format.F
     qt, st = _cols_out(i, m_pad, fmt.torch_dtype(), dev)
     if m_pad and i:
         launch = swiglu_config(gu.data)
-        pack = _packs(m_pad, launch)
         _swiglu_quant_t_kernel[(cdiv(m_pad, TILE), i // TILE)](
-            gu.data, gu.scale, qt.view(torch.int32) if pack else qt, st, m, i, m_pad, gu.data.stride(0),
+            gu.data, gu.scale, qt, st, m, i, m_pad, gu.data.stride(0),
             gu.scale.stride(0), gu.scale.stride(1), FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt],
-            ROUND_BF16=gu_dtype is torch.bfloat16, INTERPRET=_interpreting(), ZERO_PAD=m_pad > m, PACK=pack, T=TILE,
+            ROUND_BF16=gu_dtype is torch.bfloat16, INTERPRET=_interpreting(), ZERO_PAD=m_pad > m, T=TILE,
             num_warps=launch.warps, enable_fp_fusion=FP_FUSION)
     return QTensor(qt, st, _spec_1x128(fmt, pow2_scale, amax_floor))
 
@@ -1200,14 +989,12 @@ def swiglu_grad_quantize(gu: QTensor, gy: torch.Tensor, out_dtype: torch.dtype, 
     if (rows or cols or h_cols) and m_pad and i:
         dummy = _dummy(dev)
         launch = swiglu_config(gy)
-        pack = (cols or h_cols) and _packs(m_pad, launch)
-        words = lambda q: q.view(torch.int32) if pack and q is not None else q  # noqa: E731 - x^T as 32-bit words
-        outs = (qr, sr, words(qt), st, words(qh), sh)
+        outs = (qr, sr, qt, st, qh, sh)
         _swiglu_grad_quant_kernel[(3 if h_cols else 2, i // TILE, cdiv(m_pad if cols or h_cols else m, TILE))](
             gu.data, gu.scale, gy, *(t if t is not None else dummy for t in outs), m, i, m_pad,
             gu.data.stride(0), gu.scale.stride(0), gu.scale.stride(1), gy.stride(0), gy.stride(1), FMAX=fmt.max,
             FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt], ROUND_BF16=out_dtype is torch.bfloat16,
-            INTERPRET=_interpreting(), ROWS=rows, COLS=cols, ZERO_PAD=m_pad > m, PACK=pack, T=TILE,
+            INTERPRET=_interpreting(), ROWS=rows, COLS=cols, ZERO_PAD=m_pad > m, T=TILE,
             num_warps=launch.warps, enable_fp_fusion=FP_FUSION)
     spec = _spec_1x128(fmt, pow2_scale, amax_floor)
     return tuple(QTensor(q, sc, spec) if q is not None else None for q, sc in ((qr, sr), (qt, st), (qh, sh)))
@@ -1467,7 +1254,7 @@ def _transpose_words_kernel(tab_ptr, jobs_ptr, src_base, dst_base, ALIGNED: tl.c
                             T: tl.constexpr):
     """One T x T tile of ``dst = src^T`` for bytes, for the table's job (src N x K row-major, dst K x N
     row-major viewed as int32 K x N/4, N a multiple of 4): four rows of src (4i + j) packed into one
-    little-endian word in registers, words transposed (``_store_cols4``'s store) -- no byte moves
+    little-endian word in registers, words transposed -- no byte moves
     through shared memory."""
     row, t = _job_row(tab_ptr, jobs_ptr, COLS)
     src_ptr = src_base + _field(row, 0, ALIGNED)

@@ -138,6 +138,14 @@ def _qtensor(rows: int, k: int, block_rows: int):
     return QTensor(data, scale, CastSpec(Format.FP8_E4M3, Block(block_rows, 128), False, 1e-12))
 
 
+def _words(fn):
+    """``fn()`` with W^T's bytes moved by the word-transposing kernel (a GPU's timed choice)."""
+    from jetrl_cli.kernels import fp8
+
+    with fp8.transpose_with("triton"):
+        return fn()
+
+
 def cases():
     """(case, group, call): each group holds calls that must compile to the same arithmetic."""
     from jetrl_cli.kernels import attention, fp8, int8, invariant
@@ -171,19 +179,7 @@ def cases():
             r, r.to(bf), wn, 1e-6, torch.float32, pow2_scale=p, write_y=True, rsqrt=True)))
         out.append((f"rms_norm_quantize decode pow2={pow2}", None, lambda r=res[:64], p=pow2: fp8.rms_norm_quantize(
             r, None, wn, 1e-6, torch.float32, pow2_scale=p)))
-    def packed(fn):  # the transposed stores as 32-bit words (``tile_warps(packed=True)``; timed on a GPU)
-        def call():
-            with fp8.tile_warps(fp8.NUM_WARPS, packed=True), fp8.transpose_with("triton"):
-                return fn()
-        return call
-
-    xs, gu_q, gy = torch.zeros(4096, hidden, dtype=bf), _qtensor(4096, 2 * inter, 1), torch.zeros(4096, inter, dtype=bf)
-    out.append(("packed quantize_act", None, packed(lambda: fp8.quantize_act(xs, pad_tokens_to=128))))
-    out.append(("packed quantize_act cols", None, packed(lambda: fp8.quantize_act(xs, rows=False, pad_tokens_to=128))))
-    out.append(("packed swiglu_quantize_t", None, packed(lambda: fp8.swiglu_quantize_t(gu_q, bf, pad_tokens_to=128))))
-    out.append(("packed swiglu_grad_quantize h_cols", None, packed(lambda: fp8.swiglu_grad_quantize(
-        gu_q, gy, bf, pad_tokens_to=128, h_cols=True))))
-    out.append(("packed weight transpose", None, packed(lambda: fp8.quantize_weight(
+    out.append(("weight transpose words", None, lambda: _words(lambda: fp8.quantize_weight(
         torch.zeros(inter, hidden), transposed=True))))
 
     def model_weights():  # a layer's four groups of fp32 masters in one call, W^T by the word transpose

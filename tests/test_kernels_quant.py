@@ -816,12 +816,11 @@ class Spy:
 
 
 @needs_triton
-@pytest.mark.parametrize("warps,packed", [(8, False), (16, False), (8, True)])
-def test_the_pair_as_two_kernels_or_at_other_warps_writes_the_same_bits(fp8, warps, packed, monkeypatch):
-    """``quantize_act``'s 1x128 + 128x1 pair from one kernel (one read of x) or two, at 8 or 16 warps,
-    the transposed store packed into 32-bit words or not: the same data and scales (the choice a GPU
-    times, ``launch_config``, changes no bit). Packed where the padded token count allows it (a
-    multiple of 4), NaN groups and padding included."""
+@pytest.mark.parametrize("warps", [8, 16])
+def test_the_pair_as_two_kernels_or_at_other_warps_writes_the_same_bits(fp8, warps, monkeypatch):
+    """``quantize_act``'s 1x128 + 128x1 pair from one kernel (one read of x) or two, at 8 or 16 warps:
+    the same data and scales (the choice a GPU times, ``launch_config``, changes no bit), NaN groups
+    and padding included."""
     seen = []
     monkeypatch.setattr(fp8, "_act_quant_kernel", Spy(fp8._act_quant_kernel, seen))
     for m, pad in ((200, 128), (132, 1), (130, 1)):
@@ -831,11 +830,12 @@ def test_the_pair_as_two_kernels_or_at_other_warps_writes_the_same_bits(fp8, war
         want_cols = fp8.quantize_act(x, rows=False, pad_tokens_to=pad)[1]
         for one in (True, False):
             seen.clear()
-            with fp8.tile_warps(warps, one_kernel=one, packed=packed):
+            with fp8.tile_warps(warps, one_kernel=one):
                 got = fp8.quantize_act(x, pad_tokens_to=pad)
                 got_cols = fp8.quantize_act(x, rows=False, pad_tokens_to=pad)[1]
                 w = fp8.quantize_weight(x.float(), transposed=True)
-            assert [k["PACK"] for k in seen if k["COLS"]] == [packed and layouts.round_up(m, pad) % 4 == 0] * 2
+            assert [(k["num_warps"], k["ROWS"], k["COLS"]) for k in seen] == (
+                [(warps, True, True)] if one else [(warps, True, False), (warps, False, True)]) + [(warps, False, True)]
             for a, b in [*zip(got, want), (got_cols, want_cols)]:
                 assert same_data(a.data, b.data) and same_scales(a.scale, b.scale)
                 assert a.data.stride() == b.data.stride() and a.scale.stride() == b.scale.stride()
@@ -844,10 +844,10 @@ def test_the_pair_as_two_kernels_or_at_other_warps_writes_the_same_bits(fp8, war
 
 
 @needs_triton
-@pytest.mark.parametrize("warps,packed", [(8, False), (16, False), (8, True), (16, True)])
-def test_the_swiglu_backward_at_other_warps_writes_the_same_bits(fp8, warps, packed, monkeypatch):
-    """The SwiGLU backward kernels at 8 or 16 warps, stores packed or not (``swiglu_config``: timed on
-    a GPU) write the same d[g, u] copies and h^T, and launch as asked."""
+@pytest.mark.parametrize("warps", [8, 16])
+def test_the_swiglu_backward_at_other_warps_writes_the_same_bits(fp8, warps, monkeypatch):
+    """The SwiGLU backward kernels at 8 or 16 warps (``swiglu_config``: timed on a GPU) write the same
+    d[g, u] copies and h^T, and launch as asked."""
     gu = quantize(spread(132, 512, seed=7, dtype=torch.bfloat16).to(dev()), CastSpec(E4, B1x128))
     gy = spread(132, 256, seed=8, dtype=torch.bfloat16).to(dev())
     gy[5, 3] = float("inf")
@@ -858,12 +858,12 @@ def test_the_swiglu_backward_at_other_warps_writes_the_same_bits(fp8, warps, pac
         seen = []
         for name in ("_swiglu_grad_quant_kernel", "_swiglu_quant_t_kernel"):
             monkeypatch.setattr(fp8, name, Spy(getattr(fp8, name), seen))
-        with fp8.tile_warps(warps, packed=packed):
+        with fp8.tile_warps(warps):
             got = fp8.swiglu_grad_quantize(gu, gy, dt, pad_tokens_to=pad, h_cols=True)
             got_rows = fp8.swiglu_grad_quantize(gu, gy, dt, cols=False, pad_tokens_to=pad)
             got_t = fp8.swiglu_quantize_t(gu, dt, pad_tokens_to=pad)
         monkeypatch.undo()
-        assert [(k["num_warps"], k["PACK"]) for k in seen] == [(warps, packed), (warps, False), (warps, packed)]
+        assert [k["num_warps"] for k in seen] == [warps] * 3
         for a, b in [*zip(got, want), *zip(got_rows, want_rows), (got_t, want_t)]:
             if b is None:
                 assert a is None
@@ -874,23 +874,21 @@ def test_the_swiglu_backward_at_other_warps_writes_the_same_bits(fp8, warps, pac
 @needs_triton
 def test_the_launch_configuration_is_timed_once_per_device_and_reported(fp8, monkeypatch):
     """On a GPU the first act or weight quantizer times the 1x128 quantizer and the 1x128 + 128x1
-    pair (one kernel or two, transposed store packed or not) at 8 and 16 warps and keeps the fastest
-    of each, reported with the GEMM backends; a timing that fails keeps the defaults and says why;
-    during a graph capture nothing is timed or recorded. (Scripted times; on CPU the kernels run in
-    the interpreter.)"""
+    pair (one kernel or two) at 8 and 16 warps and keeps the fastest of each, reported with the GEMM
+    backends; a timing that fails keeps the defaults and says why; during a graph capture nothing is
+    timed or recorded. (Scripted times; on CPU the kernels run in the interpreter.)"""
     from jetrl_cli.precision import gemm
 
     monkeypatch.setattr(gemm, "_KERNELS", {})
     monkeypatch.setattr(fp8, "TIMING_SHAPE", (132, 256))
-    pairs = [(one, packed) for one in (True, False) for packed in (False, True)]
-    ms = {(w, what): 5.0 for w in (8, 16) for what in ("1x128", *pairs)}
-    ms.update({(16, "1x128"): 1.0, (8, (False, True)): 2.0})
+    ms = {(w, what): 5.0 for w in (8, 16) for what in ("1x128", True, False)}
+    ms.update({(16, "1x128"): 1.0, (8, False): 2.0})
     timed = []
 
     def device_time_ms(fn, device):
         out = fn()  # it runs, under the configuration being timed
         f = fp8._FORCED
-        what = "1x128" if out[1] is None else (f.one_kernel, f.packed)
+        what = "1x128" if out[1] is None else f.one_kernel
         timed.append((f.warps, what))
         return ms[(f.warps, what)]
 
@@ -898,59 +896,56 @@ def test_the_launch_configuration_is_timed_once_per_device_and_reported(fp8, mon
     where = torch.device(dev())  # the GPU, or the CPU's interpreter
     got = fp8._choose_tiles(where)
     assert sorted(timed, key=str) == sorted(ms, key=str) and fp8._FORCED is None
-    assert (got["warps"], got["pair_warps"], got["one_kernel"], got["packed"]) == (16, 8, False, True)
+    assert (got["warps"], got["pair_warps"], got["one_kernel"]) == (16, 8, False)
     assert gemm.kernel_choice(fp8.TILES_OP, where) is got
-    assert got["kernel"] == "16 warps; the 1x128 + 128x1 pair as two kernels, packed at 8 warps"
+    assert got["kernel"] == "16 warps; the 1x128 + 128x1 pair as two kernels at 8 warps"
     assert got["why"].startswith("timed on 132 x 256 bf16: 1x128 at 8 warps 5.000 ms")
     assert any(k.get("op") == fp8.TILES_OP for k in gemm.backend_report()["kernels"])
     if where.type == "cuda":
         probe = torch.zeros(2, 2, device=where)
-        assert fp8.launch_config(probe, True) == (8, False, True) and fp8.launch_config(probe, False) == (16, True, True)
+        assert fp8.launch_config(probe, True) == (8, False) and fp8.launch_config(probe, False) == (16, True)
 
     def broken(fn, device):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(gemm, "device_time_ms", broken)
     got = fp8._choose_tiles(where)
-    assert (got["warps"], got["pair_warps"], got["one_kernel"], got["packed"]) == (fp8.NUM_WARPS, fp8.NUM_WARPS,
-                                                                                     True, fp8.PACKED)
+    assert (got["warps"], got["pair_warps"], got["one_kernel"]) == (fp8.NUM_WARPS, fp8.NUM_WARPS, True)
     assert got["why"] == "not timed (RuntimeError: operation not permitted when stream is capturing)"
     assert fp8._FORCED is None
     monkeypatch.setattr(gemm, "_KERNELS", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert fp8._choose_tiles(torch.device("cuda"))["one_kernel"] is True
     assert gemm.kernel_choice(fp8.TILES_OP, torch.device("cuda")) is None  # decided at the next eager call
-    assert fp8.launch_config(torch.zeros(2, 2), True) == (fp8.NUM_WARPS, True, fp8.PACKED)  # CPU tensors: the defaults
+    assert fp8.launch_config(torch.zeros(2, 2), True) == (fp8.NUM_WARPS, True)  # CPU tensors: the defaults
 
 
 @needs_triton
 def test_the_swiglu_backward_warps_are_timed_once_per_device_and_reported(fp8, monkeypatch):
     """The SwiGLU backward kernel is timed as a training step runs it (d[g, u] both ways and h^T) at 8
-    and 16 warps, stores packed or not, at its first call on a GPU, and the fastest kept and
-    reported; a timing that fails keeps the default and says why. (Scripted times; on CPU the kernel
-    runs in the interpreter.)"""
+    and 16 warps at its first call on a GPU, and the fastest kept and reported; a timing that fails
+    keeps the default and says why. (Scripted times; on CPU the kernel runs in the interpreter.)"""
     from jetrl_cli.precision import gemm
 
     monkeypatch.setattr(gemm, "_KERNELS", {})
     monkeypatch.setattr(fp8, "TIMING_SHAPE", (132, 512))
-    ms, timed = {(8, False): 3.0, (8, True): 2.5, (16, False): 2.0, (16, True): 1.5}, []
+    ms, timed = {8: 3.0, 16: 1.5}, []
 
     def device_time_ms(fn, device):
         rows, cols, h_t = fn()  # the training step's call: all three outputs
         assert rows is not None and cols is not None and h_t is not None
-        timed.append((fp8._FORCED.warps, fp8._FORCED.packed))
+        timed.append(fp8._FORCED.warps)
         return ms[timed[-1]]
 
     monkeypatch.setattr(gemm, "device_time_ms", device_time_ms)
     where = torch.device(dev())
     got = fp8._choose_swiglu_warps(where)
     assert timed == list(ms) and fp8._FORCED is None
-    assert (got["warps"], got["packed"]) == (16, True) and got["kernel"] == "16 warps, packed store"
+    assert got["warps"] == 16 and got["kernel"] == "16 warps"
     assert gemm.kernel_choice(fp8.SWIGLU_TILES_OP, where) is got
-    assert got["why"] == ("timed on [g, u] 132 x 512: 8 warps bytes 3.000 ms, 8 warps packed 2.500 ms, "
-                          "16 warps bytes 2.000 ms, 16 warps packed 1.500 ms")
+    assert got["why"] == "timed on [g, u] 132 x 512: 8 warps 3.000 ms, 16 warps 1.500 ms"
     probe = torch.zeros(2, 2, device=where)  # its kernels launch at the device's choice (CPU: the default)
-    assert fp8.swiglu_config(probe) == ((16, True, True) if where.type == "cuda" else (fp8.SWIGLU_WARPS, True, fp8.PACKED))
+    assert fp8.swiglu_config(probe) == ((16, True) if where.type == "cuda" else (fp8.SWIGLU_WARPS, True))
 
     def broken(fn, device):
         raise RuntimeError("out of resources")
@@ -959,42 +954,6 @@ def test_the_swiglu_backward_warps_are_timed_once_per_device_and_reported(fp8, m
     got = fp8._choose_swiglu_warps(where)
     assert got["warps"] == fp8.SWIGLU_WARPS and got["why"] == "not timed (RuntimeError: out of resources)"
     assert fp8._FORCED is None
-
-
-@needs_triton
-def test_a_packed_store_whose_bytes_differ_is_never_timed_or_chosen(fp8, monkeypatch):
-    """The packed form is a candidate only where it writes the byte form's bits on the device: each
-    chooser first runs both at every warp count and compares (a miscompiled word transpose is caught
-    there); a mismatch leaves only byte stores, and the report says why."""
-    from jetrl_cli.precision import gemm
-
-    x = spread(132, 256, seed=3, dtype=torch.bfloat16)
-    assert fp8._packed_mismatch(lambda: fp8.quantize_act(x, pad_tokens_to=128)) is None  # the real kernels agree
-
-    def off_by_one():  # a packed form that writes one wrong byte
-        r, c = fp8.quantize_act(x, pad_tokens_to=128)
-        if fp8._FORCED.packed:
-            c.data.view(torch.uint8).view(-1)[7] ^= 1
-        return r, c
-
-    assert fp8._packed_mismatch(off_by_one) == "its bytes differ from the byte store's at 8 warps"
-    assert fp8._FORCED is None
-    monkeypatch.setattr(gemm, "_KERNELS", {})
-    monkeypatch.setattr(fp8, "TIMING_SHAPE", (132, 512))
-    monkeypatch.setattr(fp8, "_packed_mismatch", lambda run: "its bytes differ from the byte store's at 16 warps")
-    forced = []
-
-    def device_time_ms(fn, device):
-        forced.append(fp8._FORCED)
-        return 1.0 if fp8._FORCED.packed else 2.0  # packed would win, were it timed
-
-    monkeypatch.setattr(gemm, "device_time_ms", device_time_ms)
-    where = torch.device(dev())
-    for choose, op in ((fp8._choose_tiles, fp8.TILES_OP), (fp8._choose_swiglu_warps, fp8.SWIGLU_TILES_OP)):
-        forced.clear()
-        got = choose(where)
-        assert forced and not any(f.packed for f in forced) and got["packed"] is False, op
-        assert got["why"].endswith("; no packed store: its bytes differ from the byte store's at 16 warps"), op
 
 
 @needs_triton
