@@ -555,19 +555,29 @@ def _norm_squares(ss, x_at, d_at, k, row_ok, N: tl.constexpr, HAS_DELTA: tl.cons
 
 
 @triton.jit
+def _norm_y(kb, r, w_ptr, x_at, d_at, rk, row_ok, N: tl.constexpr, HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr,
+            Y_BF16: tl.constexpr, INTERPRET: tl.constexpr, T: tl.constexpr):
+    """Chunk ``kb`` of a norm's rows: its columns ``k``, their mask, the residual s (pass 1's bits,
+    recomputed) and the norm's output y = s * r * w in fp32, rounded to bf16 with ``Y_BF16`` (the
+    values a bf16 output holds: what is quantized)."""
+    k = kb * T + rk
+    ok = row_ok[:, None] & (k < N)[None, :]
+    s = _residual(x_at, d_at, k, ok, HAS_DELTA, S_BF16, INTERPRET)
+    y = s * r[:, None] * tl.load(w_ptr + k, mask=k < N, other=0.0).to(tl.float32)[None, :]
+    if Y_BF16:
+        y = _to_bf16(y, INTERPRET).to(tl.float32)
+    return k, ok, s, y
+
+
+@triton.jit
 def _norm_chunk(kb, r, w_ptr, s_ptr, y_ptr, q_ptr, sc_ptr, x_at, d_at, rows, rm, rk, row_ok, M, N: tl.constexpr,
                 FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
                 HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr, Y_BF16: tl.constexpr, WRITE_Y: tl.constexpr,
                 INTERPRET: tl.constexpr, T: tl.constexpr):
     """The second pass over chunk ``kb``: s (with a delta), y (with ``WRITE_Y``) and y's 1x128 cast."""
-    k = kb * T + rk
-    ok = row_ok[:, None] & (k < N)[None, :]
-    s = _residual(x_at, d_at, k, ok, HAS_DELTA, S_BF16, INTERPRET)  # recomputed: pass 1's bits
+    k, ok, s, y = _norm_y(kb, r, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, S_BF16, Y_BF16, INTERPRET, T)
     if HAS_DELTA:
         tl.store(s_ptr + rows * N + k[None, :], s.to(s_ptr.dtype.element_ty), mask=ok)
-    y = s * r[:, None] * tl.load(w_ptr + k, mask=k < N, other=0.0).to(tl.float32)[None, :]
-    if Y_BF16:  # the values a bf16 output holds: what is quantized
-        y = _to_bf16(y, INTERPRET).to(tl.float32)
     if WRITE_Y:
         tl.store(y_ptr + rows * N + k[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
     q, sc = _rows_quantized(y, FMAX, FLOOR, POW2)
@@ -1005,6 +1015,26 @@ NORM_UNROLL_MAX = 2048  # widest row whose two passes the RMSNorm quantizer unro
 _NORM_DTYPES = (torch.bfloat16, torch.float32)
 
 
+def norm_outputs(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out_dtype: torch.dtype,
+                 write_y: bool, rsqrt: bool, where: str) -> tuple:
+    """The RMSNorm quantizers' inputs checked and their outputs s, y, r allocated (each None where not
+    asked for), and s's dtype."""
+    m, n = x.shape
+    for name, t in (("x", x), ("delta", delta)):
+        if t is not None and (t.dtype not in _NORM_DTYPES or t.shape != (m, n) or t.stride(1) != 1):
+            raise ValueError(f"{where}: {name} must be a bfloat16 or float32 ({m}, {n}) tensor with unit column "
+                             f"stride, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+    if weight.shape != (n,) or out_dtype not in _NORM_DTYPES:
+        raise ValueError(f"{where}: weight must be ({n},) and out_dtype bfloat16 or float32, got "
+                         f"{tuple(weight.shape)} and {out_dtype}")
+    dev = x.device
+    s_dtype = x.dtype if delta is None else torch.promote_types(x.dtype, delta.dtype)
+    s = torch.empty((m, n), dtype=s_dtype, device=dev) if delta is not None else None
+    y = torch.empty((m, n), dtype=out_dtype, device=dev) if write_y else None
+    r = torch.empty((m,), dtype=torch.float32, device=dev) if rsqrt else None
+    return s, y, r, s_dtype
+
+
 def rms_norm_quantize(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                       out_dtype: torch.dtype, fmt: Format = Format.FP8_E4M3, pow2_scale: bool = False,
                       amax_floor: float = DEFAULT_AMAX_FLOOR, write_y: bool = False,
@@ -1028,18 +1058,8 @@ def rms_norm_quantize(x: torch.Tensor, delta: torch.Tensor | None, weight: torch
     where = "rms_norm_quantize"
     _check(x, fmt, amax_floor, where)
     m, n = x.shape
-    for name, t in (("x", x), ("delta", delta)):
-        if t is not None and (t.dtype not in _NORM_DTYPES or t.shape != (m, n) or t.stride(1) != 1):
-            raise ValueError(f"{where}: {name} must be a bfloat16 or float32 ({m}, {n}) tensor with unit column "
-                             f"stride, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
-    if weight.shape != (n,) or out_dtype not in _NORM_DTYPES:
-        raise ValueError(f"{where}: weight must be ({n},) and out_dtype bfloat16 or float32, got "
-                         f"{tuple(weight.shape)} and {out_dtype}")
+    s, y, r, s_dtype = norm_outputs(x, delta, weight, out_dtype, write_y, rsqrt, where)
     dev = x.device
-    s_dtype = x.dtype if delta is None else torch.promote_types(x.dtype, delta.dtype)
-    s = torch.empty((m, n), dtype=s_dtype, device=dev) if delta is not None else None
-    y = torch.empty((m, n), dtype=out_dtype, device=dev) if write_y else None
-    r = torch.empty((m,), dtype=torch.float32, device=dev) if rsqrt else None
     q, sc = _rows_out(m, n, fmt.torch_dtype(), dev)
     if m and n:
         dummy = q  # never written through: its flag is off

@@ -8,12 +8,18 @@
   program owns a few rows: a first pass over K finds each row's amax (an integer max over the bits
   of |x|, as in ``fp8.py``), a second quantizes and stores; the second pass reads what the first just
   read, from L2. Both passes are unrolled over K (a compile-time constant).
+- ``rms_norm_quantize(x, delta, w, ...)``: ``fp8.rms_norm_quantize``'s residual add and RMSNorm (the
+  same s, y and r, bit for bit) with y quantized per row as ``quantize_rows`` quantizes it: an INT8
+  rollout's q/k/v and gate/up inputs come from the norm's kernel, one launch where there were two,
+  and the norm's output never reaches memory. ``swiglu_quantize(gu)``: the same for the down
+  projection's input, h = silu(g) * u as ``fp8.swiglu_quantize`` computes it, quantized per row.
 - ``int8_mm(a, b)``: ``a @ b.T`` for INT8 operands with per-row (or per-tensor) scales: int8 x int8
   products summed in int32 (exact, in any order, while K * 127^2 < 2^31), then the scaled-GEMM
   backend's epilogue ``(float(acc) * scale_a) * scale_b`` in fp32, rounded to bf16 or kept fp32 --
   one kernel where ``torch._int_mm`` plus its epilogue is four, and no 17-row minimum. The result is
   bit for bit that of ``backend: scaled_mm`` (``_int_mm``), whatever the tile shape: the int32 sum is
-  exact and the epilogue is elementwise.
+  exact and the epilogue is elementwise. A bias (q/k/v's) is added in the same epilogue, to the
+  rounded output, as the separate add after ``_int_mm`` adds it.
 
 Rounding to an integer is ``(y + 1.5 * 2^23) - 1.5 * 2^23`` in fp32: for |y| <= 127 the sum lies in
 [2^23, 2^24), where the spacing of fp32 is 1, so the add rounds y to an integer, half to even (what
@@ -37,11 +43,12 @@ import triton.language as tl
 
 from jetrl_cli.precision.formats import Block, Format
 from jetrl_cli.precision.gemm import INT8_K_LIMIT as K_LIMIT
-from jetrl_cli.precision.quant import CastSpec, QTensor
+from jetrl_cli.precision.quant import DEFAULT_AMAX_FLOOR, CastSpec, QTensor
 
 from . import fp8
-from .fp8 import (DECODE_ROWS, FP_FUSION, MIN_SCALE, _abs_bits, _divisor, _group_scale, _interpreting, _scaled, _splits,
-                  _to_bf16, decode_split, decode_tiles)
+from .fp8 import (DECODE_ROWS, FP_FUSION, MIN_SCALE, NORM_ROWS, NORM_UNROLL_MAX, _abs_bits, _divisor, _group_scale,
+                  _interpreting, _norm_squares, _norm_y, _scaled, _silu_mul, _splits, _to_bf16, decode_split,
+                  decode_tiles)
 
 QMAX = tl.constexpr(127.0)  # Format.INT8.max
 ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding it rounds |y| <= 2^22 to an integer, half to even
@@ -74,18 +81,176 @@ def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_xk, K: tl.conste
         tl.store(q_row + rk[None, :], tl.where(n == n, n, 0.0).to(tl.int8), mask=inb)
 
 
+@triton.jit
+def _int8_rows(y, sc, r, POW2: tl.constexpr):
+    """``y`` (rows x chunk, fp32) over its rows' scales ``sc`` (reciprocals ``r``), rounded to integers
+    half to even, NaN -> 0: ``_row_quant_kernel``'s second pass, as int8."""
+    n = (_scaled(y, sc[:, None], r[:, None], POW2) + ROUND) - ROUND
+    return tl.where(n == n, n, 0.0).to(tl.int8)
+
+
+@triton.jit
+def _rms_norm_rows_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, r_ptr, q_ptr, sc_ptr, M, eps, stride_xm, stride_dm,
+                          N: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, HAS_DELTA: tl.constexpr,
+                          S_BF16: tl.constexpr, Y_BF16: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_R: tl.constexpr,
+                          INTERPRET: tl.constexpr, UNROLL: tl.constexpr, BM: tl.constexpr, T: tl.constexpr):
+    # ``fp8._rms_norm_quant_kernel``'s norm (the same passes, helpers and order of operations, so the
+    # same s, y and r), its output quantized with one scale per row: a second pass finds each row's
+    # amax over the whole width (and writes s and y where asked), a third recomputes y and quantizes
+    pm = tl.program_id(0)
+    rm = pm * BM + tl.arange(0, BM)
+    rk = tl.arange(0, T)
+    row_ok = rm < M
+    rows = rm.to(tl.int64)[:, None]
+    x_at = x_ptr + rows * stride_xm
+    d_at = d_ptr + rows * stride_dm
+    ss = tl.zeros((BM, T), dtype=tl.float32)
+    amax = tl.zeros((BM,), dtype=tl.int32)
+    if UNROLL:
+        for k0 in tl.static_range(0, N, T):
+            ss = _norm_squares(ss, x_at, d_at, k0 + rk, row_ok, N, HAS_DELTA, S_BF16, INTERPRET)
+    else:
+        for k0 in range(0, N, T):
+            ss = _norm_squares(ss, x_at, d_at, k0 + rk, row_ok, N, HAS_DELTA, S_BF16, INTERPRET)
+    ms = tl.div_rn(tl.sum(ss, axis=1), tl.full((BM,), N, tl.float32))
+    r = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
+    if WRITE_R:
+        tl.store(r_ptr + rm, r, mask=row_ok)
+    if UNROLL:
+        for kb in tl.static_range(0, (N + T - 1) // T):
+            amax = _norm_amax(amax, kb, r, w_ptr, s_ptr, y_ptr, x_at, d_at, rows, rk, row_ok, N, HAS_DELTA, S_BF16,
+                              Y_BF16, WRITE_Y, INTERPRET, T)
+    else:
+        for kb in range(0, (N + T - 1) // T):
+            amax = _norm_amax(amax, kb, r, w_ptr, s_ptr, y_ptr, x_at, d_at, rows, rk, row_ok, N, HAS_DELTA, S_BF16,
+                              Y_BF16, WRITE_Y, INTERPRET, T)
+    sc = _group_scale(amax.to(tl.float32, bitcast=True), QMAX, FLOOR, POW2)
+    tl.store(sc_ptr + rm, sc, mask=row_ok)
+    rr = _divisor(sc)
+    if UNROLL:
+        for kb in tl.static_range(0, (N + T - 1) // T):
+            k, ok, _, y = _norm_y(kb, r, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, S_BF16, Y_BF16, INTERPRET, T)
+            tl.store(q_ptr + rows * N + k[None, :], _int8_rows(y, sc, rr, POW2), mask=ok)
+    else:
+        for kb in range(0, (N + T - 1) // T):
+            k, ok, _, y = _norm_y(kb, r, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, S_BF16, Y_BF16, INTERPRET, T)
+            tl.store(q_ptr + rows * N + k[None, :], _int8_rows(y, sc, rr, POW2), mask=ok)
+
+
+@triton.jit
+def _norm_amax(amax, kb, r, w_ptr, s_ptr, y_ptr, x_at, d_at, rows, rk, row_ok, N: tl.constexpr,
+               HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr, Y_BF16: tl.constexpr, WRITE_Y: tl.constexpr,
+               INTERPRET: tl.constexpr, T: tl.constexpr):
+    """The second pass over chunk ``kb``: s (with a delta) and y (with ``WRITE_Y``) written, and each
+    row's running amax of y (``_abs_bits``' integer max: NaN-propagating)."""
+    k, ok, s, y = _norm_y(kb, r, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, S_BF16, Y_BF16, INTERPRET, T)
+    if HAS_DELTA:
+        tl.store(s_ptr + rows * N + k[None, :], s.to(s_ptr.dtype.element_ty), mask=ok)
+    if WRITE_Y:
+        tl.store(y_ptr + rows * N + k[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
+    return tl.maximum(amax, tl.max(_abs_bits(y), 1))
+
+
 @triton.jit(do_not_specialize=["M"])
-def _int8_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
+def _swiglu_rows_kernel(gu_ptr, q_ptr, s_ptr, M, stride_m, stride_k, I: tl.constexpr, FLOOR: tl.constexpr,
+                        POW2: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    # ``_row_quant_kernel`` of h = silu(g) * u (fp32, ``fp8._silu_mul``: the FP8 SwiGLU quantizer's h),
+    # h computed from gu in each pass and never written: the amax pass, then the quantizing one
+    rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rm < M
+    at = gu_ptr + rm.to(tl.int64)[:, None] * stride_m
+    amax = tl.zeros((ROWS,), dtype=tl.int32)
+    for k0 in tl.static_range(0, I, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        h = _h_chunk(at, rk, row_ok, stride_k, I)
+        amax = tl.maximum(amax, tl.max(_abs_bits(h), 1))
+    s = _group_scale(amax.to(tl.float32, bitcast=True), QMAX, FLOOR, POW2)
+    tl.store(s_ptr + rm, s, mask=row_ok)
+    r = _divisor(s)
+    q_row = q_ptr + rm.to(tl.int64)[:, None] * I
+    for k0 in tl.static_range(0, I, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        h = _h_chunk(at, rk, row_ok, stride_k, I)
+        tl.store(q_row + rk[None, :], _int8_rows(h, s, r, POW2), mask=row_ok[:, None] & (rk < I)[None, :])
+
+
+@triton.jit
+def _h_chunk(at, rk, row_ok, stride_k, I: tl.constexpr):
+    """h = silu(g) * u in fp32 at columns ``rk`` of rows ``at`` of gu = [g, u] (zeros outside)."""
+    ok = row_ok[:, None] & (rk < I)[None, :]
+    g = tl.load(at + rk[None, :] * stride_k, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(at + (I + rk)[None, :] * stride_k, mask=ok, other=0.0).to(tl.float32)
+    return _silu_mul(g, u)
+
+
+def swiglu_quantize(gu: torch.Tensor, fmt: Format = Format.INT8, pow2_scale: bool = False,
+                    amax_floor: float = DEFAULT_AMAX_FLOOR, save: bool = False) -> tuple[QTensor, None]:
+    """``kernels.fp8.swiglu_quantize``'s h = silu(g) * u (fp32, the same h bit for bit) for gu = [g, u]
+    (T x 2I), quantized INT8 with one scale per row as ``quantize_rows`` would quantize it: down's
+    input in an INT8 flow, ``(h's QTensor, None)``, h never written (one kernel where there were two:
+    the SwiGLU, which wrote h in fp32, and the row quantizer). ``save`` (gu's own FP8 copy) is the FP8
+    kernel's only."""
+    where = "swiglu_quantize"
+    spec = CastSpec(fmt, Block(1, 0), pow2_scale, amax_floor)
+    why = unsupported(gu, spec)
+    if why is not None or save:
+        raise ValueError(f"{where}: {why or 'keeps no copy of gu (save=True is the FP8 kernel only)'}")
+    m, k2 = gu.shape
+    if k2 % 2:
+        raise ValueError(f"{where}: gu = [g, u] must have an even width, got {k2}")
+    i = k2 // 2
+    q = torch.empty((m, i), dtype=torch.int8, device=gu.device)
+    sc = torch.empty((m, 1), dtype=torch.float32, device=gu.device)
+    if m and i:
+        block_k = min(triton.next_power_of_2(i), 1024)
+        # a decode step's few rows one per program: h's exp and division are most of the work, and
+        # 4 rows a program left a 32-row step 8 programs for the whole GPU
+        rows = 1 if m <= DECODE_ROWS else max(1, min(16, 4096 // block_k))
+        _swiglu_rows_kernel[(triton.cdiv(m, rows),)](
+            gu, q, sc, m, gu.stride(0), gu.stride(1), I=i, FLOOR=amax_floor, POW2=pow2_scale, ROWS=rows,
+            BLOCK_K=block_k, num_warps=4, enable_fp_fusion=FP_FUSION)
+    return QTensor(q, sc, spec), None
+
+
+def rms_norm_quantize(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      out_dtype: torch.dtype, fmt: Format = Format.INT8, pow2_scale: bool = False,
+                      amax_floor: float = DEFAULT_AMAX_FLOOR, write_y: bool = False, rsqrt: bool = False) -> tuple:
+    """``kernels.fp8.rms_norm_quantize`` (the same residual add and RMSNorm, bit for bit its ``s``, ``y``
+    and ``r``) with the norm's output quantized INT8 with one scale per row, ``quantize_rows``' bits
+    on that y: ``(s, y, r, q)``, q's data (T, N) int8 and scale (T, 1). One kernel where a rollout's
+    INT8 step ran two (the norm, then the row quantizer), and the norm's output never reaches memory
+    unless ``write_y``."""
+    where = "rms_norm_quantize"
+    spec = CastSpec(fmt, Block(1, 0), pow2_scale, amax_floor)
+    why = unsupported(x, spec)
+    if why is not None:
+        raise ValueError(f"{where}: {why}")
+    m, n = x.shape
+    s, y, r, s_dtype = fp8.norm_outputs(x, delta, weight, out_dtype, write_y, rsqrt, where)
+    q = torch.empty((m, n), dtype=torch.int8, device=x.device)
+    sc = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        _rms_norm_rows_kernel[(triton.cdiv(m, NORM_ROWS),)](
+            x, x if delta is None else delta, weight.contiguous(), s if s is not None else q, y if write_y else q,
+            r if rsqrt else sc, q, sc, m, float(eps), x.stride(0), x.stride(0) if delta is None else delta.stride(0),
+            N=n, FLOOR=amax_floor, POW2=pow2_scale, HAS_DELTA=delta is not None, S_BF16=s_dtype is torch.bfloat16,
+            Y_BF16=out_dtype is torch.bfloat16, WRITE_Y=write_y, WRITE_R=rsqrt, INTERPRET=_interpreting(),
+            UNROLL=n <= NORM_UNROLL_MAX, BM=NORM_ROWS, T=fp8.TILE, num_warps=4, enable_fp_fusion=FP_FUSION)
+    return s, y, r, QTensor(q, sc, spec)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int8_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn, stride_sa, stride_sb,
-                    OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+                    OUT_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile of ``a @ b.T``: int8 x int8 summed in int32, then scaled."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _int8_kblocks(a_ptr, b_ptr, rm, rn, 0, K, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
                         BLOCK_M, BLOCK_N, BLOCK_K)
-    _int8_epilogue(acc, c_ptr, sa_ptr, sb_ptr, rm, rn, M, N, stride_cm, stride_cn, stride_sa, stride_sb, OUT_BF16,
-                   INTERPRET)
+    _int8_epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, stride_sa, stride_sb,
+                   OUT_BF16, HAS_BIAS, INTERPRET)
 
 
 @triton.jit
@@ -105,13 +270,18 @@ def _int8_kblocks(a_ptr, b_ptr, rm, rn, k_lo, k_hi, M, N, K, stride_am, stride_a
 
 
 @triton.jit
-def _int8_epilogue(acc, c_ptr, sa_ptr, sb_ptr, rm, rn, M, N, stride_cm, stride_cn, stride_sa, stride_sb,
-                   OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """``(float(acc) * scale_a) * scale_b`` in fp32 (``_int_mm``'s epilogue), stored rounded to c's dtype."""
+def _int8_epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, stride_sa, stride_sb,
+                   OUT_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
+    """``(float(acc) * scale_a) * scale_b`` in fp32 (``_int_mm``'s epilogue), rounded to c's dtype; with
+    ``HAS_BIAS`` then ``+ bias`` (in c's dtype) as torch adds two tensors of that dtype -- in fp32,
+    rounded once more -- so the sum is the separate add's, bit for bit; stored."""
     sa = tl.load(sa_ptr + rm * stride_sa, mask=rm < M, other=0.0)
     sb = tl.load(sb_ptr + rn * stride_sb, mask=rn < N, other=0.0)
     out = acc.to(tl.float32) * sa[:, None] * sb[None, :]
     out = _to_bf16(out, INTERPRET) if OUT_BF16 else out
+    if HAS_BIAS:
+        out = out.to(tl.float32) + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        out = _to_bf16(out, INTERPRET) if OUT_BF16 else out
     tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn, out,
              mask=(rm < M)[:, None] & (rn < N)[None, :])
 
@@ -131,8 +301,9 @@ def _int8_mm_split_kernel(a_ptr, b_ptr, p_ptr, M, N, K, K_SPLIT, stride_am, stri
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int8_split_sum_kernel(p_ptr, c_ptr, sa_ptr, sb_ptr, M, N, S, stride_sa, stride_sb, OUT_BF16: tl.constexpr,
-                           INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _int8_split_sum_kernel(p_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, S, stride_sa, stride_sb,
+                           OUT_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The S int32 partials added (exact: the unsplit kernel's int32 sum), then ``_int8_epilogue``."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -141,17 +312,24 @@ def _int8_split_sum_kernel(p_ptr, c_ptr, sa_ptr, sb_ptr, M, N, S, stride_sa, str
     acc = tl.load(at, mask=ok, other=0)
     for s in range(1, S):
         acc += tl.load(at + s * M * N, mask=ok, other=0)
-    _int8_epilogue(acc, c_ptr, sa_ptr, sb_ptr, rm, rn, M, N, N, 1, stride_sa, stride_sb, OUT_BF16, INTERPRET)
+    _int8_epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, rm, rn, M, N, N, 1, stride_sa, stride_sb, OUT_BF16, HAS_BIAS,
+                   INTERPRET)
 
 
 def unsupported(x: torch.Tensor, spec: CastSpec) -> str | None:
     """Why ``quantize_rows`` cannot quantize ``x`` under ``spec``, or None."""
+    if x.dim() != 2 or x.shape[1] == 0:
+        why = input_unsupported(x.dtype, spec)
+        return why or f"the Triton INT8 quantizer takes a 2-D tensor with rows, got shape {tuple(x.shape)}"
+    return input_unsupported(x.dtype, spec)
+
+
+def input_unsupported(dtype: torch.dtype, spec: CastSpec) -> str | None:
+    """Why the INT8 quantizers cannot take ``dtype`` input under ``spec`` (the shape aside), or None."""
     if spec.format is not Format.INT8 or spec.block != Block(1, 0):
         return f"the Triton INT8 quantizer takes int8 with one scale per row, not {spec.short_str()}"
-    if x.dim() != 2 or x.shape[1] == 0:
-        return f"the Triton INT8 quantizer takes a 2-D tensor with rows, got shape {tuple(x.shape)}"
-    if x.dtype not in _INPUTS:
-        return f"the Triton INT8 quantizer takes bfloat16, float16 or float32 input, not {x.dtype}"
+    if dtype not in _INPUTS:
+        return f"the Triton INT8 quantizer takes bfloat16, float16 or float32 input, not {dtype}"
     if not spec.amax_floor >= QMAX.value * MIN_SCALE:  # every scale >= 2^-64: ``fp8._quotient``'s precondition
         return f"the Triton INT8 quantizer needs amax_floor >= {QMAX.value * MIN_SCALE:.3g}, got {spec.amax_floor}"
     return None
@@ -200,10 +378,12 @@ def _mm_config(m: int, n: int) -> tuple[int, int, int, int]:
 
 
 def int8_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
-            split: int | None = None) -> torch.Tensor:
+            split: int | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b.T`` (a: M x K, b: N x K, INT8 with per-row or per-tensor scales), int32 accumulation.
     ``split``: K in that many runs of whole 128-wide blocks, their int32 sums added exactly (the same
-    bits as one run), by default ``fp8.decode_split``'s timed choice for a decode step, else 1."""
+    bits as one run), by default ``fp8.decode_split``'s timed choice for a decode step, else 1.
+    ``bias`` (N, in ``out_dtype``): added in the epilogue, the bits of ``int8_mm(a, b) + bias`` (a
+    Qwen2 model's q/k/v: one kernel fewer per layer and decode step)."""
     if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"int8_mm: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)} do not match as a @ b.T")
     if a.data.dtype is not torch.int8 or b.data.dtype is not torch.int8:
@@ -215,6 +395,9 @@ def int8_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
     if k > K_LIMIT:
         raise ValueError(f"int8_mm: K = {k} could overflow the int32 sum (at most {K_LIMIT})")
     ssa, ssb = _scale_stride(a, m, "operand a"), _scale_stride(b, n, "operand b")
+    if bias is not None and (bias.shape != (n,) or bias.dtype is not out_dtype):
+        raise ValueError(f"int8_mm: bias must be ({n},) {out_dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    bias = None if bias is None else bias.contiguous()
     c = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
     if m == 0 or n == 0:
         return c
@@ -233,13 +416,14 @@ def int8_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
             b.data.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, num_stages=stages,
             enable_fp_fusion=FP_FUSION)
         _int8_split_sum_kernel[grid](
-            part, c, a.scale, b.scale, m, n, splits, ssa, ssb, OUT_BF16=out_dtype == torch.bfloat16,
-            INTERPRET=_interpreting(), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, enable_fp_fusion=FP_FUSION)
+            part, c, a.scale, b.scale, c if bias is None else bias, m, n, splits, ssa, ssb,
+            OUT_BF16=out_dtype == torch.bfloat16, HAS_BIAS=bias is not None, INTERPRET=_interpreting(),
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, enable_fp_fusion=FP_FUSION)
         return c
     _int8_mm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-        a.data, b.data, c, a.scale, b.scale, m, n, k,
+        a.data, b.data, c, a.scale, b.scale, c if bias is None else bias, m, n, k,
         a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1), c.stride(0), c.stride(1), ssa, ssb,
-        OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=_interpreting(),
+        OUT_BF16=out_dtype == torch.bfloat16, HAS_BIAS=bias is not None, INTERPRET=_interpreting(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, num_stages=stages,
         enable_fp_fusion=FP_FUSION)
     return c

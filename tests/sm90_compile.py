@@ -207,6 +207,14 @@ def cases():
                                                                        out_dtype=bf, split=4)))
     out.append(("int8_mm M=64 N=1536", None, lambda: int8.int8_mm(int8_op(64, inter), int8_op(hidden, inter),
                                                                   out_dtype=bf)))  # down_proj: narrower tiles
+    out.append(("int8 bias GEMM M=32 (q/k/v)", None, lambda: int8.int8_mm(  # the bias in the epilogue
+        int8_op(32, hidden), int8_op(2048, hidden), out_dtype=bf, bias=torch.zeros(2048, dtype=bf))))
+    spec8 = CastSpec(Format.INT8, Block(1, 0))
+    res8 = torch.zeros(64, hidden)
+    out.append(("int8 norm quantizer decode", None, lambda: int8.rms_norm_quantize(
+        res8, res8.to(bf), torch.ones(hidden), 1e-6, bf, spec8.format)))
+    out.append(("int8 swiglu quantizer decode", None, lambda: int8.swiglu_quantize(
+        torch.zeros(64, 2 * inter, dtype=bf))))
     out.append(("blockwise_mm M=64 N=1536", None, lambda: fp8.blockwise_mm(  # down_proj: narrower tiles
         _qtensor(64, inter, 1), _qtensor(hidden, inter, 128), out_dtype=bf)))
     out.append(("split-K blockwise_mm M=32 N=1536 bias", None, lambda: fp8.blockwise_mm(  # down_proj, 4 splits

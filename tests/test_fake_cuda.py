@@ -76,9 +76,9 @@ def test_every_scenario_runs(report):
     assert report["triton_launches"].get("decode_attention", 0) > 0 and report["triton_launches"].get("kv_store", 0) > 0
     # the Triton quantizers' wrappers, on the device: activations, weights, SwiGLU forward and its
     # backward (its gradient with down's h^T: swiglu_quantize_t alone is for a frozen gate/up), the
-    # norms that quantize their GEMM's input, INT8 rows
+    # norms that quantize their GEMM's input, INT8 rows (an INT8 rollout's norms and SwiGLU write theirs)
     for kernel in ("_act_quant_kernel", "_weight_quant_kernel", "_swiglu_quant_kernel", "_swiglu_grad_quant_kernel",
-                   "_rms_norm_quant_kernel", "_row_quant_kernel"):
+                   "_rms_norm_quant_kernel", "_row_quant_kernel", "_rms_norm_rows_kernel", "_swiglu_rows_kernel"):
         assert report["triton_launches"].get(kernel, 0) > 0, kernel
     assert report["triton_launches"].get("_swiglu_quant_t_kernel", 0) == 0
     # a trainer's q/k/v and gate/up written into their stacks, the model's groups together after an update

@@ -23,6 +23,8 @@ from jetrl_cli.precision import apply_flow, fuse, named_flow, parse_flow
 from jetrl_cli.rl.mismatch import reference_flow
 from jetrl_cli.rl.trainer import Batch, token_logprobs
 
+from .conftest import triton_runs
+
 ALL = ["add_rms_norm", "add_rms_norm_grads", "rms_norm", "rms_norm_grads", "rope", "split_rope_grad", "swiglu_grad",
        "swiglu_math", "vocab_slice_grad"]
 
@@ -126,7 +128,7 @@ class _Ops(TorchDispatchMode):
 
     FREE = {"view", "_unsafe_view", "reshape", "transpose", "t", "slice", "select", "expand", "as_strided",
             "detach", "alias", "unsqueeze", "squeeze", "permute", "split", "split_with_sizes", "unbind", "empty",
-            "empty_strided"}
+            "empty_strided", "promote_types"}  # (a dtype, computed on the host)
 
     def __init__(self):
         super().__init__()
@@ -181,6 +183,61 @@ def test_a_bf16_decode_layer_is_eleven_kernels(native, monkeypatch):
                 m.decode(tokens, cache, 16)
         ops[layers], counter.ops = counter.ops, []
     assert len(ops[3]) - len(ops[2]) == 11, ops[3]
+
+
+@pytest.mark.skipif(not triton_runs(), reason="needs Triton (and a GPU or TRITON_INTERPRET=1)")
+def test_an_int8_decode_layer_is_twelve_kernels(native, monkeypatch):
+    """An INT8 rollout's decode layer on the triton backend: bf16's eleven with the norms, the SwiGLU
+    and the q/k/v GEMM's bias writing or taking INT8 operands in their own kernels, plus o_proj's
+    input quantizer (16 before: a row quantizer before each GEMM and the bias added after q/k/v's)."""
+    from jetrl_cli.kernels import int8
+    from jetrl_cli.models.llama import _add_rms_norm, _rms_norm, _rope
+    from jetrl_cli.precision.linear import _swiglu_math
+
+    counter = _Ops()
+    fuse.set_force(True, "eager")
+    for f in (_add_rms_norm, _rms_norm, _rope, _swiglu_math):
+        monkeypatch.setitem(fuse._compiled, f.__wrapped__, counter.fused(f.__wrapped__))
+
+    class Launch:  # a Triton kernel launch counts as one
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                counter.ops.append(self.name)
+                counter.inside = True
+                try:
+                    return self.kernel[grid](*args, **kwargs)
+                finally:
+                    counter.inside = False
+            return launch
+
+    for name in ("_row_quant_kernel", "_int8_mm_kernel", "_int8_mm_split_kernel", "_int8_split_sum_kernel",
+                 "_rms_norm_rows_kernel", "_swiglu_rows_kernel"):
+        monkeypatch.setattr(int8, name, Launch(getattr(int8, name), name))
+    flow = parse_flow({"base": "int8-rollout", "rollout": {"linear": {"backend": "triton"}}}, source="<test>")
+    ops = {}
+    for layers in (2, 3):  # the difference is one layer's ops
+        model = random_model(tiny_config("qwen2", hidden=128, layers=layers, vocab=256), seed=1, std=0.05)
+        eng = EmbeddedEngine(model, flow, 32, max_batch=4, cuda_graphs=False)
+        eng.load_weights(make_payload(model, flow))
+        m = eng.model
+        cache = m.new_cache(2, 32)
+        with torch.inference_mode():
+            m.prefill(torch.tensor([[5, 9, 3], [7, 2, 0]]), torch.tensor([3, 2]), cache)
+            tokens = torch.tensor([4, 6])
+            m.decode(tokens, cache, 16)  # weights' INT8 operands made, attention's way of reading decided
+            counter.ops = []
+            with counter:
+                m.decode(tokens, cache, 16)
+        ops[layers], counter.ops = counter.ops, []
+    layer = list(ops[3])
+    for op in ops[2]:
+        layer.remove(op)
+    assert len(layer) == 12 and layer.count("_rms_norm_rows_kernel") == 2, layer
+    assert layer.count("_swiglu_rows_kernel") == 1 and layer.count("_row_quant_kernel") == 1, layer
+    assert layer.count("_int8_mm_kernel") + layer.count("_int8_split_sum_kernel") == 4 and "add" not in layer, layer
 
 
 def test_a_failed_compilation_runs_op_by_op_and_says_why(native):

@@ -112,6 +112,72 @@ def _scaled_mm_reference(a: QTensor, b: QTensor, out_dtype):
     return (acc.float() * sa * sb).to(out_dtype)
 
 
+@pytest.mark.parametrize("m,n,x_dtype,d_dtype,out,pow2", [
+    (6, 256, torch.float32, torch.bfloat16, torch.bfloat16, False), (9, 384, torch.bfloat16, None, torch.bfloat16, True),
+    (1, 96, torch.float32, None, torch.float32, False), (5, 2100, torch.float32, torch.float32, torch.bfloat16, False)])
+def test_norm_int8_quantizer_is_the_fp8_kernels_norm_and_the_row_quantizer(int8, m, n, x_dtype, d_dtype, out, pow2,
+                                                                           seed):
+    """``int8.rms_norm_quantize``: the residual add and RMSNorm of ``fp8.rms_norm_quantize`` (s, y and
+    r bit for bit, 2100 wide: the looped passes) with y quantized INT8 per row, ``quantize_rows``' and
+    the reference's bytes and scales on that y -- the same when y is not written. An all-zero row, a
+    row holding a NaN (its scale NaN, its bytes 0)."""
+    from jetrl_cli.kernels import fp8
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, n, generator=g) * torch.exp(torch.randn(m, 1, generator=g))).to(x_dtype).to(dev())
+    delta = None if d_dtype is None else torch.randn(m, n, generator=g).to(d_dtype).to(dev())
+    w = (torch.rand(n, generator=g) + 0.5).to(dev())
+    x[0] = 0.0
+    if delta is not None:
+        delta[0] = 0.0
+    if m > 2:
+        x[2, n - 1] = float("nan")
+    s, y, r, q = int8.rms_norm_quantize(x, delta, w, 1e-6, out, Format.INT8, pow2, write_y=True, rsqrt=True)
+    want_s, want_y, want_r, _ = fp8.rms_norm_quantize(x, delta, w, 1e-6, out, write_y=True, rsqrt=True)
+    for got, want in ((s, want_s), (y, want_y), (r, want_r)):
+        assert (got is None) == (want is None), seed
+        assert got is None or (got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))), seed
+    spec = CastSpec(Format.INT8, ROW, pow2)
+    assert q.spec == spec and q.data.shape == (m, n) and q.scale.shape == (m, 1)
+    assert same(q, int8.quantize_rows(y, spec)) and same(q, quantize(y.float(), spec)), seed
+    if m > 2:
+        assert bool(q.scale[2].isnan()) and not q.data[2].any()
+    _, none_y, none_r, alone = int8.rms_norm_quantize(x, delta, w, 1e-6, out, Format.INT8, pow2)
+    assert none_y is None and none_r is None and same(alone, q)
+    with pytest.raises(ValueError, match="rms_norm_quantize: the Triton INT8 quantizer takes int8 with one scale"):
+        int8.rms_norm_quantize(x, delta, w, 1e-6, out, Format.FP8_E4M3)
+
+
+@pytest.mark.parametrize("m,i,dtype,pow2", [(1, 96, torch.bfloat16, False), (7, 640, torch.float32, True),
+                                            (20, 1100, torch.bfloat16, False)])
+def test_swiglu_int8_quantizer_is_the_row_quantizer_of_h(int8, m, i, dtype, pow2, seed):
+    """``int8.swiglu_quantize``: h = g / (1 + exp(-g)) * u in fp32 (the FP8 SwiGLU kernel's form, with
+    the interpreter's exp: numpy's), quantized per row -- ``quantize_rows``' bytes and scales on that
+    h, bit for bit (on a GPU Triton's exp may move a byte by one); a row holding a NaN gets a NaN
+    scale and zero bytes; h is never written."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(seed)
+    gu = (torch.randn(m, 2 * i, generator=g) * 3).to(dtype)
+    gu[0, :i] = 0.0  # a row of zero h
+    if m > 3:
+        gu[3, i + 5] = float("nan")
+    gf, uf = (t.float().numpy() for t in gu.chunk(2, dim=1))
+    h = torch.from_numpy((gf / (np.float32(1) + np.exp(-gf))) * uf)
+    spec = CastSpec(Format.INT8, ROW, pow2)
+    got, kept = int8.swiglu_quantize(gu.to(dev()), Format.INT8, pow2)
+    want = int8.quantize_rows(h.to(dev()), spec)
+    assert kept is None and got.spec == spec and got.data.shape == (m, i) and got.scale.shape == (m, 1)
+    if torch.cuda.is_available():
+        assert (got.data.int() - want.data.int()).abs().max() <= 1, seed
+    else:
+        assert same(got, want) and same(got, quantize(h, spec)), seed
+    if m > 3:
+        assert bool(got.scale[3].isnan()) and not got.data[3].any()
+    with pytest.raises(ValueError, match="swiglu_quantize: keeps no copy of gu"):
+        int8.swiglu_quantize(gu.to(dev()), save=True)
+
+
 @pytest.mark.parametrize("m", [1, 7, 16, 17, 64, 65, 200])
 @pytest.mark.parametrize("n,k", [(64, 128), (130, 300), (48, 1536)])
 def test_int8_gemm_is_the_scaled_mm_backend_bit_for_bit(int8, m, n, k, seed):
@@ -124,6 +190,25 @@ def test_int8_gemm_is_the_scaled_mm_backend_bit_for_bit(int8, m, n, k, seed):
     ref = dequantize(a).cpu().double() @ dequantize(b).cpu().double().t()  # float64 on the CPU, as `finite` indexes
     finite = ref.isfinite().all(dim=1)
     assert error_stats(ref[finite], int8.int8_mm(a, b).cpu().double()[finite])["rel_err"] < 1e-6, f"seed {seed}"
+
+
+@pytest.mark.parametrize("m,n,k,split", [(1, 64, 384, 1), (7, 130, 1000, 3), (70, 48, 256, 1)])
+def test_int8_gemm_adds_a_bias_in_its_epilogue_as_the_separate_add_does(int8, m, n, k, split, seed):
+    """``int8_mm(bias=)``: the bias added in the epilogue (split K or not) is ``int8_mm(...) + bias``
+    bit for bit, in bf16 (two roundings, as torch adds two bf16 tensors) and fp32; the triton
+    backend's ``mm_bias`` takes this path, so a q/k/v GEMM with bias is one kernel."""
+    spec = CastSpec(Format.INT8, ROW)
+    a, b = quantize(spread(m, k, seed), spec), quantize(spread(n, k, seed + 1) * 0.05, spec)
+    g = torch.Generator().manual_seed(seed + 2)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        bias = (torch.randn(n, generator=g) * 3).to(dev(), out_dtype)
+        want = int8.int8_mm(a, b, out_dtype, split=split) + bias
+        got = int8.int8_mm(a, b, out_dtype, split=split, bias=bias)
+        assert got.dtype is out_dtype and torch.equal(got, want), f"seed {seed}, {out_dtype}"
+    backend = gemm.TritonBackend()
+    assert torch.equal(backend.mm_bias(a, b, Format.FP32, bias.float()), int8.int8_mm(a, b) + bias.float())
+    with pytest.raises(ValueError, match=r"int8_mm: bias must be \(%d,\) torch.float32" % n):
+        int8.int8_mm(a, b, torch.float32, bias=bias)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 64, 384), (7, 130, 1000), (64, 48, 1536)])
@@ -229,8 +314,11 @@ def test_triton_backend_casts_and_multiplies_as_scaled_mm_does(forced_native, se
 
 def test_int8_rollout_through_triton_samples_what_scaled_mm_samples(forced_native, int8, monkeypatch):
     """The embedded engine's native INT8 rollout (bf16 activations, weights held as INT8 once per
-    sync): the same tokens and logprobs through the Triton kernels as through ``_int_mm``."""
-    calls = {"int8_mm": 0, "quantize_rows": 0}
+    sync): the same tokens and logprobs through the Triton kernels as through ``_int_mm``. On either
+    kernel backend each RMSNorm writes its INT8 operand itself (``int8.rms_norm_quantize``: q/k/v's
+    and gate/up's inputs) and the SwiGLU down's (``int8.swiglu_quantize``), so a step quantizes only
+    o_proj's input on its own."""
+    calls = {"int8_mm": 0, "quantize_rows": 0, "rms_norm_quantize": 0, "swiglu_quantize": 0}
     for name in calls:
         fn = getattr(int8, name)
 
@@ -247,16 +335,25 @@ def test_int8_rollout_through_triton_samples_what_scaled_mm_samples(forced_nativ
         flow = parse_flow({"base": "int8-rollout", "rollout": {"linear": {"backend": backend}}})
         eng = EmbeddedEngine(model, flow, 32, max_batch=4, cuda_graphs=False)
         eng.load_weights(make_payload(model, flow))
-        return [(c.tokens, c.logprobs) for g in eng.generate(prompts, params, seed=4) for c in g]
+        first = [(c.tokens, c.logprobs) for g in eng.generate(prompts, params, seed=4) for c in g]
+        before = dict(calls)  # the weights' INT8 operands are cached by now (on CPU: made at the first step)
+        out = [(c.tokens, c.logprobs) for g in eng.generate(prompts, params, seed=4) for c in g]
+        assert out == first
+        steps = {k: v - before[k] for k, v in calls.items()}  # one layer: 2 norms, 4 GEMMs a forward
+        forwards = steps["swiglu_quantize"]
+        assert forwards > 0 and steps["rms_norm_quantize"] == 2 * forwards, steps
+        if backend == "triton":  # (scaled_mm's own activation quantizer on CPU is the reference)
+            assert steps["quantize_rows"] == forwards and steps["int8_mm"] == 4 * forwards, steps
+        return out
 
     if torch.cuda.is_available():  # a GPU times its split-K choices at each GEMM shape's first call: not counted
         rollout("triton")
-        calls.update(int8_mm=0, quantize_rows=0)
+        calls.update(int8_mm=0, quantize_rows=0, rms_norm_quantize=0, swiglu_quantize=0)
     outs = {}
     for backend in ("triton", "scaled_mm"):
         outs[backend] = rollout(backend)
         if backend == "triton":
-            assert calls["int8_mm"] > 0 and calls["quantize_rows"] > calls["int8_mm"], calls  # + the weights
+            assert calls["int8_mm"] > 0, calls
             gemms = calls["int8_mm"]
     assert calls["int8_mm"] == gemms  # scaled_mm: torch._int_mm (its quantizer is this one on a GPU)
     assert outs["triton"] == outs["scaled_mm"]

@@ -62,8 +62,9 @@ def test_int8_kernels_use_the_integer_tensor_cores_and_round_half_to_even(report
     for k in gemms:  # int8 x int8 -> int32 on the tensor cores at every M (mma.sync for a decode step's rows)
         assert k["ptx_mma"] and all(".s8.s8" in op for op in k["ptx_mma"]), (k["case"], k["ptx_mma"])
     assert any(op.startswith("wgmma") for op in by_case["int8_mm M=4096"]["ptx_mma"])
-    quantizers = [k for c, k in by_case.items() if c.startswith("int8 quantize_rows")]
-    assert len(quantizers) == 8
+    quantizers = [k for c, k in by_case.items() if c.startswith(("int8 quantize_rows", "int8 norm quantizer",
+                                                                 "int8 swiglu quantizer"))]
+    assert len(quantizers) == 10
     for k in quantizers:  # (y + 1.5 * 2^23) - 1.5 * 2^23 survived compilation: not folded into y
         assert {"0f4B400000", "0fCB400000"} <= set(k["ptx_f32_consts"]), k["case"]
 

@@ -708,6 +708,20 @@ def fp8_kernels_for(x: torch.Tensor, spec: CastSpec):
     return fp8 if fp8 is not None and fp8.format_unsupported(spec.format, spec.amax_floor) is None else None
 
 
+def int8_kernels_for(x: torch.Tensor, spec: CastSpec):
+    """``jetrl_cli.kernels.int8`` where its Triton kernels run on ``x`` (``fp8_kernels_for``'s rule) and
+    take ``spec`` (INT8, one scale per row) for ``x``'s dtype, else None."""
+    if x.is_cuda:
+        runs = _cuda_fp8_kernels() is not None
+    else:
+        runs = os.environ.get("TRITON_INTERPRET") == "1" and triton_fp8_kernels() is not None
+    if not runs:
+        return None
+    from ..kernels import int8
+
+    return int8 if int8.input_unsupported(x.dtype, spec) is None else None
+
+
 @functools.lru_cache(maxsize=1)
 def _cuda_fp8_kernels():
     """``triton_fp8_kernels()`` for a CUDA tensor's caller (whether Triton imports), looked up once
@@ -800,12 +814,17 @@ class TritonBackend:
         return triton_fp8_kernels().blockwise_mm(a, b, out_dtype=out_dtype)
 
     def mm_bias(self, a, b, out, bias):
-        """``a @ b.T + bias`` with the bias added in the FP8 GEMM's epilogue (to the fp32 sum, before
-        the output is rounded: the emulation's order), or None where this backend does not
-        (the caller adds it). INT8 keeps ``_int_mm``'s separate epilogue, whose bits it matches."""
-        if not (isinstance(a, QTensor) and isinstance(b, QTensor)) or a.data.dtype is torch.int8:
+        """``a @ b.T + bias`` with the bias added in the GEMM's epilogue, or None where this backend does
+        not (the caller adds it). FP8: to the fp32 sum, before the output is rounded (the emulation's
+        order). INT8: to the rounded output, as the separate add after ``_int_mm``'s epilogue (the
+        ``scaled_mm`` backend's) does it, so the two backends keep the same bits."""
+        if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
             return None
         out_dtype = out.torch_dtype() if native(a.data) else torch.float32
+        if a.data.dtype is torch.int8:
+            from ..kernels import int8
+
+            return int8.int8_mm(a, b, out_dtype=out_dtype, bias=bias if bias.dtype is out_dtype else bias.to(out_dtype))
         return triton_fp8_kernels().blockwise_mm(a, b, out_dtype=out_dtype, bias=bias.contiguous())
 
 

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .flow import GemmSpec, LinearPrecision, PrecisionFlow
-from .formats import B1x128, B128x1, B128x128, Format
+from .formats import B1x128, B128x1, B128x128, Block, Format
 from .fuse import fused
 from .gemm import (
     ExactOperand,
@@ -50,6 +50,7 @@ from .gemm import (
     exact_dense_spec,
     exact_operand,
     finish,
+    int8_kernels_for,
     kernel_quantizers,
     native,
     one_read_pair,
@@ -621,17 +622,29 @@ def _linear_group(mods: tuple, x: torch.Tensor | None, owner: nn.Module, input_k
 
 
 def fused_input_quantizer(mods: Sequence["JetLinear"], x: torch.Tensor) -> tuple | None:
-    """``(kernels.fp8, CastSpec)`` where the kernel that computes ``x`` may also write its Fprop operand
-    for ``linear_group(mods, x)`` (``x_op``): where the group's input (bf16 or fp32) is quantized FP8
-    1x128 on a kernel backend, by jetrl's Triton quantizers (on a GPU, or in the interpreter). The
-    operand is then the quantizer's bit for bit on that kernel's x. None otherwise (also for layers
-    run one module call each: ``separate_linears``). It depends on nothing a rollout and a trainer of
-    one flow do not share, so both make x the same way."""
+    """``(kernels.fp8 or kernels.int8, CastSpec)`` where the kernel that computes ``x`` may also write
+    its Fprop operand for ``linear_group(mods, x)`` (``x_op``): where the group's input (bf16 or fp32)
+    is quantized FP8 1x128, or INT8 with one scale per row, on a kernel backend, by jetrl's Triton
+    quantizers (on a GPU, or in the interpreter). The operand is then the quantizer's bit for bit on
+    that kernel's x. None otherwise (also for layers run one module call each: ``separate_linears``).
+    It depends on nothing a rollout and a trainer of one flow do not share, so both make x the same
+    way. (The FP8 module has every such kernel; the INT8 one its RMSNorm quantizer.)"""
     if _SEPARATE or x.dtype not in (torch.bfloat16, torch.float32) or (len(mods) > 1 and not _uniform(mods)):
         return None
     prec = mods[0].precision
-    fp8 = _fp8_input_kernels(prec, x)
-    return None if fp8 is None else (fp8, prec.fprop.a)
+    kernels = _fp8_input_kernels(prec, x) or _int8_input_kernels(prec, x)
+    return None if kernels is None else (kernels, prec.fprop.a)
+
+
+def _int8_input_kernels(prec: LinearPrecision, x: torch.Tensor):
+    """``kernels.int8`` where the layer's Fprop input is INT8 with one scale per row on a kernel backend
+    (``scaled_mm``, ``triton``) and Triton runs where ``x`` is; else None."""
+    a = prec.fprop.a
+    if a.format is not Format.INT8 or a.block != Block(1, 0):
+        return None
+    if backend_for(prec.fprop, "fprop", x.device).name not in ("scaled_mm", "triton"):
+        return None
+    return int8_kernels_for(x, a)
 
 
 def _fp8_input_kernels(prec: LinearPrecision, x: torch.Tensor):
@@ -1135,14 +1148,17 @@ def _swiglu_down_by_kernel(kernel, gu2: torch.Tensor, group: "_Group", keep: boo
 
 
 def _swiglu_kernel(gu: torch.Tensor, prec: LinearPrecision):
-    """``kernels.fp8`` where ``swiglu_quantize`` makes down's input from ``gu`` (rows x 2I): as
-    ``_fp8_input_kernels``, for a ``gu`` the kernel takes, whose halves are whole 128-wide groups;
-    else None. It depends on nothing a rollout and a trainer of one flow do not share, so both
-    compute h the same way."""
+    """``kernels.fp8`` (or ``kernels.int8``) where its ``swiglu_quantize`` makes down's input from ``gu``
+    (rows x 2I): as ``_fp8_input_kernels`` (``_int8_input_kernels``), for a ``gu`` the kernel takes --
+    FP8: halves of whole 128-wide groups; INT8: an even width -- else None. It depends on nothing a
+    rollout and a trainer of one flow do not share, so both compute h the same way."""
+    fp8 = _fp8_input_kernels(prec, gu)
+    if fp8 is None:
+        int8 = _int8_input_kernels(prec, gu)
+        return int8 if int8 is not None and gu.dim() == 2 and gu.shape[-1] % 2 == 0 else None
     if gu.shape[-1] % (2 * TILE):
         return None
-    fp8 = _fp8_input_kernels(prec, gu)
-    return fp8 if fp8 is not None and fp8.unsupported(gu, prec.fprop.a.format, prec.fprop.a.amax_floor) is None else None
+    return fp8 if fp8.unsupported(gu, prec.fprop.a.format, prec.fprop.a.amax_floor) is None else None
 
 
 def _swiglu_t_kernel(q, gu_dtype: torch.dtype, wg: GemmSpec):
