@@ -2634,3 +2634,42 @@ def test_a_trainers_weights_are_quantized_together_after_an_update(forced_native
     assert tuple(map(id, (mlp1.gate_proj, mlp1.up_proj))) in casts.ready
     linear._release_weights((mlp1.gate_proj, mlp1.up_proj), mlp1)
     assert tuple(map(id, (mlp1.gate_proj, mlp1.up_proj))) not in casts.ready
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or TRITON_INTERPRET=1")
+def test_a_weight_sync_quantizes_its_fp8_weights_in_one_launch(forced_native, monkeypatch):
+    """``make_payload`` (``weight_sync: quantized``) casts every FP8 128x128 rollout weight in one call
+    of the batched quantizer (``weight_operands``), not one per weight: the operands are
+    ``weight_operand``'s, bit for bit and in its layout; other weights go as they are."""
+    from jetrl_cli.engine.base import make_payload
+    from jetrl_cli.kernels import layouts
+    from jetrl_cli.precision import linear, parse_flow
+
+    from .triton_interp_fix import fixed_fp8_conversion
+
+    gemms = {g: {"backend": "triton"} for g in ("fprop", "dgrad", "wgrad")}
+    flow = parse_flow({"base": "fp8-unified", "rollout": {"linear": {"backend": "triton"}}, "train": gemms},
+                      source="<test>")
+    assert flow.weight_sync.payload == "quantized"
+    model = _model(seed=torch.seed() % 2**31, hidden=256, layers=2).to(TRITON_DEV)
+    fp8 = gemm.triton_fp8_kernels()
+    calls = collections.Counter()
+    for name in ("quantize_weight", "quantize_weight_stacks"):
+        real = getattr(fp8, name)
+        monkeypatch.setattr(fp8, name, lambda *a, _r=real, _n=name, **k: calls.update([_n]) or _r(*a, **k))
+    with fixed_fp8_conversion():
+        payload = make_payload(model, flow)
+        assert calls == {"quantize_weight_stacks": 1}
+        quantized = 0
+        for name, p in model.named_parameters():
+            got = payload.tensors[name]
+            if not isinstance(got, QTensor):
+                assert got is not None and torch.equal(got, p.detach())
+                continue
+            quantized += 1
+            want = linear.weight_operand(p, flow.rollout.linear)
+            assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+            assert got.scale.stride() == want.scale.stride() and torch.equal(got.scale, want.scale)
+            assert torch.equal(layouts.scale_buffer(got), layouts.scale_buffer(want))
+    assert quantized == 7 * 2  # q, k, v, o, gate, up, down of each layer

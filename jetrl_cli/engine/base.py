@@ -89,7 +89,7 @@ def make_payload(model: torch.nn.Module, flow, version: int = 0,
     """The trainer's side of a sync: every parameter, quantized once for ``weight_sync: quantized``.
     ``params``: the (name, full tensor) pairs to send instead of ``model.named_parameters()`` (a
     sharded trainer passes its parameters gathered whole, so blocks and scales are the same)."""
-    from ..precision.linear import JetLinear, matches_skip, weight_operand
+    from ..precision.linear import JetLinear, matches_skip, weight_operands
 
     tensors: dict[str, Union[torch.Tensor, QTensor]] = {}
     quantize_weights = flow.weight_sync.payload == "quantized"
@@ -100,12 +100,11 @@ def make_payload(model: torch.nn.Module, flow, version: int = 0,
                 quantized_names.add(f"{name}.weight")
     nbytes = 0
     with torch.no_grad():
-        for name, p in (model.named_parameters() if params is None else params):
-            if name in quantized_names:
-                t = weight_operand(p.detach(), flow.rollout.linear)
-                nbytes += t.nbytes()
-            else:
-                t = p.detach()
-                nbytes += t.numel() * t.element_size()
+        named = [(name, p.detach()) for name, p in (model.named_parameters() if params is None else params)]
+        quantized = [(name, p) for name, p in named if name in quantized_names]
+        ops = dict(zip([n for n, _ in quantized], weight_operands([p for _, p in quantized], flow.rollout.linear)))
+        for name, p in named:  # in the parameters' order
+            t = ops.get(name, p)
+            nbytes += t.nbytes() if name in ops else t.numel() * t.element_size()
             tensors[name] = t
     return WeightPayload(tensors, version, nbytes)

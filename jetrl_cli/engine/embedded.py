@@ -17,7 +17,7 @@ import torch
 from ..errors import JetrlError
 from ..models.llama import KVCache, key_width
 from ..precision.gemm import ROW_TILE, native
-from ..precision.linear import JetLinear, apply_flow, weight_operand
+from ..precision.linear import JetLinear, apply_flow, weight_operands
 from .base import Completion, WeightPayload, check_prompts, cut_at_stop
 from .graphs import width_bucket
 from .sampling import SamplingParams, invariant_for, prompt_seeds, sample, sample_keys, sampling_logprobs
@@ -119,18 +119,28 @@ class EmbeddedEngine:
         only there."""
         params = dict(self.model.named_parameters())
         modules = dict(self.model.named_modules())
-        replaced = False
-        for name, t in payload.tensors.items():
+        for name in payload.tensors:
             if name not in params:
                 raise JetrlError(f"weight sync: the rollout model has no parameter {name}")
+        # on a GPU a layer holds its GEMM operand only: bf16, or 8-bit with its scales, quantized here
+        # once per sync when the payload is full precision (`weight_sync: hp`), the layers of one
+        # precision together (``weight_operands``: one launch for all FP8 weights)
+        by_spec: dict = {}
+        for name, t in payload.tensors.items():
+            mod = modules.get(name.rsplit(".", 1)[0])
+            if isinstance(t, torch.Tensor) and self._holds_operand(mod, name, t):
+                by_spec.setdefault(mod.precision.fprop, []).append((name, t))
+        cast = {}
+        for spec, items in by_spec.items():
+            cast.update(zip([n for n, _ in items], weight_operands([t for _, t in items], spec)))
+        replaced = False
+        for name, t in payload.tensors.items():
             mod = modules.get(name.rsplit(".", 1)[0])
             if isinstance(t, torch.Tensor):
-                if not self._holds_operand(mod, name, t):
+                if name not in cast:
                     params[name].copy_(t)
                     continue
-                # on a GPU a layer holds its GEMM operand only: bf16, or 8-bit with its scales,
-                # quantized here once per sync when the payload is full precision (`weight_sync: hp`)
-                t = weight_operand(t, mod.precision.fprop)
+                t = cast[name]
             if not isinstance(mod, JetLinear):
                 raise JetrlError(f"weight sync: {name} arrived quantized but is not a quantized layer here")
             # On a GPU the held operand (or its view into the group's stacked one) takes the new
