@@ -555,6 +555,23 @@ def _norm_squares(ss, x_at, d_at, k, row_ok, N: tl.constexpr, HAS_DELTA: tl.cons
 
 
 @triton.jit
+def _norm_rsqrt(x_at, d_at, rk, row_ok, eps, N: tl.constexpr, HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr,
+                INTERPRET: tl.constexpr, UNROLL: tl.constexpr, BM: tl.constexpr, T: tl.constexpr):
+    """The first pass of a norm's rows: ``1 / sqrt(mean(s^2) + eps)`` per row, the squares summed per
+    lane in K order, then one fixed tree; the division and square root correctly rounded, as the
+    batch-invariant RMSNorm's."""
+    ss = tl.zeros((BM, T), dtype=tl.float32)  # a running sum of squares per lane, in K order
+    if UNROLL:
+        for k0 in tl.static_range(0, N, T):
+            ss = _norm_squares(ss, x_at, d_at, k0 + rk, row_ok, N, HAS_DELTA, S_BF16, INTERPRET)
+    else:
+        for k0 in range(0, N, T):
+            ss = _norm_squares(ss, x_at, d_at, k0 + rk, row_ok, N, HAS_DELTA, S_BF16, INTERPRET)
+    ms = tl.div_rn(tl.sum(ss, axis=1), tl.full((BM,), N, tl.float32))
+    return tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
+
+
+@triton.jit
 def _norm_y(kb, r, w_ptr, x_at, d_at, rk, row_ok, N: tl.constexpr, HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr,
             Y_BF16: tl.constexpr, INTERPRET: tl.constexpr, T: tl.constexpr):
     """Chunk ``kb`` of a norm's rows: its columns ``k``, their mask, the residual s (pass 1's bits,
@@ -604,15 +621,7 @@ def _rms_norm_quant_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, r_ptr, q_ptr, sc_p
     rows = rm.to(tl.int64)[:, None]
     x_at = x_ptr + rows * stride_xm
     d_at = d_ptr + rows * stride_dm
-    ss = tl.zeros((BM, T), dtype=tl.float32)  # a running sum of squares per lane, in K order
-    if UNROLL:
-        for k0 in tl.static_range(0, N, T):
-            ss = _norm_squares(ss, x_at, d_at, k0 + rk, row_ok, N, HAS_DELTA, S_BF16, INTERPRET)
-    else:
-        for k0 in range(0, N, T):
-            ss = _norm_squares(ss, x_at, d_at, k0 + rk, row_ok, N, HAS_DELTA, S_BF16, INTERPRET)
-    ms = tl.div_rn(tl.sum(ss, axis=1), tl.full((BM,), N, tl.float32))
-    r = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))  # correctly rounded, as the batch-invariant RMSNorm
+    r = _norm_rsqrt(x_at, d_at, rk, row_ok, eps, N, HAS_DELTA, S_BF16, INTERPRET, UNROLL, BM, T)
     if WRITE_R:
         tl.store(r_ptr + rm, r, mask=row_ok)
     if UNROLL:

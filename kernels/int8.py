@@ -47,7 +47,7 @@ from jetrl_cli.precision.quant import DEFAULT_AMAX_FLOOR, CastSpec, QTensor
 
 from . import fp8
 from .fp8 import (DECODE_ROWS, FP_FUSION, MIN_SCALE, NORM_ROWS, NORM_UNROLL_MAX, _abs_bits, _divisor, _group_scale,
-                  _interpreting, _norm_squares, _norm_y, _scaled, _silu_mul, _splits, _to_bf16, decode_split,
+                  _interpreting, _norm_rsqrt, _norm_y, _scaled, _silu_mul, _splits, _to_bf16, decode_split,
                   decode_tiles)
 
 QMAX = tl.constexpr(127.0)  # Format.INT8.max
@@ -104,16 +104,8 @@ def _rms_norm_rows_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, r_ptr, q_ptr, sc_pt
     rows = rm.to(tl.int64)[:, None]
     x_at = x_ptr + rows * stride_xm
     d_at = d_ptr + rows * stride_dm
-    ss = tl.zeros((BM, T), dtype=tl.float32)
+    r = _norm_rsqrt(x_at, d_at, rk, row_ok, eps, N, HAS_DELTA, S_BF16, INTERPRET, UNROLL, BM, T)
     amax = tl.zeros((BM,), dtype=tl.int32)
-    if UNROLL:
-        for k0 in tl.static_range(0, N, T):
-            ss = _norm_squares(ss, x_at, d_at, k0 + rk, row_ok, N, HAS_DELTA, S_BF16, INTERPRET)
-    else:
-        for k0 in range(0, N, T):
-            ss = _norm_squares(ss, x_at, d_at, k0 + rk, row_ok, N, HAS_DELTA, S_BF16, INTERPRET)
-    ms = tl.div_rn(tl.sum(ss, axis=1), tl.full((BM,), N, tl.float32))
-    r = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
     if WRITE_R:
         tl.store(r_ptr + rm, r, mask=row_ok)
     if UNROLL:

@@ -166,9 +166,16 @@ def test_a_bf16_decode_layer_is_eleven_kernels(native, monkeypatch):
     fuse.set_force(True, "eager")
     for f in (_add_rms_norm, _rms_norm, _rope, _swiglu_math):
         monkeypatch.setitem(fuse._compiled, f.__wrapped__, counter.fused(f.__wrapped__))
-    flow = named_flow("bf16")
+    layer = _decode_layer_ops(named_flow("bf16"), counter)
+    assert len(layer) == 11, layer
+
+
+def _decode_layer_ops(flow, counter: "_Ops") -> list[str]:
+    """The ops ``counter`` sees in one decoder layer's share of a decode step (models of 2 and 3 layers,
+    the difference), after a first step that makes the cached operands and decides how attention
+    reads the cache."""
     ops = {}
-    for layers in (2, 3):  # the difference is one layer's ops
+    for layers in (2, 3):
         model = random_model(tiny_config("qwen2", hidden=128, layers=layers, vocab=256), seed=1, std=0.05)
         eng = EmbeddedEngine(model, flow, 32, max_batch=4, cuda_graphs=False)
         eng.load_weights(make_payload(model, flow))
@@ -177,12 +184,15 @@ def test_a_bf16_decode_layer_is_eleven_kernels(native, monkeypatch):
         with torch.inference_mode():  # as the engine decodes
             m.prefill(torch.tensor([[5, 9, 3], [7, 2, 0]]), torch.tensor([3, 2]), cache)
             tokens = torch.tensor([4, 6])
-            m.decode(tokens, cache, 16)  # the first step decides (once) how attention reads the cache
+            m.decode(tokens, cache, 16)
             counter.ops = []
             with counter:
                 m.decode(tokens, cache, 16)
         ops[layers], counter.ops = counter.ops, []
-    assert len(ops[3]) - len(ops[2]) == 11, ops[3]
+    layer = list(ops[3])
+    for op in ops[2]:
+        layer.remove(op)
+    return layer
 
 
 @pytest.mark.skipif(not triton_runs(), reason="needs Triton (and a GPU or TRITON_INTERPRET=1)")
@@ -217,24 +227,7 @@ def test_an_int8_decode_layer_is_twelve_kernels(native, monkeypatch):
                  "_rms_norm_rows_kernel", "_swiglu_rows_kernel"):
         monkeypatch.setattr(int8, name, Launch(getattr(int8, name), name))
     flow = parse_flow({"base": "int8-rollout", "rollout": {"linear": {"backend": "triton"}}}, source="<test>")
-    ops = {}
-    for layers in (2, 3):  # the difference is one layer's ops
-        model = random_model(tiny_config("qwen2", hidden=128, layers=layers, vocab=256), seed=1, std=0.05)
-        eng = EmbeddedEngine(model, flow, 32, max_batch=4, cuda_graphs=False)
-        eng.load_weights(make_payload(model, flow))
-        m = eng.model
-        cache = m.new_cache(2, 32)
-        with torch.inference_mode():
-            m.prefill(torch.tensor([[5, 9, 3], [7, 2, 0]]), torch.tensor([3, 2]), cache)
-            tokens = torch.tensor([4, 6])
-            m.decode(tokens, cache, 16)  # weights' INT8 operands made, attention's way of reading decided
-            counter.ops = []
-            with counter:
-                m.decode(tokens, cache, 16)
-        ops[layers], counter.ops = counter.ops, []
-    layer = list(ops[3])
-    for op in ops[2]:
-        layer.remove(op)
+    layer = _decode_layer_ops(flow, counter)
     assert len(layer) == 12 and layer.count("_rms_norm_rows_kernel") == 2, layer
     assert layer.count("_swiglu_rows_kernel") == 1 and layer.count("_row_quant_kernel") == 1, layer
     assert layer.count("_int8_mm_kernel") + layer.count("_int8_split_sum_kernel") == 4 and "add" not in layer, layer
