@@ -1146,7 +1146,7 @@ def _weight_stacks(groups, fmt: Format, pow2_scale: bool, amax_floor: float, tra
             total += w.shape[0]
         wq, wt, s, st = _stack_outputs(spec, total, k, dev, transposed, held)
         gk, gtot = -(-k // TILE), -(-total // TILE)
-        start, last = 0, ws[-1]
+        start, row = 0, None
         for w in ws:  # the layer's rows of W and s, its columns of W^T's scales
             n = w.shape[0]
             g0 = start // TILE
@@ -1157,10 +1157,12 @@ def _weight_stacks(groups, fmt: Format, pow2_scale: bool, amax_floor: float, tra
                 row[_J_N], row[_J_K], row[_J_SN], row[_J_GK], row[_J_L4] = n, k, w.stride(0), gk, s.stride(0)
                 row[_J_PAD] = s.shape[1] - gk
                 if transposed:
-                    row[_J_LT4], row[_J_PAD_T] = st.stride(0), st.shape[1] - gtot if w is last else 0
+                    row[_J_LT4] = st.stride(0)
                 at = (w, wq.data[start:], s[g0:], st[:, g0:] if transposed else None)
                 jobs.setdefault(w.dtype, []).append((row, at))
             start += n
+        if transposed and row is not None:  # the group's last block column writes W^T's scale pads
+            row[_J_PAD_T] = st.shape[1] - gtot
         if transposed:
             if gtot * gk == 0:  # no block to write W^T's scale pads
                 st[:, gtot:] = 1.0

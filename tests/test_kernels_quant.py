@@ -460,7 +460,8 @@ def test_weight_stacks_of_a_model_are_one_launch_and_the_groups_bits(fp8, monkey
               [torch.randn(132, 384, generator=gen).to(torch.bfloat16)],
               [torch.randn(128, 128, generator=gen), torch.randn(384, 128, generator=gen) * 30,
                torch.zeros(64, 128)],
-              [torch.randn(520, 140, generator=gen).to(torch.bfloat16)]]
+              [torch.randn(520, 140, generator=gen).to(torch.bfloat16)],
+              [torch.randn(256, 128, generator=gen), torch.randn(128, 140, generator=gen).t()]]  # a strided last
     groups[0][1][3, 7] = float("nan")  # a NaN block: a NaN scale in W's and in W^T's grid
     launches = collections.Counter()
     for name in ("_weight_quant_kernel", "_transpose_words_kernel"):
@@ -483,6 +484,7 @@ def test_weight_stacks_of_a_model_are_one_launch_and_the_groups_bits(fp8, monkey
             assert (wt is None) == (not transposed)
             for a, b in ((w, want_w), (wt, want_t)) if transposed else ((w, want_w),):
                 assert a.spec == b.spec and layouts.is_gemm_layout(a)
+                assert torch.all(layouts.scale_buffer(a)[:, a.scale.shape[1]:] == 1.0)  # the pads
                 assert torch.equal(bytes_of(a.data), bytes_of(b.data))
                 assert torch.equal(layouts.scale_buffer(a).view(torch.int32), layouts.scale_buffer(b).view(torch.int32))
         assert bool(got[0][0].scale.isnan().any()) and (not transposed or bool(got[0][1].scale.isnan().any()))
