@@ -541,7 +541,8 @@ def bench_quantize(s: Settings) -> list[dict]:
             impls = [("torch (reference)", None, lambda spec=spec: quantize(x, spec))]
             tile = spec.format.is_fp8  # the 128x128-tile kernels (INT8 rows: one kernel, its own warps)
             if kernels is not None and triton_quantize(x, spec) is not None:
-                impls += [("triton", w, lambda spec=spec: triton_quantize(x, spec)) for w in (warps if tile else (None,))]
+                impls += [("triton", w, lambda spec=spec: triton_quantize(x, spec))
+                          for w in (warps if tile else (None,))]
             for backend, w, fn in impls:
                 here = kernels.launch_config(x, False) if backend == "triton" and tile else None
                 ctx, ran = at(w, here.warps) if here is not None else (contextlib.nullcontext(), None)

@@ -113,7 +113,8 @@ def _scaled_mm_reference(a: QTensor, b: QTensor, out_dtype):
 
 
 @pytest.mark.parametrize("m,n,x_dtype,d_dtype,out,pow2", [
-    (6, 256, torch.float32, torch.bfloat16, torch.bfloat16, False), (9, 384, torch.bfloat16, None, torch.bfloat16, True),
+    (6, 256, torch.float32, torch.bfloat16, torch.bfloat16, False),
+    (9, 384, torch.bfloat16, None, torch.bfloat16, True),
     (1, 96, torch.float32, None, torch.float32, False), (5, 2100, torch.float32, torch.float32, torch.bfloat16, False)])
 def test_norm_int8_quantizer_is_the_fp8_kernels_norm_and_the_row_quantizer(int8, m, n, x_dtype, d_dtype, out, pow2,
                                                                            seed):
@@ -136,7 +137,8 @@ def test_norm_int8_quantizer_is_the_fp8_kernels_norm_and_the_row_quantizer(int8,
     want_s, want_y, want_r, _ = fp8.rms_norm_quantize(x, delta, w, 1e-6, out, write_y=True, rsqrt=True)
     for got, want in ((s, want_s), (y, want_y), (r, want_r)):
         assert (got is None) == (want is None), seed
-        assert got is None or (got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))), seed
+        assert got is None or (got.dtype == want.dtype
+                               and torch.equal(got.view(torch.uint8), want.view(torch.uint8))), seed
     spec = CastSpec(Format.INT8, ROW, pow2)
     assert q.spec == spec and q.data.shape == (m, n) and q.scale.shape == (m, 1)
     assert same(q, int8.quantize_rows(y, spec)) and same(q, quantize(y.float(), spec)), seed
