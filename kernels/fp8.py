@@ -97,6 +97,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
 import os
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -1250,28 +1251,40 @@ def _stream_capturing(dev) -> bool:
 def _job_table(rows: list[list[int]], tiles: list[int], dev, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A table-driven launch's inputs on ``dev``: the jobs' rows (int64, ``_J_COLS`` fields, each row's
     first tile filled in here) and, per program, its job (int32; one program per tile, jobs in
-    order). The program map depends on the jobs' tile counts alone, so it is built once per model
-    shape (a few kept); the table, which holds the tensors' addresses, is copied to the device at
-    each call, from pinned memory, without waiting. Not inside a CUDA graph capture: the copy would
-    be recorded from a host buffer that is not kept."""
-    if _stream_capturing(dev):
-        raise RuntimeError(f"{where}: weights are quantized outside a CUDA graph capture (its job table is "
-                           "copied from the host)")
+    order). Both are kept on the device by their contents (a few of each): the program map depends
+    on the jobs' tile counts alone, and the table on the tensors' offsets and sizes, which a
+    training step's weights repeat (the caching allocator hands the same blocks back), so a step
+    copies nothing to the device. A new one is copied from pinned memory, without waiting -- not
+    inside a CUDA graph capture, which would record the copy from a host buffer that is not kept."""
     first = 0
     for row, n in zip(rows, tiles):
         row[_J_TILE0] = first
         first += n
-    key = (str(dev), tuple(tiles))
-    which = _JOB_MAPS.get(key)
-    if which is None:
-        which = _to_device(torch.repeat_interleave(torch.arange(len(tiles), dtype=torch.int32), torch.tensor(tiles)),
-                           dev)
-        _JOB_MAPS[key] = which
-        if len(_JOB_MAPS) > 16:
-            _JOB_MAPS.popitem(last=False)
-    else:
-        _JOB_MAPS.move_to_end(key)
-    return _to_device(torch.tensor(rows, dtype=torch.int64), dev), which
+    which = _kept(_JOB_MAPS, (str(dev), tuple(tiles)), dev, where, lambda: torch.repeat_interleave(
+        torch.arange(len(tiles), dtype=torch.int32), torch.tensor(tiles)))
+    tab = _kept(_JOB_TABLES, (str(dev), tuple(itertools.chain.from_iterable(rows))), dev, where,
+                lambda: torch.tensor(rows, dtype=torch.int64))
+    return tab, which
+
+
+_JOB_TABLES: collections.OrderedDict = collections.OrderedDict()  # (device, rows' fields) -> the table there
+_KEPT = 32  # device tensors kept per cache
+
+
+def _kept(cache: collections.OrderedDict, key: tuple, dev, where: str, make) -> torch.Tensor:
+    """``cache[key]``, else ``make()`` (a host tensor) copied to ``dev`` and kept (the ``_KEPT`` most
+    recent)."""
+    t = cache.get(key)
+    if t is not None:
+        cache.move_to_end(key)
+        return t
+    if _stream_capturing(dev):
+        raise RuntimeError(f"{where}: a new job table is copied from the host, which a CUDA graph capture "
+                           "would record from a buffer that is not kept: run it once before capturing")
+    t = cache[key] = _to_device(make(), dev)
+    if len(cache) > _KEPT:
+        cache.popitem(last=False)
+    return t
 
 
 def _to_device(t: torch.Tensor, dev) -> torch.Tensor:

@@ -489,6 +489,13 @@ def test_weight_stacks_of_a_model_are_one_launch_and_the_groups_bits(fp8, monkey
                 assert torch.equal(layouts.scale_buffer(a).view(torch.int32), layouts.scale_buffer(b).view(torch.int32))
         assert bool(got[0][0].scale.isnan().any()) and (not transposed or bool(got[0][1].scale.isnan().any()))
     helds = fp8.quantize_weight_stacks(groups, E4, transposed=True)
+    tables = dict(fp8._JOB_TABLES)
+    with fp8.transpose_with("triton"):  # the same tensors and outputs again: the same job tables, kept on the device
+        fp8.quantize_weight_stacks(groups, E4, transposed=True, helds=helds)
+        n = len(fp8._JOB_TABLES)
+        fp8.quantize_weight_stacks(groups, E4, transposed=True, helds=helds)
+    kept = fp8._JOB_TABLES
+    assert len(kept) == n and all(kept[k] is t for k, t in tables.items() if k in kept)
     again = fp8.quantize_weight_stacks([[x * 2 for x in ws] for ws in groups], E4, transposed=True, helds=helds)
     fresh = fp8.quantize_weight_stacks([[x * 2 for x in ws] for ws in groups], E4, transposed=True)
     for (w, wt), (hw, hwt), (fw, fwt) in zip(again, helds, fresh):
