@@ -70,15 +70,13 @@ def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_xk, K: tl.conste
         amax = tl.maximum(amax, tl.max(_abs_bits(x.to(tl.float32)), 1))
     s = _group_scale(amax.to(tl.float32, bitcast=True), QMAX, FLOOR, POW2)
     tl.store(s_ptr + rm, s, mask=row_ok)
-    r = _divisor(s)[:, None]
+    r = _divisor(s)
     q_row = q_ptr + rm.to(tl.int64)[:, None] * K
     for k0 in tl.static_range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         inb = row_ok[:, None] & (rk < K)[None, :]
         x = tl.load(x_row + rk[None, :] * stride_xk, mask=inb, other=0.0).to(tl.float32)
-        y = _scaled(x, s[:, None], r, POW2)
-        n = (y + ROUND) - ROUND
-        tl.store(q_row + rk[None, :], tl.where(n == n, n, 0.0).to(tl.int8), mask=inb)
+        tl.store(q_row + rk[None, :], _int8_rows(x, s, r, POW2), mask=inb)
 
 
 @triton.jit
