@@ -250,14 +250,73 @@ def profile_once(fn, s: Settings, name: str) -> dict:
         out["profile_wall_s"] = wall
         out["profile_kernel_s"] = sum(e.self_device_time_total for e in ops if e.device_type == DeviceType.CUDA) / 1e6
         host = ops.table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS)
+        gaps = device_gaps(prof.events())
+        out["profile_device_idle_s"] = gaps["idle_s"]
         text += (f"\nwall {wall * 1e3:.1f} ms, kernels {out['profile_kernel_s'] * 1e3:.1f} ms (summed), "
-                 f"{out['device_kernels']} kernels\n\nthe same run's ops by host (CPU) self time:\n{host}\n")
+                 f"{out['device_kernels']} kernels\n" + format_gaps(gaps)
+                 + f"\nthe same run's ops by host (CPU) self time:\n{host}\n")
     os.makedirs(s.profile_dir, exist_ok=True)
+    if cuda:  # the timeline itself (chrome://tracing, Perfetto), gzipped: where the device waited, and on what
+        out["profile_trace"] = export_trace(prof, os.path.join(s.profile_dir, _file_name(name) + "-trace.json.gz"))
     tmp = out["profile"] + ".tmp"
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, out["profile"])
     return out
+
+
+GAP_ROWS = 8  # the longest device-idle gaps a profile lists
+
+
+def device_gaps(events) -> dict:
+    """Where the device sat idle between its first and last kernel in a profiled run: ``idle_s``
+    (the time no kernel ran, copies counted as work), ``span_s`` and the ``GAP_ROWS`` longest gaps,
+    each with the kernels before and after it and the host op that launched the one after (what
+    the host was busy with while the device waited)."""
+    from torch.autograd import DeviceType
+
+    ks = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    if not ks:
+        return {"idle_s": 0.0, "span_s": 0.0, "gaps": []}
+    gaps, end, last = [], ks[0].time_range.end, ks[0]
+    for k in ks[1:]:
+        if k.time_range.start > end:
+            launcher = getattr(k, "cpu_parent", None) or getattr(k, "fwd_thread", None)
+            gaps.append((k.time_range.start - end, last.name, k.name, getattr(launcher, "name", None)))
+        if k.time_range.end >= end:
+            end, last = k.time_range.end, k
+    idle = sum(g[0] for g in gaps)
+    gaps.sort(key=lambda g: -g[0])
+    return {"idle_s": idle / 1e6, "span_s": (end - ks[0].time_range.start) / 1e6,
+            "gaps": [{"us": round(us, 1), "after": a, "before": b, "launched_by": by} for us, a, b, by in gaps[:GAP_ROWS]]}
+
+
+def format_gaps(g: dict) -> str:
+    if not g["span_s"]:
+        return ""
+    lines = [f"device idle {g['idle_s'] * 1e3:.1f} ms of the {g['span_s'] * 1e3:.1f} ms from its first kernel to "
+             f"its last; the longest gaps:"]
+    lines += [f"  {x['us'] / 1e3:8.3f} ms  after {x['after'][:60]}  before {x['before'][:60]}"
+              + (f"  (launched under {x['launched_by'][:50]})" if x["launched_by"] else "") for x in g["gaps"]]
+    return "\n".join(lines) + "\n"
+
+
+def export_trace(prof, path: str) -> str:
+    """``prof``'s timeline as gzipped Chrome-trace JSON at ``path`` (written whole, then renamed)."""
+    import gzip
+    import shutil
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        raw = f.name
+    try:
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(path + ".tmp", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    finally:
+        os.unlink(raw)
+    os.replace(path + ".tmp", path)
+    return path
 
 
 PYTHON_ROWS = 40  # functions in a Python profile's table
@@ -581,12 +640,12 @@ def bench_quantize(s: Settings) -> list[dict]:
             want = torch.cat([gy * u * sig * (1 + g * (1 - sig)), gy * g * sig], 1)
             sqnr = error_stats(want, dequantize(outs[0]).float())["sqnr_db"]
             here = kernels.swiglu_config(x)
-            for w in warps:
-                ctx, ran = at(w, here.warps)
-                with ctx:
-                    timed(shape, "fp8 SwiGLU backward (d[g,u] 1x128 + 128x1, h^T)", "triton",
-                          lambda: kernels.swiglu_grad_quantize(copy, x, dtype, pad_tokens_to=128, h_cols=True),
-                          moved, copy_bw, **launch(ran), sqnr_db=sqnr, matches_reference=None)
+            for w in warps:  # its 128x128-tile kernel, and its two kernels of small tiles (the same bytes)
+                for one, how in ((True, ""), (False, " as two kernels")):
+                    with kernels.tile_warps(w or here.warps, one_kernel=one):
+                        timed(shape, f"fp8 SwiGLU backward (d[g,u] 1x128 + 128x1, h^T){how}", "triton",
+                              lambda: kernels.swiglu_grad_quantize(copy, x, dtype, pad_tokens_to=128, h_cols=True),
+                              moved, copy_bw, **launch(w or here.warps), sqnr_db=sqnr, matches_reference=None)
     return rows
 
 

@@ -129,7 +129,13 @@ FP_FUSION = True
 # at 8 warps 224 (fused act), 114 (1x128), 128 (weight), 255 (SwiGLU backward); at 16 warps 127, 64,
 # 63, and the SwiGLU kernels spill (88-120 bytes of stack per thread). Which is faster is for
 # ``jetrl bench quantize --warps 8,16`` on a GPU to say (unmeasured); the bits do not depend on it
-# (every reduction is a max, every other step elementwise).
+# (every reduction is a max, every other step elementwise). The H200 measured the SwiGLU backward at
+# 16 warps at 0.16x of copy bandwidth (2026-11-27): one 16-warp program per SM waits on memory and
+# issues alone. Its two-kernel form (``_swiglu_grad_split``, 32x128 and 128x32 tiles: 4096 values a
+# program) takes, Triton 3.9 (3.6): at 8 warps 80 (80) registers for the 1x128 kernel and 128 (150)
+# for the 128x1 one, at 16 warps 52 (54) and 97 (120) -- several programs per SM, at more
+# instructions per value (the 128x1 kernel's column scales are computed by every thread holding the
+# column). Both forms are timed on the GPU (``SWIGLU_CHOICES``); the two-kernel one is unmeasured.
 NUM_WARPS = 8  # the act and weight quantizers where nothing was timed (CPU, the interpreter): below
 SWIGLU_WARPS = 8  # the SwiGLU backward kernels (swiglu_quantize_t, swiglu_grad_quantize), untimed
 
@@ -148,9 +154,15 @@ TRANSPOSE_OP = "fp8 weight transpose"
 WARP_CHOICES = (8, 16)
 TIMING_SHAPE = (4096, 4096)  # bf16 tokens x features the choice is timed on
 class Launch(NamedTuple):
-    """A 128x128-tile kernel's launch: its warps, and the 1x128 + 128x1 pair as one kernel or two."""
+    """A 128x128-tile kernel's launch: its warps, and the 1x128 + 128x1 pair as one kernel or two (the
+    SwiGLU backward: its 128x128-tile kernel, or two kernels of small tiles)."""
     warps: int
     one_kernel: bool = True
+
+
+# the SwiGLU backward's timed choices: one kernel of 128x128 tiles, or two kernels of small tiles
+# (``_swiglu_grad_split``), at 8 or 16 warps
+SWIGLU_CHOICES = (Launch(8), Launch(16), Launch(8, False), Launch(16, False))
 
 
 _FORCED: Launch | None = None  # while set by tile_warps or the timing
@@ -187,7 +199,7 @@ def swiglu_config(x: torch.Tensor) -> Launch:
     if not x.is_cuda:
         return Launch(SWIGLU_WARPS)
     c = gemm.kernel_choice(SWIGLU_TILES_OP, x.device) or _choose_swiglu_warps(x.device)
-    return Launch(c["warps"])
+    return Launch(c["warps"], c.get("one_kernel", True))
 
 
 def _time_forced(device: torch.device, cases) -> dict:
@@ -239,7 +251,8 @@ def _choose_swiglu_warps(device: torch.device) -> dict:
     """Time the SwiGLU backward kernel (as a training step runs it, with down's h^T) at each of
     ``WARP_CHOICES`` on ``device`` and record the fastest (``swiglu_config``); at its first call on the
     device, a training backward's. Inside a graph capture nothing is timed: the default, unrecorded."""
-    default = {"warps": SWIGLU_WARPS}
+    default_launch = Launch(SWIGLU_WARPS)
+    default = {"warps": SWIGLU_WARPS, "one_kernel": True}
     if gemm.capturing(device):
         return default
     g = torch.Generator().manual_seed(0)
@@ -249,13 +262,17 @@ def _choose_swiglu_warps(device: torch.device) -> dict:
                       CastSpec(Format.FP8_E4M3, B1x128))  # [g, u]'s FP8 copy, halves k / 2 wide
         gy = torch.randn((m, k // 2), generator=g).to(device, torch.bfloat16)
         run = lambda: swiglu_grad_quantize(gu, gy, torch.bfloat16, pad_tokens_to=TILE, h_cols=True)  # noqa: E731
-        t = _time_forced(device, [(w, (w,), run) for w in WARP_CHOICES])
+        t = _time_forced(device, [(launch, launch, run) for launch in SWIGLU_CHOICES])
     except Exception as e:  # noqa: BLE001 - nothing timed: the default, said why
-        return gemm.note_kernel(SWIGLU_TILES_OP, device, f"{SWIGLU_WARPS} warps", _untimed(e), **default)
+        return gemm.note_kernel(SWIGLU_TILES_OP, device, _swiglu_name(default_launch), _untimed(e), **default)
     best = min(t, key=t.get)
-    why = f"timed on [g, u] {m} x {k}: " + ", ".join(f"{w} warps {ms:.3f} ms" for w, ms in t.items())
-    return gemm.note_kernel(SWIGLU_TILES_OP, device, f"{best} warps", why, warps=best,
-                            timings_ms={f"{w} warps": ms for w, ms in t.items()})
+    why = f"timed on [g, u] {m} x {k}: " + ", ".join(f"{_swiglu_name(c)} {ms:.3f} ms" for c, ms in t.items())
+    return gemm.note_kernel(SWIGLU_TILES_OP, device, _swiglu_name(best), why, warps=best.warps,
+                            one_kernel=best.one_kernel, timings_ms={_swiglu_name(c): ms for c, ms in t.items()})
+
+
+def _swiglu_name(launch: Launch) -> str:
+    return f"{'one kernel' if launch.one_kernel else 'two kernels'} at {launch.warps} warps"
 
 
 def _interpreter_fma_is_exact() -> bool:
@@ -534,6 +551,81 @@ def _swiglu_grad_quant_kernel(q_ptr, s_ptr, gy_ptr, qr_ptr, sr_ptr, qt_ptr, st_p
             d = _to_bf16(d, INTERPRET).to(tl.float32)
         _store_tile(d, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk + half * (I // T), rm, half * I + rk, row_ok, col_ok,
                     M, 2 * I, M_PAD, FMAX, FLOOR, POW2, OUT, ROWS, COLS, ZERO_PAD)
+
+
+@triton.jit
+def _swiglu_d(gy, g, u, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """d[g] and d[u] of ``silu(g) * u`` for its output gradient ``gy``, in fp32 (rounded to bf16 with
+    ``ROUND_BF16``), in ``_swiglu_grad_quant_kernel``'s order of operations, for the split kernels."""
+    sig = tl.div_rn(1.0, 1.0 + tl.exp(-g))  # as precision.linear's ``_silu_mul_grad`` computes it
+    gs = gy.to(tl.float32)
+    dg = gs * u * sig * (1.0 + g * (1.0 - sig))
+    du = gs * g * sig  # the fused kernel's ``* 1.0`` after it is exact
+    if ROUND_BF16:
+        dg = _to_bf16(dg, INTERPRET).to(tl.float32)
+        du = _to_bf16(du, INTERPRET).to(tl.float32)
+    return dg, du
+
+
+@triton.jit
+def _swiglu_grad_rows_kernel(q_ptr, s_ptr, gy_ptr, qr_ptr, sr_ptr, M, I, stride_qm, stride_sm, stride_sk,
+                             stride_gm, stride_gk, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr,
+                             OUT: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+                             BM: tl.constexpr, T: tl.constexpr):
+    # the split form's 1x128 half: BM rows x one 128-wide column tile of gy, d[g] and d[u] quantized 1x128
+    pm = tl.program_id(0)
+    pk = tl.program_id(1)
+    rm = pm * BM + tl.arange(0, BM)
+    rk = pk * T + tl.arange(0, T)
+    row_ok = rm < M
+    inb = row_ok[:, None] & (rk < I)[None, :]
+    at, s_at = q_ptr + rm.to(tl.int64)[:, None] * stride_qm, s_ptr + rm.to(tl.int64) * stride_sm
+    gy = tl.load(gy_ptr + rm.to(tl.int64)[:, None] * stride_gm + rk[None, :] * stride_gk, mask=inb, other=0.0)
+    g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
+    u = _copy_group(at, s_at, I + rk, pk + I // T, inb, row_ok, stride_sk)
+    dg, du = _swiglu_d(gy, g, u, ROUND_BF16, INTERPRET)
+    rows = qr_ptr + rm.to(tl.int64)[:, None] * (2 * I)
+    q, s = _rows_quantized(dg, FMAX, FLOOR, POW2)
+    tl.store(sr_ptr + pk.to(tl.int64) * M + rm, s, mask=row_ok)
+    tl.store(rows + rk[None, :], q.to(OUT), mask=inb)
+    q, s = _rows_quantized(du, FMAX, FLOOR, POW2)
+    tl.store(sr_ptr + (pk + I // T).to(tl.int64) * M + rm, s, mask=row_ok)
+    tl.store(rows + (I + rk)[None, :], q.to(OUT), mask=inb)
+
+
+@triton.jit
+def _swiglu_grad_cols_kernel(q_ptr, s_ptr, gy_ptr, qt_ptr, st_ptr, qh_ptr, sh_ptr, M, I, M_PAD, stride_qm, stride_sm,
+                             stride_sk, stride_gm, stride_gk, FMAX: tl.constexpr, FLOOR: tl.constexpr,
+                             POW2: tl.constexpr, OUT: tl.constexpr, ROUND_BF16: tl.constexpr,
+                             INTERPRET: tl.constexpr, COLS: tl.constexpr, H_COLS: tl.constexpr,
+                             ZERO_PAD: tl.constexpr, BN: tl.constexpr, T: tl.constexpr):
+    # the split form's 128x1 half: one 128-token group x BN columns of gy (inside one 128-wide group of
+    # g and of u): d[g] and d[u] quantized 128x1 and written transposed (COLS), and down's h^T (H_COLS)
+    pm = tl.program_id(0)
+    pn = tl.program_id(1)
+    rm = pm * T + tl.arange(0, T)
+    rk = pn * BN + tl.arange(0, BN)
+    grp = pn * BN // T  # the 128-wide group of g holding these columns (u's: I / 128 later)
+    row_ok = rm < M
+    col_ok = rk < I
+    inb = row_ok[:, None] & col_ok[None, :]
+    at, s_at = q_ptr + rm.to(tl.int64)[:, None] * stride_qm, s_ptr + rm.to(tl.int64) * stride_sm
+    g = _copy_group(at, s_at, rk, grp, inb, row_ok, stride_sk)
+    u = _copy_group(at, s_at, I + rk, grp + I // T, inb, row_ok, stride_sk)
+    if COLS:
+        gy = tl.load(gy_ptr + rm.to(tl.int64)[:, None] * stride_gm + rk[None, :] * stride_gk, mask=inb, other=0.0)
+        dg, du = _swiglu_d(gy, g, u, ROUND_BF16, INTERPRET)
+        s = _group_scale(_amax(_abs_bits(dg), 0), FMAX, FLOOR, POW2)
+        _store_cols(dg, s, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, 2 * I, M_PAD, POW2, OUT, ZERO_PAD)
+        s = _group_scale(_amax(_abs_bits(du), 0), FMAX, FLOOR, POW2)
+        _store_cols(du, s, qt_ptr, st_ptr, pm, rm, I + rk, row_ok, col_ok, 2 * I, M_PAD, POW2, OUT, ZERO_PAD)
+    if H_COLS:
+        if ROUND_BF16:  # the values the forward's bf16 [g, u] had
+            g = _to_bf16(g, INTERPRET).to(tl.float32)
+            u = _to_bf16(u, INTERPRET).to(tl.float32)
+        h = _silu_mul(g, u)
+        s = _group_scale(_amax(_abs_bits(h), 0), FMAX, FLOOR, POW2)
+        _store_cols(h, s, qh_ptr, sh_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, POW2, OUT, ZERO_PAD)
 
 
 @triton.jit
@@ -967,6 +1059,10 @@ def swiglu_quantize_t(gu: QTensor, gu_dtype: torch.dtype, fmt: Format = Format.F
     qt, st = _cols_out(i, m_pad, fmt.torch_dtype(), dev)
     if m_pad and i:
         launch = swiglu_config(gu.data)
+        if not launch.one_kernel:
+            _swiglu_grad_split(gu, None, (None, None, None, None, qt, st), m, i, m_pad, fmt, pow2_scale, amax_floor,
+                               gu_dtype, launch.warps)
+            return QTensor(qt, st, _spec_1x128(fmt, pow2_scale, amax_floor))
         _swiglu_quant_t_kernel[(cdiv(m_pad, TILE), i // TILE)](
             gu.data, gu.scale, qt, st, m, i, m_pad, gu.data.stride(0),
             gu.scale.stride(0), gu.scale.stride(1), FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt],
@@ -1009,6 +1105,11 @@ def swiglu_grad_quantize(gu: QTensor, gy: torch.Tensor, out_dtype: torch.dtype, 
     if (rows or cols or h_cols) and m_pad and i:
         dummy = _dummy(dev)
         launch = swiglu_config(gy)
+        if not launch.one_kernel:
+            _swiglu_grad_split(gu, gy, (qr, sr, qt, st, qh, sh), m, i, m_pad, fmt, pow2_scale, amax_floor,
+                               out_dtype, launch.warps)
+            spec = _spec_1x128(fmt, pow2_scale, amax_floor)
+            return tuple(QTensor(q, sc, spec) if q is not None else None for q, sc in ((qr, sr), (qt, st), (qh, sh)))
         outs = (qr, sr, qt, st, qh, sh)
         _swiglu_grad_quant_kernel[(3 if h_cols else 2, i // TILE, cdiv(m_pad if cols or h_cols else m, TILE))](
             gu.data, gu.scale, gy, *(t if t is not None else dummy for t in outs), m, i, m_pad,
@@ -1018,6 +1119,37 @@ def swiglu_grad_quantize(gu: QTensor, gy: torch.Tensor, out_dtype: torch.dtype, 
             num_warps=launch.warps, enable_fp_fusion=FP_FUSION)
     spec = _spec_1x128(fmt, pow2_scale, amax_floor)
     return tuple(QTensor(q, sc, spec) if q is not None else None for q, sc in ((qr, sr), (qt, st), (qh, sh)))
+
+
+SWIGLU_SPLIT_ROWS = 32  # the split SwiGLU backward: rows per program of its 1x128 kernel (x 128 columns)
+SWIGLU_SPLIT_COLS = 32  # ... and columns per program of its 128x1 kernel (x 128 tokens)
+
+
+def _swiglu_grad_split(gu: QTensor, gy: torch.Tensor | None, outs: tuple, m: int, i: int, m_pad: int, fmt: Format,
+                       pow2_scale: bool, amax_floor: float, dtype: torch.dtype, warps: int) -> None:
+    """The SwiGLU backward as two kernels (``Launch.one_kernel`` False): the 1x128 outputs from tiles
+    of ``SWIGLU_SPLIT_ROWS`` rows, the 128x1 ones (d[g, u] and h, transposed) from tiles of 128 tokens
+    x ``SWIGLU_SPLIT_COLS`` columns. Each program's tile holds few values, so many programs share an
+    SM, where the one-kernel form's 128x128 tiles take 127-255 registers per thread and run one program
+    per SM; [g, u] and gy are read by both kernels. The same values and bits as the one kernel's
+    (tested in the interpreter; compiled, both contract d[g]'s ``1 + g * (1 - sig)`` alike:
+    tests/test_kernels_sm90.py): every group lies whole in one program, and each value is the same
+    arithmetic."""
+    qr, sr, qt, st, qh, sh = outs
+    dummy = _dummy(gu.data.device)
+    common = dict(FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt],
+                  ROUND_BF16=dtype is torch.bfloat16, INTERPRET=_interpreting(), T=TILE, num_warps=warps,
+                  enable_fp_fusion=FP_FUSION)
+    strides = (gu.data.stride(0), gu.scale.stride(0), gu.scale.stride(1),
+               *((gy.stride(0), gy.stride(1)) if gy is not None else (0, 0)))
+    if qr is not None and m:
+        _swiglu_grad_rows_kernel[(cdiv(m, SWIGLU_SPLIT_ROWS), i // TILE)](
+            gu.data, gu.scale, gy, qr, sr, m, i, *strides, BM=SWIGLU_SPLIT_ROWS, **common)
+    if qt is not None or qh is not None:
+        _swiglu_grad_cols_kernel[(cdiv(m_pad, TILE), i // SWIGLU_SPLIT_COLS)](
+            gu.data, gu.scale, gy if gy is not None else dummy, *(t if t is not None else dummy for t in (qt, st, qh, sh)),
+            m, i, m_pad, *strides, COLS=qt is not None, H_COLS=qh is not None, ZERO_PAD=m_pad > m,
+            BN=SWIGLU_SPLIT_COLS, **common)
 
 
 NORM_ROWS = 4  # rows per program of the RMSNorm quantizer (4 x 128 fp32 tiles at 4 warps)

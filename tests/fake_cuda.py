@@ -472,6 +472,7 @@ def main() -> int:
     kernels_pkg.unavailable_reason = lambda: None  # Triton "runs" where a fake GPU is: the quantizers'
     for mod, name in ((fp8, "_act_quant_kernel"), (fp8, "_weight_quant_kernel"), (fp8, "_swiglu_quant_kernel"),
                       (fp8, "_swiglu_quant_t_kernel"), (fp8, "_swiglu_grad_quant_kernel"), (fp8, "_rms_norm_quant_kernel"),
+                      (fp8, "_swiglu_grad_rows_kernel"), (fp8, "_swiglu_grad_cols_kernel"),
                       (int8, "_row_quant_kernel"),
                       (int8, "_rms_norm_rows_kernel"), (int8, "_swiglu_rows_kernel")):
         setattr(mod, name, _NoLaunch(name, report["triton_launches"]))  # wrappers run, on the device

@@ -90,7 +90,8 @@ def test_quantize_rows_against_copy():
     if tri:  # a GPU, or TRITON_INTERPRET=1 (tests/conftest.py on CPU)
         assert {r["quantizer"] for r in tri} >= {"fp8 1x128 (activations)", "fp8 128x128 (weights)",
                                                  "fp8 1x128 + 128x1 fused", "fp8 1x128 + 128x1 as two kernels",
-                                                 "fp8 SwiGLU backward (d[g,u] 1x128 + 128x1, h^T)"}
+                                                 "fp8 SwiGLU backward (d[g,u] 1x128 + 128x1, h^T)",
+                                                 "fp8 SwiGLU backward (d[g,u] 1x128 + 128x1, h^T) as two kernels"}
         assert all(r["matches_reference"] for r in tri if r["matches_reference"] is not None)
 
 
@@ -663,3 +664,34 @@ def test_decode_gemm_rows_are_also_timed_from_a_graph_on_a_gpu(monkeypatch):
     gemm_rows = [{**row, "graph_s": 5e-6, "graph_vs_bf16": 1.0}, fp8]
     jbench.render({"env": env, "targets": [], "results": {"gemm": gemm_rows}}, Console(file=out, width=250))
     assert "graph vs bf16" in out.getvalue() and "1.25x" in out.getvalue() and "0.0040" in out.getvalue()
+
+
+def test_a_profile_finds_where_the_device_waited_and_keeps_the_timeline(tmp_path):
+    """``device_gaps``: the idle time between a run's kernels (overlapping kernels and copies count as
+    busy) and its longest gaps, with the kernels around each; ``export_trace`` writes the profiler's
+    timeline as gzipped Chrome-trace JSON."""
+    import gzip
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from jetrl_cli.bench import device_gaps, export_trace, format_gaps
+
+    def k(name, start, end, device=DeviceType.CUDA):
+        return NS(name=name, device_type=device, time_range=NS(start=start, end=end))
+
+    # a: 0-10, b overlaps a (5-30), host op (ignored), c after a 20 us gap, d after 5, e inside d
+    events = [k("c", 50, 60), k("a", 0, 10), k("b", 5, 30), k("host", 30, 90, DeviceType.CPU), k("d", 65, 100),
+              k("e", 70, 80)]
+    g = device_gaps(events)
+    assert g["idle_s"] == pytest.approx(25e-6) and g["span_s"] == pytest.approx(100e-6)
+    assert [(x["us"], x["after"], x["before"]) for x in g["gaps"]] == [(20.0, "b", "c"), (5.0, "c", "d")]
+    assert "device idle 0.0 ms of the 0.1 ms" in format_gaps(g)
+    assert device_gaps([k("host", 0, 9, DeviceType.CPU)]) == {"idle_s": 0.0, "span_s": 0.0, "gaps": []}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(4).add_(1)
+    path = export_trace(prof, str(tmp_path / "run-trace.json.gz"))
+    with gzip.open(path) as f:
+        assert "traceEvents" in json.load(f)
+    assert [p.name for p in tmp_path.iterdir()] == ["run-trace.json.gz"]

@@ -653,6 +653,45 @@ def test_logprob_backward_over_vocabulary_slices(monkeypatch, native, temperatur
         assert not head_grad.sliced_backward_applies(m, SamplingParams(top_k=5))
 
 
+def test_the_sliced_backward_keeps_the_heads_input_as_its_gemms_read_it(monkeypatch):
+    """Natively the lm_head's GEMMs read its fp32 input h in bf16: the forward keeps that bf16 operand
+    for the backward, not h (half the bytes), and the gradients are bit for bit those of keeping h;
+    the logprobs' and h's gradient's dtype is still h's. In the emulation (fp32 operands holding
+    rounded values) h itself is kept."""
+    from jetrl_cli.rl import head_grad
+
+    vocab = 600
+    for native in (True, False):
+        with _bf16_head_model(native, monkeypatch, vocab) as (m, g):
+            h = torch.randn(40, 128, generator=g).requires_grad_()
+            targets = torch.randint(0, vocab, (40,), generator=g)
+            up = torch.randn(40, generator=g)
+
+            def run():
+                saved = []
+
+                def pack(t):
+                    saved.append((t.dtype, tuple(t.shape)))
+                    return t
+
+                h.grad, m.lm_head.weight.grad = None, None
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    lp = trainer_mod.target_logprobs(m, h, targets, SamplingParams())
+                (lp * up).sum().backward()
+                return saved, lp.detach(), h.grad.clone(), m.lm_head.weight.grad.clone()
+
+            saved, *got = run()
+            assert (torch.bfloat16 if native else torch.float32, (40, 128)) in saved
+            assert (torch.float32, (40, 128)) not in saved if native else True
+            assert got[0].dtype == got[1].dtype == torch.float32
+            with monkeypatch.context() as mp:
+                mp.setattr(head_grad, "_backward_copy", lambda h, head: h)
+                saved_h, *want = run()
+            assert (torch.float32, (40, 128)) in saved_h
+            for a, b in zip(got, want):
+                assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprob_and_entropy_backward_over_vocabulary_slices(monkeypatch, native, temperature):

@@ -812,14 +812,15 @@ def test_gemm_operands_fall_back_to_the_reference_below_the_kernels_floor(fp8):
 
 
 class Spy:
-    """A Triton kernel whose launches' keyword arguments are noted in ``seen``."""
+    """A Triton kernel whose launches' keyword arguments are noted in ``seen`` (with ``name``: as
+    ``name``, beside them)."""
 
-    def __init__(self, kernel, seen: list):
-        self.kernel, self.seen = kernel, seen
+    def __init__(self, kernel, seen: list, name: str | None = None):
+        self.kernel, self.seen, self.name = kernel, seen, name
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.seen.append(kwargs)
+            self.seen.append(kwargs if self.name is None else {**kwargs, "name": self.name})
             return self.kernel[grid](*args, **kwargs)
         return launch
 
@@ -853,31 +854,44 @@ def test_the_pair_as_two_kernels_or_at_other_warps_writes_the_same_bits(fp8, war
 
 
 @needs_triton
-@pytest.mark.parametrize("warps", [8, 16])
-def test_the_swiglu_backward_at_other_warps_writes_the_same_bits(fp8, warps, monkeypatch):
-    """The SwiGLU backward kernels at 8 or 16 warps (``swiglu_config``: timed on a GPU) write the same
-    d[g, u] copies and h^T, and launch as asked."""
-    gu = quantize(spread(132, 512, seed=7, dtype=torch.bfloat16).to(dev()), CastSpec(E4, B1x128))
-    gy = spread(132, 256, seed=8, dtype=torch.bfloat16).to(dev())
-    gy[5, 3] = float("inf")
-    for dt, pad in ((torch.bfloat16, 128), (torch.float32, 4)):
-        want = fp8.swiglu_grad_quantize(gu, gy, dt, pad_tokens_to=pad, h_cols=True)
-        want_rows = fp8.swiglu_grad_quantize(gu, gy, dt, cols=False, pad_tokens_to=pad)
-        want_t = fp8.swiglu_quantize_t(gu, dt, pad_tokens_to=pad)
-        seen = []
-        for name in ("_swiglu_grad_quant_kernel", "_swiglu_quant_t_kernel"):
-            monkeypatch.setattr(fp8, name, Spy(getattr(fp8, name), seen))
-        with fp8.tile_warps(warps):
-            got = fp8.swiglu_grad_quantize(gu, gy, dt, pad_tokens_to=pad, h_cols=True)
-            got_rows = fp8.swiglu_grad_quantize(gu, gy, dt, cols=False, pad_tokens_to=pad)
-            got_t = fp8.swiglu_quantize_t(gu, dt, pad_tokens_to=pad)
-        monkeypatch.undo()
-        assert [k["num_warps"] for k in seen] == [warps] * 3
-        for a, b in [*zip(got, want), *zip(got_rows, want_rows), (got_t, want_t)]:
-            if b is None:
-                assert a is None
-                continue
-            assert same_data(a.data, b.data) and same_scales(a.scale, b.scale)
+@pytest.mark.parametrize("warps,one", [(8, True), (16, True), (8, False), (16, False)])
+def test_the_swiglu_backward_at_other_warps_writes_the_same_bits(fp8, warps, one, monkeypatch):
+    """The SwiGLU backward at 8 or 16 warps, as its one 128x128-tile kernel or as two kernels of small
+    tiles (``swiglu_config``: timed on a GPU), writes the same d[g, u] copies and h^T -- NaN and inf
+    groups, padding tokens and a last partial token group included -- and launches as asked."""
+    split = ("_swiglu_grad_rows_kernel", "_swiglu_grad_cols_kernel")
+    for m, pad in ((132, 128), (200, 4), (5, 1)):
+        gu = quantize(spread(m, 512, seed=7 + m, dtype=torch.bfloat16).to(dev()), CastSpec(E4, B1x128))
+        gy = spread(m, 256, seed=8 + m, dtype=torch.bfloat16).to(dev())
+        gy[m - 3, 3] = float("inf")
+        gy[1, 200] = float("nan")
+        for dt in (torch.bfloat16, torch.float32):
+            want = fp8.swiglu_grad_quantize(gu, gy, dt, pad_tokens_to=pad, h_cols=True)
+            want_rows = fp8.swiglu_grad_quantize(gu, gy, dt, cols=False, pad_tokens_to=pad)
+            want_cols = fp8.swiglu_grad_quantize(gu, gy, dt, rows=False, pad_tokens_to=pad)
+            want_t = fp8.swiglu_quantize_t(gu, dt, pad_tokens_to=pad)
+            seen = []
+            for name in ("_swiglu_grad_quant_kernel", "_swiglu_quant_t_kernel", *split):
+                monkeypatch.setattr(fp8, name, Spy(getattr(fp8, name), seen, name))
+            with fp8.tile_warps(warps, one_kernel=one):
+                got = fp8.swiglu_grad_quantize(gu, gy, dt, pad_tokens_to=pad, h_cols=True)
+                got_rows = fp8.swiglu_grad_quantize(gu, gy, dt, cols=False, pad_tokens_to=pad)
+                got_cols = fp8.swiglu_grad_quantize(gu, gy, dt, rows=False, pad_tokens_to=pad)
+                got_t = fp8.swiglu_quantize_t(gu, dt, pad_tokens_to=pad)
+            monkeypatch.undo()
+            assert all(k["num_warps"] == warps for k in seen)
+            if one:
+                assert [k["name"] for k in seen] == ["_swiglu_grad_quant_kernel"] * 3 + ["_swiglu_quant_t_kernel"]
+            else:  # the 1x128 kernel where rows are asked for, the 128x1 one where columns or h^T are
+                assert [k["name"] for k in seen] == [*split, split[0], split[1], split[1]]
+                assert [(k["COLS"], k["H_COLS"]) for k in seen if k["name"] == split[1]] == [
+                    (True, True), (True, False), (False, True)]
+            for a, b in [*zip(got, want), *zip(got_rows, want_rows), *zip(got_cols, want_cols), (got_t, want_t)]:
+                if b is None:
+                    assert a is None
+                    continue
+                assert a.data.shape == b.data.shape and a.scale.stride() == b.scale.stride()
+                assert same_data(a.data, b.data) and same_scales(a.scale, b.scale), (m, pad, dt)
 
 
 @needs_triton
@@ -931,37 +945,41 @@ def test_the_launch_configuration_is_timed_once_per_device_and_reported(fp8, mon
 
 @needs_triton
 def test_the_swiglu_backward_warps_are_timed_once_per_device_and_reported(fp8, monkeypatch):
-    """The SwiGLU backward kernel is timed as a training step runs it (d[g, u] both ways and h^T) at 8
-    and 16 warps at its first call on a GPU, and the fastest kept and reported; a timing that fails
-    keeps the default and says why. (Scripted times; on CPU the kernel runs in the interpreter.)"""
+    """The SwiGLU backward is timed as a training step runs it (d[g, u] both ways and h^T), as one
+    kernel and as two, at 8 and 16 warps, at its first call on a GPU, and the fastest kept and
+    reported; a timing that fails keeps the default and says why. (Scripted times; on CPU the
+    kernels run in the interpreter.)"""
     from jetrl_cli.precision import gemm
 
     monkeypatch.setattr(gemm, "_KERNELS", {})
     monkeypatch.setattr(fp8, "TIMING_SHAPE", (132, 512))
-    ms, timed = {8: 3.0, 16: 1.5}, []
+    ms = {(8, True): 3.0, (16, True): 1.5, (8, False): 1.0, (16, False): 2.0}
+    timed = []
 
     def device_time_ms(fn, device):
         rows, cols, h_t = fn()  # the training step's call: all three outputs
         assert rows is not None and cols is not None and h_t is not None
-        timed.append(fp8._FORCED.warps)
+        timed.append(tuple(fp8._FORCED))
         return ms[timed[-1]]
 
     monkeypatch.setattr(gemm, "device_time_ms", device_time_ms)
     where = torch.device(dev())
     got = fp8._choose_swiglu_warps(where)
     assert timed == list(ms) and fp8._FORCED is None
-    assert got["warps"] == 16 and got["kernel"] == "16 warps"
+    assert (got["warps"], got["one_kernel"], got["kernel"]) == (8, False, "two kernels at 8 warps")
     assert gemm.kernel_choice(fp8.SWIGLU_TILES_OP, where) is got
-    assert got["why"] == "timed on [g, u] 132 x 512: 8 warps 3.000 ms, 16 warps 1.500 ms"
+    assert got["why"] == ("timed on [g, u] 132 x 512: one kernel at 8 warps 3.000 ms, one kernel at 16 warps "
+                          "1.500 ms, two kernels at 8 warps 1.000 ms, two kernels at 16 warps 2.000 ms")
     probe = torch.zeros(2, 2, device=where)  # its kernels launch at the device's choice (CPU: the default)
-    assert fp8.swiglu_config(probe) == ((16, True) if where.type == "cuda" else (fp8.SWIGLU_WARPS, True))
+    assert fp8.swiglu_config(probe) == ((8, False) if where.type == "cuda" else (fp8.SWIGLU_WARPS, True))
 
     def broken(fn, device):
         raise RuntimeError("out of resources")
 
     monkeypatch.setattr(gemm, "device_time_ms", broken)
     got = fp8._choose_swiglu_warps(where)
-    assert got["warps"] == fp8.SWIGLU_WARPS and got["why"] == "not timed (RuntimeError: out of resources)"
+    assert (got["warps"], got["one_kernel"]) == (fp8.SWIGLU_WARPS, True)
+    assert got["why"] == "not timed (RuntimeError: out of resources)"
     assert fp8._FORCED is None
 
 
