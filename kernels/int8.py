@@ -192,13 +192,17 @@ def swiglu_quantize(gu: torch.Tensor, fmt: Format = Format.INT8, pow2_scale: boo
     q = torch.empty((m, i), dtype=torch.int8, device=gu.device)
     sc = torch.empty((m, 1), dtype=torch.float32, device=gu.device)
     if m and i:
-        block_k = min(triton.next_power_of_2(i), 1024)
+        decode = m <= DECODE_ROWS
         # a decode step's few rows one per program: h's exp and division are most of the work, and
-        # 4 rows a program left a 32-row step 8 programs for the whole GPU
-        rows = 1 if m <= DECODE_ROWS else max(1, min(16, 4096 // block_k))
+        # 4 rows a program left a 32-row step 8 programs for the whole GPU; and each of those few
+        # programs at 16 warps in chunks of up to 4096 (4 warps: one per scheduler, each waiting on
+        # its own exp and division; an 8960-wide row was two passes of 9 chunks of 1024). The bits
+        # do not depend on it: h is elementwise, its amax a max.
+        block_k = min(triton.next_power_of_2(i), 4096 if decode else 1024)
+        rows = 1 if decode else max(1, min(16, 4096 // block_k))
         _swiglu_rows_kernel[(triton.cdiv(m, rows),)](
             gu, q, sc, m, gu.stride(0), gu.stride(1), I=i, FLOOR=amax_floor, POW2=pow2_scale, ROWS=rows,
-            BLOCK_K=block_k, num_warps=4, enable_fp_fusion=FP_FUSION)
+            BLOCK_K=block_k, num_warps=16 if decode else 4, enable_fp_fusion=FP_FUSION)
     return QTensor(q, sc, spec), None
 
 
@@ -336,7 +340,9 @@ def quantize_rows(x: torch.Tensor, spec: CastSpec) -> QTensor:
     s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         block_k = min(triton.next_power_of_2(k), 1024)
-        rows = max(1, min(16, 4096 // block_k))
+        # a decode step's rows one per program (4 a program left a 32-row step 8 programs); a max
+        # and elementwise steps: the bits do not depend on it
+        rows = 1 if m <= DECODE_ROWS else max(1, min(16, 4096 // block_k))
         _row_quant_kernel[(triton.cdiv(m, rows),)](
             x, q, s, m, x.stride(0), x.stride(1), K=k, FLOOR=spec.amax_floor, POW2=spec.pow2_scale, ROWS=rows,
             BLOCK_K=block_k, num_warps=4, enable_fp_fusion=FP_FUSION)

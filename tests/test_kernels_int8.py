@@ -151,7 +151,8 @@ def test_norm_int8_quantizer_is_the_fp8_kernels_norm_and_the_row_quantizer(int8,
 
 
 @pytest.mark.parametrize("m,i,dtype,pow2", [(1, 96, torch.bfloat16, False), (7, 640, torch.float32, True),
-                                            (20, 1100, torch.bfloat16, False)])
+                                            (20, 1100, torch.bfloat16, False), (3, 4200, torch.bfloat16, True),
+                                            (70, 300, torch.float32, False)])  # decode: chunks of 4096; prefill
 def test_swiglu_int8_quantizer_is_the_row_quantizer_of_h(int8, m, i, dtype, pow2, seed):
     """``int8.swiglu_quantize``: h = g / (1 + exp(-g)) * u in fp32 (the FP8 SwiGLU kernel's form, with
     the interpreter's exp: numpy's), quantized per row -- ``quantize_rows``' bytes and scales on that
