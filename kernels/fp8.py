@@ -842,8 +842,8 @@ def _blockwise_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                          OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile of ``a @ b.T``: fp8 x fp8 -> fp32 per 128-wide K block, each
-    block's partial product scaled and added in K order (no split-K: called with a tile shape that
-    does not depend on M, a row's result does not depend on M -- what ``kernels.invariant`` does)."""
+    block's partial product scaled and added in K order (no split-K here; ``kernels.invariant``'s
+    batch-invariant GEMM follows this math in chunks of K fixed per weight, ``_fp8_mm_kernel``)."""
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)

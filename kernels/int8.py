@@ -268,7 +268,8 @@ def _int8_epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, rm, rn, M, N, stride_cm
                    OUT_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
     """``(float(acc) * scale_a) * scale_b`` in fp32 (``_int_mm``'s epilogue), rounded to c's dtype; with
     ``HAS_BIAS`` then ``+ bias`` (in c's dtype) as torch adds two tensors of that dtype -- in fp32,
-    rounded once more -- so the sum is the separate add's, bit for bit; stored."""
+    rounded once more -- so the sum is the separate add's, bit for bit (launched without contraction:
+    ``int8_mm``); stored."""
     sa = tl.load(sa_ptr + rm * stride_sa, mask=rm < M, other=0.0)
     sb = tl.load(sb_ptr + rn * stride_sb, mask=rn < N, other=0.0)
     out = acc.to(tl.float32) * sa[:, None] * sb[None, :]
@@ -399,6 +400,10 @@ def int8_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
         return c
     block_m, block_n, warps, stages = _mm_config(m, n)
     dev = a.data.device
+    # a bias is added to the product rounded to fp32, as the separate add adds it: with contraction on, the
+    # GPU compile made an fp32 output's (acc * sa) * sb + bias one FMA, rounded once (other last bits; the
+    # interpreter never contracts). Nothing else here to contract: without a bias, FP_FUSION as pinned.
+    fusion = FP_FUSION and bias is None
     if split is None:
         split = decode_split(block_m, n, k, dev, "int8") if m <= DECODE_ROWS else 1
     kblocks = triton.cdiv(k, 128)
@@ -414,14 +419,14 @@ def int8_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
         _int8_split_sum_kernel[grid](
             part, c, a.scale, b.scale, c if bias is None else bias, m, n, splits, ssa, ssb,
             OUT_BF16=out_dtype == torch.bfloat16, HAS_BIAS=bias is not None, INTERPRET=_interpreting(),
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, enable_fp_fusion=FP_FUSION)
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, enable_fp_fusion=fusion)
         return c
     _int8_mm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         a.data, b.data, c, a.scale, b.scale, c if bias is None else bias, m, n, k,
         a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1), c.stride(0), c.stride(1), ssa, ssb,
         OUT_BF16=out_dtype == torch.bfloat16, HAS_BIAS=bias is not None, INTERPRET=_interpreting(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, num_stages=stages,
-        enable_fp_fusion=FP_FUSION)
+        enable_fp_fusion=fusion)
     return c
 
 

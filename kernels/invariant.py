@@ -14,12 +14,21 @@ is not associative, so the low bits differ, and so do the logprobs.
 **What makes each kernel here invariant.**
 
 - ``invariant_mm`` / ``invariant_blockwise_mm``: ONE tile configuration for every M (``MM_CONFIG``,
-  ``FP8_MM_CONFIG``: block sizes, warps, pipeline stages), no split-K, K walked in one fixed order
-  from 0 upward, one program per output tile. An output element is the same chain of tile dots
-  whatever M is; which rows share its tile does not matter because rows of a dot never mix. M is
-  not specialised on (``do_not_specialize``), so M = 1 compiles the same code as M = 4096.
-  ``invariant_blockwise_mm`` follows ``kernels.fp8.blockwise_mm``'s math: per 128-wide K block an fp32
-  dot of the fp8 values, times the two scales, added to an fp32 accumulator in K order.
+  ``FP8_MM_CONFIG``: block sizes, warps, pipeline stages) and ONE split of K per weight:
+  ``k_chunks(K, N, ...)`` cuts K's BLOCK_K steps into S consecutive chunks, a function of K, N and the
+  tile, never of M or of the device (a table of choices, no timing). The bits of an output element
+  are defined as: each chunk's fp32 sum of its tile dots, from zero, in K order; the chunks' sums
+  added in order, ((p_0 + p_1) + p_2) + ...; then the bias; then one rounding to the output dtype.
+  Two launches compute exactly that. Split mode (grid M tiles x N tiles x S: each program writes one
+  chunk's sum to an fp32 workspace, then ``_chunk_sum_kernel`` adds the S partials in order) runs
+  when a call has few output tiles (``SPLIT_BELOW_TILES``: a decode step); chunked mode (grid M tiles
+  x N tiles: each program walks every chunk, its chunk sum restarted from zero at each boundary and
+  added there to a running total) runs otherwise (prefill, training). The choice depends on M; the
+  bits do not. Which rows share a tile does not matter because rows of a dot never mix. M is not
+  specialised on (``do_not_specialize``), so M = 1 compiles the same code as M = 4096. With S = 1
+  (a wide weight, a short K) both modes are the unsplit kernel. ``invariant_blockwise_mm`` follows
+  ``kernels.fp8.blockwise_mm``'s math: per 128-wide K block an fp32 dot of the fp8 values, times the
+  two scales, added to the chunk's fp32 sum in K order (its ``split=S`` runs, summed in the same order).
 - ``invariant_attention``: one program owns a block of query rows of one (sequence, head) and walks
   ALL their keys in fixed blocks of ``ATT_BLOCK_N`` from key 0 upward (online softmax; no split-KV,
   whatever t or the key width). A query at key index p sees keys 0..p; blocks past p are fully
@@ -31,17 +40,24 @@ is not associative, so the low bits differ, and so do the logprobs.
   ``ROW_BLOCK`` lanes; each lane accumulates its chunks in order, then one fixed-shape tree reduces
   the lanes. The number of rows only sets the number of programs.
 
-**What it costs, and why (NOT measured: no GPU was available when this was written).** A fixed
-tile cannot suit every M: a decode GEMM with M = 8 still runs 64-row tiles (most of each tensor-core
-instruction multiplies padding), and with no split-K a small-M GEMM has only N / 128 programs to
-spread over the SMs (132 on an H100), so decode GEMMs may leave much of the GPU idle where cuBLAS
-would split K. Decode attention without split-KV runs one program per (sequence, head) over the
-whole key range, which leaves SMs idle at small batch and long contexts (that is what
-flash-decoding exists to fix). For prefill and training the tile is a reasonable one, but one that
-no autotuner chose, and cuBLAS / FlashAttention-3 use Hopper's wgmma + TMA pipelines that Triton
-reaches only partly. fp32 operands run IEEE fp32 dots on the CUDA cores (no tensor cores, no TF32),
-many times slower than bf16: use them for checks, not speed. Expect the largest cost at decode; any
-number here would be a guess.
+**What it costs, and why.** Measured on an H200 before K was split (``docs/benchmarks.md``, third
+run; Qwen2.5-1.5B, a rollout of 32 sequences x 64 new tokens, a train step of 4 x 256): the mode took
+2.40x its fast path's rollout time in bf16 and 1.92x in fp8-unified, 1.26x and 1.61x of the train
+step. A fixed tile cannot suit every M: a decode GEMM with M = 32 still runs 64-row tiles (half of
+each tensor-core instruction multiplies padding), and unsplit it had only N / 128 programs (12 for
+o_proj and down_proj, 16 for q/k/v) on 132 SMs, each streaming its whole K alone. Split, a decode
+GEMM runs S times the programs (3 x 12 and 3 x 16 for o_proj and q/k/v; down_proj 16 x 12 in bf16,
+14 x 12 in FP8; gate/up and lm_head, wide, are not split), for S x M x N fp32 partials written and
+read back and a second launch. Chunked mode adds to a prefill or training GEMM one fp32 add per
+accumulator element and chunk, and a second fp32 tile in registers (the FP8 kernel, whose block
+products take a third, then reads rows past the edges as the last row instead of masking them, to
+stay within 255 registers unspilled). The speed with the split is NOT measured yet. Decode attention
+without split-KV runs one program per (sequence, head) over the whole key range, which leaves SMs
+idle at small batch and long contexts (that is what flash-decoding exists to fix). For prefill and
+training the tile is a reasonable one, but one that no autotuner chose, and cuBLAS /
+FlashAttention-3 use Hopper's wgmma + TMA pipelines that Triton reaches only partly. fp32 operands
+run IEEE fp32 dots on the CUDA cores (no tensor cores, no TF32), many times slower than bf16: use
+them for checks, not speed.
 
 **Checked without a GPU, and not.** The values and the invariance are tested in Triton's
 interpreter (``tests/test_kernels_invariant.py``). The compiled code is checked offline
@@ -50,9 +66,12 @@ machine's) and 3.9, the bf16 and FP8 ones without register spills and on wgmma. 
 integer arguments on ``== 1`` and divisibility by 16 (the key width, strides, a scale grid's stride
 that equals M), so a decode step and the trainer's forward do run different compilations of one
 kernel; for every kernel here those compilations (M = 1, 7, 64, 4096; key width 1, 37, 300, 512,
-1024; strided or contiguous queries) have the same floating-point instructions in the same program
-order in the PTX, and the same ones in the SASS. Not yet checked on a GPU: their speed, and the
-bits themselves (``tests/test_kernels_invariant.py`` runs there unchanged, on CUDA tensors).
+1024; strided or contiguous queries; each GEMM in both modes) have the same floating-point
+instructions in the same program order in the PTX, and the same ones in the SASS; a GEMM's chunked
+kernel has its split kernel's instructions plus the chunk adds and the output's rounding. The
+unsplit GEMMs ran bitwise on-policy on an H100 and an H200; the split ones are not yet checked on a
+GPU, neither their speed nor their bits (``tests/test_kernels_invariant.py`` runs there unchanged,
+on CUDA tensors).
 
 **Numerics.** fp32 accumulation throughout; bf16 operands go to bf16 tensor-core dots (products of
 bf16 are exact in fp32), fp32 operands to IEEE fp32 dots (``input_precision="ieee"``, never TF32).
@@ -76,13 +95,14 @@ import triton.language as tl
 from jetrl_cli.precision.quant import QTensor
 
 from .attention import check_kv_scales, dequant_kv, dequantized_reference, pv_accumulate
-from .fp8 import FP_FUSION, _blockwise_mm_kernel, _interpreting, _to_bf16
+from .fp8 import FP_FUSION, _interpreting, _to_bf16
 
 # The one tile configuration of each kernel. Changing a value changes results (it is part of the math).
 MM_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
 FP8_MM_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)  # BLOCK_K = scale block
 ATT_BLOCK_M, ATT_BLOCK_N, ATT_WARPS, ATT_STAGES = 64, 64, 4, 2
 ROW_BLOCK, ROW_WARPS = 1024, 4
+SUM_BLOCK, SUM_WARPS = 1024, 4  # outputs per program of split mode's sum of the chunks
 LOG2E = 1.4426950408889634
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -96,18 +116,155 @@ def _check_device(where: str, *ts: torch.Tensor) -> None:
                          f"in Triton's interpreter), got {dev}")
 
 
+# --- the fixed split of K ---------------------------------------------------------------------------
+
+# K is cut into chunks by ``k_chunks``, a pure function of (K, N, BLOCK_N, BLOCK_K): the same chunks for
+# a decode step's GEMM and the trainer's, on any GPU. Changing a value changes results (part of the math).
+SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)  # chunk counts k_chunks picks from
+MIN_CHUNK_K = 512  # a chunk spans >= this much of K on average: 8 bf16 steps of 64, 4 FP8 steps of 128
+SPLIT_PROGRAMS = 264  # column tiles x chunks at most this: two programs per SM of a 132-SM H100 / H200
+# A launch choice, not part of the math (both modes give the same bits): split mode (one program per
+# chunk, then ``_chunk_sum_kernel``) when a call has fewer output tiles than this, else chunked mode.
+SPLIT_BELOW_TILES = 132
+
+
+def k_chunks(k: int, n: int, block_n: int, block_k: int) -> tuple[int, int]:
+    """How ``invariant_mm`` / ``invariant_blockwise_mm`` cut the K of an N x K weight: ``(chunks, steps)``,
+    K walked in ``cdiv(K, block_k)`` steps of ``block_k``, cut into ``chunks`` runs of ``steps`` steps
+    (the last run shorter where the steps do not divide evenly). A chunk boundary is a multiple of
+    ``block_k`` (for FP8, of the 128-wide scale block).
+
+    The rule: the largest s of ``SPLIT_CHOICES`` with ``steps_total >= s * cdiv(MIN_CHUNK_K, block_k)``
+    (chunks of >= 512 of K on average: each program still walks a few pipelined steps) and
+    ``cdiv(n, block_n) * s <= SPLIT_PROGRAMS`` (a decode step's GEMM, one row tile, gets up to two
+    programs per SM, and a wide weight is not split at all); then ``steps = cdiv(steps_total, s)``
+    and ``chunks = cdiv(steps_total, steps)``. Never a function of M or of the device: the rollout and
+    the trainer must cut K alike wherever they run. N is the GEMM's: layers run as one GEMM on their
+    concatenated weight (``linear_group``: q/k/v, gate/up, in the rollout and the trainer alike) are
+    cut by the group's N, so a layer run alone (``separate_linears``, a diagnostic) may be cut
+    otherwise and differ in its last bits. Qwen2.5-1.5B (N x K, bf16 | FP8): q/k/v 2048 x 1536
+    and o_proj 1536 x 1536: 3 chunks of 8 | 4 steps; gate/up 17920 x 1536 and lm_head: 1 chunk;
+    down_proj 1536 x 8960: 16 chunks of 9 steps | 14 of 5."""
+    total = triton.cdiv(k, block_k)
+    tiles = triton.cdiv(n, block_n)
+    least = triton.cdiv(MIN_CHUNK_K, block_k)
+    s = max(c for c in SPLIT_CHOICES if c == 1 or (total >= c * least and tiles * c <= SPLIT_PROGRAMS))
+    steps = triton.cdiv(total, s) if total else 1
+    return (triton.cdiv(total, steps) if total else 1), steps
+
+
+def _launch_mode(mode: str | None, chunks: int, tiles: int) -> str:
+    """The kernels' MODE: "split", "chunked", or "whole" (chunked mode of one chunk: K in one sum, no
+    running total held beside it; the same bits, since the total starts at -0.0). ``mode`` ("split",
+    "chunked") forces one (tests, offline compiles)."""
+    if mode not in (None, "split", "chunked"):
+        raise ValueError(f"mode must be 'split', 'chunked' or None, not {mode!r}")
+    if mode == "split" or (mode is None and chunks > 1 and tiles < SPLIT_BELOW_TILES):
+        return "split"
+    return "chunked" if chunks > 1 else "whole"
+
+
+@triton.jit(do_not_specialize=["MN"])
+def _chunk_sum_kernel(p_ptr, c_ptr, bias_ptr, MN, N, S, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
+                      INTERPRET: tl.constexpr, BLOCK: tl.constexpr):
+    """Split mode's second step: ``c = ((p[0] + p[1]) + ...) + p[S-1] (+ bias)`` in fp32, in that order,
+    rounded once to c's dtype (p: S x M x N, c: M x N, both contiguous). The chunked kernels add the
+    same partials in the same order, so the two modes give the same bits."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < MN
+    total = tl.full((BLOCK,), -0.0, tl.float32)  # -0.0 + x == x for every x: total = p[0] exactly
+    at = p_ptr + i
+    for _ in range(0, S):
+        total += tl.load(at, mask=ok, other=0.0)
+        at += MN
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + i % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(c_ptr + i, _to_bf16(total, INTERPRET) if OUT_BF16 else total, mask=ok)
+
+
+def _sum_chunks(p: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None) -> None:
+    m, n = c.shape
+    _chunk_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+        p, c, bias if bias is not None else c, m * n, n, p.shape[0], HAS_BIAS=bias is not None,
+        OUT_BF16=c.dtype == torch.bfloat16, INTERPRET=_interpreting(), BLOCK=SUM_BLOCK, num_warps=SUM_WARPS,
+        enable_fp_fusion=FP_FUSION)
+
+
+def _by_chunks(parts: list[torch.Tensor], steps: int) -> torch.Tensor:
+    """The order the kernels add in: ``parts`` (one per K step) summed from zero in order within each run
+    of ``steps``, the runs' sums then added in order (the first taken as it is)."""
+    total = None
+    for c0 in range(0, len(parts), steps):
+        p = torch.zeros_like(parts[0])
+        for x in parts[c0:c0 + steps]:
+            p = p + x
+        total = p if total is None else total + p
+    return total
+
+
 # --- dense GEMM -------------------------------------------------------------------------------------
 
+@triton.jit
+def _branch_zeros(x, INTERPRET: tl.constexpr):
+    """fp32 zeros shaped as ``x`` (+0.0, as ``tl.zeros``), made in the branch that ends a chunk. On a GPU
+    by an asm statement marked impure: LLVM then cannot if-convert the branch, whose arithmetic it
+    would otherwise run at every K step as selects (64 ``add`` and 128 ``selp`` per thread and step in
+    the FP8 kernel, whose chunk end waits on nothing)."""
+    if INTERPRET:
+        return tl.zeros(x.shape, dtype=tl.float32)
+    return tl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _chunk_range(K, CHUNK, MODE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K steps a program walks: chunk ``program_id(2)``'s in split mode, all of them else."""
+    steps = tl.cdiv(K, BLOCK_K)
+    if MODE == "split":
+        kb0 = tl.program_id(2) * CHUNK
+        kb1 = tl.minimum(kb0 + CHUNK, steps)
+    else:
+        kb0 = 0
+        kb1 = steps
+    return kb0, kb1
+
+
+@triton.jit
+def _chunk_out(acc, total, c_ptr, p_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, MODE: tl.constexpr,
+               HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """A program's result: split mode, its chunk's fp32 sum ``acc`` into ``p[program_id(2)]`` (S x M x N,
+    contiguous); chunked mode, ``total (+ bias)`` rounded once into c (whole: ``acc``, its one chunk)."""
+    ok = (rm < M)[:, None] & (rn < N)[None, :]
+    if MODE == "split":
+        tl.store(p_ptr + tl.program_id(2).to(tl.int64) * M * N + rm.to(tl.int64)[:, None] * N + rn[None, :], acc,
+                 mask=ok)
+    else:
+        if MODE == "whole":
+            total = acc  # == -0.0 + acc, bit for bit
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        out = _to_bf16(total, INTERPRET) if OUT_BF16 else total
+        tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn, out, mask=ok)
+
+
 @triton.jit(do_not_specialize=["M"])
-def _mm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
-               stride_cm, stride_cn, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, F32_DOT: tl.constexpr,
-               INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _mm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, p_ptr, M, N, K, CHUNK, stride_am, stride_ak, stride_bn, stride_bk,
+               stride_cm, stride_cn, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
+               F32_DOT: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) tile of ``a @ b.T``, K in chunks of CHUNK steps of BLOCK_K. MODE "split":
+    program (m, n, c) sums chunk c's steps from zero in K order and writes that fp32 partial to ``p[c]``
+    (``_chunk_sum_kernel`` adds them). "chunked": one program walks all steps, its chunk sum restarted
+    from zero at each chunk boundary and added there to a running total, in chunk order (a branch taken
+    once per chunk: it waits for the tensor cores' sum, so it stays a branch). "whole": one chunk."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    kb0, kb1 = _chunk_range(K, CHUNK, MODE, BLOCK_K)
+    end = tl.minimum(kb0 + CHUNK, kb1) - 1  # the last step of the current chunk
+    total = tl.full((BLOCK_M, BLOCK_N), -0.0, tl.float32)  # -0.0 + x == x for every x: total = p_0 exactly
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # one fixed order over K, no split
-        k = k0 + rk
+    for kb in range(kb0, kb1):  # K in one fixed order
+        k = kb * BLOCK_K + rk
         a = tl.load(a_ptr + rm.to(tl.int64)[:, None] * stride_am + k[None, :] * stride_ak,
                     mask=(rm < M)[:, None] & (k < K)[None, :], other=0.0)
         b = tl.load(b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn,
@@ -116,11 +273,13 @@ def _mm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, str
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    out = _to_bf16(acc, INTERPRET) if OUT_BF16 else acc
-    tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn, out,
-             mask=(rm < M)[:, None] & (rn < N)[None, :])
+        if MODE == "chunked":
+            if kb == end:  # a chunk ends: into the total, the next chunk's sum from zero
+                total += acc
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                end = tl.minimum(end + CHUNK, kb1 - 1)
+    _chunk_out(acc, total, c_ptr, p_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, MODE, HAS_BIAS, OUT_BF16,
+               INTERPRET)
 
 
 def _check_out_dtype(where: str, out_dtype: torch.dtype) -> None:
@@ -135,9 +294,10 @@ def _check_bias(where: str, bias: torch.Tensor | None, n: int) -> None:
 
 
 def invariant_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                 out_dtype: torch.dtype = torch.float32, *, _mode: str | None = None) -> torch.Tensor:
     """``a @ b.T (+ bias)`` (a: M x K, b: N x K, bf16 or fp32), fp32 accumulation, one tile config for
-    every M: row i of the result does not depend on M or on the other rows of ``a``."""
+    every M and K cut into the chunks ``k_chunks`` gives for (K, N): row i of the result does not depend
+    on M or on the other rows of ``a``. ``_mode`` forces split or chunked mode (same bits; tests)."""
     where = "invariant_mm"
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"{where}: shapes {tuple(a.shape)} and {tuple(b.shape)} do not match as a @ b.T")
@@ -156,26 +316,85 @@ def invariant_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = N
         return c.copy_((bias.float() if bias is not None else torch.zeros(n, device=a.device)).expand(m, n))
     interp = _interpreting()
     cfg = MM_CONFIG
+    chunks, steps = k_chunks(k, n, cfg["BLOCK_N"], cfg["BLOCK_K"])
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
-    _mm_kernel[grid](a, b, bias if bias is not None else c, c, m, n, k, a.stride(0), a.stride(1), b.stride(0),
-                     b.stride(1), c.stride(0), c.stride(1), HAS_BIAS=bias is not None,
-                     OUT_BF16=out_dtype == torch.bfloat16,
-                     F32_DOT=interp or a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16,
-                     INTERPRET=interp, enable_fp_fusion=FP_FUSION, **cfg)
+    mode = _launch_mode(_mode, chunks, grid[0] * grid[1])
+    split = mode == "split"
+    p = torch.empty((chunks, m, n), dtype=torch.float32, device=a.device) if split else c
+    _mm_kernel[grid + ((chunks,) if split else ())](
+        a, b, bias if bias is not None else c, c, p, m, n, k, steps, a.stride(0), a.stride(1), b.stride(0),
+        b.stride(1), c.stride(0), c.stride(1), MODE=mode, HAS_BIAS=bias is not None,
+        OUT_BF16=out_dtype == torch.bfloat16,
+        F32_DOT=interp or a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16,
+        INTERPRET=interp, enable_fp_fusion=FP_FUSION, **cfg)
+    if split:
+        _sum_chunks(p, c, bias)
     return c
 
 
 def mm_reference(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The math of ``invariant_mm`` in plain torch: fp32 (fp64 for fp64 inputs) ``a @ b.T + bias``."""
+                 out_dtype: torch.dtype | None = None, chunked: bool = False) -> torch.Tensor:
+    """The math of ``invariant_mm`` in plain torch: fp32 (fp64 for fp64 inputs) ``a @ b.T + bias``.
+    ``chunked``: in the kernel's order -- each ``BLOCK_K`` step's ``a @ b.T`` added in K order to its
+    chunk's sum (``k_chunks``), the chunks' sums added in order (bitwise the kernel's in the
+    interpreter where every step's product is exact in fp32; torch sums within a step its own way)."""
     ct = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
-    c = a.to(ct) @ b.to(ct).t()
+    if chunked and a.shape[1]:
+        bk = MM_CONFIG["BLOCK_K"]
+        k = a.shape[1]
+        steps = k_chunks(k, b.shape[0], MM_CONFIG["BLOCK_N"], bk)[1]
+        c = _by_chunks([a[:, k0:k0 + bk].to(ct) @ b[:, k0:k0 + bk].to(ct).t() for k0 in range(0, k, bk)], steps)
+    else:
+        c = a.to(ct) @ b.to(ct).t()
     if bias is not None:
         c = c + bias.to(ct)
     return c if out_dtype is None else c.to(out_dtype)
 
 
 # --- blockwise FP8 GEMM -----------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_mm_kernel(a_ptr, b_ptr, c_ptr, p_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, CHUNK,
+                   stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+                   stride_sam, stride_sak, stride_sbn, stride_sbk, MODE: tl.constexpr,
+                   SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) tile of ``a @ b.T`` for FP8 operands, ``kernels.fp8.blockwise_mm``'s math
+    per 128-wide K block (BLOCK_K): an fp32 dot of the fp8 values, times the block's two scales, added
+    to the chunk's sum. K in chunks of CHUNK blocks, split or chunked as ``_mm_kernel``.
+
+    Rows of a past M and rows of b past N are read as a's last row and b's last row, not masked: an
+    output element is a dot of its own row and column only, and those past the edges are not stored.
+    Fewer masks leave the chunked mode (three 64 x 128 fp32 tiles live: the total, the chunk's sum
+    and the block's product) within the 255 registers without spills."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ra = tl.minimum(rm, M - 1)
+    rb = tl.minimum(rn, N - 1)
+    rk = tl.arange(0, BLOCK_K)
+    kb0, kb1 = _chunk_range(K, CHUNK, MODE, BLOCK_K)
+    end = tl.minimum(kb0 + CHUNK, kb1) - 1  # the last block of the current chunk
+    total = tl.full((BLOCK_M, BLOCK_N), -0.0, tl.float32)  # -0.0 + x == x for every x: total = p_0 exactly
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(kb0, kb1):  # K blocks in one fixed order
+        k = kb * BLOCK_K + rk
+        a = tl.load(a_ptr + ra.to(tl.int64)[:, None] * stride_am + k[None, :] * stride_ak, mask=(k < K)[None, :],
+                    other=0.0)
+        b = tl.load(b_ptr + k[:, None] * stride_bk + rb[None, :] * stride_bn,  # (BLOCK_K, BLOCK_N): K-major B
+                    mask=(k < K)[:, None], other=0.0)
+        part = tl.dot(a, b, out_dtype=tl.float32)
+        sa = tl.load(sa_ptr + (ra // SA_ROWS) * stride_sam + kb * stride_sak)
+        sb = tl.load(sb_ptr + (rb // SB_ROWS) * stride_sbn + kb * stride_sbk)
+        acc += part * sa[:, None] * sb[None, :]  # promote each 128-wide K block with its scales
+        if MODE == "chunked":
+            if kb == end:  # a chunk ends: into the total, the next chunk's sum from zero
+                total += acc
+                acc = _branch_zeros(acc, INTERPRET)
+                end = tl.minimum(end + CHUNK, kb1 - 1)
+    _chunk_out(acc, total, c_ptr, p_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, MODE, HAS_BIAS, OUT_BF16,
+               INTERPRET)
+
 
 def _k_scale_rows(where: str, name: str, op: QTensor) -> int:
     """Rows sharing one scale along K-blocks of 128 (1 or 128); checks the operand."""
@@ -193,9 +412,10 @@ def _k_scale_rows(where: str, name: str, op: QTensor) -> int:
 
 
 def invariant_blockwise_mm(a: QTensor, b: QTensor, bias: torch.Tensor | None = None,
-                           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                           out_dtype: torch.dtype = torch.float32, *, _mode: str | None = None) -> torch.Tensor:
     """``a @ b.T (+ bias)`` for FP8 operands (a: M x K, b: N x K) with 1x128 or 128x128 scales along K,
-    ``kernels.fp8.blockwise_mm``'s math with one fixed tile config: rows independent of M."""
+    ``kernels.fp8.blockwise_mm``'s math per K block with one fixed tile config and K cut into the chunks
+    ``k_chunks`` gives for (K, N): rows independent of M. ``_mode`` as ``invariant_mm``'s."""
     where = "invariant_blockwise_mm"
     sa_rows, sb_rows = _k_scale_rows(where, "a", a), _k_scale_rows(where, "b", b)
     if a.data.shape[1] != b.data.shape[1]:
@@ -211,13 +431,19 @@ def invariant_blockwise_mm(a: QTensor, b: QTensor, bias: torch.Tensor | None = N
     if k == 0:
         return c.copy_((bias.float() if bias is not None else torch.zeros(n, device=c.device)).expand(m, n))
     cfg = FP8_MM_CONFIG
+    chunks, steps = k_chunks(k, n, cfg["BLOCK_N"], cfg["BLOCK_K"])
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
-    _blockwise_mm_kernel[grid](  # kernels.fp8's kernel, at one fixed tile configuration
-        a.data, b.data, c, a.scale, b.scale, bias if bias is not None else c, m, n, k,
+    mode = _launch_mode(_mode, chunks, grid[0] * grid[1])
+    split = mode == "split"
+    p = torch.empty((chunks, m, n), dtype=torch.float32, device=c.device) if split else c
+    _fp8_mm_kernel[grid + ((chunks,) if split else ())](
+        a.data, b.data, c, p, a.scale, b.scale, bias if bias is not None else c, m, n, k, steps,
         a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1), c.stride(0), c.stride(1),
-        a.scale.stride(0), a.scale.stride(1), b.scale.stride(0), b.scale.stride(1),
+        a.scale.stride(0), a.scale.stride(1), b.scale.stride(0), b.scale.stride(1), MODE=mode,
         SA_ROWS=sa_rows, SB_ROWS=sb_rows, HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16,
         INTERPRET=_interpreting(), enable_fp_fusion=FP_FUSION, **cfg)
+    if split:
+        _sum_chunks(p, c, bias)
     return c
 
 
@@ -225,15 +451,17 @@ def blockwise_mm_reference(a: QTensor, b: QTensor, bias: torch.Tensor | None = N
                            out_dtype: torch.dtype | None = None,
                            compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The math of ``invariant_blockwise_mm``: per 128-wide K block ``(qa @ qb.T) * sa * sb``, summed
-    over blocks in K order, in ``compute_dtype`` (fp64 gives the exact value of the quantized GEMM)."""
+    over blocks in K order within each chunk (``k_chunks``), the chunks' sums added in order, in
+    ``compute_dtype`` (fp64 gives the exact value of the quantized GEMM)."""
     m, k = a.data.shape
     n = b.data.shape[0]
     sa = a.scale.to(compute_dtype).repeat_interleave(a.spec.block.rows, 0)[:m]
     sb = b.scale.to(compute_dtype).repeat_interleave(b.spec.block.rows, 0)[:n]
     qa, qb = a.data.to(compute_dtype), b.data.to(compute_dtype)
-    c = torch.zeros((m, n), dtype=compute_dtype, device=a.data.device)
-    for kb, k0 in enumerate(range(0, k, 128)):
-        c += (qa[:, k0:k0 + 128] @ qb[:, k0:k0 + 128].t()) * sa[:, kb, None] * sb[None, :, kb]
+    parts = [(qa[:, k0:k0 + 128] @ qb[:, k0:k0 + 128].t()) * sa[:, kb, None] * sb[None, :, kb]
+             for kb, k0 in enumerate(range(0, k, 128))]
+    steps = k_chunks(k, n, FP8_MM_CONFIG["BLOCK_N"], 128)[1]
+    c = _by_chunks(parts, steps) if parts else torch.zeros((m, n), dtype=compute_dtype, device=a.data.device)
     if bias is not None:
         c = c + bias.to(compute_dtype)
     return c if out_dtype is None else c.to(out_dtype)

@@ -57,6 +57,14 @@ def ptx_mma(ptx: str) -> list[str]:
     return sorted({m.group(1) for line in ptx.splitlines() if (m := _PTX_MMA.match(line))})
 
 
+_PTX_FMA_ONE = re.compile(r"^\s*(?:@!?%p\d+\s+)?fma\.rn\.f32\s+%r\d+, %r\d+, %r\d+, 0f3F800000;", re.M)
+
+
+def ptx_fma_plus_one(ptx: str) -> int:
+    """How many ``fma.rn.f32 d, a, b, 1.0`` the PTX has: ``1 + a * b`` contracted into one rounding."""
+    return len(_PTX_FMA_ONE.findall(ptx))
+
+
 def ptx_f32_consts(ptx: str) -> list[str]:
     """The fp32 immediates of the PTX (``0f4B400000`` is 1.5 * 2^23), each once."""
     return sorted(set(_PTX_F32_CONST.findall(ptx)))
@@ -138,6 +146,14 @@ def _qtensor(rows: int, k: int, block_rows: int):
     return QTensor(data, scale, CastSpec(Format.FP8_E4M3, Block(block_rows, 128), False, 1e-12))
 
 
+def _split(warps: int, fn):
+    """``fn()`` with the SwiGLU backward as its two kernels at ``warps`` warps."""
+    from jetrl_cli.kernels import fp8
+
+    with fp8.tile_warps(warps, one_kernel=False):
+        return fn()
+
+
 def _words(fn):
     """``fn()`` with W^T's bytes moved by the word-transposing kernel (a GPU's timed choice)."""
     from jetrl_cli.kernels import fp8
@@ -174,6 +190,10 @@ def cases():
         out.append((f"swiglu_grad_quantize h_cols pow2={pow2}", None, lambda p=pow2: fp8.swiglu_grad_quantize(
             _qtensor(4096, 2 * inter, 1), torch.zeros(4096, inter, dtype=bf), bf, pow2_scale=p, pad_tokens_to=128,
             h_cols=True)))
+        for w in (8, 16):  # its two kernels of small tiles (a GPU's timed choice)
+            out.append((f"swiglu_grad_quantize split {w} warps pow2={pow2}", None, lambda p=pow2, w=w: _split(
+                w, lambda: fp8.swiglu_grad_quantize(_qtensor(4096, 2 * inter, 1), torch.zeros(4096, inter, dtype=bf), bf,
+                                                    pow2_scale=p, pad_tokens_to=128, h_cols=True))))
         res, wn = torch.zeros(4096, hidden), torch.ones(hidden)  # fp32 residual stream, bf16 attention output
         out.append((f"rms_norm_quantize train pow2={pow2}", None, lambda r=res, p=pow2: fp8.rms_norm_quantize(
             r, r.to(bf), wn, 1e-6, torch.float32, pow2_scale=p, write_y=True, rsqrt=True)))
@@ -209,6 +229,10 @@ def cases():
                                                                   out_dtype=bf)))  # down_proj: narrower tiles
     out.append(("int8 bias GEMM M=32 (q/k/v)", None, lambda: int8.int8_mm(  # the bias in the epilogue
         int8_op(32, hidden), int8_op(2048, hidden), out_dtype=bf, bias=torch.zeros(2048, dtype=bf))))
+    out.append(("int8 bias GEMM M=7 fp32", None, lambda: int8.int8_mm(  # an fp32 output: a mul and an add
+        int8_op(7, hidden), int8_op(2048, hidden), bias=torch.zeros(2048))))
+    out.append(("split-K int8 bias GEMM M=32 fp32", None, lambda: int8.int8_mm(
+        int8_op(32, inter), int8_op(hidden, inter), split=4, bias=torch.zeros(hidden))))
     spec8 = CastSpec(Format.INT8, Block(1, 0))
     res8 = torch.zeros(64, hidden)
     out.append(("int8 norm quantizer decode", None, lambda: int8.rms_norm_quantize(
@@ -225,16 +249,33 @@ def cases():
     for m in (1, 7, 64, 4096):  # decode (one row, a few), prefill, training
         out.append((f"blockwise_mm M={m}", None, lambda m=m: fp8.blockwise_mm(
             _qtensor(m, hidden, 1), _qtensor(inter, hidden, 128), out_dtype=bf)))
-        out.append((f"invariant_blockwise_mm M={m}", "invariant_blockwise_mm", lambda m=m: invariant.invariant_blockwise_mm(
-            _qtensor(m, hidden, 1), _qtensor(inter, hidden, 128), out_dtype=bf)))
-        out.append((f"invariant_mm bf16 M={m}", "invariant_mm bf16", lambda m=m: invariant.invariant_mm(
-            torch.zeros(m, hidden, dtype=bf), torch.zeros(inter, hidden, dtype=bf), out_dtype=bf)))
-        out.append((f"invariant_mm fp32 M={m}", "invariant_mm fp32", lambda m=m: invariant.invariant_mm(
-            torch.zeros(m, hidden), torch.zeros(256, hidden))))
+        # the GEMMs in each of their two launch modes (K in 3 chunks here), forced at every M: one
+        # arithmetic per mode whatever M (split mode: the chunks' kernel and the sum of the chunks)
+        for mode in ("chunked", "split"):
+            sfx = "" if mode == "chunked" else " split"
+            out.append((f"invariant_blockwise_mm{sfx} M={m}", f"invariant_blockwise_mm{sfx}",
+                        lambda m=m, mode=mode: invariant.invariant_blockwise_mm(
+                            _qtensor(m, hidden, 1), _qtensor(inter, hidden, 128), out_dtype=bf, _mode=mode)))
+            out.append((f"invariant_mm bf16{sfx} M={m}", f"invariant_mm bf16{sfx}", lambda m=m, mode=mode:
+                        invariant.invariant_mm(torch.zeros(m, hidden, dtype=bf), torch.zeros(inter, hidden, dtype=bf),
+                                               out_dtype=bf, _mode=mode)))
+            out.append((f"invariant_mm fp32{sfx} M={m}", f"invariant_mm fp32{sfx}", lambda m=m, mode=mode:
+                        invariant.invariant_mm(torch.zeros(m, hidden), torch.zeros(256, hidden), _mode=mode)))
+        if m != 7:  # gate/up (N = 2 x 8960): K in one chunk, the unsplit kernel at every M
+            out.append((f"invariant_blockwise_mm whole M={m}", "invariant_blockwise_mm whole", lambda m=m:
+                        invariant.invariant_blockwise_mm(_qtensor(m, hidden, 1), _qtensor(2 * inter, hidden, 128),
+                                                         out_dtype=bf)))
+            out.append((f"invariant_mm bf16 whole M={m}", "invariant_mm bf16 whole", lambda m=m: invariant.invariant_mm(
+                torch.zeros(m, hidden, dtype=bf), torch.zeros(2 * inter, hidden, dtype=bf), out_dtype=bf)))
         out.append((f"invariant_rms_norm M={m}", "invariant_rms_norm", lambda m=m: invariant.invariant_rms_norm(
             torch.zeros(m, hidden, dtype=bf), torch.ones(hidden), 1e-6)))
         out.append((f"invariant_log_softmax M={m}", "invariant_log_softmax", lambda m=m: invariant.invariant_log_softmax(
             torch.zeros(m, vocab, dtype=bf))))
+    out.append(("invariant_blockwise_mm down_proj M=32 bias", None, lambda: invariant.invariant_blockwise_mm(
+        _qtensor(32, inter, 1), _qtensor(hidden, inter, 128), torch.zeros(hidden, dtype=bf), out_dtype=bf)))
+    out.append(("invariant_mm bf16 down_proj M=32 bias", None, lambda: invariant.invariant_mm(  # automatic: split
+        torch.zeros(32, inter, dtype=bf), torch.zeros(hidden, inter, dtype=bf), torch.zeros(hidden, dtype=bf),
+        out_dtype=bf)))
     cache = torch.zeros(b, kv_heads, 1024, d, dtype=bf)  # a KV cache: (b, kv heads, capacity, d), read up to a width
 
     def att(t, width, contiguous=False, dtype=bf):
@@ -314,7 +355,8 @@ def main() -> dict:
                             shared=k.metadata.shared,
                             **resources(k.asm["cubin"]), ptx_fp=ptx_fp(k.asm["ptx"]), sass_fp=sass_fp(k.asm["cubin"]),
                             sass=sass_counts(k.asm["cubin"]),
-                            ptx_mma=ptx_mma(k.asm["ptx"]), ptx_f32_consts=ptx_f32_consts(k.asm["ptx"])))
+                            ptx_mma=ptx_mma(k.asm["ptx"]), ptx_f32_consts=ptx_f32_consts(k.asm["ptx"]),
+                            ptx_fma_plus_one=ptx_fma_plus_one(k.asm["ptx"])))
     return {"triton": triton.__version__, "torch": torch.__version__, "failures": failures, "kernels": kernels}
 
 

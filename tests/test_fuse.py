@@ -170,20 +170,20 @@ def test_a_bf16_decode_layer_is_eleven_kernels(native, monkeypatch):
     assert len(layer) == 11, layer
 
 
-def _decode_layer_ops(flow, counter: "_Ops") -> list[str]:
+def _decode_layer_ops(flow, counter: "_Ops", device: str = "cpu") -> list[str]:
     """The ops ``counter`` sees in one decoder layer's share of a decode step (models of 2 and 3 layers,
-    the difference), after a first step that makes the cached operands and decides how attention
-    reads the cache."""
+    on ``device``, the difference), after a first step that makes the cached operands and decides how
+    attention reads the cache."""
     ops = {}
     for layers in (2, 3):
-        model = random_model(tiny_config("qwen2", hidden=128, layers=layers, vocab=256), seed=1, std=0.05)
+        model = random_model(tiny_config("qwen2", hidden=128, layers=layers, vocab=256), seed=1, std=0.05).to(device)
         eng = EmbeddedEngine(model, flow, 32, max_batch=4, cuda_graphs=False)
         eng.load_weights(make_payload(model, flow))
         m = eng.model
         cache = m.new_cache(2, 32)
         with torch.inference_mode():  # as the engine decodes
-            m.prefill(torch.tensor([[5, 9, 3], [7, 2, 0]]), torch.tensor([3, 2]), cache)
-            tokens = torch.tensor([4, 6])
+            m.prefill(torch.tensor([[5, 9, 3], [7, 2, 0]], device=device), torch.tensor([3, 2], device=device), cache)
+            tokens = torch.tensor([4, 6], device=device)
             m.decode(tokens, cache, 16)
             counter.ops = []
             with counter:
@@ -200,7 +200,7 @@ def test_an_int8_decode_layer_is_twelve_kernels(native, monkeypatch):
     """An INT8 rollout's decode layer on the triton backend: bf16's eleven with the norms, the SwiGLU
     and the q/k/v GEMM's bias writing or taking INT8 operands in their own kernels, plus o_proj's
     input quantizer (16 before: a row quantizer before each GEMM and the bias added after q/k/v's)."""
-    from jetrl_cli.kernels import int8
+    from jetrl_cli.kernels import attention, fp8, int8
     from jetrl_cli.models.llama import _add_rms_norm, _rms_norm, _rope
     from jetrl_cli.precision.linear import _swiglu_math
 
@@ -209,25 +209,34 @@ def test_an_int8_decode_layer_is_twelve_kernels(native, monkeypatch):
     for f in (_add_rms_norm, _rms_norm, _rope, _swiglu_math):
         monkeypatch.setitem(fuse._compiled, f.__wrapped__, counter.fused(f.__wrapped__))
 
-    class Launch:  # a Triton kernel launch counts as one
+    def counted(name, run):  # a Triton kernel launch counts as one
+        def launch(*args, **kwargs):
+            counter.ops.append(name)
+            counter.inside = True
+            try:
+                return run(*args, **kwargs)
+            finally:
+                counter.inside = False
+        return launch
+
+    class Launch:
         def __init__(self, kernel, name):
             self.kernel, self.name = kernel, name
 
         def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                counter.ops.append(self.name)
-                counter.inside = True
-                try:
-                    return self.kernel[grid](*args, **kwargs)
-                finally:
-                    counter.inside = False
-            return launch
+            return counted(self.name, self.kernel[grid])
 
     for name in ("_row_quant_kernel", "_int8_mm_kernel", "_int8_mm_split_kernel", "_int8_split_sum_kernel",
                  "_rms_norm_rows_kernel", "_swiglu_rows_kernel"):
         monkeypatch.setattr(int8, name, Launch(getattr(int8, name), name))
+    # attention over the cache: SDPA's one op, or on a GPU where it is timed faster, the Triton kernel's launch
+    monkeypatch.setattr(attention, "decode_attention", counted("decode_attention", attention.decode_attention))
     flow = parse_flow({"base": "int8-rollout", "rollout": {"linear": {"backend": "triton"}}}, source="<test>")
-    layer = _decode_layer_ops(flow, counter)
+    # the Triton kernels run where Triton does: on a GPU machine CUDA tensors (the interpreter is not
+    # on there), with every decode GEMM's K unsplit (a GPU times each shape's split at its first call;
+    # a split GEMM is two launches)
+    with fp8.split_k(1):
+        layer = _decode_layer_ops(flow, counter, device="cuda" if torch.cuda.is_available() else "cpu")
     assert len(layer) == 12 and layer.count("_rms_norm_rows_kernel") == 2, layer
     assert layer.count("_swiglu_rows_kernel") == 1 and layer.count("_row_quant_kernel") == 1, layer
     assert layer.count("_int8_mm_kernel") + layer.count("_int8_split_sum_kernel") == 4 and "add" not in layer, layer

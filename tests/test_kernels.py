@@ -7,6 +7,9 @@ interpreter's fp32 -> fp8 conversion is wrong (tests/triton_interp_fix.py); the 
 it and checks the fix, which every other test runs under.
 """
 
+import math
+from fractions import Fraction
+
 import pytest
 import torch
 
@@ -72,6 +75,60 @@ def test_interpreter_fp8_cast_is_wrong_and_the_fix_is_right(fmt):
         cast[(1,)](x, y, len(x), OUT=out_t, B=8192)
         assert not torch.equal(y.view(torch.uint8), want)  # the defect: the fix is needed
     assert float(torch.tensor([31.6]).to(torch.float8_e4m3fn).float()) == 32.0
+
+
+def _fma_rounded_once(a: float, b: float, c: float) -> float:
+    """``a * b + c`` (fp32 values) computed exactly, rounded to the nearest fp32, ties to even; an exact
+    zero signed as IEEE signs it (-0 only for -0 plus -0)."""
+    import numpy as np
+
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    if exact == 0:
+        negative = a * b == 0 and math.copysign(1, a) * math.copysign(1, b) < 0 and math.copysign(1, c) < 0
+        return -0.0 if negative else 0.0
+    near = np.float32(float(exact))  # within one step of it (rounded twice)
+    steps = [near, np.nextafter(near, np.float32(np.inf)), np.nextafter(near, np.float32(-np.inf))]
+    dist = [abs(Fraction(float(v)) - exact) for v in steps]
+    ties = [v for v, d in zip(steps, dist) if d == min(dist)]
+    return float(min(ties, key=lambda v: int(np.array(v).view(np.int32)) & 1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="about the interpreter")
+def test_interpreter_fma_rounds_once_with_the_fix():
+    """``tl.fma`` in fp32 is ``x * y + z`` rounded once (a GPU's ``fma.rn.f32``) in the interpreter under
+    ``exact_fma``: Triton 3.6's own multiplies, then adds (two roundings), from Triton 3.7 on it is
+    exact and the fix does nothing. Checked against the exact value rounded to nearest even: sums
+    that cancel, sums a hair off an fp32 tie (float64 alone rounds those twice), subnormal results
+    and signed zeros."""
+    import numpy as np
+    import triton
+    import triton.language as tl
+
+    from .triton_interp_fix import exact_fma
+
+    @triton.jit
+    def fma(x_ptr, y_ptr, z_ptr, out_ptr, B: tl.constexpr):
+        i = tl.arange(0, B)
+        tl.store(out_ptr + i, tl.fma(tl.load(x_ptr + i), tl.load(y_ptr + i), tl.load(z_ptr + i)))
+
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(2, 4096, generator=g) * torch.exp2(torch.randint(-20, 20, (2, 4096), generator=g).float())
+    z = -(x * y)  # cancels: the rounding error of the product, exactly, is the answer
+    z[1024:2048] = torch.randn(1024, generator=g) * 2.0**-60 * (x * y)[1024:2048]  # far below a step of x * y
+    x[2048:2560] = y[2048:2560] = 1 + 2.0**-12  # x * y = 1 + 2^-11 + 2^-24: an fp32 tie, and a hair off it
+    z[2048:2560] = torch.randn(512, generator=g) * 2.0**-80
+    x[2560:3072] *= 2.0**-70  # subnormal results
+    y[2560:3072] *= 2.0**-70
+    x[:4] = torch.tensor([0.0, -0.0, 1.0, 0.0])  # zeros: +0 * 1 - 0 = +0, -0 * 1 - 0 = -0, ...
+    y[:4] = torch.tensor([1.0, 1.0, 0.0, -1.0])
+    z[:4] = torch.tensor([-0.0, -0.0, -0.0, 0.0])
+    want = torch.tensor([_fma_rounded_once(a, b, c) for a, b, c in zip(x.tolist(), y.tolist(), z.tolist())])
+    out = torch.empty(4096)
+    with exact_fma():
+        fma[(1,)](x, y, z, out, B=4096)
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+    naive = (x.numpy() * y.numpy() + z.numpy()).view(np.int32)
+    assert (torch.from_numpy(naive) != want.view(torch.int32)).sum() > 100  # two roundings get these wrong
 
 
 @pytest.mark.parametrize("m,n,k", [(64, 128, 256), (100, 200, 300), (3, 129, 128)])

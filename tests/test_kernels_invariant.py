@@ -67,7 +67,7 @@ def within(got, exact, bound):
 
 # --- dense GEMM --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("m,n,k", [(70, 72, 200), (3, 130, 64), (1, 8, 300)])
+@pytest.mark.parametrize("m,n,k", [(70, 72, 200), (3, 130, 64), (1, 8, 300), (5, 136, 1600)])
 @pytest.mark.parametrize("dtype", [BF16, F32])
 @pytest.mark.parametrize("out_dtype", [F32, BF16])
 def test_mm_within_fp32_accumulation_bound(inv, m, n, k, dtype, out_dtype):
@@ -77,7 +77,9 @@ def test_mm_within_fp32_accumulation_bound(inv, m, n, k, dtype, out_dtype):
     assert c.shape == (m, n) and c.dtype == out_dtype
     exact = inv.mm_reference(a.double(), b.double(), bias.double())
     nb = math.ceil(k / inv.MM_CONFIG["BLOCK_K"])
-    bound = gamma((2 if GPU else 1) * (k + nb + 1)) * (a.double().abs() @ b.double().abs().t() + bias.double().abs())
+    chunks = inv.k_chunks(k, n, inv.MM_CONFIG["BLOCK_N"], inv.MM_CONFIG["BLOCK_K"])[0]  # 3 at K = 1600
+    bound = gamma((2 if GPU else 1) * (k + nb + chunks + 1)) * (a.double().abs() @ b.double().abs().t()
+                                                                + bias.double().abs())
     if out_dtype == BF16:
         bound = bound * (1 + U16) + U16 * exact.abs()
     ok, worst = within(c, exact, bound)
@@ -92,6 +94,8 @@ def test_mm_is_exact_on_integer_data(inv, out_dtype):
     bias = torch.randint(-100, 100, (50,), generator=g).float().to(DEV)
     want = (a.double() @ b.double().t() + bias.double()).to(out_dtype)  # every partial sum is exact in fp32
     assert same_bits(inv.invariant_mm(a, b, bias, out_dtype), want)
+    for mode in ("split", "chunked"):  # K in one chunk: split mode's two kernels, and the unsplit one
+        assert same_bits(inv.invariant_mm(a, b, bias, out_dtype, _mode=mode), want), mode
 
 
 def test_bf16_output_rounds_to_nearest_even(inv):
@@ -113,12 +117,110 @@ def test_mm_rows_do_not_depend_on_the_batch(inv, dtype, out_dtype):
         assert same_bits(inv.invariant_mm(a[rows], b, bias, out_dtype), full[rows]), rows
 
 
+@pytest.mark.parametrize("dtype,out_dtype", [(BF16, BF16), (F32, F32), (BF16, F32)])
+@pytest.mark.parametrize("k,n,bias", [(1024, 72, False), (1600, 136, True)])
+def test_mm_decode_and_training_launches_give_the_same_bits(inv, dtype, out_dtype, k, n, bias):
+    """K in 2 chunks (1024: 8 steps each) or 3 (1600: 9, 9 and 7 steps; N past one tile). The split
+    launch (a program per chunk, then the sum of the chunks: a decode step's) and the chunked one
+    (a program walks every chunk: the trainer's), each forced, on the same inputs; and rows alone,
+    in the mode each call picks (split) and in the other."""
+    assert inv.k_chunks(k, n, inv.MM_CONFIG["BLOCK_N"], inv.MM_CONFIG["BLOCK_K"])[0] == (2 if k == 1024 else 3)
+    g = gen(k + n)
+    a, b = randn(70, k, g=g, dtype=dtype), randn(n, k, g=g, scale=0.1, dtype=dtype)
+    bias = randn(n, g=g) if bias else None
+    split = inv.invariant_mm(a, b, bias, out_dtype, _mode="split")
+    chunked = inv.invariant_mm(a, b, bias, out_dtype, _mode="chunked")
+    assert same_bits(split, chunked)
+    assert same_bits(inv.invariant_mm(a, b, bias, out_dtype), chunked)
+    for rows in ([0], [69], [64, 3]):
+        assert same_bits(inv.invariant_mm(a[rows], b, bias, out_dtype), chunked[rows]), rows
+        assert same_bits(inv.invariant_mm(a[rows], b, bias, out_dtype, _mode="chunked"), split[rows]), rows
+
+
+def chunk_sum(parts, steps, reverse=False):
+    """fp32 parts (one per K step) summed from zero within each run of ``steps``, the runs' sums added
+    in order (or in reverse: a wrong order, for the negative checks)."""
+    sums = []
+    for c0 in range(0, len(parts), steps):
+        p = torch.zeros_like(parts[0])
+        for x in parts[c0:c0 + steps]:
+            p = p + x
+        sums.append(p)
+    total = None
+    for p in sums[::-1] if reverse else sums:
+        total = p if total is None else total + p
+    return total
+
+
+def steps_with_rounding(rows, width, steps, g, big):
+    """(rows, steps * width) values, each ``width``-wide K step either "big" (multiples of ``big``, < 256
+    of them) or "small" (integers in [-4, 4]): every step's dot with a {-1, 0, 1} operand is exact in
+    fp32, and adding a small step to a big running sum rounds -- so the bits tell how the steps were
+    grouped and in which order the groups were added."""
+    kind = torch.rand(rows, steps, 1, generator=g) < 0.4
+    bigs = torch.randint(-255, 256, (rows, steps, width), generator=g).float() * big
+    smalls = torch.randint(-4, 5, (rows, steps, width), generator=g).float()
+    return torch.where(kind, bigs, smalls).reshape(rows, steps * width)
+
+
+@pytest.mark.skipif(GPU, reason="bitwise in the interpreter (a step's dot, then one add); a GPU's dot adds into it")
+@pytest.mark.parametrize("out_dtype", [F32, BF16])
+def test_mm_adds_the_chunks_in_order(inv, out_dtype):
+    """Each K step's dot exact, each addition of a step or a chunk rounding: the kernel's bits, in both
+    modes, are those of steps summed from zero within their chunks (9, 9, 7 steps of 64) and the
+    chunks' sums added in order -- and not (fp32 output; bf16's rounding hides most of it) those of one
+    sum over all steps, of chunks one step longer or shorter, or of the chunks added in reverse."""
+    g = gen(12)
+    bk = inv.MM_CONFIG["BLOCK_K"]
+    k, n = 1600, 8
+    chunks, steps = inv.k_chunks(k, n, inv.MM_CONFIG["BLOCK_N"], bk)
+    assert (chunks, steps) == (3, 9)
+    a = steps_with_rounding(6, bk, 25, g, 2.0**20)[:, :k].to(BF16)
+    b = torch.randint(-1, 2, (n, k), generator=g).to(BF16)
+    bias = torch.randn(n, generator=g)
+    parts = [a[:, k0:k0 + bk].float() @ b[:, k0:k0 + bk].float().t() for k0 in range(0, k, bk)]
+    want = (chunk_sum(parts, steps) + bias).to(out_dtype)
+    assert same_bits(inv.mm_reference(a, b, bias, out_dtype, chunked=True), want)
+    for wrong in (chunk_sum(parts, len(parts)), chunk_sum(parts, steps - 1), chunk_sum(parts, steps + 1),
+                  chunk_sum(parts, steps, reverse=True)):
+        assert not same_bits(wrong + bias, chunk_sum(parts, steps) + bias)  # the data tell these apart (in fp32)
+    for mode in ("split", "chunked"):
+        assert same_bits(inv.invariant_mm(a, b, bias, out_dtype, _mode=mode), want), mode
+
+
+def test_k_chunks_is_the_documented_rule(inv):
+    """``k_chunks``: a function of (K, N) and the tile only (never of M or of the device); chunk
+    boundaries on steps of BLOCK_K, no empty chunk, >= 512 of K per chunk on average, <= 264
+    column tiles x chunks; Qwen2.5-1.5B's GEMMs as the docstring gives them."""
+    import inspect
+
+    assert list(inspect.signature(inv.k_chunks).parameters) == ["k", "n", "block_n", "block_k"]
+    qwen = {(2048, 1536): ((3, 8), (3, 4)), (1536, 1536): ((3, 8), (3, 4)), (17920, 1536): ((1, 24), (1, 12)),
+            (151936, 1536): ((1, 24), (1, 12)), (1536, 8960): ((16, 9), (14, 5))}
+    for (n, k), (bf16, fp8) in qwen.items():
+        assert inv.k_chunks(k, n, 128, 64) == bf16 and inv.k_chunks(k, n, 128, 128) == fp8, (n, k)
+    for k in (1, 63, 64, 100, 511, 512, 1023, 1024, 1100, 1600, 4096, 8960, 20000, 100000):
+        for n in (1, 128, 129, 1536, 2048, 4224, 8448, 17920):
+            for bk in (64, 128):
+                chunks, steps = inv.k_chunks(k, n, 128, bk)
+                total, tiles, least = -(-k // bk), -(-n // 128), -(-inv.MIN_CHUNK_K // bk)
+                assert (chunks - 1) * steps < total <= chunks * steps, (k, n, bk)  # no chunk empty
+                assert 1 <= chunks <= max(inv.SPLIT_CHOICES), (k, n, bk)
+                if chunks > 1:
+                    assert total >= chunks * least and tiles * chunks <= inv.SPLIT_PROGRAMS, (k, n, bk)
+                for c in inv.SPLIT_CHOICES:  # the largest choice allowed: none gives more chunks
+                    if total >= c * least and tiles * c <= inv.SPLIT_PROGRAMS:
+                        assert -(-total // -(-total // c)) <= chunks, (k, n, bk, c)
+
+
 def test_mm_rejects_bad_input(inv):
     a = torch.randn(4, 8)
     for args, msg in [((a, torch.randn(3, 9)), "do not match"), ((a.half(), a), "operand a must be"),
                       ((a, a, torch.randn(5)), "bias must be"), ((a, a, None, torch.float16), "out_dtype")]:
         with pytest.raises(ValueError, match=msg):
             inv.invariant_mm(*args)
+    with pytest.raises(ValueError, match="mode must be"):
+        inv.invariant_mm(a, a, _mode="splt")
 
 
 # --- blockwise FP8 GEMM ------------------------------------------------------------------------------
@@ -129,7 +231,8 @@ E4 = Format.FP8_E4M3
 @pytest.mark.parametrize("m,n,k,b_block,out_dtype", [(70, 130, 300, Block(128, 128), F32),
                                                      (70, 130, 300, Block(1, 128), BF16),
                                                      (1, 64, 128, Block(128, 128), BF16),
-                                                     (129, 72, 256, Block(1, 128), F32)])
+                                                     (129, 72, 256, Block(1, 128), F32),
+                                                     (5, 136, 1600, Block(128, 128), BF16)])
 def test_blockwise_mm_within_bound(inv, m, n, k, b_block, out_dtype):
     g = gen(m + n + k)
     x, w, bias = randn(m, k, g=g), randn(n, k, g=g, scale=0.05), randn(n, g=g)
@@ -139,7 +242,8 @@ def test_blockwise_mm_within_bound(inv, m, n, k, b_block, out_dtype):
     nb = math.ceil(k / 128)
     u_dot = U32 if not GPU else 2.0**-13  # Hopper fp8 MMA keeps ~14 bits (DeepSeek-V3 3.3.2); unverified
     absprod = a.dequantize(torch.float64).abs() @ b.dequantize(torch.float64).abs().t()
-    bound = (min(k, 128) * u_dot + gamma(nb + 4)) * (absprod + bias.double().abs())
+    chunks = inv.k_chunks(k, n, inv.FP8_MM_CONFIG["BLOCK_N"], 128)[0]  # 3 at K = 1600
+    bound = (min(k, 128) * u_dot + gamma(nb + chunks + 4)) * (absprod + bias.double().abs())
     if out_dtype == BF16:
         bound = bound * (1 + U16) + U16 * exact.abs()
     ok, worst = within(c, exact, bound)
@@ -147,13 +251,72 @@ def test_blockwise_mm_within_bound(inv, m, n, k, b_block, out_dtype):
 
 
 @pytest.mark.skipif(GPU, reason="bitwise equal to kernels.fp8 in the interpreter; on a GPU they compile apart")
-def test_blockwise_mm_is_kernels_fp8_math(inv):
+@pytest.mark.parametrize("k", [300, 1600])
+def test_blockwise_mm_is_kernels_fp8_math(inv, k):
+    """``kernels.fp8.blockwise_mm``'s math: K = 300 is one chunk (its unsplit GEMM); K = 1600 is 3
+    chunks of 5, 5 and 3 blocks, its GEMM split 3 ways (each run of blocks summed on its own, the
+    runs' sums added in order)."""
     from jetrl_cli.kernels import fp8
 
     g = gen(5)
-    a = quantize(randn(100, 300, g=g), CastSpec(E4, Block(1, 128)))
-    b = quantize(randn(200, 300, g=g, scale=0.05), CastSpec(E4, Block(128, 128)))
-    assert same_bits(inv.invariant_blockwise_mm(a, b), fp8.blockwise_mm(a, b))
+    a = quantize(randn(100, k, g=g), CastSpec(E4, Block(1, 128)))
+    b = quantize(randn(200, k, g=g, scale=0.05), CastSpec(E4, Block(128, 128)))
+    chunks, steps = inv.k_chunks(k, 200, inv.FP8_MM_CONFIG["BLOCK_N"], 128)
+    assert (chunks, steps) == ((1, 3) if k == 300 else (3, 5))
+    want = fp8.blockwise_mm(a, b, split=chunks)
+    for mode in ("split", "chunked"):
+        assert same_bits(inv.invariant_blockwise_mm(a, b, _mode=mode), want), mode
+
+
+@pytest.mark.parametrize("b_block,out_dtype", [(Block(128, 128), BF16), (Block(1, 128), F32)])
+def test_blockwise_mm_decode_and_training_launches_give_the_same_bits(inv, b_block, out_dtype):
+    """K = 1600 in 3 chunks of 5, 5 and 3 blocks (the last one 64 wide), N = 136 past one tile, with
+    a bias: the split launch and the chunked one, each forced, on the same inputs; and tokens
+    quantized and multiplied alone (one row: split mode), in both modes."""
+    g = gen(13)
+    k, n = 1600, 136
+    assert inv.k_chunks(k, n, inv.FP8_MM_CONFIG["BLOCK_N"], 128) == (3, 5)
+    x, w, bias = randn(70, k, g=g), randn(n, k, g=g, scale=0.05), randn(n, g=g)
+    spec = CastSpec(E4, Block(1, 128))
+    a, b = quantize(x, spec), quantize(w, CastSpec(E4, b_block))
+    split = inv.invariant_blockwise_mm(a, b, bias, out_dtype, _mode="split")
+    chunked = inv.invariant_blockwise_mm(a, b, bias, out_dtype, _mode="chunked")
+    assert same_bits(split, chunked) and same_bits(inv.invariant_blockwise_mm(a, b, bias, out_dtype), chunked)
+    for rows in ([0], [69], [64, 3]):
+        alone = quantize(x[rows], spec)
+        assert same_bits(inv.invariant_blockwise_mm(alone, b, bias, out_dtype), chunked[rows]), rows
+        assert same_bits(inv.invariant_blockwise_mm(alone, b, bias, out_dtype, _mode="chunked"), split[rows]), rows
+
+
+def test_blockwise_mm_adds_the_chunks_in_order(inv):
+    """FP8 operands of small integers whose scales are 1 or 2^20 per block: each block's scaled
+    product is exact, each addition of a block or of a chunk's sum can round. The kernel's bits (both
+    modes) are those of blocks summed from zero within their chunks (5, 5, 3 blocks) and the chunks'
+    sums added in order, not those of one sum over all blocks, of other chunk lengths, or of the
+    chunks added in reverse (on a GPU too: a block's dot is exact and its scaling an fp32 FMA)."""
+    from jetrl_cli.precision.quant import QTensor
+
+    g = gen(14)
+    m, n, k = 6, 136, 1600
+    nb = -(-k // 128)
+    chunks, steps = inv.k_chunks(k, n, inv.FP8_MM_CONFIG["BLOCK_N"], 128)
+    assert (chunks, steps) == (3, 5)
+    qa = torch.randint(-8, 9, (m, k), generator=g).float().to(torch.float8_e4m3fn)
+    qb = torch.randint(-1, 2, (n, k), generator=g).float().to(torch.float8_e4m3fn)
+    sa = torch.where(torch.rand(m, nb, generator=g) < 0.4, 2.0**20, 1.0).t().contiguous().t()  # (M, blocks), col-major
+    sb = torch.where(torch.rand(2, nb, generator=g) < 0.5, 2.0**-3, 2.0**2)  # 128 x 128 weight blocks
+    a = QTensor(qa.to(DEV), sa.to(DEV), CastSpec(E4, Block(1, 128), False, 1e-12))
+    b = QTensor(qb.to(DEV), sb.to(DEV), CastSpec(E4, Block(128, 128), False, 1e-12))
+    sbr = sb.repeat_interleave(128, 0)[:n]
+    parts = [(qa[:, k0:k0 + 128].float() @ qb[:, k0:k0 + 128].float().t()) * sa[:, i, None] * sbr[None, :, i]
+             for i, k0 in enumerate(range(0, k, 128))]
+    want = chunk_sum(parts, steps)
+    assert same_bits(inv.blockwise_mm_reference(a, b).cpu(), want)
+    for wrong in (chunk_sum(parts, nb), chunk_sum(parts, steps - 1), chunk_sum(parts, steps + 1),
+                  chunk_sum(parts, steps, reverse=True)):
+        assert not same_bits(wrong, want)  # the data tell these apart
+    for mode in ("split", "chunked"):
+        assert same_bits(inv.invariant_blockwise_mm(a, b, _mode=mode).cpu(), want), mode
 
 
 @pytest.mark.parametrize("b_block", [Block(128, 128), Block(1, 128)])

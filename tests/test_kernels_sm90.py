@@ -69,9 +69,23 @@ def test_int8_kernels_use_the_integer_tensor_cores_and_round_half_to_even(report
         assert {"0f4B400000", "0fCB400000"} <= set(k["ptx_f32_consts"]), k["case"]
 
 
+def test_int8_gemm_adds_its_bias_to_the_rounded_product(report):
+    """``int8_mm(bias=)`` in fp32 rounds the scaled product, then adds the bias (``mul.rn``, ``add.rn``),
+    as the separate add does. Compiled with contraction, ``(acc * sa) * sb + bias`` was one FMA (one
+    rounding where the add has two), and ``test_kernels_int8.py``'s bias test failed on an H200; the
+    interpreter never contracts. No INT8 GEMM kernel has an FMA."""
+    gemms = [k for k in report["kernels"] if k["kernel"] in ("_int8_mm_kernel", "_int8_split_sum_kernel")]
+    for case in ("int8 bias GEMM M=7 fp32", "split-K int8 bias GEMM M=32 fp32"):
+        fp = next(k["ptx_fp"] for k in gemms if k["case"] == case)
+        assert "add.rn.f32" in fp and "mul.rn.f32" in fp, (case, fp)
+    for k in gemms:
+        assert not any(op.startswith("fma") for op in k["ptx_fp"]), (k["case"], k["kernel"])
+
+
 def test_fast_paths_do_not_spill_registers(report):
     # The fp32 kernels are for checks (IEEE fp32 dots on the CUDA cores), not speed: the fp32
-    # attention spills ~14 KB per thread; the fp32 GEMM 0 bytes with Triton 3.9, 8 with Triton 3.6.
+    # attention spills ~14 KB per thread; the fp32 GEMM 0 bytes with Triton 3.9 (8 with Triton 3.6)
+    # in split mode, 264 bytes with Triton 3.9 in chunked mode (its second fp32 tile, the total).
     spills = {k["case"]: k["stack"] for k in report["kernels"]
               if k["stack"] and "fp32" not in k["group"] and k["group"] != "control"}
     assert spills == {}
@@ -135,6 +149,26 @@ def test_the_swiglu_quantizers_divide_exactly(report):
         assert any(op.startswith("ex2.approx") for op in fp), case
 
 
+def test_the_swiglu_backwards_two_kernels_keep_its_arithmetic_in_few_registers(report):
+    """The SwiGLU backward's two kernels of small tiles (a GPU's timed choice beside the 128x128-tile
+    kernel) divide exactly and take ``ex2.approx`` as that kernel does, contract d[g]'s ``1 + g * (1 -
+    sig)`` into one FMA as it does (the same bits; in the interpreter it is tested), and run in far
+    fewer registers, unspilled: the point of them (at 8 warps the one kernel takes 190-255 and runs
+    one program per SM)."""
+    fused = next(k for k in report["kernels"] if k["case"] == "swiglu_grad_quantize h_cols pow2=False")
+    assert fused["ptx_fma_plus_one"] > 0
+    for w, rows_max, cols_max in ((8, 96, 168), (16, 64, 128)):
+        ks = {k["kernel"]: k for k in report["kernels"] if k["case"] == f"swiglu_grad_quantize split {w} warps pow2=False"}
+        assert set(ks) == {"_swiglu_grad_rows_kernel", "_swiglu_grad_cols_kernel"}, sorted(ks)
+        for name, k in ks.items():
+            fp = k["ptx_fp"]
+            assert "div.rn.f32" in fp and not any(op.startswith(("div.full", "div.approx")) for op in fp), name
+            assert any(op.startswith("ex2.approx") for op in fp) and k["ptx_fma_plus_one"] > 0, name
+            assert k["num_warps"] == w and k["stack"] == 0, (name, w, k["stack"])
+        regs = ks["_swiglu_grad_rows_kernel"]["reg"], ks["_swiglu_grad_cols_kernel"]["reg"]
+        assert regs[0] <= rows_max and regs[1] <= cols_max, (w, regs)
+
+
 def test_the_norm_quantizer_divides_and_takes_the_root_exactly(report):
     """``rms_norm_quantize`` divides and takes its square root as IEEE does (``div.rn``, ``sqrt.rn``:
     the mean, 1 / sqrt and the scale), no approximate ``rsqrt``: its norm is the batch-invariant
@@ -147,20 +181,66 @@ def test_the_norm_quantizer_divides_and_takes_the_root_exactly(report):
 
 
 @pytest.mark.parametrize("group", ["invariant_mm bf16", "invariant_mm fp32", "invariant_blockwise_mm",
+                                   "invariant_mm bf16 split", "invariant_mm fp32 split", "invariant_blockwise_mm split",
+                                   "invariant_mm bf16 whole", "invariant_blockwise_mm whole",
                                    "invariant_attention bf16", "invariant_attention fp32", "invariant_rms_norm",
                                    "invariant_log_softmax", "invariant_attention fp8 cache"])
 def test_invariant_kernels_compile_to_one_arithmetic(report, group):
     """Decode (M = 1, 7; one query over a key width of 1, 300 or 1024), prefill and training calls:
     the same floating-point instructions in the same program order in the PTX, and the same ones in
     the SASS (whose order is the scheduler's: it interleaves independent instructions, it does not
-    reassociate them)."""
-    kernels = _by_group(report)[group]
-    assert len(kernels) >= 3
-    first = kernels[0]
-    assert first["ptx_fp"], group
-    for k in kernels[1:]:
-        assert k["ptx_fp"] == first["ptx_fp"], f"{k['case']} vs {first['case']}"
-        assert k["sass_fp"] == first["sass_fp"], f"{k['case']} vs {first['case']}"
+    reassociate them). The GEMMs in each launch mode (split mode: its two kernels, each compared
+    with itself; whole: a weight whose K is one chunk)."""
+    by_kernel = collections.defaultdict(list)
+    for k in _by_group(report)[group]:
+        by_kernel[k["kernel"]].append(k)
+    assert len(by_kernel) == (2 if group.endswith(" split") else 1), sorted(by_kernel)
+    for kernels in by_kernel.values():
+        assert len(kernels) >= 3
+        first = kernels[0]
+        assert first["ptx_fp"], group
+        for k in kernels[1:]:
+            assert k["ptx_fp"] == first["ptx_fp"], f"{k['case']} vs {first['case']}"
+            assert k["sass_fp"] == first["sass_fp"], f"{k['case']} vs {first['case']}"
+
+
+@pytest.mark.parametrize("gemm", ["invariant_mm bf16", "invariant_mm fp32", "invariant_blockwise_mm"])
+def test_invariant_gemms_chunked_mode_adds_only_the_chunks(report, gemm):
+    """The batch-invariant GEMMs' two launch modes (``kernels.invariant.k_chunks``: K in 3 chunks
+    here) against each other. The chunked kernel (one program walks every chunk: prefill, training)
+    has every floating-point instruction of the split one (a program per chunk: decode) -- the same
+    tensor-core instruction, the same scaling of an FP8 block -- plus one fp32 add per accumulator
+    element (a chunk's sum into the total, in a branch taken once per chunk: no per-step selects)
+    and the output's rounding; both are pipelined alike (the same shared memory). A weight whose K is
+    one chunk (gate/up) runs the split kernel's arithmetic and the rounding alone: the unsplit kernel.
+    The sum of the chunks adds fp32 partials and rounds once, on no tensor cores. A decode step's GEMM
+    picks split mode by itself (down_proj, M = 32)."""
+    by = {(k["case"], k["kernel"]): k for k in report["kernels"]}
+    name = "_fp8_mm_kernel" if "blockwise" in gemm else "_mm_kernel"
+    chunked, split = by[(f"{gemm} M=64", name)], by[(f"{gemm} split M=64", name)]
+    total = by[(f"{gemm} split M=64", "_chunk_sum_kernel")]
+    assert chunked["ptx_mma"] == split["ptx_mma"] and chunked["shared"] == split["shared"]
+    if "fp32" not in gemm:
+        (op,) = chunked["ptx_mma"]
+        assert op.startswith("wgmma"), op
+    more = collections.Counter(chunked["sass_fp"])
+    more.subtract(split["sass_fp"])
+    assert min(more.values()) >= 0, more  # nothing of the split kernel's arithmetic missing
+    per_thread = 64 * 128 // (32 * chunked["num_warps"])
+    assert {op: n for op, n in more.items() if n and not op.startswith("F2F")} == {"FADD": per_thread}, more
+    if "fp32" not in gemm:
+        whole = by[(f"{gemm} whole M=64", name)]
+        assert whole["ptx_mma"] == split["ptx_mma"] and whole["stack"] == 0
+        more = collections.Counter(whole["sass_fp"])
+        more.subtract(split["sass_fp"])
+        assert {op: n for op, n in more.items() if n and not op.startswith("F2F")} == {}, more
+    assert "add.f32" in total["ptx_fp"] and not total["ptx_mma"]
+    if "fp32" not in gemm:  # bf16 output: rounded once, in the sum
+        assert any(o.startswith("cvt.rn.bf16") for o in total["ptx_fp"]), total["ptx_fp"]
+    kind = "invariant_blockwise_mm" if "blockwise" in gemm else "invariant_mm bf16"
+    if "fp32" not in gemm:
+        ks = {k["kernel"] for k in report["kernels"] if k["case"] == f"{kind} down_proj M=32 bias"}
+        assert ks == {name, "_chunk_sum_kernel"}, ks
 
 
 def test_the_comparison_sees_another_summation_order(report):

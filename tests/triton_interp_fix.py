@@ -1,4 +1,5 @@
-"""A test-only fix for Triton's interpreter: its fp32 -> fp8 conversion rounds wrongly.
+"""Test-only fixes for Triton's interpreter: its fp32 -> fp8 conversion rounds wrongly, and before
+Triton 3.7 its ``tl.fma`` rounds twice (``exact_fma``).
 
 ``triton.runtime.interpreter._convert_float`` rounds the mantissa to nearest but drops the carry
 into the exponent (31.6 -> 16 instead of 32 in e4m3) and does not saturate. The GPU compiler does
@@ -9,6 +10,7 @@ original and checks the replacement against torch's own float8 casts.
 """
 
 import contextlib
+import os
 
 import numpy as np
 
@@ -39,3 +41,51 @@ def fixed_fp8_conversion():
         yield original
     finally:
         interpreter._convert_float = current
+
+
+def fma_fp32(x, y, z):
+    """IEEE fp32 ``x * y + z`` rounded once (as ``fma.rn.f32``, ``std::fma``), for numpy float32 arrays:
+    the product is exact in float64 (24 + 24 bits), the sum is rounded to odd in float64 (its exact
+    error by TwoSum; an inexact sum takes the odd one of its two neighbours), and round to odd at 53
+    bits, then to nearest even at 24 (or fewer: subnormals), is the sum rounded once."""
+    p = np.multiply(x, y, dtype=np.float64)
+    zd = np.asarray(z, dtype=np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = p + zd
+        bp = s - zd
+        err = (p - bp) + (zd - (s - bp))  # the sum's exact rounding error (TwoSum)
+        inexact = np.isfinite(s) & (err != 0) & ((s.view(np.int64) & 1) == 0)
+        s = np.where(inexact, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+        return s.astype(np.float32)
+
+
+@contextlib.contextmanager
+def exact_fma():
+    """Within the block the interpreter's fp32 ``tl.fma`` rounds once, as a GPU's does (Triton 3.6's
+    multiplies, then adds: two roundings, which ``kernels.fp8._quotient``'s corrections cannot take,
+    so the kernels divide there instead: ``kernels.fp8.MARKSTEIN``). A no-op where the interpreter's
+    is exact already (Triton 3.7 on) or Triton does not interpret."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    try:
+        from triton._C.libtriton import interpreter as native
+    except ImportError:
+        native = None
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_fma
+    if os.environ.get("TRITON_INTERPRET") != "1" or native is not None and hasattr(native, "fma_fp32"):
+        yield
+        return
+
+    def create_fma(self, x, y, z):
+        if z.dtype.scalar == tl.float32:
+            out = fma_fp32(*np.broadcast_arrays(x.data, y.data, z.data))
+            return interpreter.TensorHandle(out, z.dtype.scalar)
+        return original(self, x, y, z)
+
+    builder.create_fma = create_fma
+    try:
+        yield
+    finally:
+        builder.create_fma = original

@@ -89,13 +89,22 @@ def suspended(on: bool = True):
 
 
 def report() -> dict | None:
-    """What ran fused in this process (``{"fused": [names]}``, with ``"eager_variants": [names]`` for
-    functions that also ran eagerly past the recompile limit), or why it stopped; None if nothing did."""
+    """What ran fused in this process since ``reset_report`` (``{"fused": [names]}``, with
+    ``"eager_variants": [names]`` for functions that also ran eagerly past the recompile limit), or why
+    it stopped; None if nothing did."""
     if disabled is not None:
         return {"disabled": disabled}
     if not _used:
         return None
     return {"fused": sorted(_used), **({"eager_variants": sorted(_limited)} if _limited else {})}
+
+
+def reset_report() -> None:
+    """Forget which functions ran fused (not what was compiled, nor why fusion stopped), so the next
+    ``report`` is of what runs from now on: a run's or a bench row's own (``gemm.reset_resolutions``).
+    A run after a GPU test in one process recorded the test's fused functions as its own."""
+    _used.clear()
+    _limited.clear()
 
 
 def _raise_recompile_limit() -> None:

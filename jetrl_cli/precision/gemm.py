@@ -79,7 +79,7 @@ from ..errors import JetrlError
 from ..choices import GEMM_BACKENDS
 from .flow import OPERANDS, REDUCTION_ON_ROWS
 from .formats import B1x128, B128x1, B128x128, Block, Format
-from .fuse import report as fuse_report
+from .fuse import report as fuse_report, reset_report as fuse_reset_report
 from .quant import CastSpec, QTensor, quantize, round_to, to_float
 
 Operand = Union[QTensor, torch.Tensor]
@@ -830,7 +830,8 @@ class TritonBackend:
 
 class InvariantBackend(TritonBackend):
     """jetrl's batch-invariant Triton GEMMs (``kernels/invariant.py``): one tile configuration for
-    every M and no split-K, so a row's result does not depend on the batch (``precision.batch_invariant``).
+    every M and a split of K fixed by the weight's shape (``k_chunks``), so a row's result does not
+    depend on the batch (``precision.batch_invariant``).
     Dense bf16/fp32 operands and FP8 with 1x128 / 128x128 scales along K; the Triton quantizers."""
 
     name = "invariant"
@@ -1198,9 +1199,12 @@ def backend_report() -> dict:
 
 
 def reset_resolutions() -> None:
+    """Start ``backend_report`` afresh (a run's, a bench row's): resolutions, fallbacks, kernel choices and
+    which functions ran fused."""
     _RESOLVED.clear()
     _FALLBACKS.clear()
     _KERNELS.clear()
+    fuse_reset_report()
 
 
 def cast_operand(x: torch.Tensor, spec: CastSpec, backend: GemmBackend | str = "emulated") -> Operand:
