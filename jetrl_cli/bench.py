@@ -271,8 +271,8 @@ GAP_ROWS = 8  # the longest device-idle gaps a profile lists
 def device_gaps(events) -> dict:
     """Where the device sat idle between its first and last kernel in a profiled run: ``idle_s``
     (the time no kernel ran, copies counted as work), ``span_s`` and the ``GAP_ROWS`` longest gaps,
-    each with the kernels before and after it and the host op that launched the one after (what
-    the host was busy with while the device waited)."""
+    each with the kernels before and after it (the timeline, ``export_trace``, shows what the host
+    was running meanwhile)."""
     from torch.autograd import DeviceType
 
     ks = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
@@ -281,14 +281,13 @@ def device_gaps(events) -> dict:
     gaps, end, last = [], ks[0].time_range.end, ks[0]
     for k in ks[1:]:
         if k.time_range.start > end:
-            launcher = getattr(k, "cpu_parent", None) or getattr(k, "fwd_thread", None)
-            gaps.append((k.time_range.start - end, last.name, k.name, getattr(launcher, "name", None)))
+            gaps.append((k.time_range.start - end, last.name, k.name))
         if k.time_range.end >= end:
             end, last = k.time_range.end, k
     idle = sum(g[0] for g in gaps)
     gaps.sort(key=lambda g: -g[0])
     return {"idle_s": idle / 1e6, "span_s": (end - ks[0].time_range.start) / 1e6,
-            "gaps": [{"us": round(us, 1), "after": a, "before": b, "launched_by": by} for us, a, b, by in gaps[:GAP_ROWS]]}
+            "gaps": [{"us": round(us, 1), "after": a, "before": b} for us, a, b in gaps[:GAP_ROWS]]}
 
 
 def format_gaps(g: dict) -> str:
@@ -296,8 +295,7 @@ def format_gaps(g: dict) -> str:
         return ""
     lines = [f"device idle {g['idle_s'] * 1e3:.1f} ms of the {g['span_s'] * 1e3:.1f} ms from its first kernel to "
              f"its last; the longest gaps:"]
-    lines += [f"  {x['us'] / 1e3:8.3f} ms  after {x['after'][:60]}  before {x['before'][:60]}"
-              + (f"  (launched under {x['launched_by'][:50]})" if x["launched_by"] else "") for x in g["gaps"]]
+    lines += [f"  {x['us'] / 1e3:8.3f} ms  after {x['after'][:60]}  before {x['before'][:60]}" for x in g["gaps"]]
     return "\n".join(lines) + "\n"
 
 

@@ -513,6 +513,16 @@ def _store_h_cols(at, s_at, qt_ptr, st_ptr, pm, pk, rm, rk, row_ok, col_ok, inb,
     (``swiglu_quantize_t``'s output)."""
     g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
     u = _copy_group(at, s_at, I + rk, pk + I // T, inb, row_ok, stride_sk)
+    _h_cols(g, u, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, FMAX, FLOOR, POW2, OUT, ROUND_BF16, INTERPRET,
+            ZERO_PAD)
+
+
+@triton.jit
+def _h_cols(g, u, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, FMAX: tl.constexpr, FLOOR: tl.constexpr,
+            POW2: tl.constexpr, OUT: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+            ZERO_PAD: tl.constexpr):
+    """h = silu(g) * u of a tile of the FP8 copy's values ``g``, ``u`` (rounded to bf16 first with
+    ``ROUND_BF16``), quantized 128x1 and written transposed: down's Wgrad operand."""
     if ROUND_BF16:  # the values the forward's bf16 [g, u] had
         g = _to_bf16(g, INTERPRET).to(tl.float32)
         u = _to_bf16(u, INTERPRET).to(tl.float32)
@@ -578,19 +588,17 @@ def _swiglu_grad_rows_kernel(q_ptr, s_ptr, gy_ptr, qr_ptr, sr_ptr, M, I, stride_
     rm = pm * BM + tl.arange(0, BM)
     rk = pk * T + tl.arange(0, T)
     row_ok = rm < M
-    inb = row_ok[:, None] & (rk < I)[None, :]
+    col_ok = rk < I
+    inb = row_ok[:, None] & col_ok[None, :]
     at, s_at = q_ptr + rm.to(tl.int64)[:, None] * stride_qm, s_ptr + rm.to(tl.int64) * stride_sm
     gy = tl.load(gy_ptr + rm.to(tl.int64)[:, None] * stride_gm + rk[None, :] * stride_gk, mask=inb, other=0.0)
     g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
     u = _copy_group(at, s_at, I + rk, pk + I // T, inb, row_ok, stride_sk)
     dg, du = _swiglu_d(gy, g, u, ROUND_BF16, INTERPRET)
-    rows = qr_ptr + rm.to(tl.int64)[:, None] * (2 * I)
-    q, s = _rows_quantized(dg, FMAX, FLOOR, POW2)
-    tl.store(sr_ptr + pk.to(tl.int64) * M + rm, s, mask=row_ok)
-    tl.store(rows + rk[None, :], q.to(OUT), mask=inb)
-    q, s = _rows_quantized(du, FMAX, FLOOR, POW2)
-    tl.store(sr_ptr + (pk + I // T).to(tl.int64) * M + rm, s, mask=row_ok)
-    tl.store(rows + (I + rk)[None, :], q.to(OUT), mask=inb)
+    _store_tile(dg, qr_ptr, sr_ptr, qr_ptr, sr_ptr, pm, pk, rm, rk, row_ok, col_ok, M, 2 * I, M, FMAX, FLOOR, POW2,
+                OUT, True, False, False)
+    _store_tile(du, qr_ptr, sr_ptr, qr_ptr, sr_ptr, pm, pk + I // T, rm, I + rk, row_ok, col_ok, M, 2 * I, M, FMAX,
+                FLOOR, POW2, OUT, True, False, False)
 
 
 @triton.jit
@@ -615,17 +623,13 @@ def _swiglu_grad_cols_kernel(q_ptr, s_ptr, gy_ptr, qt_ptr, st_ptr, qh_ptr, sh_pt
     if COLS:
         gy = tl.load(gy_ptr + rm.to(tl.int64)[:, None] * stride_gm + rk[None, :] * stride_gk, mask=inb, other=0.0)
         dg, du = _swiglu_d(gy, g, u, ROUND_BF16, INTERPRET)
-        s = _group_scale(_amax(_abs_bits(dg), 0), FMAX, FLOOR, POW2)
-        _store_cols(dg, s, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, 2 * I, M_PAD, POW2, OUT, ZERO_PAD)
-        s = _group_scale(_amax(_abs_bits(du), 0), FMAX, FLOOR, POW2)
-        _store_cols(du, s, qt_ptr, st_ptr, pm, rm, I + rk, row_ok, col_ok, 2 * I, M_PAD, POW2, OUT, ZERO_PAD)
+        _store_tile(dg, qt_ptr, st_ptr, qt_ptr, st_ptr, pm, grp, rm, rk, row_ok, col_ok, M, 2 * I, M_PAD, FMAX, FLOOR,
+                    POW2, OUT, False, True, ZERO_PAD)
+        _store_tile(du, qt_ptr, st_ptr, qt_ptr, st_ptr, pm, grp, rm, I + rk, row_ok, col_ok, M, 2 * I, M_PAD, FMAX,
+                    FLOOR, POW2, OUT, False, True, ZERO_PAD)
     if H_COLS:
-        if ROUND_BF16:  # the values the forward's bf16 [g, u] had
-            g = _to_bf16(g, INTERPRET).to(tl.float32)
-            u = _to_bf16(u, INTERPRET).to(tl.float32)
-        h = _silu_mul(g, u)
-        s = _group_scale(_amax(_abs_bits(h), 0), FMAX, FLOOR, POW2)
-        _store_cols(h, s, qh_ptr, sh_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, POW2, OUT, ZERO_PAD)
+        _h_cols(g, u, qh_ptr, sh_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, FMAX, FLOOR, POW2, OUT, ROUND_BF16,
+                INTERPRET, ZERO_PAD)
 
 
 @triton.jit
