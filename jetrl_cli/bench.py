@@ -28,6 +28,7 @@ those rows are labelled ``emulated`` and their ratios are not speed-ups of FP8 h
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -800,7 +801,8 @@ def _flow(name: str):
     base, *mods = name.split("+")
     if base not in NAMED_FLOWS or any(m not in FLOW_MODIFIERS for m in mods) or len(set(mods)) < len(mods):
         raise JetrlError(f"--flows: unknown flow {name!r} (allowed: fp32, {', '.join(NAMED_FLOWS)}; a flow name "
-                         "+invariant for its batch-invariant mode, +fp8kv for an FP8 KV cache)")
+                         "+invariant for its batch-invariant mode, +fp8kv for an FP8 KV cache; in train rows +graphs for "
+                         "the decoder layers as CUDA graphs)")
     if mods:
         over: dict = {"base": base}
         for m in mods:  # each sets its own top-level key
@@ -1092,16 +1094,31 @@ def _rollout_task_rows(s: Settings, model, path, model_label: str, transformers,
 # --------------------------------------------------------------------------- train
 
 
-def _train_flows(names) -> list[tuple[str, object]]:
-    """Flows with distinct training precision (fp8-rollout trains like bf16: benched once)."""
+TRAIN_MODIFIERS = ("graphs",)  # NAME+graphs: a train row with ``train.cuda_graphs`` (the trainer's, not the flow's)
+
+
+def check_flow(name: str, modes) -> None:
+    """``--flows NAME`` for ``modes`` (``parse_modes``' result): a clear error unless every mode can run it."""
+    base, *mods = name.split("+")
+    if set(mods) & set(TRAIN_MODIFIERS) and set(modes) != {"train"}:
+        raise JetrlError(f"--flows: {name!r}: +graphs is for train rows only (bench train: the decoder layers as "
+                         "CUDA graphs)")
+    _flow("+".join([base] + [m for m in mods if m not in TRAIN_MODIFIERS]))
+
+
+def _train_flows(names) -> list[tuple[str, object, bool]]:
+    """``(name, flow, cuda graphs)`` of flows with distinct training precision (fp8-rollout trains like
+    bf16: benched once); ``NAME+graphs`` replays the decoder layers as CUDA graphs."""
     out, seen = [], set()
     for n in names:
-        f = _flow(n)
-        key = (f.train, f.kv_cast("train"))
+        base, *mods = n.split("+")
+        graphs = "graphs" in mods
+        f = _flow("+".join([base] + [m for m in mods if m not in TRAIN_MODIFIERS]))
+        key = (f.train, f.kv_cast("train"), graphs)
         if key in seen:
             continue
         seen.add(key)
-        out.append((n, f))
+        out.append((n, f, graphs))
     return out
 
 
@@ -1169,9 +1186,10 @@ def bench_train(s: Settings) -> list[dict]:
     rows = []
     common = {"model": label, "batch": n, "micro_batch": mb, "seq": t}
 
-    def flow_row(name: str, flow) -> dict:
+    def flow_row(name: str, flow, graphs: bool) -> dict:
         peaks = PhasePeaks(s.device == "cuda")
-        tr, old = peaks("setup", lambda: _scored(Trainer(make(dev), flow, tcfg, ccfg, sp, t), batch))
+        cfg = dataclasses.replace(tcfg, cuda_graphs=graphs)
+        tr, old = peaks("setup", lambda: _scored(Trainer(make(dev), flow, cfg, ccfg, sp, t), batch))
         step = [0]
 
         def one():
@@ -1180,23 +1198,26 @@ def bench_train(s: Settings) -> list[dict]:
 
         tm = timed_train_steps(one, s, peaks, f"train-{name}")
         first = batch if mb == n else batch.select(torch.arange(mb))  # what one forward saves
-        saved, _ = peaks("saved-activations forward",
-                         lambda: _saved_bytes(lambda: token_logprobs(tr.model, first, sp).sum()))
+        with tr.graphs.suspended() if tr.graphs is not None else contextlib.nullcontext():  # graphs hide theirs
+            saved, _ = peaks("saved-activations forward",
+                             lambda: _saved_bytes(lambda: token_logprobs(tr.model, first, sp).sum()))
         row = {"flow": name, "train": flow.train.linear.fprop.short_str(), "emulated": s.device == "cpu",
                **tm, "tokens_per_s": n * t / tm["s"], "saved_activation_bytes": saved, **common,
                "gemm_backends": backend_report(), **peaks.row()}
         if s.device == "cuda":
             row["allocator_per_step"] = allocator_events(one)
+        if graphs:  # what the decoder layers' CUDA graphs did (none on CPU)
+            row["train_graphs"] = tr.graphs.report() if tr.graphs is not None else "off: not on a GPU"
         return row
 
     # the baseline first, on a device nothing else has used (on the first H100 run, measured after
     # jetrl's rows, it ran out of memory at both shapes); listed last
     hf_row = _transformers_train_row(s, make, batch, adv, dev, common)
-    for name, flow in _train_flows(s.flows):
+    for name, flow, graphs in _train_flows(s.flows):
         s.say(f"train: {name}")
         _free(s.device)
         reset_resolutions()  # each row reports the backends its own GEMMs resolved to
-        rows.append(_unless_out_of_memory(s, name, common, lambda: flow_row(name, flow)))
+        rows.append(_unless_out_of_memory(s, name, common, lambda: flow_row(name, flow, graphs)))
     if hf_row is not None:
         rows.append(hf_row)
     _free(s.device)
@@ -1530,6 +1551,11 @@ def _gpu_targets(results: dict) -> list[dict]:
         key = "train_speedup_7b" if _big_shape(bf["model"]) else "train_speedup"
         v = 1 / tr["fp8-unified"]["step_vs_bf16"]
         add(f"fp8-unified train step >= {T[key]}x faster than bf16 ({bf['model']})", v, v >= T[key])
+    if "bf16+graphs" in tr and "fp8-unified+graphs" in tr:  # both flows with their layers as CUDA graphs
+        key = "train_speedup_7b" if _big_shape(tr["bf16+graphs"]["model"]) else "train_speedup"
+        v = tr["bf16+graphs"]["s"] / tr["fp8-unified+graphs"]["s"]
+        add(f"fp8-unified+graphs train step >= {T[key]}x faster than bf16+graphs ({tr['bf16+graphs']['model']})",
+            v, v >= T[key])
     for name in tr:
         if name.endswith("+invariant") and name.split("+")[0] in tr:
             v = tr[name]["s"] / tr[name.split("+")[0]]["s"]
@@ -1724,6 +1750,8 @@ def render(res: dict, console) -> None:
                 console.print(escape(f"{x['flow']}: per step, the CUDA allocator retried {ev.get('num_alloc_retries', 0)}"
                                      f" allocations, called cudaMalloc {ev.get('num_device_alloc', 0)} and cudaFree "
                                      f"{ev.get('num_device_free', 0)} times"), highlight=False)
+            if x.get("train_graphs"):
+                console.print(escape(f"{x['flow']}: decoder layers as CUDA graphs: {x['train_graphs']}"), highlight=False)
             for line in peak_lines(x):
                 console.print(escape(line), highlight=False)
         _print_backends(console, r["train"])

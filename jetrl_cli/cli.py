@@ -544,7 +544,7 @@ def run_cmd(
 @user_errors
 def bench_cmd(
     mode: Annotated[str, typer.Argument(help="gemm, quantize, attention, rollout, train, e2e or all.")] = "all",
-    flows: Annotated[Optional[str], typer.Option("--flows", help="Comma-separated flows for rollout/train/e2e (default bf16,fp8-rollout,fp8-unified); NAME+invariant for a flow's batch-invariant mode, NAME+fp8kv for it with an FP8 KV cache.")] = None,
+    flows: Annotated[Optional[str], typer.Option("--flows", help="Comma-separated flows for rollout/train/e2e (default bf16,fp8-rollout,fp8-unified); NAME+invariant for a flow's batch-invariant mode, NAME+fp8kv for it with an FP8 KV cache; train rows: NAME+graphs for its decoder layers as CUDA graphs (train.cuda_graphs).")] = None,
     shapes: Annotated[Optional[str], typer.Option("--shapes", help="gemm: MxNxK,... ; quantize: MxK,... (default: Llama-3-8B and Qwen2.5-7B layers); attention: BATCHxWIDTH,... (sequences x key width).")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
     model: Annotated[str, typer.Option("--model", help="attention/rollout/train/e2e model: 'tiny', a local HF directory, or a shape with random weights: qwen2.5-1.5b, qwen2.5-7b, llama-3-8b.")] = "tiny",
@@ -605,8 +605,8 @@ def bench_cmd(
         s.flows = tuple(f.strip() for f in flows.split(",") if f.strip())
         if not s.flows:
             raise JetrlError("--flows: no flow given")
-        for f in s.flows:
-            bench._flow(f)  # unknown names fail before anything runs
+        for f in s.flows:  # unknown names fail before anything runs
+            bench.check_flow(f, modes)
     if task_set and ("rollout" not in modes or s.task_preset is None):
         raise JetrlError("--task-set applies to the rollout mode's task batch (--task-preset; with --model, "
                          "give --task-preset NAME)")

@@ -95,6 +95,7 @@ class TrainConfig:
     ppo_epochs: int = 1
     minibatches: int = 1
     micro_batch: int = 64  # sequences per forward/backward
+    cuda_graphs: bool = False  # on a GPU: replay the decoder layers' forward and backward as CUDA graphs
     invariant_scale: float = 1.0  # QuRL invariant scaling s (1: off)
 
 

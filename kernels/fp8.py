@@ -1269,8 +1269,8 @@ def _weight_stacks(groups, fmt: Format, pow2_scale: bool, amax_floor: float, tra
     if why is not None:
         raise ValueError(f"{where}: {why}")
     dev = groups[0][0].device if groups and groups[0] else None
-    outs, jobs, stacks = [], {}, []
-    for ws, held in zip(groups, helds):
+    outs, jobs, stacks, shapes = [], {}, [], []
+    for ws in groups:
         k, total = ws[0].shape[1], 0
         for w in ws:  # unsupported()'s per-tensor checks, inline: a step quantizes ~200 weights
             if w.dim() != 2 or w.dtype not in _INPUTS:
@@ -1281,7 +1281,11 @@ def _weight_stacks(groups, fmt: Format, pow2_scale: bool, amax_floor: float, tra
             if w.device != dev:
                 raise ValueError(f"{where}: weights on {w.device} and {dev}: one device")
             total += w.shape[0]
-        wq, wt, s, st = _stack_outputs(spec, total, k, dev, transposed, held)
+        shapes.append((total, k))
+    arena = _Arena(spec, shapes, dev, transposed) if _ONE_BUFFER and not any(h is not None for h in helds) else None
+    for ws, held, (total, k) in zip(groups, helds, shapes):
+        wq, wt, s, st = arena.take(total, k) if arena is not None else _stack_outputs(spec, total, k, dev, transposed,
+                                                                                        held)
         gk, gtot = -(-k // TILE), -(-total // TILE)
         start, row = 0, None
         for w in ws:  # the layer's rows of W and s, its columns of W^T's scales
@@ -1321,6 +1325,64 @@ def _weight_stacks(groups, fmt: Format, pow2_scale: bool, amax_floor: float, tra
         # block scales the quantizer does write: a scalar store each, no tile transposed.
         transpose_many_(stacks)
     return outs
+
+
+_ONE_BUFFER = False  # within ``stacks_in_one_buffer``
+
+
+@contextlib.contextmanager
+def stacks_in_one_buffer():
+    """Within: ``quantize_weight_stacks`` writes all its groups' operands into one new buffer per kind (W's
+    data, W^T's, and their scales), each group's at a fixed offset, instead of one allocation each (when
+    no group gives operands to write into). Its launches' job tables hold the tensors' offsets from the
+    first group's, which then depend on the groups' shapes alone, not on where the allocator put them:
+    a CUDA graph capture (``rl.train_graphs``) finds the table its eager warm-up copied to the device
+    (a capture cannot copy one from the host). The buffer lives until every group's operands are gone."""
+    global _ONE_BUFFER
+    before, _ONE_BUFFER = _ONE_BUFFER, True
+    try:
+        yield
+    finally:
+        _ONE_BUFFER = before
+
+
+class _Arena:
+    """``stacks_in_one_buffer``'s buffers for groups of ``shapes`` ((N, K) each), handed out in order."""
+
+    def __init__(self, spec: CastSpec, shapes, dev, transposed: bool):
+        self.spec, self.transposed = spec, transposed
+        sizes = [self._sizes(total, k) for total, k in shapes]
+        dt = spec.format.torch_dtype()
+        self.data = torch.empty(sum(d for d, _, _ in sizes) * (2 if transposed else 1), dtype=dt, device=dev)
+        self.scales = torch.empty(sum(a + (b if transposed else 0) for _, a, b in sizes), dtype=torch.float32,
+                                  device=dev)
+        self.at = self.s_at = 0
+
+    @staticmethod
+    def _sizes(total: int, k: int) -> tuple[int, int, int]:
+        gk, gtot = -(-k // TILE), -(-total // TILE)  # W's data (16-byte multiples), W's and W^T's scales
+        return round_up(total * k, 16), gtot * round_up(gk, 4), gk * round_up(gtot, 4)
+
+    def _cut(self, n: int, shape: tuple) -> torch.Tensor:
+        t = self.data[self.at:self.at + shape[0] * shape[1]].view(shape)
+        self.at += n
+        return t
+
+    def _cut_scale(self, rows: int, cols: int) -> torch.Tensor:
+        t = self.scales[self.s_at:self.s_at + rows * cols].view(rows, cols)
+        self.s_at += rows * cols
+        return t
+
+    def take(self, total: int, k: int) -> tuple:
+        """``_stack_outputs``' four results for a group of ``total`` x ``k``, in this buffer."""
+        n, _, _ = self._sizes(total, k)
+        gk, gtot = -(-k // TILE), -(-total // TILE)
+        s = self._cut_scale(gtot, round_up(gk, 4))
+        wq = QTensor(self._cut(n, (total, k)), s[:, :gk], self.spec)
+        if not self.transposed:
+            return wq, None, s, None
+        st = self._cut_scale(gk, round_up(gtot, 4))
+        return wq, QTensor(self._cut(n, (k, total)), st[:, :gtot], self.spec), s, st
 
 
 def _stack_outputs(spec: CastSpec, total: int, k: int, dev, transposed: bool, held) -> tuple:

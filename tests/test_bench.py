@@ -316,6 +316,19 @@ def test_train_bench_runs_micro_batches():
     assert res.exit_code == 2 and "--micro-batch must be > 0, got 0" in res.output
 
 
+def test_train_bench_rows_with_the_layers_as_cuda_graphs():
+    """``NAME+graphs`` is a train row with ``train.cuda_graphs`` (the trainer's setting, not the flow's):
+    on CPU it runs the layers eagerly and says so; a rollout row takes no such modifier."""
+    args = ("--train-batch", 2, "--seq", 8, "--layers", 1, "--no-transformers", *FAST)
+    rows = bench("train", "--flows", "bf16,bf16+graphs,fp8-unified+graphs", *args)["results"]["train"]
+    assert [r["flow"] for r in rows] == ["bf16", "bf16+graphs", "fp8-unified+graphs"]
+    assert "train_graphs" not in rows[0]
+    assert [r["train_graphs"] for r in rows[1:]] == ["off: not on a GPU"] * 2
+    assert "e4m3" in rows[2]["train"] and "e4m3" not in rows[1]["train"]
+    res = runner.invoke(app, ["bench", "rollout", "--flows", "bf16+graphs", *FAST])
+    assert res.exit_code == 2 and "--flows: 'bf16+graphs': +graphs is for train rows only" in res.output
+
+
 def test_profile_writes_each_rows_ops_by_self_time(tmp_path):
     d = tmp_path / "prof"
     out = bench("train", "--train-batch", 2, "--seq", 8, "--flows", "bf16", "--layers", 1, "--profile", d, *FAST)

@@ -509,6 +509,34 @@ def test_weight_stacks_of_a_model_are_one_launch_and_the_groups_bits(fp8, monkey
 
 
 @needs_triton
+def test_weight_stacks_in_one_buffer_reuse_their_job_tables_wherever_they_land(fp8):
+    """``stacks_in_one_buffer`` (a CUDA graph capture's weights and its warm-up's): every group's operands
+    in one buffer per kind, at offsets fixed by the shapes, so a second call -- its buffer elsewhere --
+    finds the first's job tables (a capture cannot copy a new one to the device); the bits are those of
+    one allocation per group, and the operands are where the GEMMs want them (16-byte aligned)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    groups = [[torch.randn(256, 384, generator=gen) * 0.02, torch.randn(128, 384, generator=gen)],
+              [torch.randn(384, 384, generator=gen)], [torch.randn(256, 128, generator=gen).to(torch.bfloat16)]]
+    groups = [[w.to(dev()) for w in ws] for ws in groups]
+    want = fp8.quantize_weight_stacks(groups, E4, transposed=True)
+    with fp8.transpose_with("triton"), fp8.stacks_in_one_buffer():
+        first = fp8.quantize_weight_stacks(groups, E4, transposed=True)
+        tables = len(fp8._JOB_TABLES)
+        spare = torch.empty(4096, device=dev())  # the next buffer lands elsewhere
+        second = fp8.quantize_weight_stacks(groups, E4, transposed=True)
+    assert first[0][0].data.data_ptr() != second[0][0].data.data_ptr()
+    assert len(fp8._JOB_TABLES) == tables  # no new table: the same offsets
+    data = second[0][0].data.untyped_storage().data_ptr()
+    for (w, wt), (a, at) in zip(second, want):
+        assert w.data.untyped_storage().data_ptr() == wt.data.untyped_storage().data_ptr() == data  # one buffer
+        for q, r in ((w, a), (wt, at)):
+            assert layouts.is_gemm_layout(q) and q.data.data_ptr() % 16 == 0 and q.scale.data_ptr() % 16 == 0
+            assert torch.equal(bytes_of(q.data), bytes_of(r.data))
+            assert torch.equal(layouts.scale_buffer(q).view(torch.int32), layouts.scale_buffer(r).view(torch.int32))
+    del spare
+
+
+@needs_triton
 def test_quantize_dispatch_keeps_the_natural_layouts(fp8):
     """``fp8.quantize(x, spec)`` (the triton backend's cast) returns the reference's shapes; its
     128x1 result is a view of the x^T the kernel wrote, so ``.t()`` (Wgrad) copies no data."""

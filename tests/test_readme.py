@@ -140,10 +140,10 @@ def test_every_readme_command_is_accepted(in_scratch_dir):
                 if params["flows"]:
                     mm.resolve_flows(params["flows"].split(","), cfg.flow, cfg.name)
             if argv[0] == "bench":
-                bench.parse_modes(params["mode"])
+                modes = bench.parse_modes(params["mode"])
                 for f in (params["flows"] or "").split(","):
                     if f:
-                        bench._flow(f)
+                        bench.check_flow(f, modes)
         checked += 1
     assert checked == len(readme_commands()) >= 20
 

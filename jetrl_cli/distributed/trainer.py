@@ -52,6 +52,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class ShardedTrainer(Trainer):
     freeze_reference = False  # FSDP shards its master weights (and needs them)
     batch_casts = False  # FSDP gathers a layer's weights for its own forward only
+    layer_graphs = False  # FSDP's hooks gather each layer's weights in Python
 
     def __init__(self, model, flow, tcfg, ccfg, sampling, width, ref_model=None, *, world: World):
         self.world = world

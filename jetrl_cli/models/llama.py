@@ -1225,10 +1225,21 @@ class LlamaForCausalLM(nn.Module):
             x = self._embed(input_ids)
             if cache is not None:  # decided once per forward, for every layer
                 mask.reads_cache = _reads_cache_as_stored(x, cache, mask, self.config.num_attention_heads)
-            delta = None  # each layer's MLP output, added in the next layer's first norm
-            for i, layer in enumerate(self.model.layers):
-                x, delta = layer(x, cos, sin, mask, cache, i, delta)
+            graphs = self.__dict__.get("trunk_graphs")  # a trainer's CUDA graphs (rl.train_graphs)
+            if (graphs is not None and cache is None and key_keep is None and causal_from_zero
+                    and graphs.applies(self, x)):
+                x, delta = graphs.run(x, cos, sin, mask)
+            else:
+                x, delta = self.run_layers(x, cos, sin, mask, cache)
             return self.model.norm(x + delta)  # a module call: its hooks see the final hidden state
+
+    def run_layers(self, x, cos, sin, mask: Masking, cache=None) -> tuple:
+        """The decoder layers on the embedded tokens ``x``: the last layer's ``(x, delta)``, whose sum
+        is the residual stream."""
+        delta = None  # each layer's MLP output, added in the next layer's first norm
+        for i, layer in enumerate(self.model.layers):
+            x, delta = layer(x, cos, sin, mask, cache, i, delta)
+        return x, delta
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embedding. In a training forward its backward adds the tokens' rows in place

@@ -396,6 +396,9 @@ class WeightCastBatch:
         self.groups: dict[tuple, tuple] = {}  # ids of a group's layers -> (layers, _group_key at its last quantization)
         self.ready: dict[tuple, tuple] = {}  # ids -> (key, (W, W^T)): quantized ahead of the group's forward
         self.launches = 0  # calls of the batched quantizer (tests, diagnostics)
+        # ids of the groups a CUDA graph quantizes (``rl.train_graphs``: the decoder layers'): batched
+        # only with each other, and the others (the eager lm_head) only with the others
+        self.graphed: set[tuple] = set()
 
     def stack(self, tri, mods: tuple, held, key: tuple) -> tuple:
         """``(W, W^T)`` of the group ``mods`` (``held``: its operands to write into, or None; ``key``:
@@ -406,9 +409,9 @@ class WeightCastBatch:
         if got is not None and got[0] == key:
             return got[1]
         spec, p = mods[0].precision.fprop.b, mods[0].precision
-        others = []
+        others, graphed = [], ids in self.graphed
         for i, (g, last) in self.groups.items():
-            if i != ids and g[0].precision == p and _batchable(g) is not None:
+            if i != ids and g[0].precision == p and (i in self.graphed) == graphed and _batchable(g) is not None:
                 k = _group_key(g)
                 if k != last and (i not in self.ready or self.ready[i][0] != k):
                     others.append((i, g, k))
@@ -424,8 +427,12 @@ class WeightCastBatch:
         return outs[0]
 
     def discard(self, mods) -> None:
-        """Drop a result made ahead for ``mods`` (their cached weights were released)."""
-        self.ready.pop(tuple(map(id, mods)), None)
+        """Drop a result made ahead for ``mods`` (their cached weights were released), and count the
+        group as changed: the next batch quantizes it too, as its forward would have to."""
+        ids = tuple(map(id, mods))
+        self.ready.pop(ids, None)
+        if ids in self.groups:
+            self.groups[ids] = (self.groups[ids][0], None)
 
 
 def batch_weight_casts(model: nn.Module) -> WeightCastBatch:

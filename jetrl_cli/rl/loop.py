@@ -41,7 +41,7 @@ from .trainer import Batch, NonFiniteError, Trainer, fold_invariant_scale
 TIMING_KEYS = ("rollout_s", "score_s", "train_s", "sync_s", "eval_s", "step_s", "rollout_tokens_per_s")
 # What the machine ran, not what the run computed: a resumed process (perhaps on another machine)
 # records its own, so these are compared like timings, never as results.
-ENVIRONMENT_KEYS = TIMING_KEYS + ("gemm_backends",)
+ENVIRONMENT_KEYS = TIMING_KEYS + ("gemm_backends", "train_graphs")
 
 
 def tiny_policy_dir() -> Path:
@@ -409,7 +409,7 @@ def _steps(job: Job, cfg: JobConfig, out: Path, start: int, ckpt: Path | None, l
         if on_eval and writer:
             on_eval(samples)
     last_good = ckpt
-    last_report = None
+    last_report = last_graphs = None
     steps = cfg.train.steps
     for step in range(start, steps + 1):
         t_step = time.perf_counter()
@@ -477,6 +477,9 @@ def _steps(job: Job, cfg: JobConfig, out: Path, start: int, ckpt: Path | None, l
                                       or "kernels" in report):
             m["gemm_backends"] = report  # which backend runs each 8-bit GEMM (this process), and any fallbacks
             last_report = report
+        graphs = getattr(tr, "graphs", None)  # train.cuda_graphs on a GPU: captures, replays, or why off
+        if graphs is not None and graphs.state() != last_graphs:
+            m["train_graphs"] = last_graphs = graphs.state()
         emit(m)  # before the checkpoint: a resume truncates metrics back to its checkpoint's step
         if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == steps:
             extra = {"preset": cfg.name, "invariant_scale": cfg.train.invariant_scale}

@@ -159,6 +159,11 @@ def token_logprobs(model, b: Batch, sampling: SamplingParams, entropy: bool = Fa
     (2, sequences, positions); with autograd, both differentiable."""
     dev = next(model.parameters()).device
     ids = _to(b.ids, dev)
+    graphs = model.__dict__.get("trunk_graphs")
+    if graphs is not None and torch.is_grad_enabled() and graphs.applies(model, ids):
+        from .train_graphs import bucket
+
+        ids = torch.nn.functional.pad(ids, (0, bucket(ids.shape[1]) - ids.shape[1]))  # a few shapes to capture
     where = tuple(_to(w, dev) for w in b.mask.nonzero(as_tuple=True))  # indices from the host copy of the mask
     targets = ids[:, 1:][where]
     # inside forward, so module hooks (FSDP's parameter gathering) cover the lm_head too
@@ -218,6 +223,14 @@ class Trainer:
             **adamw_kind(cuda),
         )
         self.updates = 0
+        self.graphs = None  # the decoder layers' CUDA graphs (``train.cuda_graphs``, on a GPU)
+        if getattr(tcfg, "cuda_graphs", False) and cuda:
+            if not self.layer_graphs:
+                raise JetrlError("train.cuda_graphs: not under torchrun (FSDP gathers each layer's weights in "
+                                 "Python, which a graph would skip); set it to false")
+            from .train_graphs import TrunkGraphs
+
+            self.graphs = TrunkGraphs(self.model).install()
 
     # The frozen reference model holds its linear layers' forward weights only (natively: bf16 or
     # 8-bit, no fp32 master copy beside them). Not under FSDP, which shards the masters instead.
@@ -225,6 +238,9 @@ class Trainer:
     # The model's FP8 weight groups are quantized together after each optimizer step
     # (``WeightCastBatch``). Not under FSDP, which gathers a layer's weights only for its own forward.
     batch_casts = True
+    # ``train.cuda_graphs`` may replay the decoder layers as CUDA graphs (``rl.train_graphs``). Not under
+    # FSDP, whose hooks gather each layer's weights in Python.
+    layer_graphs = True
 
     def _prepare(self) -> None:
         """The training precision on the model, and on the frozen reference model."""
@@ -269,7 +285,8 @@ class Trainer:
             for gs in gsplit:
                 idx = torch.isin(b.group, gs).nonzero()[:, 0]
                 denom = loss_denominator(b.mask[idx], cfg.loss_agg, self.sampling.max_new_tokens)
-                self.opt.zero_grad(set_to_none=True)
+                # with CUDA graphs the layers' backward adds into gradients that must stay where they are
+                self.opt.zero_grad(set_to_none=self.graphs is None)
                 starts = range(0, len(idx), cfg.micro_batch)
                 with grads_in_place():  # micro-batches after the first add into the gradients held
                     parts = [self._micro_step(b, idx[s:s + cfg.micro_batch], adv, old, ref_logp, denom,

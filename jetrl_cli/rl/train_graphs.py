@@ -1,0 +1,321 @@
+"""CUDA graphs for the trainer's decoder layers (``train.cuda_graphs``).
+
+A training micro-batch of the 1.5B shape launches thousands of kernels from Python: on an H200 the
+FP8 update spent ~0.19 s in host work against 0.17 s of kernels (``docs/benchmarks.md``), so the
+GPU waited on the host. Here the decoder layers -- everything between the token embedding and the
+final norm -- are captured once per micro-batch shape as two graphs, their forward and their
+backward, and replayed: two launches instead of thousands. The embedding, the final norm, the
+lm_head with its logprobs and the loss stay eager (their shapes follow the completion tokens).
+
+What makes replay correct:
+
+- **Inputs at fixed addresses.** The layers' input (the embedding's output), the RoPE angles and
+  the query positions are copied into the graph's own tensors before each forward replay; the
+  gradients arriving from the final norm into the backward graph's.
+- **Weights re-quantized inside the forward graph.** The capture starts with every layer's cached
+  GEMM weights dropped (``_release_weights``), so the forward graph itself quantizes the master
+  weights (the batched two launches, ``WeightCastBatch``) and every replay does it again from the
+  current values: an optimizer step needs no Python to refresh them. A micro-batch after the first
+  of an optimizer step re-quantizes the same weights (the same bits) -- a few milliseconds wasted,
+  never a stale weight. The lm_head, outside the graph, is quantized eagerly as before
+  (``WeightCastBatch.graphed`` keeps the two apart).
+- **Weight gradients added where they are held.** The backward graph adds each layer parameter's
+  gradient into its ``.grad`` (autograd's in-place accumulation, or the GEMM's epilogue under
+  ``grads_in_place``), so the trainer zeroes gradients in place instead of dropping them
+  (``Trainer.update``); the addresses are checked before each replay, and graphs captured over
+  gradients that moved are dropped and captured again.
+- **The graph's memory** is a private pool: what the layers keep between forward and backward
+  (activations, FP8 weights) stays reserved there between steps.
+
+Capture follows ``torch.cuda.make_graphed_callables``: a warm-up forward and backward on the capture
+stream (kernels compiled, first-call timings taken; its weight gradients go to scratch tensors,
+not ``.grad``), then the captures, then a replay whose outputs must equal the warm-up's bit for bit
+(the forward is deterministic). A capture that fails, or a replay that differs, switches the graphs
+off with the reason kept in ``disabled`` (``jetrl bench train`` reports it), and the layers run
+eagerly: a graph never silently changes a step.
+
+Sequence lengths are padded up to a multiple of ``T_BUCKET`` tokens (``bucket``) so an RL run meets
+a few shapes; at most ``MAX_SHAPES`` are captured, later ones run eagerly. Not under FSDP (its
+hooks gather each layer's weights in Python), nor with hooks on the layers (they would not run).
+Nothing here captures on CPU except through a test's stand-in for the capture API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+T_BUCKET = 128  # a micro-batch's sequence length is padded up to a multiple of this
+MAX_SHAPES = 8  # micro-batch shapes captured; others run eagerly
+
+
+def bucket(t: int) -> int:
+    """The sequence length a graphed micro-batch of ``t`` tokens runs at."""
+    return -(-t // T_BUCKET) * T_BUCKET
+
+
+@dataclass
+class _Entry:
+    fwd: object
+    bwd: object
+    x: torch.Tensor  # the layers' input (the embedding's output), a leaf
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_index: torch.Tensor
+    outs: tuple  # (x, delta) of the last layer, rewritten by each forward replay
+    grads_in: tuple  # the gradients of ``outs``, copied in before each backward replay
+    x_grad: torch.Tensor | None  # the input's gradient, rewritten by each backward replay
+    grad_ptrs: tuple  # where the layer parameters' .grad lay at capture
+    anchor: torch.nn.Parameter  # a layer parameter, an input of the autograd node so that its backward
+    #   runs even when ``x`` needs no gradient (a frozen embedding); its gradient is the graph's to add
+
+
+class TrunkGraphs:
+    """The decoder layers of ``model`` (a ``LlamaForCausalLM``) replayed as CUDA graphs in training
+    forwards; installed as ``model.trunk_graphs`` (``install``)."""
+
+    def __init__(self, model, graph_api=None):
+        from ..engine.graphs import _CudaGraphAPI
+
+        self.model = model
+        self.api = graph_api or _CudaGraphAPI()
+        self.entries: dict[tuple, _Entry] = {}
+        self.disabled: str | None = None
+        self.captures = 0
+        self.replays = 0
+        self.eager_shapes: set = set()  # shapes past MAX_SHAPES, run eagerly
+        self.off = False  # ``suspended``
+        self.pool = None
+
+    def __deepcopy__(self, memo):
+        return None  # a copy of the model (a reference model) runs its layers eagerly; graphs do not copy
+
+    def install(self) -> "TrunkGraphs":
+        self.model.trunk_graphs = self
+        batch = _cast_batch(self.model)
+        if batch is not None:
+            batch.graphed.update(tuple(map(id, mods)) for mods, _ in self.groups())
+        return self
+
+    @contextlib.contextmanager
+    def suspended(self):
+        """Within: the layers run eagerly (``jetrl bench``'s count of the bytes a forward saves for the
+        backward, which a graph's saved tensors do not show)."""
+        before, self.off = self.off, True
+        try:
+            yield
+        finally:
+            self.off = before
+
+    def state(self) -> str:
+        """One line that changes only when the graphs do (a run's ``train_graphs`` metric): the shapes
+        captured and those run eagerly, or why the graphs are off."""
+        if self.disabled is not None:
+            return f"off: {self.disabled}"
+        more = f", {len(self.eager_shapes)} shapes eager" if self.eager_shapes else ""
+        return f"{self.captures} captured{more}"
+
+    def report(self) -> str:
+        """``state`` and the forward replays so far (a bench row's ``train_graphs``)."""
+        return self.state() if self.disabled is not None else f"{self.state()}, {self.replays} replays"
+
+    def groups(self) -> list:
+        return [g for g in self.model.linear_groups() if g[1] is not self.model.lm_head]
+
+    def _release(self) -> None:
+        """Drop the layers' cached GEMM weights (the next forward quantizes them)."""
+        from ..precision.linear import _release_weights
+
+        for mods, owner in self.groups():
+            _release_weights(mods, owner)
+
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.model.layers.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ use
+
+    def applies(self, model, x: torch.Tensor) -> bool:
+        """Whether ``model``'s trunk forward on ``x`` runs through the graphs: this object's model (not
+        a copy of it), a training forward (autograd on), graphs not switched off, no hooks on the layers."""
+        if (model is not self.model or self.off or self.disabled is not None or not torch.is_grad_enabled()
+                or not (x.is_cuda or getattr(self.api, "on_cpu", False))):
+            return False
+        layers = self.model.model.layers
+        if not len(layers) or not any(p.requires_grad for p in layers.parameters()):
+            return False
+        return not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                       for m in layers.modules())
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask) -> tuple:
+        """The last layer's ``(x, delta)`` for input ``x``: replayed, or, when no graph can serve
+        this shape, from the eager layers."""
+        key = (tuple(x.shape), x.dtype, x.requires_grad, tuple(cos.shape), cos.dtype, bool(mask.invariant),
+               mask.width)
+        e = self.entries.get(key)
+        if e is not None and e.grad_ptrs != _grad_ptrs(self.params()):
+            self.reset()  # a gradient was dropped or replaced: the backward graph would add into freed memory
+            e = None
+        if e is None:
+            if len(self.entries) >= MAX_SHAPES:
+                self.eager_shapes.add(key)
+                return self.model.run_layers(x, cos, sin, mask)
+            e, warm = self._capture(x, cos, sin, mask)
+            if e is None:
+                return self.model.run_layers(x, cos, sin, mask)
+            out = _GraphedLayers.apply(x, cos, sin, mask.q_index, e.anchor, e, self)
+            if not all(torch.equal(a, b) for a, b in zip(e.outs, warm)):
+                self.disabled = "a replayed training forward differed from the eager one"
+                self.reset()
+                return self.model.run_layers(x, cos, sin, mask)
+            self.entries[key] = e
+            return out
+        return _GraphedLayers.apply(x, cos, sin, mask.q_index, e.anchor, e, self)
+
+    def reset(self) -> None:
+        """Drop every graph (their pool's memory goes back to torch's allocator)."""
+        self.entries.clear()
+        self.pool = None
+
+    # ------------------------------------------------------------------ capture
+
+    def _capture(self, x, cos, sin, mask) -> tuple:
+        """``(entry, warm-up outputs)``, or ``(None, None)`` with ``disabled`` set."""
+        from ..models.llama import Masking
+
+        model, api = self.model, self.api
+        try:
+            api.prepare()
+        except Exception as e:  # no stream here (a machine without a usable driver)
+            self.disabled = _why(e)
+            return None, None
+        params = self.params()
+        for p in params:  # the backward graph adds into them: they must exist, at addresses that stay
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        xs = x.detach().clone().requires_grad_(x.requires_grad)
+        cs, ss, qs = cos.clone(), sin.clone(), mask.q_index.clone()
+        held: dict = {}
+
+        def forward():
+            m = Masking(qs, None, mask.width, True)
+            m.invariant = mask.invariant
+            held["outs"] = model.run_layers(xs, cs, ss, m)
+            return held["outs"]
+
+        grads_in: list = []
+
+        def backward():
+            xs.grad = None  # written, not added to (a stand-in's replay runs this again)
+            outs = held["outs"]
+            torch.autograd.backward(outs, grad_tensors=tuple(grads_in), inputs=([xs] if xs.requires_grad else [])
+                                    + params)
+            return xs.grad
+
+        def warm_up():
+            out = forward()
+            grads_in[:] = [torch.zeros_like(o) for o in out]
+            backward()
+            return tuple(o.detach().clone() for o in out)
+
+        try:
+            # The warm-up runs what the capture will: the weights quantized too (their kernels' first-call
+            # compilation and launch timings happen there; they cannot run inside a capture).
+            self._release()
+            with _scratch_grads(params), _stacks_in_one_buffer():  # warm-up weight gradients: scratch tensors
+                warm = api.warmup(warm_up)
+            self._release()  # so the forward graph quantizes every weight itself
+            if self.pool is None:
+                self.pool = api.pool()
+            fwd, bwd = api.new_graph(), api.new_graph()
+            with _stacks_in_one_buffer():  # the FP8 weights' job tables: the warm-up's, already on the device
+                outs = api.record(fwd, self.pool, forward)
+            ptrs = _grad_ptrs(params)
+            x_grad = api.record(bwd, self.pool, backward)
+            if _grad_ptrs(params) != ptrs:  # autograd replaced a .grad instead of adding into it
+                raise RuntimeError("the captured backward moved a weight gradient")
+        except Exception as e:  # a kernel that cannot be captured on this GPU / torch, or no memory for it
+            self.disabled = _why(e)
+            self.reset()
+            return None, None
+        finally:
+            held.clear()  # the capture's autograd graph (a stand-in's)
+            # The layers' Python caches now name weights the capture allocated in the graphs' pool, whose
+            # blocks other graphs' replays may write (as their captures saw them free): an eager forward
+            # (a shape past MAX_SHAPES, the next warm-up) must quantize into memory of its own.
+            self._release()
+        self.captures += 1
+        # the outputs without their capture's autograd graph, whose nodes would keep tensors of the pool alive
+        outs = tuple(o.detach() for o in outs)
+        e = _Entry(fwd, bwd, xs, cs, ss, qs, outs, tuple(grads_in), x_grad, _grad_ptrs(params), params[0])
+        return e, warm
+
+
+class _GraphedLayers(torch.autograd.Function):
+    """The decoder layers as one autograd node: the forward replays the forward graph, the backward
+    the backward graph, which also adds the layers' weight gradients into their ``.grad``."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, q_index, anchor, e: _Entry, owner: TrunkGraphs):
+        with torch.no_grad():
+            for dst, src in ((e.x, x), (e.cos, cos), (e.sin, sin), (e.q_index, q_index)):
+                if dst.data_ptr() != src.data_ptr():
+                    dst.copy_(src)
+        e.fwd.replay()
+        owner.replays += 1
+        ctx.e = e
+        return tuple(o.detach() for o in e.outs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        e = ctx.e
+        for dst, g in zip(e.grads_in, grads):
+            if g is None:
+                dst.zero_()
+            else:
+                dst.copy_(g)
+        e.bwd.replay()
+        return (None if e.x_grad is None else e.x_grad.detach()), None, None, None, None, None, None
+
+
+class _scratch_grads:
+    """Within: ``params`` hold zero gradients of their own, their real ``.grad`` put back after."""
+
+    def __init__(self, params):
+        self.params = params
+
+    def __enter__(self):
+        self.real = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+
+    def __exit__(self, *exc):
+        for p, g in zip(self.params, self.real):
+            p.grad = g
+
+
+def _stacks_in_one_buffer():
+    """``kernels.fp8.stacks_in_one_buffer`` where Triton runs, else nothing to do."""
+    from ..precision.gemm import triton_fp8_kernels
+
+    fp8 = triton_fp8_kernels()
+    return fp8.stacks_in_one_buffer() if fp8 is not None else contextlib.nullcontext()
+
+
+def _grad_ptrs(params) -> tuple:
+    return tuple(None if p.grad is None else p.grad.data_ptr() for p in params)
+
+
+def _cast_batch(model):
+    from ..precision.linear import JetLinear
+
+    for m in model.modules():
+        if isinstance(m, JetLinear) and "_cast_batch" in m.__dict__:
+            return m._cast_batch
+    return None
+
+
+def _why(e: Exception) -> str:
+    return f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"

@@ -1,0 +1,302 @@
+"""``train.cuda_graphs``: the decoder layers replayed as CUDA graphs in the trainer's updates
+(``rl.train_graphs``). On CPU through a stand-in for the capture API whose "capture" runs the function
+once with no effect on the gradients (as a capture runs nothing) and whose replay runs it again,
+writing into the tensors the capture returned (as a replay rewrites them); on a GPU for real."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from jetrl_cli.config import TrainConfig
+from jetrl_cli.engine.sampling import SamplingParams
+from jetrl_cli.models.shapes import random_model
+from jetrl_cli.models.tiny import tiny_config
+from jetrl_cli.precision import named_flow
+from jetrl_cli.precision.linear import _release_weights
+from jetrl_cli.rl import train_graphs
+from jetrl_cli.rl.algos import CorrectionConfig
+from jetrl_cli.rl.trainer import Batch, Trainer
+from jetrl_cli.rl.train_graphs import TrunkGraphs
+
+
+class _Graph:
+    def __init__(self, api):
+        self.api, self.fn, self.out = api, None, None
+        self.forward = False
+
+    def replay(self):
+        self.api.replays += 1
+        if self.forward:  # a real forward graph holds the weights' quantization (its capture began with none
+            for mods, owner in self.api.groups():  # cached: checked in record): each replay runs it again
+                _release_weights(mods, owner)
+        with torch.enable_grad():  # (a replay runs no Python: the stand-in's, inside an autograd node's forward)
+            new = self.fn()
+        if self.api.perturb and isinstance(new, tuple):
+            new = (new[0] + 1e-3, *new[1:])
+        for dst, src in zip(_leaves(self.out), _leaves(new)):
+            dst.copy_(src)
+
+
+def _leaves(t):
+    return [t] if isinstance(t, torch.Tensor) else [x for x in t if x is not None]
+
+
+class StandIn:
+    """The capture API of ``engine.graphs._CudaGraphAPI``, on CPU."""
+
+    on_cpu = True
+
+    def __init__(self, model, fail_at: int | None = None, perturb: bool = False):
+        self.model, self.fail_at, self.perturb = model, fail_at, perturb
+        self.records = self.replays = 0
+
+    def prepare(self):
+        pass
+
+    def groups(self):
+        return [g for g in self.model.linear_groups() if g[1] is not self.model.lm_head]
+
+    def pool(self):
+        return object()
+
+    def new_graph(self):
+        return _Graph(self)
+
+    def warmup(self, fn):
+        return fn()
+
+    def record(self, graph, pool, fn):
+        self.records += 1
+        if self.fail_at == self.records:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        if self.records % 2:  # a forward: it must quantize every layer's weights itself (none cached)
+            assert not [o for mods, o in self.groups() if o.__dict__.get("_jet_group_cache") or any(m._cache for m in mods)]
+            graph.forward = True
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        before = [None if p.grad is None else p.grad.clone() for p in params]
+        out = fn()
+        for p, g in zip(params, before):  # a capture runs nothing: the gradients stay as they were
+            if g is None:
+                p.grad = None
+            else:
+                p.grad.copy_(g)
+        graph.fn, graph.out = fn, out
+        return out
+
+
+def _batch(n=6, seed=1, vocab=128):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (int(torch.randint(2, 6, (), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    comps = [torch.randint(1, vocab, (int(torch.randint(1, 9, (), generator=g)),), generator=g).tolist()
+             for _ in range(n)]
+    lps = [(-torch.rand(len(c), generator=g)).tolist() for c in comps]
+    return Batch.build(prompts, comps, lps, [0.0] * n, [i // 3 for i in range(n)]), torch.randn(n, generator=g)
+
+
+def _pair(flow_name, micro_batch=2, **api):
+    model = random_model(tiny_config("qwen2", hidden=128, layers=2, vocab=128), seed=4, std=0.05)
+
+    def make():
+        return Trainer(copy.deepcopy(model), named_flow(flow_name), TrainConfig(micro_batch=micro_batch, lr=1e-3),
+                       CorrectionConfig(), SamplingParams(), 64)
+
+    eager, graphed = make(), make()
+    graphed.graphs = TrunkGraphs(graphed.model, graph_api=StandIn(graphed.model, **api)).install()
+    return eager, graphed
+
+
+def _updates(tr, steps=2, step=0):
+    stats = []
+    b, adv = _batch()  # the same micro-batch shapes at each update
+    for step in range(step, step + steps):
+        stats.append(tr.update(b, adv, tr.score(b), None, step=step))
+    return stats, [p.detach().clone() for p in tr.model.parameters()]
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["emulated", "native"])
+@pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified"])
+def test_graphed_layers_update_the_weights_as_the_eager_ones(monkeypatch, request, flow_name, native):
+    """Two updates of three micro-batches each (so the graphs' forward must quantize the weights the
+    optimizer step just changed, and the backward add each micro-batch into the gradients held):
+    the same statistics and the same weights, bit for bit, as the eager layers'. Each micro-batch
+    shape is captured once (its warm-up running on gradients of its own); later micro-batches of the
+    same shape replay. ``native``: the GPU's code path (bf16 activations, the FP8 weight stacks of
+    ``WeightCastBatch``), forced on CPU tensors."""
+    monkeypatch.setattr(train_graphs, "T_BUCKET", 1)  # no padding: the same GEMM shapes as the eager run
+    if native:
+        request.getfixturevalue("forced_native")
+    eager, graphed = _pair(flow_name)
+    st_e, w_e = _updates(eager)
+    st_g, w_g = _updates(graphed, 1)
+    held = [p.grad.data_ptr() for p in graphed.params]
+    st_g += _updates(graphed, 1, step=1)[0]
+    w_g = [p.detach().clone() for p in graphed.model.parameters()]
+    assert [p.grad.data_ptr() for p in graphed.params] == held  # zeroed in place, never dropped
+    g = graphed.graphs
+    assert g.disabled is None and g.captures >= 1 and g.replays == 6, g.report()
+    assert g.captures == len(g.entries) <= 3  # the second update's shapes were replayed, not captured again
+    assert st_g == st_e
+    assert all(torch.equal(a, b) for a, b in zip(w_g, w_e))
+    # scoring (no autograd) runs the layers eagerly: the graphs never see its shapes
+    assert g.replays == 6
+
+
+def test_graphed_sequences_are_padded_to_a_few_lengths():
+    """A graphed micro-batch runs at its length rounded up to ``T_BUCKET`` (right padding, which no
+    real token attends to): its logprobs equal the eager run's, and its update matches up to the
+    order of the weight gradients' sums over tokens."""
+    assert [train_graphs.bucket(t) for t in (1, 128, 129, 300)] == [128, 128, 256, 384]
+    eager, graphed = _pair("bf16")
+    b, adv = _batch()
+    assert torch.equal(graphed.score(b), eager.score(b))
+    grads = []
+    for tr in (eager, graphed):
+        def step(tr=tr, real=tr.opt.step):
+            grads.append([p.grad.clone() for p in tr.params if p.grad is not None])
+            real()
+        tr.opt.step = step
+    st_e, _ = _updates(eager, 1)
+    st_g, _ = _updates(graphed, 1)
+    assert graphed.graphs.captures == 1 and graphed.graphs.replays == 3  # one length: 128
+    assert len(grads[0]) == len(grads[1]) == len(eager.params)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+    assert st_g[0]["loss"] == pytest.approx(st_e[0]["loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("how", ["capture fails", "replay differs"])
+def test_graphs_that_cannot_serve_switch_off_and_the_layers_run_eagerly(monkeypatch, how):
+    """A capture that fails (a kernel that cannot be captured), or a first replay whose outputs differ
+    from the eager warm-up's: the graphs switch off with the reason kept, and the update is the
+    eager one, bit for bit."""
+    monkeypatch.setattr(train_graphs, "T_BUCKET", 1)
+    eager, graphed = _pair("fp8-unified", **({"fail_at": 2} if how == "capture fails" else {"perturb": True}))
+    st_e, w_e = _updates(eager)
+    st_g, w_g = _updates(graphed)
+    g = graphed.graphs
+    assert g.disabled is not None and not g.entries, g.report()
+    assert ("capture failed: RuntimeError" in g.disabled) if how == "capture fails" else "differed" in g.disabled
+    assert g.report().startswith("off: ")
+    assert st_g == st_e and all(torch.equal(a, b) for a, b in zip(w_g, w_e))
+
+
+def test_gradients_dropped_between_updates_are_captured_again(monkeypatch):
+    """The backward graph adds into the gradients where they lay at capture. The trainer zeroes them in
+    place; one dropped anyway (``zero_grad(set_to_none=True)``) makes the graphs capture again rather
+    than add into memory that is gone."""
+    monkeypatch.setattr(train_graphs, "T_BUCKET", 1)
+    eager, graphed = _pair("bf16", micro_batch=6)
+    b, adv = _batch()
+    for tr in (eager, graphed):
+        tr.update(b, adv, tr.score(b), None, step=0)
+    assert graphed.graphs.captures == 1
+    graphed.opt.zero_grad(set_to_none=True)
+    for tr in (eager, graphed):
+        tr.update(b, adv, tr.score(b), None, step=1)
+    assert graphed.graphs.captures == 2 and graphed.graphs.disabled is None
+    assert all(torch.equal(a, b) for a, b in zip(graphed.model.parameters(), eager.model.parameters()))
+
+
+def test_graphs_serve_only_their_own_model_and_only_with_autograd():
+    """A copy of the model (a reference model made from the policy) and a forward without autograd
+    (scoring, the rollout) run their layers eagerly; so does a model with a hook on a layer (the
+    mismatch report's per-layer attribution), whose hook a replay would skip."""
+    _, graphed = _pair("bf16")
+    g = graphed.graphs
+    x = torch.zeros(2, 3, 128)
+    assert g.applies(graphed.model, x)
+    assert not g.applies(copy.deepcopy(graphed.model), x)
+    with torch.no_grad():
+        assert not g.applies(graphed.model, x)
+    h = graphed.model.model.layers[1].register_forward_hook(lambda *a: None)
+    assert not g.applies(graphed.model, x)
+    h.remove()
+    with g.suspended():  # the bench's count of the bytes a forward saves
+        assert not g.applies(graphed.model, x)
+    assert g.applies(graphed.model, x)
+
+
+def test_the_graphed_layers_weights_are_quantized_apart_from_the_lm_head():
+    """The forward graph quantizes the layers' FP8 weights in its own batched launch; the eager lm_head
+    in another (``WeightCastBatch.graphed``): neither re-quantizes the other's weights."""
+    _, graphed = _pair("fp8-unified")
+    batch = graphed.model.lm_head._cast_batch
+    ids = {tuple(map(id, mods)) for mods, _ in graphed.model.linear_groups()}
+    head = (id(graphed.model.lm_head),)
+    assert batch.graphed == ids - {head}
+
+
+@pytest.mark.slow  # ~50 s: Triton's interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU captures for real: test_real_cuda_graphs_...")
+def test_the_forward_graph_quantizes_the_layers_weights_in_one_batched_call(forced_native, monkeypatch):
+    """FP8 weights by the Triton quantizers (in Triton's interpreter): the forward graph's capture
+    quantizes every layer's weights in one batched call (``WeightCastBatch``, two launches) -- the
+    stand-in's replays then run that call again, as a real replay runs its kernels -- and the update
+    is the eager one, bit for bit."""
+    import collections
+
+    from jetrl_cli.precision import gemm, parse_flow
+
+    from .triton_interp_fix import fixed_fp8_conversion
+
+    gemms = {g: {"backend": "triton"} for g in ("fprop", "dgrad", "wgrad")}
+    flow = parse_flow({"base": "fp8-unified", "rollout": {"linear": {"backend": "triton"}}, "train": gemms},
+                      source="<test>")
+    monkeypatch.setattr(train_graphs, "T_BUCKET", 1)
+    fp8 = gemm.triton_fp8_kernels()
+    calls = collections.Counter()
+    real = fp8.quantize_weight_stacks
+    monkeypatch.setattr(fp8, "quantize_weight_stacks", lambda *a, **k: calls.update(["stacks"]) or real(*a, **k))
+    model = random_model(tiny_config("qwen2", hidden=256, layers=2, vocab=256), seed=5, std=0.05)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 256, (4, 20), generator=g)
+    b = Batch.build(ids[:, :8].tolist(), ids[:, 8:].tolist(), [[-1.0] * 12] * 4, [0.0] * 4, [0, 0, 1, 1])
+    adv = torch.randn(4, generator=g)
+
+    def trained(graphs: bool):
+        tr = Trainer(copy.deepcopy(model), flow, TrainConfig(micro_batch=2, lr=1e-3), CorrectionConfig(),
+                     SamplingParams(), 64)
+        if graphs:
+            tr.graphs = TrunkGraphs(tr.model, graph_api=StandIn(tr.model)).install()
+        with fixed_fp8_conversion():
+            old = tr.score(b)  # every group learnt, one by one
+            calls.clear()
+            tr.update(b, adv, old, None, step=0)
+        return tr, dict(calls)
+
+    eager, eager_calls = trained(False)
+    graphed, graphed_calls = trained(True)
+    assert eager_calls == {}  # the micro-batches use the weights the scoring quantized
+    # the first micro-batch's warm-up and forward capture each quantize them all in one call (the warm-up
+    # runs what the capture will), and each of the two micro-batches' forward replays does again
+    assert graphed.graphs.captures == 1 and graphed_calls == {"stacks": 2 + 2}, graphed.graphs.report()
+    assert all(torch.equal(p, q) for p, q in zip(graphed.model.parameters(), eager.model.parameters()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified"])
+def test_real_cuda_graphs_train_as_the_eager_layers(flow_name):
+    """On a GPU: two updates of three micro-batches through captured graphs, against the same model
+    trained eagerly. The forward is checked bit for bit at capture (``TrunkGraphs``); the weights after
+    the updates agree to the rounding of the backward's sums (flash attention's backward and the
+    GEMMs may add in another order from one run to the next)."""
+    model = random_model(tiny_config("qwen2", hidden=256, layers=2, vocab=512), seed=4, std=0.05).cuda()
+    sp = SamplingParams()
+
+    def make(graphs):
+        return Trainer(copy.deepcopy(model), named_flow(flow_name),
+                       TrainConfig(micro_batch=2, lr=1e-3, cuda_graphs=graphs), CorrectionConfig(), sp, 64)
+
+    eager, graphed = make(False), make(True)
+    assert graphed.graphs is not None and eager.graphs is None
+    st_e, w_e = _updates(eager)
+    st_g, w_g = _updates(graphed)
+    g = graphed.graphs
+    assert g.disabled is None and g.captures >= 1 and g.replays == 6, g.report()
+    for a, b in zip(w_g, w_e):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-4)
+    assert st_g[-1]["loss"] == pytest.approx(st_e[-1]["loss"], rel=5e-2, abs=1e-3)
