@@ -96,15 +96,21 @@ def _as_input(g: torch.Tensor, meta, node) -> torch.Tensor:
 def backward(root: torch.Tensor, gradient: torch.Tensor | None = None) -> None:
     """``root.backward(gradient)``. Unlike the engine it frees nothing: the saved tensors live until
     the graph is garbage."""
-    if root.grad_fn is None:
-        raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
     if gradient is None:
         if root.numel() != 1:
             raise RuntimeError("grad can be implicitly created only for scalar outputs")
         gradient = torch.ones_like(root)
-    start = root.grad_fn
+    backward_all((root,), (gradient,))
+
+
+def backward_all(roots, gradients) -> None:
+    """``torch.autograd.backward(roots, gradients)`` over every leaf the roots reach (no ``inputs=``)."""
+    for i, root in enumerate(roots):
+        if root.grad_fn is None:
+            raise RuntimeError(f"element {i} of tensors does not require grad and does not have a grad_fn")
+    starts = list(dict.fromkeys(r.grad_fn for r in roots))
     waiting: dict = {}  # node -> edges into it not yet run
-    todo, seen = [start], {start}
+    todo, seen = list(starts), set(starts)
     while todo:
         for nxt, _ in todo.pop().next_functions:
             if nxt is None:
@@ -113,9 +119,13 @@ def backward(root: torch.Tensor, gradient: torch.Tensor | None = None) -> None:
             if nxt not in seen:
                 seen.add(nxt)
                 todo.append(nxt)
-    inbox: dict = {start: {root.output_nr: gradient}}
+    inbox: dict = {}
+    for root, g in zip(roots, gradients):
+        box = inbox.setdefault(root.grad_fn, {})
+        box[root.output_nr] = g if root.output_nr not in box else box[root.output_nr] + g
     order = itertools.count()
-    ready = [(-start._sequence_nr(), next(order), start)]
+    ready = [(-s._sequence_nr(), next(order), s) for s in starts if not waiting.get(s)]
+    heapq.heapify(ready)
     while ready:
         node = heapq.heappop(ready)[2]
         got = inbox.pop(node, {})

@@ -501,7 +501,10 @@ def test_gpu_targets_follow_the_issues_rules():
               "peak_memory_bytes": 45 * 2**30},
              {"flow": "fp8-unified", "model": "qwen2.5-1.5b", "s": 0.8, "step_vs_bf16": 0.8, "activations_vs_bf16": 0.55},
              {"flow": "fp8-unified+invariant", "model": "qwen2.5-1.5b", "s": 1.1, "step_vs_bf16": 1.1,
-              "activations_vs_bf16": 0.55}]
+              "activations_vs_bf16": 0.55},
+             {"flow": "bf16+graphs", "model": "qwen2.5-1.5b", "s": 0.9, "step_vs_bf16": 0.9},
+             {"flow": "fp8-unified+graphs", "model": "qwen2.5-1.5b", "s": 0.72, "step_vs_bf16": 0.72},
+             {"flow": "fp8-unified+invariant+graphs", "model": "qwen2.5-1.5b", "s": 0.88, "step_vs_bf16": 0.88}]
     ro = [{"engine": "transformers generate(), static cache", "flow": "bf16", "workload": "fixed", "tokens_per_s": 100.0},
           {"engine": "jetrl embedded", "flow": "bf16", "workload": "fixed", "tokens_per_s": 120.0},
           {"engine": "jetrl embedded", "flow": "fp8-rollout", "workload": "fixed", "tokens_per_s": 150.0},
@@ -523,7 +526,11 @@ def test_gpu_targets_follow_the_issues_rules():
     t = one("fp8-unified train step >= 1.15x")
     assert t["value"] == pytest.approx(1.25) and t["met"]
     t = one("fp8-unified+invariant train step")
-    assert t["value"] == pytest.approx(1.1 / 0.8) and not t["met"]
+    assert t["value"] == pytest.approx(1.1 / 0.8) and not t["met"] and t["target"].endswith("(fp8-unified)")
+    t = one("fp8-unified+graphs train step >= 1.15x faster than bf16+graphs")  # each flow's layers as graphs
+    assert t["value"] == pytest.approx(0.9 / 0.72) and t["met"]
+    t = one("fp8-unified+invariant+graphs train step")  # priced against the same flow's graphs, fast path
+    assert t["value"] == pytest.approx(0.88 / 0.72) and t["met"] and t["target"].endswith("(fp8-unified+graphs)")
     assert one("embedded bf16 rollout >= static-cache")["value"] == pytest.approx(1.2)
     t = one("fp8-rollout rollout")
     assert t["value"] == pytest.approx(1.25) and not t["met"] and GPU_TARGETS["rollout_fp8_vs_bf16"] == 1.3

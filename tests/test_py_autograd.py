@@ -31,6 +31,27 @@ def test_small_graph_with_a_multi_output_node_a_reused_leaf_and_an_unused_output
         py_autograd.backward(x @ w)
 
 
+def test_several_roots_one_reached_from_another_as_the_engine_does():
+    """``backward_all``: roots with their gradients (as ``torch.autograd.backward(tensors, grads)``),
+    one of them upstream of another and two outputs of one node -- the trainer's CUDA-graph capture
+    backpropagates a decoder stack's two outputs at once."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    x = torch.randn(5, 6, generator=g, requires_grad=True)
+    w = torch.randn(6, 6, generator=g, requires_grad=True)
+    gs = [torch.randn(5, 3, generator=g), torch.randn(5, 3, generator=g), torch.randn(5, 6, generator=g)]
+
+    def roots():
+        a, b = (x @ w).split(3, dim=1)
+        c = (a.repeat(1, 2) * x).tanh()  # downstream of a
+        return a, b, c
+
+    torch.autograd.backward(roots(), gs)
+    want = _grads([x, w])
+    py_autograd.backward_all(roots(), gs)
+    got = _grads([x, w])
+    assert all(torch.equal(p, q) for p, q in zip(got, want))
+
+
 def test_leaves_keep_and_add_their_gradients_as_in_the_engine():
     """The first backward keeps a leaf's gradient as it arrives (the three weights of a ``cat`` get
     views of one buffer), the second adds into it in place; the same values as the engine's."""

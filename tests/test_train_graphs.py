@@ -145,6 +145,38 @@ def test_graphed_layers_update_the_weights_as_the_eager_ones(monkeypatch, reques
     assert g.replays == 6
 
 
+def test_graphed_layers_with_tied_embeddings_a_reference_model_and_an_entropy_bonus(monkeypatch):
+    """The rest of a trainer around the graphed layers as a real preset may have it: tied embeddings (the
+    lm_head's weight is the embedding's, outside the graphs), a frozen reference model for the KL term
+    (a copy, which runs its layers eagerly), an entropy bonus, the batch-invariant mode's attention, two
+    mini-batches: bit for bit the eager trainer's."""
+    import dataclasses
+
+    monkeypatch.setattr(train_graphs, "T_BUCKET", 1)
+    cfg = dataclasses.replace(tiny_config("qwen2", hidden=128, layers=2, vocab=128), tie_word_embeddings=True)
+    model = random_model(cfg, seed=6, std=0.05)
+    flow = named_flow("fp8-unified")
+    flow = dataclasses.replace(flow, batch_invariant=True)
+    tcfg = TrainConfig(micro_batch=2, lr=1e-3, kl_coef=0.05, entropy_coef=0.01, minibatches=2)
+
+    def make():
+        m = copy.deepcopy(model)
+        return Trainer(m, flow, tcfg, CorrectionConfig(type="tis"), SamplingParams(), 64, ref_model=copy.deepcopy(m))
+
+    eager, graphed = make(), make()
+    assert graphed.model.lm_head.weight is graphed.model.model.embed_tokens.weight
+    graphed.graphs = TrunkGraphs(graphed.model, graph_api=StandIn(graphed.model)).install()
+    b, adv = _batch()
+    out = []
+    for tr in (eager, graphed):
+        st = [tr.update(b, adv, tr.score(b), tr.score(b, ref=True), step=s) for s in range(2)]
+        out.append((st, [p.detach().clone() for p in tr.model.parameters()]))
+    # two mini-batches of 3 sequences, micro-batches of 2 and 1: four a step
+    assert graphed.graphs.disabled is None and graphed.graphs.replays == 8, graphed.graphs.report()
+    assert out[1][0] == out[0][0]
+    assert all(torch.equal(a, b) for a, b in zip(out[1][1], out[0][1]))
+
+
 def test_graphed_sequences_are_padded_to_a_few_lengths():
     """A graphed micro-batch runs at its length rounded up to ``T_BUCKET`` (right padding, which no
     real token attends to): its logprobs equal the eager run's, and its update matches up to the

@@ -12,6 +12,7 @@ build of torch (torch 2.11+cu130 installed on CPU will do); prints one JSON obje
 
     python docs/experiments/gpu_path_counts.py forward --flow fp8-unified --batch 16 --seq 512
     python docs/experiments/gpu_path_counts.py host --flow bf16 --batch 16 --seq 512
+    python docs/experiments/gpu_path_counts.py host --flow fp8-unified --batch 16 --seq 512 --graphs
     python docs/experiments/gpu_path_counts.py bench --flow fp8-unified --batch 16 --seq 512
 
 (2026-11-25, docs/benchmarks.md: the 1.5B shape, 28 layers, both flows.)
@@ -144,9 +145,18 @@ def host(args) -> dict:
     make, cfg, label = load_bench_model(args.model, args.layers)
     batch, adv = _train_batch(cfg.vocab_size, args.batch, args.seq, torch.Generator().manual_seed(0))
     mode = Counting(bool_every=1, real=0.0)
+    plain_backward, plain_equal = torch.autograd.backward, torch.equal
+    if args.graphs:  # the graphs' capture backpropagates two roots (autograd's C++ engine wants a driver),
+        torch.autograd.backward = lambda tensors, grad_tensors=None, inputs=None, **kw: py_autograd.backward_all(
+            tuple(tensors), tuple(grad_tensors))
+        torch.equal = lambda a, b: True  # and checks its replay against the warm-up (no values here)
     with fc._pretend_bench(), mode, py_autograd.recording():
         tr = Trainer(make(torch.device("cuda")), _flow(args.flow), TrainConfig(lr=1e-6, micro_batch=args.batch),
                      CorrectionConfig(type="none"), SamplingParams(max_new_tokens=args.seq - args.seq // 2), args.seq)
+        if args.graphs:
+            from jetrl_cli.rl.train_graphs import TrunkGraphs
+
+            tr.graphs = TrunkGraphs(tr.model, graph_api=_HostOnlyGraphs()).install()
         old = tr.score(batch)
         tr.update(batch, adv, old, None, 1)  # the first update makes the optimizer state
         launches.clear()
@@ -155,17 +165,41 @@ def host(args) -> dict:
         prof.enable()
         tr.update(batch, adv, old, None, 2)
         prof.disable()
+    torch.autograd.backward, torch.equal = plain_backward, plain_equal
+    if args.graphs and (tr.graphs.disabled or tr.graphs.captures != 1):
+        raise RuntimeError(f"the graphs did not serve the update: {tr.graphs.report()}")
     ours = [v for k, v in pstats.Stats(prof).stats.items() if os.sep + "jetrl_cli" + os.sep in k[0]
             or os.sep + "kernels" + os.sep in k[0]]
     ops = {k: v for k, v in mode.ops.items() if not k.startswith("prim.")}
     mine = sorted(((v[1], f"{os.path.relpath(k[0], ROOT)}:{k[1]}:{k[2]}") for k, v in pstats.Stats(prof).stats.items()
                    if os.sep + "jetrl_cli" + os.sep in k[0] or os.sep + "kernels" + os.sep in k[0]), reverse=True)
-    return {"model": label, "flow": args.flow, "tokens": [args.batch, args.seq],
+    return {"model": label, "flow": args.flow + ("+graphs" if args.graphs else ""), "tokens": [args.batch, args.seq],
             "aten_ops": sum(v for k, v in ops.items() if k not in VIEWS),
             "view_ops": sum(v for k, v in ops.items() if k in VIEWS),
             "triton_launches": dict(launches), "jetrl_python_calls": sum(v[1] for v in ours),
             "most_called": [[n, where] for n, where in mine[:args.top]],
             "aten_ops_most_dispatched": mode.ops.most_common(args.top)}
+
+
+class _HostOnlyGraphs:
+    """``rl.train_graphs``' capture API for ``host --graphs``: a capture runs its function once (in the
+    first update, not counted), a replay runs nothing on the host, as a real one (two launches, not
+    counted: nothing is dispatched)."""
+
+    def prepare(self):
+        pass
+
+    def pool(self):
+        return None
+
+    def new_graph(self):
+        return type("Graph", (), {"replay": lambda self: None})()
+
+    def warmup(self, fn):
+        return fn()
+
+    def record(self, graph, pool, fn):
+        return fn()
 
 
 def bench(args) -> dict:
@@ -217,6 +251,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--top", type=int, default=15, help="forward, bench: allocation sites listed")
+    ap.add_argument("--graphs", action="store_true", help="host: with train.cuda_graphs (the layers' replays run "
+                    "no host work; what is left is counted)")
     args = ap.parse_args()
     if not torch.backends.cuda.is_built():
         sys.exit(f"needs a CUDA build of torch (this is {torch.__version__})")
