@@ -5,6 +5,7 @@ writing into the tensors the capture returned (as a replay rewrites them); on a 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -32,7 +33,7 @@ class _Graph:
         if self.forward:  # a real forward graph holds the weights' quantization (its capture began with none
             for mods, owner in self.api.groups():  # cached: checked in record): each replay runs it again
                 _release_weights(mods, owner)
-        with torch.enable_grad():  # (a replay runs no Python: the stand-in's, inside an autograd node's forward)
+        with torch.set_grad_enabled(self.grad):  # as captured (inside an autograd node's forward it is off)
             new = self.fn()
         if self.api.perturb and isinstance(new, tuple):
             new = (new[0] + 1e-3, *new[1:])
@@ -52,6 +53,7 @@ class StandIn:
     def __init__(self, model, fail_at: int | None = None, perturb: bool = False):
         self.model, self.fail_at, self.perturb = model, fail_at, perturb
         self.records = self.replays = 0
+        self.forward_next = True
 
     def prepare(self):
         pass
@@ -72,9 +74,11 @@ class StandIn:
         self.records += 1
         if self.fail_at == self.records:
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
-        if self.records % 2:  # a forward: it must quantize every layer's weights itself (none cached)
+        if self.forward_next:  # a forward: it must quantize every layer's weights itself (none cached)
             assert not [o for mods, o in self.groups() if o.__dict__.get("_jet_group_cache") or any(m._cache for m in mods)]
             graph.forward = True
+        # with autograd a backward capture follows the forward's; a scoring forward is captured alone
+        self.forward_next = not (graph.forward and torch.is_grad_enabled())
         params = [p for p in self.model.parameters() if p.requires_grad]
         before = [None if p.grad is None else p.grad.clone() for p in params]
         out = fn()
@@ -83,7 +87,7 @@ class StandIn:
                 p.grad = None
             else:
                 p.grad.copy_(g)
-        graph.fn, graph.out = fn, out
+        graph.fn, graph.out, graph.grad = fn, out, torch.is_grad_enabled()
         return out
 
 
@@ -137,12 +141,12 @@ def test_graphed_layers_update_the_weights_as_the_eager_ones(monkeypatch, reques
     w_g = [p.detach().clone() for p in graphed.model.parameters()]
     assert [p.grad.data_ptr() for p in graphed.params] == held  # zeroed in place, never dropped
     g = graphed.graphs
-    assert g.disabled is None and g.captures >= 1 and g.replays == 6, g.report()
-    assert g.captures == len(g.entries) <= 3  # the second update's shapes were replayed, not captured again
+    # each update: three micro-batches scored (a forward graph each) and three trained
+    assert g.disabled is None and g.replays == 12, g.report()
+    assert g.captures == len(g.entries) <= 6  # the second update's shapes were replayed, not captured again
+    assert {k[0] for k in g.entries} == {True, False}  # graphs for training and for scoring
     assert st_g == st_e
     assert all(torch.equal(a, b) for a, b in zip(w_g, w_e))
-    # scoring (no autograd) runs the layers eagerly: the graphs never see its shapes
-    assert g.replays == 6
 
 
 def test_graphed_layers_with_tied_embeddings_a_reference_model_and_an_entropy_bonus(monkeypatch):
@@ -171,8 +175,9 @@ def test_graphed_layers_with_tied_embeddings_a_reference_model_and_an_entropy_bo
     for tr in (eager, graphed):
         st = [tr.update(b, adv, tr.score(b), tr.score(b, ref=True), step=s) for s in range(2)]
         out.append((st, [p.detach().clone() for p in tr.model.parameters()]))
-    # two mini-batches of 3 sequences, micro-batches of 2 and 1: four a step
-    assert graphed.graphs.disabled is None and graphed.graphs.replays == 8, graphed.graphs.report()
+    # two mini-batches of 3 sequences, micro-batches of 2 and 1: four a step, after three scored (the
+    # reference model's scoring runs eagerly)
+    assert graphed.graphs.disabled is None and graphed.graphs.replays == 2 * (4 + 3), graphed.graphs.report()
     assert out[1][0] == out[0][0]
     assert all(torch.equal(a, b) for a, b in zip(out[1][1], out[0][1]))
 
@@ -193,7 +198,8 @@ def test_graphed_sequences_are_padded_to_a_few_lengths():
         tr.opt.step = step
     st_e, _ = _updates(eager, 1)
     st_g, _ = _updates(graphed, 1)
-    assert graphed.graphs.captures == 1 and graphed.graphs.replays == 3  # one length: 128
+    # one length, 128: a scoring forward graph (6 replays: two scorings of 3) and a training pair (3)
+    assert graphed.graphs.captures == 2 and graphed.graphs.replays == 6 + 3, graphed.graphs.report()
     assert len(grads[0]) == len(grads[1]) == len(eager.params)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
@@ -225,25 +231,25 @@ def test_gradients_dropped_between_updates_are_captured_again(monkeypatch):
     b, adv = _batch()
     for tr in (eager, graphed):
         tr.update(b, adv, tr.score(b), None, step=0)
-    assert graphed.graphs.captures == 1
+    assert graphed.graphs.captures == 2  # scoring's forward, the update's forward and backward
     graphed.opt.zero_grad(set_to_none=True)
     for tr in (eager, graphed):
         tr.update(b, adv, tr.score(b), None, step=1)
-    assert graphed.graphs.captures == 2 and graphed.graphs.disabled is None
+    assert graphed.graphs.captures == 3 and graphed.graphs.disabled is None  # the update's again
     assert all(torch.equal(a, b) for a, b in zip(graphed.model.parameters(), eager.model.parameters()))
 
 
-def test_graphs_serve_only_their_own_model_and_only_with_autograd():
-    """A copy of the model (a reference model made from the policy) and a forward without autograd
-    (scoring, the rollout) run their layers eagerly; so does a model with a hook on a layer (the
-    mismatch report's per-layer attribution), whose hook a replay would skip."""
+def test_graphs_serve_only_their_own_model_without_hooks():
+    """A copy of the model (a reference model made from the policy) runs its layers eagerly; so does a
+    model with a hook on a layer (the mismatch report's per-layer attribution), whose hook a replay
+    would skip. Scoring (no autograd) replays graphs of its own."""
     _, graphed = _pair("bf16")
     g = graphed.graphs
     x = torch.zeros(2, 3, 128)
     assert g.applies(graphed.model, x)
     assert not g.applies(copy.deepcopy(graphed.model), x)
     with torch.no_grad():
-        assert not g.applies(graphed.model, x)
+        assert g.applies(graphed.model, x)
     h = graphed.model.model.layers[1].register_forward_hook(lambda *a: None)
     assert not g.applies(graphed.model, x)
     h.remove()
@@ -295,7 +301,8 @@ def test_the_forward_graph_quantizes_the_layers_weights_in_one_batched_call(forc
         if graphs:
             tr.graphs = TrunkGraphs(tr.model, graph_api=StandIn(tr.model)).install()
         with fixed_fp8_conversion():
-            old = tr.score(b)  # every group learnt, one by one
+            with tr.graphs.suspended() if graphs else contextlib.nullcontext():  # (scoring's graph: not this test's)
+                old = tr.score(b)  # every group learnt, one by one
             calls.clear()
             tr.update(b, adv, old, None, step=0)
         return tr, dict(calls)
@@ -313,9 +320,10 @@ def test_the_forward_graph_quantizes_the_layers_weights_in_one_batched_call(forc
 @pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified"])
 def test_real_cuda_graphs_train_as_the_eager_layers(flow_name):
     """On a GPU: two updates of three micro-batches through captured graphs, against the same model
-    trained eagerly. The forward is checked bit for bit at capture (``TrunkGraphs``); the weights after
-    the updates agree to the rounding of the backward's sums (flash attention's backward and the
-    GEMMs may add in another order from one run to the next)."""
+    trained eagerly. The forward is checked bit for bit at capture (``TrunkGraphs``); each update's
+    gradients agree to the rounding of the backward's sums (flash attention's backward and the GEMMs
+    may add in another order from one run to the next, and the graphed sequences are padded to 128
+    tokens: other Wgrad token groups)."""
     model = random_model(tiny_config("qwen2", hidden=256, layers=2, vocab=512), seed=4, std=0.05).cuda()
     sp = SamplingParams()
 
@@ -325,10 +333,18 @@ def test_real_cuda_graphs_train_as_the_eager_layers(flow_name):
 
     eager, graphed = make(False), make(True)
     assert graphed.graphs is not None and eager.graphs is None
-    st_e, w_e = _updates(eager)
-    st_g, w_g = _updates(graphed)
+    grads: dict = {}
+    for name, tr in (("eager", eager), ("graphed", graphed)):
+        def step(tr=tr, real=tr.opt.step, name=name):
+            grads.setdefault(name, []).append([p.grad.clone() for p in tr.params])
+            real()
+        tr.opt.step = step
+    st_e, _ = _updates(eager)
+    st_g, _ = _updates(graphed)
     g = graphed.graphs
-    assert g.disabled is None and g.captures >= 1 and g.replays == 6, g.report()
-    for a, b in zip(w_g, w_e):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-4)
+    assert g.disabled is None and g.captures >= 2 and g.replays == 12, g.report()  # 3 scored, 3 trained, twice
+    # gradients, not weights: Adam's first steps move a weight by about lr whatever its gradient's size
+    for ge, gg in zip(grads["eager"], grads["graphed"]):
+        for a, b in zip(gg, ge):
+            torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2 * b.abs().max().item())
     assert st_g[-1]["loss"] == pytest.approx(st_e[-1]["loss"], rel=5e-2, abs=1e-3)

@@ -4,8 +4,10 @@ A training micro-batch of the 1.5B shape launches thousands of kernels from Pyth
 FP8 update spent ~0.19 s in host work against 0.17 s of kernels (``docs/benchmarks.md``), so the
 GPU waited on the host. Here the decoder layers -- everything between the token embedding and the
 final norm -- are captured once per micro-batch shape as two graphs, their forward and their
-backward, and replayed: two launches instead of thousands. The embedding, the final norm, the
-lm_head with its logprobs and the loss stay eager (their shapes follow the completion tokens).
+backward, and replayed: two launches instead of thousands. The trainer's scoring (its forward
+without autograd: the old policy's logprobs) replays a forward graph of its own. The embedding, the
+final norm, the lm_head with its logprobs and the loss stay eager (their shapes follow the
+completion tokens).
 
 What makes replay correct:
 
@@ -138,8 +140,8 @@ class TrunkGraphs:
 
     def applies(self, model, x: torch.Tensor) -> bool:
         """Whether ``model``'s trunk forward on ``x`` runs through the graphs: this object's model (not
-        a copy of it), a training forward (autograd on), graphs not switched off, no hooks on the layers."""
-        if (model is not self.model or self.off or self.disabled is not None or not torch.is_grad_enabled()
+        a copy of it), graphs not switched off, no hooks on the layers."""
+        if (model is not self.model or self.off or self.disabled is not None
                 or not (x.is_cuda or getattr(self.api, "on_cpu", False))):
             return False
         layers = self.model.model.layers
@@ -151,17 +153,18 @@ class TrunkGraphs:
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask) -> tuple:
         """The last layer's ``(x, delta)`` for input ``x``: replayed, or, when no graph can serve
         this shape, from the eager layers."""
-        key = (tuple(x.shape), x.dtype, x.requires_grad, tuple(cos.shape), cos.dtype, bool(mask.invariant),
+        train = torch.is_grad_enabled()
+        key = (train, tuple(x.shape), x.dtype, x.requires_grad, tuple(cos.shape), cos.dtype, bool(mask.invariant),
                mask.width)
         e = self.entries.get(key)
-        if e is not None and e.grad_ptrs != _grad_ptrs(self.params()):
+        if e is not None and train and e.grad_ptrs != _grad_ptrs(self.params()):
             self.reset()  # a gradient was dropped or replaced: the backward graph would add into freed memory
             e = None
         if e is None:
             if len(self.entries) >= MAX_SHAPES:
                 self.eager_shapes.add(key)
                 return self.model.run_layers(x, cos, sin, mask)
-            e, warm = self._capture(x, cos, sin, mask)
+            e, warm = self._capture(x, cos, sin, mask, train)
             if e is None:
                 return self.model.run_layers(x, cos, sin, mask)
             out = _GraphedLayers.apply(x, cos, sin, mask.q_index, e.anchor, e, self)
@@ -180,8 +183,9 @@ class TrunkGraphs:
 
     # ------------------------------------------------------------------ capture
 
-    def _capture(self, x, cos, sin, mask) -> tuple:
-        """``(entry, warm-up outputs)``, or ``(None, None)`` with ``disabled`` set."""
+    def _capture(self, x, cos, sin, mask, train: bool) -> tuple:
+        """``(entry, warm-up outputs)``, or ``(None, None)`` with ``disabled`` set. ``train``: a forward
+        with autograd, and its backward; else a forward alone (the trainer's scoring)."""
         from ..models.llama import Masking
 
         model, api = self.model, self.api
@@ -191,7 +195,7 @@ class TrunkGraphs:
             self.disabled = _why(e)
             return None, None
         params = self.params()
-        for p in params:  # the backward graph adds into them: they must exist, at addresses that stay
+        for p in params if train else ():  # the backward graph adds into them: they must exist, at addresses that stay
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         xs = x.detach().clone().requires_grad_(x.requires_grad)
@@ -215,26 +219,28 @@ class TrunkGraphs:
 
         def warm_up():
             out = forward()
-            grads_in[:] = [torch.zeros_like(o) for o in out]
-            backward()
+            if train:
+                grads_in[:] = [torch.zeros_like(o) for o in out]
+                backward()
             return tuple(o.detach().clone() for o in out)
 
         try:
             # The warm-up runs what the capture will: the weights quantized too (their kernels' first-call
             # compilation and launch timings happen there; they cannot run inside a capture).
             self._release()
-            with _scratch_grads(params), _stacks_in_one_buffer():  # warm-up weight gradients: scratch tensors
+            with _scratch_grads(params if train else ()), _stacks_in_one_buffer():  # weight gradients: scratch
                 warm = api.warmup(warm_up)
             self._release()  # so the forward graph quantizes every weight itself
             if self.pool is None:
                 self.pool = api.pool()
-            fwd, bwd = api.new_graph(), api.new_graph()
+            fwd, bwd, x_grad = api.new_graph(), None, None
             with _stacks_in_one_buffer():  # the FP8 weights' job tables: the warm-up's, already on the device
                 outs = api.record(fwd, self.pool, forward)
-            ptrs = _grad_ptrs(params)
-            x_grad = api.record(bwd, self.pool, backward)
-            if _grad_ptrs(params) != ptrs:  # autograd replaced a .grad instead of adding into it
-                raise RuntimeError("the captured backward moved a weight gradient")
+            if train:
+                ptrs, bwd = _grad_ptrs(params), api.new_graph()
+                x_grad = api.record(bwd, self.pool, backward)
+                if _grad_ptrs(params) != ptrs:  # autograd replaced a .grad instead of adding into it
+                    raise RuntimeError("the captured backward moved a weight gradient")
         except Exception as e:  # a kernel that cannot be captured on this GPU / torch, or no memory for it
             self.disabled = _why(e)
             self.reset()

@@ -160,7 +160,7 @@ def token_logprobs(model, b: Batch, sampling: SamplingParams, entropy: bool = Fa
     dev = next(model.parameters()).device
     ids = _to(b.ids, dev)
     graphs = model.__dict__.get("trunk_graphs")
-    if graphs is not None and torch.is_grad_enabled() and graphs.applies(model, ids):
+    if graphs is not None and graphs.applies(model, ids):
         from .train_graphs import bucket
 
         ids = torch.nn.functional.pad(ids, (0, bucket(ids.shape[1]) - ids.shape[1]))  # a few shapes to capture
