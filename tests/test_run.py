@@ -210,6 +210,17 @@ def test_a_run_records_which_backend_ran_each_fp8_gemm(tmp_path):
     assert all("gemm_backends" not in m for m in bf)  # no 8-bit GEMM, nothing to record
 
 
+def test_a_run_records_what_its_training_cuda_graphs_did(tmp_path):
+    """``train.cuda_graphs`` on CPU changes nothing (graphs are a GPU's) and says so, once, in
+    ``metrics.jsonl``: the run's numbers are the eager run's."""
+    lines = run(load_job_config("fp8-unified", SMALL + ["train.steps=2", "train.cuda_graphs=true"]), tmp_path / "g")
+    assert [m.get("train_graphs") for m in lines if "train_graphs" in m] == ["off: not on a GPU"]
+    plain = run(load_job_config("fp8-unified", SMALL + ["train.steps=2"]), tmp_path / "p")
+    assert all("train_graphs" not in m for m in plain)
+    same = ("pg_loss", "grad_norm", "reward_mean", "mismatch_kl")
+    assert [[m.get(k) for k in same] for m in lines] == [[m.get(k) for k in same] for m in plain]
+
+
 def test_overlong_shaping_lowers_the_reward_of_long_completions(tmp_path):
     """``task.overlong_buffer`` (DAPO): each training sample's reward is the task's reward plus
     ``-overlong_penalty * min(excess / buffer, 1)`` for the tokens beyond ``max_new_tokens -

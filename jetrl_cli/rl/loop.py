@@ -477,9 +477,11 @@ def _steps(job: Job, cfg: JobConfig, out: Path, start: int, ckpt: Path | None, l
                                       or "kernels" in report):
             m["gemm_backends"] = report  # which backend runs each 8-bit GEMM (this process), and any fallbacks
             last_report = report
-        graphs = getattr(tr, "graphs", None)  # train.cuda_graphs on a GPU: captures, replays, or why off
-        if graphs is not None and graphs.state() != last_graphs:
-            m["train_graphs"] = last_graphs = graphs.state()
+        if cfg.train.cuda_graphs:  # the trainer's CUDA graphs: shapes captured, or why they are off
+            graphs = getattr(tr, "graphs", None)
+            state = graphs.state() if graphs is not None else "off: not on a GPU"
+            if state != last_graphs:
+                m["train_graphs"] = last_graphs = state
         emit(m)  # before the checkpoint: a resume truncates metrics back to its checkpoint's step
         if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == steps:
             extra = {"preset": cfg.name, "invariant_scale": cfg.train.invariant_scale}
