@@ -224,7 +224,7 @@ class Trainer:
         )
         self.updates = 0
         self.graphs = None  # the decoder layers' CUDA graphs (``train.cuda_graphs``, on a GPU)
-        if getattr(tcfg, "cuda_graphs", False) and cuda:
+        if tcfg.cuda_graphs and cuda:
             if not self.layer_graphs:
                 raise JetrlError("train.cuda_graphs: not under torchrun (FSDP gathers each layer's weights in "
                                  "Python, which a graph would skip); set it to false")
