@@ -1298,9 +1298,12 @@ def timed_train_steps(one, s: Settings, peaks: PhasePeaks, name: str) -> dict:
     (``cuda_memory``: what was live at its peak, written to ``DIR/NAME-memory.txt``)."""
     import dataclasses
 
-    if s.warmup > 0:
-        peaks("first update", one)
+    first = None
+    if s.warmup > 0:  # timed on its own: compilations, first-call timings, a CUDA graph's capture
+        first = peaks("first update", lambda: _timed(one, s.device == "cuda")[0])
     tm = peaks("updates", lambda: measure(one, dataclasses.replace(s, warmup=max(s.warmup - 1, 0))))
+    if first is not None:
+        tm["first_update_s"] = first
     if s.profile_dir:
         tm.update(peaks("profile", lambda: profile_once(one, s, name)))
         tm.update(peaks("profile", lambda: python_profile_once(one, s, name)))
@@ -1757,7 +1760,9 @@ def render(res: dict, console) -> None:
                                      f" allocations, called cudaMalloc {ev.get('num_device_alloc', 0)} and cudaFree "
                                      f"{ev.get('num_device_free', 0)} times"), highlight=False)
             if x.get("train_graphs"):
-                console.print(escape(f"{x['flow']}: decoder layers as CUDA graphs: {x['train_graphs']}"), highlight=False)
+                first = f" (first update, captures included: {x['first_update_s']:.2f} s)" if "first_update_s" in x else ""
+                console.print(escape(f"{x['flow']}: decoder layers as CUDA graphs: {x['train_graphs']}{first}"),
+                              highlight=False)
             for line in peak_lines(x):
                 console.print(escape(line), highlight=False)
         _print_backends(console, r["train"])

@@ -319,11 +319,13 @@ def test_train_bench_runs_micro_batches():
 def test_train_bench_rows_with_the_layers_as_cuda_graphs():
     """``NAME+graphs`` is a train row with ``train.cuda_graphs`` (the trainer's setting, not the flow's):
     on CPU it runs the layers eagerly and says so; a rollout row takes no such modifier."""
-    args = ("--train-batch", 2, "--seq", 8, "--layers", 1, "--no-transformers", *FAST)
+    args = ("--train-batch", 2, "--seq", 8, "--layers", 1, "--no-transformers", "--repeats", 1, "--warmup", 1,
+            "--json", "--no-history")
     rows = bench("train", "--flows", "bf16,bf16+graphs,fp8-unified+graphs", *args)["results"]["train"]
     assert [r["flow"] for r in rows] == ["bf16", "bf16+graphs", "fp8-unified+graphs"]
     assert "train_graphs" not in rows[0]
     assert [r["train_graphs"] for r in rows[1:]] == ["off: not on a GPU"] * 2
+    assert all(r["first_update_s"] > 0 for r in rows)  # the warm-up update, timed on its own
     assert "e4m3" in rows[2]["train"] and "e4m3" not in rows[1]["train"]
     res = runner.invoke(app, ["bench", "rollout", "--flows", "bf16+graphs", *FAST])
     assert res.exit_code == 2 and "--flows: 'bf16+graphs': +graphs is for train rows only" in res.output
