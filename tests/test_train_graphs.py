@@ -50,8 +50,9 @@ class StandIn:
 
     on_cpu = True
 
-    def __init__(self, model, fail_at: int | None = None, perturb: bool = False):
+    def __init__(self, model, fail_at: int | None = None, perturb: bool = False, capturing: list | None = None):
         self.model, self.fail_at, self.perturb = model, fail_at, perturb
+        self.capturing = capturing  # appended to while a capture runs (what a stream reports)
         self.records = self.replays = 0
         self.forward_next = True
 
@@ -81,7 +82,13 @@ class StandIn:
         self.forward_next = not (graph.forward and torch.is_grad_enabled())
         params = [p for p in self.model.parameters() if p.requires_grad]
         before = [None if p.grad is None else p.grad.clone() for p in params]
-        out = fn()
+        if self.capturing is not None:
+            self.capturing.append(True)
+        try:
+            out = fn()
+        finally:
+            if self.capturing is not None:
+                self.capturing.clear()
         for p, g in zip(params, before):  # a capture runs nothing: the gradients stay as they were
             if g is None:
                 p.grad = None
@@ -271,10 +278,12 @@ def test_the_graphed_layers_weights_are_quantized_apart_from_the_lm_head():
 @pytest.mark.slow  # ~50 s: Triton's interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU captures for real: test_real_cuda_graphs_...")
 def test_the_forward_graph_quantizes_the_layers_weights_in_one_batched_call(forced_native, monkeypatch):
-    """FP8 weights by the Triton quantizers (in Triton's interpreter): the forward graph's capture
-    quantizes every layer's weights in one batched call (``WeightCastBatch``, two launches) -- the
-    stand-in's replays then run that call again, as a real replay runs its kernels -- and the update
-    is the eager one, bit for bit."""
+    """FP8 weights by the Triton quantizers (in Triton's interpreter), the update the first time the
+    model's weights are quantized at all: the warm-up and the forward graph's capture each quantize
+    every layer's weights in one batched call (``WeightCastBatch``, two launches) with the same job
+    tables -- checked as a capture checks them: a table the capture would have to copy from the host
+    is an error there -- the stand-in's replays run that call again, as a real replay runs its
+    kernels, and the update is the eager one, bit for bit."""
     import collections
 
     from jetrl_cli.precision import gemm, parse_flow
@@ -289,30 +298,30 @@ def test_the_forward_graph_quantizes_the_layers_weights_in_one_batched_call(forc
     calls = collections.Counter()
     real = fp8.quantize_weight_stacks
     monkeypatch.setattr(fp8, "quantize_weight_stacks", lambda *a, **k: calls.update(["stacks"]) or real(*a, **k))
+    capturing = []
+    monkeypatch.setattr(fp8, "_stream_capturing", lambda dev: bool(capturing))
     model = random_model(tiny_config("qwen2", hidden=256, layers=2, vocab=256), seed=5, std=0.05)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(1, 256, (4, 20), generator=g)
     b = Batch.build(ids[:, :8].tolist(), ids[:, 8:].tolist(), [[-1.0] * 12] * 4, [0.0] * 4, [0, 0, 1, 1])
-    adv = torch.randn(4, generator=g)
+    adv, old = torch.randn(4, generator=g), -torch.rand(b.mask.shape, generator=g) * b.mask
 
     def trained(graphs: bool):
         tr = Trainer(copy.deepcopy(model), flow, TrainConfig(micro_batch=2, lr=1e-3), CorrectionConfig(),
                      SamplingParams(), 64)
         if graphs:
-            tr.graphs = TrunkGraphs(tr.model, graph_api=StandIn(tr.model)).install()
+            tr.graphs = TrunkGraphs(tr.model, graph_api=StandIn(tr.model, capturing=capturing)).install()
+        calls.clear()
         with fixed_fp8_conversion():
-            with tr.graphs.suspended() if graphs else contextlib.nullcontext():  # (scoring's graph: not this test's)
-                old = tr.score(b)  # every group learnt, one by one
-            calls.clear()
             tr.update(b, adv, old, None, step=0)
         return tr, dict(calls)
 
     eager, eager_calls = trained(False)
     graphed, graphed_calls = trained(True)
-    assert eager_calls == {}  # the micro-batches use the weights the scoring quantized
-    # the first micro-batch's warm-up and forward capture each quantize them all in one call (the warm-up
-    # runs what the capture will), and each of the two micro-batches' forward replays does again
-    assert graphed.graphs.captures == 1 and graphed_calls == {"stacks": 2 + 2}, graphed.graphs.report()
+    groups = 4 * 2  # q/k/v, o, gate/up, down of two layers (the tiny model's lm_head is bf16)
+    assert eager_calls == {"stacks": groups}  # learnt one by one; the second micro-batch uses them
+    assert graphed.graphs.disabled is None and graphed.graphs.captures == 1, graphed.graphs.report()
+    assert graphed_calls == {"stacks": 1 + 1 + 2}  # warm-up, capture, two replays: all groups each time
     assert all(torch.equal(p, q) for p, q in zip(graphed.model.parameters(), eager.model.parameters()))
 
 

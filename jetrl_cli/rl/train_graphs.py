@@ -95,10 +95,19 @@ class TrunkGraphs:
         return None  # a copy of the model (a reference model) runs its layers eagerly; graphs do not copy
 
     def install(self) -> "TrunkGraphs":
+        from ..precision.linear import _batchable
+
         self.model.trunk_graphs = self
         batch = _cast_batch(self.model)
         if batch is not None:
-            batch.graphed.update(tuple(map(id, mods)) for mods, _ in self.groups())
+            for mods, _ in self.groups():
+                ids = tuple(map(id, mods))
+                batch.graphed.add(ids)
+                # known from the start: the first warm-up quantizes every group in the one batched call its
+                # capture then makes, with the same job tables (a group learnt during the warm-up would be
+                # quantized alone there, batched in the capture: a table the capture cannot copy in)
+                if _batchable(mods) is not None:
+                    batch.groups.setdefault(ids, (mods, None))
         return self
 
     @contextlib.contextmanager
