@@ -78,11 +78,15 @@ class FakeCuda(TorchDispatchMode):
         self.ints: list[int] = []
         self.reads: dict[str, int] = {}  # source line -> host reads of device values
         self.blocking_h2d: dict[str, int] = {}  # source line -> blocking host-to-device copies
+        self.capturing = False  # a CUDA graph capture under way (``HostOnlyGraphs``)
+        self.in_capture: dict[str, int] = {}  # source line -> host reads and host-to-device copies within one
         self._bools = 0
 
     def _read(self) -> None:
         s = _site()
         self.reads[s] = self.reads.get(s, 0) + 1
+        if self.capturing:
+            self.in_capture["read " + s] = self.in_capture.get("read " + s, 0) + 1
 
     def _made_up(self, shape, dtype) -> torch.Tensor:
         if dtype is torch.bool:
@@ -113,9 +117,13 @@ class FakeCuda(TorchDispatchMode):
             self._read()
             return self._made_up(args[0].shape, torch.bool).nonzero().to("cuda")
         copying = func in _COPIES or str(func).startswith("aten.to.")
-        if copying and not kwargs.get("non_blocking") and _host_to_device(func, args, kwargs):
-            s = _site()  # a blocking copy from the host waits for the stream's queued work
-            self.blocking_h2d[s] = self.blocking_h2d.get(s, 0) + 1
+        if copying and _host_to_device(func, args, kwargs):
+            if not kwargs.get("non_blocking"):
+                s = _site()  # a blocking copy from the host waits for the stream's queued work
+                self.blocking_h2d[s] = self.blocking_h2d.get(s, 0) + 1
+            if self.capturing:  # a graph would copy from a host buffer at every replay, or refuse to
+                s = "host-to-device " + _site()
+                self.in_capture[s] = self.in_capture.get(s, 0) + 1
 
         def lift(x):  # not as constants: the fake mode would run ops on constants for real, on CUDA
             return self.fake.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
@@ -297,6 +305,76 @@ def _train_step(name: str) -> dict:
             "no_grad": [n for n, p in params if p.grad is None],
             "grads": sorted({f"{p.grad.device.type} {p.grad.dtype} of {p.dtype}" for _, p in params if p.grad is not None}),
             "optimizer_state": sorted({f"{t.device.type} {t.dtype}" for t in state})}
+
+
+class HostOnlyGraphs:
+    """``rl.train_graphs``' capture API on fake CUDA tensors: a capture runs its function once, the stream
+    reported capturing meanwhile (``mode.capturing``: a host read or a host-to-device copy there is
+    noted, as each would break a real capture), and a replay runs nothing on the host, as a real one."""
+
+    def __init__(self, mode: "FakeCuda | None" = None):
+        self.mode, self.captures = mode, 0
+
+    def prepare(self):
+        pass
+
+    def pool(self):
+        return None
+
+    def new_graph(self):
+        return type("Graph", (), {"replay": lambda self: None})()
+
+    def warmup(self, fn):
+        return fn()
+
+    def record(self, graph, pool, fn):
+        from jetrl_cli.kernels import fp8
+
+        self.captures += 1
+        plain, fp8._stream_capturing = fp8._stream_capturing, lambda dev: True  # a new job table raises
+        if self.mode is not None:
+            self.mode.capturing = True
+        try:
+            return fn()
+        finally:
+            fp8._stream_capturing = plain
+            if self.mode is not None:
+                self.mode.capturing = False
+
+
+def _train_graphs(name: str) -> dict:
+    """``train.cuda_graphs``: the trainer's scoring and update (two mini-batches of two micro-batches),
+    the layers captured through ``HostOnlyGraphs``; what the captures did on the host."""
+    from jetrl_cli.config import TrainConfig
+    from jetrl_cli.engine.sampling import SamplingParams
+    from jetrl_cli.rl.algos import CorrectionConfig
+    from jetrl_cli.rl.train_graphs import TrunkGraphs
+    from jetrl_cli.rl.trainer import Batch, Trainer
+
+    flow, model = _flow(name), _model()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, 512, (8, 160), generator=g)
+    b = Batch.build(ids[:, :32].tolist(), ids[:, 32:].tolist(), [[-1.0] * 128] * 8, [0.0] * 8,
+                    [i // 2 for i in range(8)])
+    plain_backward, plain_equal = torch.autograd.backward, torch.equal
+    # the captured backward has two roots (autograd's C++ engine wants a driver); the first replay is
+    # compared with the warm-up (fake tensors hold no values)
+    torch.autograd.backward = lambda tensors, grad_tensors=None, inputs=None, **kw: py_autograd.backward_all(
+        tuple(tensors), tuple(grad_tensors))
+    torch.equal = lambda a, b: True
+    try:
+        mode = FakeCuda(bool_every=1)
+        api = HostOnlyGraphs(mode)
+        with mode, py_autograd.recording():
+            model = model.to("cuda")
+            tr = Trainer(model, flow, TrainConfig(micro_batch=2, minibatches=2), CorrectionConfig(type="tis"),
+                         SamplingParams(), width=160)
+            tr.graphs = TrunkGraphs(tr.model, graph_api=api).install()
+            stats = tr.update(b, torch.randn(8, generator=g), tr.score(b), None, step=0)
+    finally:
+        torch.autograd.backward, torch.equal = plain_backward, plain_equal
+    return {"state": tr.graphs.report(), "captures": api.captures, "in_capture": mode.in_capture,
+            "stats": sorted(stats)}
 
 
 class _Event:  # torch.cuda.Event's timing on the host clock (fake work takes host time only)
@@ -492,6 +570,9 @@ def main() -> int:
     for name in FLOWS:
         for part, fn in (("rollout", _rollout), ("train_forward", _train_forward), ("train_step", _train_step)):
             attempt(report[part], name, f"{part} {name}", fn, name)
+    report["train_graphs"] = {}
+    for name in ("bf16", "fp8-unified"):
+        attempt(report["train_graphs"], name, f"train_graphs {name}", _train_graphs, name)
     report["run"] = {}
     for preset in ("fp8-unified", "bf16", "int8-rollout-tis"):
         attempt(report["run"], preset, f"run {preset}", _run_loop, preset)

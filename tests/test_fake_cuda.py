@@ -18,6 +18,8 @@ meta kernels give shapes, dtypes and devices; nothing is computed) while host te
   the updated parameters; its micro-batches' inputs go to the device without a blocking copy (one
   would wait for the work queued before it), and a micro-batch after the first adds its weight
   gradients into the ``.grad`` the first left (``grads_in_place``);
+- ``train.cuda_graphs``: the trainer's captures (``HostOnlyGraphs``) read nothing from the device and
+  copy nothing to it from the host;
 - ``jetrl bench train --device cuda`` (1.5B shape, one layer) runs every row, and ``auto`` keeps
   blockwise ``scaled_mm`` for Fprop, Dgrad and Wgrad (its probe once cast Wgrad's operands as no
   kernel takes them, which would have sent a GPU's Wgrad to the emulated path);
@@ -137,6 +139,18 @@ def test_training_update_stays_on_the_device_and_reads_twice_per_minibatch(repor
         assert reads[finite] == 2, (name, reads)
         # the micro-batches' inputs go to the device without waiting for it (pinned, non-blocking)
         assert r["update_blocking_h2d"] == {}, (name, r["update_blocking_h2d"])
+
+
+def test_training_cuda_graphs_capture_with_no_host_read_or_copy(report):
+    """``train.cuda_graphs`` on the GPU code path: scoring's forward and the update's forward and
+    backward are captured once each (every micro-batch has one shape) and replayed after; nothing in a
+    capture reads the device from the host or copies to it from the host (either would break a real
+    capture), and no FP8 weight job table is made during one (it would have to be copied in)."""
+    assert set(report["train_graphs"]) == {"bf16", "fp8-unified"}, report["failures"]
+    for name, r in report["train_graphs"].items():
+        assert r["captures"] == 3 and r["state"].startswith("2 captured"), (name, r)
+        assert r["in_capture"] == {}, (name, r["in_capture"])
+        assert r["stats"] == ["clip_frac", "grad_norm", "loss", "pg_loss"], name
 
 
 def test_bench_train_runs_and_auto_keeps_scaled_mm_for_every_fp8_gemm(report):

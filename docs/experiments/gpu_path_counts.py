@@ -156,7 +156,7 @@ def host(args) -> dict:
         if args.graphs:
             from jetrl_cli.rl.train_graphs import TrunkGraphs
 
-            tr.graphs = TrunkGraphs(tr.model, graph_api=_HostOnlyGraphs()).install()
+            tr.graphs = TrunkGraphs(tr.model, graph_api=fc.HostOnlyGraphs(mode)).install()
         old = tr.score(batch)
         tr.update(batch, adv, old, None, 1)  # the first update makes the optimizer state
         launches.clear()
@@ -166,8 +166,8 @@ def host(args) -> dict:
         tr.update(batch, adv, old, None, 2)
         prof.disable()
     torch.autograd.backward, torch.equal = plain_backward, plain_equal
-    if args.graphs and (tr.graphs.disabled or not tr.graphs.entries):
-        raise RuntimeError(f"the graphs did not serve the update: {tr.graphs.report()}")
+    if args.graphs and (tr.graphs.disabled or not tr.graphs.entries or mode.in_capture):
+        raise RuntimeError(f"the graphs did not serve the update: {tr.graphs.report()}; in captures: {mode.in_capture}")
     ours = [v for k, v in pstats.Stats(prof).stats.items() if os.sep + "jetrl_cli" + os.sep in k[0]
             or os.sep + "kernels" + os.sep in k[0]]
     ops = {k: v for k, v in mode.ops.items() if not k.startswith("prim.")}
@@ -179,27 +179,6 @@ def host(args) -> dict:
             "triton_launches": dict(launches), "jetrl_python_calls": sum(v[1] for v in ours),
             "most_called": [[n, where] for n, where in mine[:args.top]],
             "aten_ops_most_dispatched": mode.ops.most_common(args.top)}
-
-
-class _HostOnlyGraphs:
-    """``rl.train_graphs``' capture API for ``host --graphs``: a capture runs its function once (in the
-    first update, not counted), a replay runs nothing on the host, as a real one (two launches, not
-    counted: nothing is dispatched)."""
-
-    def prepare(self):
-        pass
-
-    def pool(self):
-        return None
-
-    def new_graph(self):
-        return type("Graph", (), {"replay": lambda self: None})()
-
-    def warmup(self, fn):
-        return fn()
-
-    def record(self, graph, pool, fn):
-        return fn()
 
 
 def bench(args) -> dict:
