@@ -1469,12 +1469,18 @@ _JOB_TABLES: collections.OrderedDict = collections.OrderedDict()  # (device, row
 _KEPT = 32  # device tensors kept per cache
 
 
+_CAPTURED_TABLES: dict = {}  # (id(cache), key) -> a table a CUDA graph's launch reads: never freed
+
+
 def _kept(cache: collections.OrderedDict, key: tuple, dev, where: str, make) -> torch.Tensor:
     """``cache[key]``, else ``make()`` (a host tensor) copied to ``dev`` and kept (the ``_KEPT`` most
-    recent)."""
+    recent). One taken during a CUDA graph capture is also kept for good (``_CAPTURED_TABLES``): every
+    replay of the graph reads it where it was, whatever the cache drops since."""
     t = cache.get(key)
     if t is not None:
         cache.move_to_end(key)
+        if _stream_capturing(dev):
+            _CAPTURED_TABLES[(id(cache), key)] = t
         return t
     if _stream_capturing(dev):
         raise RuntimeError(f"{where}: a new job table is copied from the host, which a CUDA graph capture "

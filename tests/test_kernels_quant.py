@@ -509,11 +509,13 @@ def test_weight_stacks_of_a_model_are_one_launch_and_the_groups_bits(fp8, monkey
 
 
 @needs_triton
-def test_weight_stacks_in_one_buffer_reuse_their_job_tables_wherever_they_land(fp8):
+def test_weight_stacks_in_one_buffer_reuse_their_job_tables_wherever_they_land(fp8, monkeypatch):
     """``stacks_in_one_buffer`` (a CUDA graph capture's weights and its warm-up's): every group's operands
     in one buffer per kind, at offsets fixed by the shapes, so a second call -- its buffer elsewhere --
     finds the first's job tables (a capture cannot copy a new one to the device); the bits are those of
     one allocation per group, and the operands are where the GEMMs want them (16-byte aligned)."""
+    monkeypatch.setattr(fp8, "_JOB_TABLES", collections.OrderedDict())  # this test's own, dropped after it
+    monkeypatch.setattr(fp8, "_CAPTURED_TABLES", {})
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     groups = [[torch.randn(256, 384, generator=gen) * 0.02, torch.randn(128, 384, generator=gen)],
               [torch.randn(384, 384, generator=gen)], [torch.randn(256, 128, generator=gen).to(torch.bfloat16)]]
@@ -526,6 +528,18 @@ def test_weight_stacks_in_one_buffer_reuse_their_job_tables_wherever_they_land(f
         second = fp8.quantize_weight_stacks(groups, E4, transposed=True)
     assert first[0][0].data.data_ptr() != second[0][0].data.data_ptr()
     assert len(fp8._JOB_TABLES) == tables  # no new table: the same offsets
+    # a capture's tables outlive the cache's turnover: its replays read them where they were
+    held = dict(fp8._JOB_TABLES)
+    monkeypatch.setattr(fp8, "_stream_capturing", lambda dev: True)
+    with fp8.stacks_in_one_buffer():
+        fp8.quantize_weight_stacks(groups, E4, transposed=True)
+    monkeypatch.setattr(fp8, "_stream_capturing", lambda dev: False)
+    captured = [t for (c, k), t in fp8._CAPTURED_TABLES.items() if c == id(fp8._JOB_TABLES)]
+    assert captured and all(any(t is h for h in held.values()) for t in captured)
+    for i in range(fp8._KEPT + 1):  # the cache turns over
+        fp8._kept(fp8._JOB_TABLES, ("test", i), torch.device(dev()), "test", lambda: torch.zeros(1, dtype=torch.int64))
+    assert not any(t is h for t in captured for h in fp8._JOB_TABLES.values())
+    assert all(any(t is h for h in fp8._CAPTURED_TABLES.values()) for t in captured)
     data = second[0][0].data.untyped_storage().data_ptr()
     for (w, wt), (a, at) in zip(second, want):
         assert w.data.untyped_storage().data_ptr() == wt.data.untyped_storage().data_ptr() == data  # one buffer
