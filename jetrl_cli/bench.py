@@ -116,10 +116,17 @@ class Settings:
     cuda_graphs: bool = True  # rollout: the embedded engines replay decode steps as CUDA graphs (GPU)
     quant_warps: tuple[int, ...] = ()  # quantize: time the 128x128-tile Triton kernels at each (default: theirs)
     progress: object = None
+    partial_out: Path | None = None  # --out: rows written there as each finishes (a run cut short keeps them)
+    rows_done: object = None  # set by run_bench: (mode, rows so far) -> None
 
     def say(self, msg: str) -> None:
         if self.progress:
             self.progress(msg)
+
+    def done(self, mode: str, rows: list[dict]) -> None:
+        """``rows`` of ``mode`` so far, each finished: written to ``partial_out`` (``"partial": true``)."""
+        if self.rows_done:
+            self.rows_done(mode, rows)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -1223,6 +1230,7 @@ def bench_train(s: Settings) -> list[dict]:
         _free(s.device)
         reset_resolutions()  # each row reports the backends its own GEMMs resolved to
         rows.append(_unless_out_of_memory(s, name, common, lambda: flow_row(name, flow, graphs)))
+        s.done("train", rows)
     if hf_row is not None:
         rows.append(hf_row)
     _free(s.device)
@@ -1476,9 +1484,18 @@ RUNNERS = {"gemm": bench_gemm, "quantize": bench_quantize, "attention": bench_at
            "train": bench_train, "e2e": bench_e2e}
 
 
+_NOT_SETTINGS = ("progress", "partial_out", "rows_done")
+
+
 def run_bench(modes: list[str], s: Settings) -> dict:
-    res = {"env": environment(s.device), "settings": {k: v for k, v in s.__dict__.items() if k != "progress"},
+    res = {"env": environment(s.device), "settings": {k: v for k, v in s.__dict__.items() if k not in _NOT_SETTINGS},
            "results": {}}
+
+    def partial(mode: str, rows: list[dict]) -> None:
+        if s.partial_out is not None:
+            write_json({**res, "results": {**res["results"], mode: rows}, "partial": True}, s.partial_out)
+
+    s.rows_done = partial
     for m in modes:
         res["results"][m] = RUNNERS[m](s)
     res["targets"] = targets(res["results"], s.device)

@@ -627,6 +627,7 @@ def bench_cmd(
                           else list(bench.ATTENTION_SHAPES) if device == "cuda" else [(4, 256)])
     if not as_json:
         s.progress = lambda msg: err_console.print(Text(msg, style="dim"))
+    s.partial_out = out  # rows land there as they finish; the whole result replaces them at the end
     res = bench.run_bench(modes, s)
     if not no_history:
         bench.append_history(res, history)

@@ -331,6 +331,32 @@ def test_train_bench_rows_with_the_layers_as_cuda_graphs():
     assert res.exit_code == 2 and "--flows: 'bf16+graphs': +graphs is for train rows only" in res.output
 
 
+def test_a_bench_cut_short_keeps_the_train_rows_it_finished(tmp_path, monkeypatch):
+    """``--out``: each train row is written as it finishes (``"partial": true``), so a bench killed at a
+    GPU call's time limit still brings back the rows before it; a finished bench replaces them."""
+    from jetrl_cli import bench as jbench
+
+    out = tmp_path / "b.json"
+    real, calls = jbench._unless_out_of_memory, []
+
+    def second_row_dies(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # as a time limit's signal would end it
+        return real(*a, **k)
+
+    monkeypatch.setattr(jbench, "_unless_out_of_memory", second_row_dies)
+    args = ["bench", "train", "--train-batch", "2", "--seq", "8", "--layers", "1", "--no-transformers",
+            "--flows", "bf16,fp8-unified", "--repeats", "1", "--warmup", "0", "--no-history", "--out", str(out)]
+    runner.invoke(app, args)
+    got = json.loads(out.read_text())
+    assert got["partial"] and [r["flow"] for r in got["results"]["train"]] == ["bf16"]
+    monkeypatch.setattr(jbench, "_unless_out_of_memory", real)
+    assert runner.invoke(app, args).exit_code == 0
+    got = json.loads(out.read_text())
+    assert "partial" not in got and [r["flow"] for r in got["results"]["train"]] == ["bf16", "fp8-unified"]
+
+
 def test_profile_writes_each_rows_ops_by_self_time(tmp_path):
     d = tmp_path / "prof"
     out = bench("train", "--train-batch", 2, "--seq", 8, "--flows", "bf16", "--layers", 1, "--profile", d, *FAST)
