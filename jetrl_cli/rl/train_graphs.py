@@ -26,6 +26,13 @@ What makes replay correct:
   ``grads_in_place``), so the trainer zeroes gradients in place instead of dropping them
   (``Trainer.update``); the addresses are checked before each replay, and graphs captured over
   gradients that moved are dropped and captured again.
+- **Nothing copied from the host inside a capture.** The FP8 weight quantizer's launches read job
+  tables kept on the device by their contents (tensor offsets and sizes); a capture cannot copy a new
+  one in. So the warm-up runs exactly what the capture will: the weights quantized into one buffer
+  per kind (``kernels.fp8.stacks_in_one_buffer``: offsets fixed by the shapes, wherever the buffer
+  lands), every layer group known to the batch from the start (one learnt during the warm-up would
+  be quantized alone there and batched in the capture), and the tables a capture used are kept for
+  good (``kernels.fp8._CAPTURED_TABLES``).
 - **The graph's memory** is a private pool: what the layers keep between forward and backward
   (activations, FP8 weights) stays reserved there between steps.
 
