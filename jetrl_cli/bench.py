@@ -1109,13 +1109,18 @@ def _without_invariant(name: str) -> str:
 TRAIN_MODIFIERS = ("graphs",)  # NAME+graphs: a train row with ``train.cuda_graphs`` (the trainer's, not the flow's)
 
 
+def _train_flow(name: str) -> tuple[object, bool]:
+    """``(flow, cuda graphs)`` of a train row's name: the flow without ``+graphs``, and whether it had it."""
+    base, *mods = name.split("+")
+    return _flow("+".join([base] + [m for m in mods if m not in TRAIN_MODIFIERS])), "graphs" in mods
+
+
 def check_flow(name: str, modes) -> None:
     """``--flows NAME`` for ``modes`` (``parse_modes``' result): a clear error unless every mode can run it."""
-    base, *mods = name.split("+")
-    if set(mods) & set(TRAIN_MODIFIERS) and set(modes) != {"train"}:
+    if set(name.split("+")[1:]) & set(TRAIN_MODIFIERS) and set(modes) != {"train"}:
         raise JetrlError(f"--flows: {name!r}: +graphs is for train rows only (bench train: the decoder layers as "
                          "CUDA graphs)")
-    _flow("+".join([base] + [m for m in mods if m not in TRAIN_MODIFIERS]))
+    _train_flow(name)
 
 
 def _train_flows(names) -> list[tuple[str, object, bool]]:
@@ -1123,9 +1128,7 @@ def _train_flows(names) -> list[tuple[str, object, bool]]:
     bf16: benched once); ``NAME+graphs`` replays the decoder layers as CUDA graphs."""
     out, seen = [], set()
     for n in names:
-        base, *mods = n.split("+")
-        graphs = "graphs" in mods
-        f = _flow("+".join([base] + [m for m in mods if m not in TRAIN_MODIFIERS]))
+        f, graphs = _train_flow(n)
         key = (f.train, f.kv_cast("train"), graphs)
         if key in seen:
             continue
