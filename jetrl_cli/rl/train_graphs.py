@@ -56,6 +56,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.graphs import _CudaGraphAPI, _why  # the rollout's capture API, and its failure reasons
+
 T_BUCKET = 128  # a micro-batch's sequence length is padded up to a multiple of this
 MAX_SHAPES = 8  # micro-batch shapes captured; others run eagerly
 
@@ -86,8 +88,6 @@ class TrunkGraphs:
     forwards; installed as ``model.trunk_graphs`` (``install``)."""
 
     def __init__(self, model, graph_api=None):
-        from ..engine.graphs import _CudaGraphAPI
-
         self.model = model
         self.api = graph_api or _CudaGraphAPI()
         self.entries: dict[tuple, _Entry] = {}
@@ -337,7 +337,3 @@ def _cast_batch(model):
         if isinstance(m, JetLinear) and "_cast_batch" in m.__dict__:
             return m._cast_batch
     return None
-
-
-def _why(e: Exception) -> str:
-    return f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
