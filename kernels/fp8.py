@@ -35,9 +35,11 @@ Numerics (bit for bit the reference's): ``amax`` over the finite values of a gro
 group holds a NaN or an infinity; data ``= cast(clamp(x / scale, -fmt_max, fmt_max))`` rounded to
 nearest even. Two GPU facts shape the code. Triton's ``/`` on fp32 compiles to ``div.full.f32``, an
 approximate division (up to 2 ulp off), which can move a value across an FP8 rounding boundary; the
-kernels compute the IEEE quotient (what torch computes): ``1 / scale`` once per group with
-``tl.div_rn``, then per element a multiply by it and two FMA corrections (``_quotient``: Markstein's
-theorem makes the result the correctly rounded quotient). With power-of-two scales ``1 / scale`` is
+kernels compute the IEEE quotient (what torch computes) with no division instruction at all:
+``1 / scale`` once per group (``_rcp``: the reciprocal unit's approximation and two Newton steps,
+correctly rounded), then per element a multiply by it and two FMA corrections (``_quotient``:
+Markstein's theorem makes the result the correctly rounded quotient); the scale itself is ``amax /
+fmt_max`` by the same corrections. With power-of-two scales ``1 / scale`` is
 exact, so ``x * (1 / scale)`` equals ``x / scale`` and costs one multiply. The amax is an
 integer max over the bits of ``|x|`` (sign bit cleared): for non-negative floats integer order is
 float order and every NaN lies above +inf, so this one reduction yields both the amax and the
@@ -75,7 +77,15 @@ per-element work small:
   six FMAs (sm_90a SASS: 129 reciprocals per thread in the fused quantizer, 450 in the SwiGLU
   backward). With the clamp gone too (``_scaled``), the fused quantizer's SASS went from 3760 to 2432
   instructions per thread and the SwiGLU backward's from 10600 to 8712 (8 warps); the first H100
-  run measured the 3760 version.
+  run measured the 3760 version. The divisions left, a group's two and the SwiGLU's ``1 / (1 +
+  exp(-g))`` per element, were then each an IEEE ``div_rn`` (``FCHK``, a branch to a slow path, its
+  call's register moves), and with each group's scale computed by every thread that holds a part of
+  the group (16 column groups a thread at 8 warps) they were a fifth of the quantizers' instructions:
+  now none is a division (``_group_scale``, ``_rcp``, ``_over``). Per thread, Triton 3.9, 8 warps,
+  before / after: fused act quantizer 2432 / 1952 instructions (171 / 160 registers), 1x128 952 /
+  768 (100 / 64: four programs per SM instead of two), 128x1 1832 / 1424, SwiGLU backward 8496 /
+  7488 (190 / 175), its two-kernel form's 128x1 kernel 4344 / 3192 (16 warps: 2200 / 1584, 97 / 70
+  registers); Triton 3.6 alike (``docs/benchmarks.md``). Untimed on a GPU.
 - Every store is whole, contiguous lines: the 1x128 data is 128 bytes of a row per group; the
   transposed 128x1 data is 128 bytes of a row of x^T per tile row (Triton turns the tile around
   through shared memory, byte by byte, so that the store is coalesced along T; a form that packed
@@ -311,8 +321,15 @@ def _amax(abits, axis: tl.constexpr):
 
 @triton.jit
 def _group_scale(amax, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr):
-    """The reference scale from a NaN-propagating amax (NaN or inf: the group is not finite)."""
-    s = tl.div_rn(tl.maximum(amax, FLOOR), FMAX)
+    """The reference scale from a NaN-propagating amax (NaN or inf: the group is not finite).
+    ``amax / fmt_max`` correctly rounded by ``_quotient`` with the constant ``RN(1 / fmt_max)`` (a
+    Python double rounded to fp32: 1/448, 1/57344 and 1/127 are far from any fp32 tie), no division
+    instruction: ``_quotient``'s preconditions hold, amax being at least the floor (>= 2^-64 fmt_max)."""
+    a = tl.maximum(amax, FLOOR)
+    if MARKSTEIN:
+        s = _quotient(a, FMAX, 1.0 / FMAX)
+    else:
+        s = tl.div_rn(a, FMAX)
     if POW2:
         s = _pow2_ceil(s)
     return tl.where(amax < float("inf"), s, float("nan"))
@@ -320,9 +337,45 @@ def _group_scale(amax, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constex
 
 @triton.jit
 def _divisor(s):
-    """``1 / s`` correctly rounded: one IEEE division per scale (a group's, not each element's); exact
-    for a power of two."""
-    return tl.div_rn(1.0, s)
+    """``1 / s`` correctly rounded, once per scale (a group's, not each element's): ``_rcp``, no division
+    instruction; exact for a power of two."""
+    return _rcp(s)
+
+
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+RCP_NORMAL = tl.constexpr(2.0**126)  # the largest power of two whose reciprocal is a normal fp32
+
+
+@triton.jit
+def _rcp_approx(x):
+    """An approximate ``1 / x``: the GPU's reciprocal unit (``rcp.approx.ftz.f32``, within one ulp); in
+    the interpreter, the correctly rounded reciprocal with its last bit flipped (one ulp off, or the
+    exact value), so that ``_rcp``'s corrections are what the CPU tests check."""
+    if INTERPRETED:
+        return (tl.div_rn(1.0, x).to(tl.int32, bitcast=True) ^ 1).to(tl.float32, bitcast=True)
+    else:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _rcp(x):
+    """``1 / x`` correctly rounded (``tl.div_rn(1.0, x)``) for a normal x with a normal reciprocal, with no
+    division: two Newton steps ``y += y * (1 - x * y)`` (each residual exact in an FMA) from
+    ``_rcp_approx``, then the last bit set when x's significand is all ones. From any y within one ulp
+    of 1 / x, one step gives the correctly rounded reciprocal except for that significand, where the
+    tie ``0.5 + 2^-25`` rounds down to 0.5 (checked for every fp32 significand and both neighbours of
+    1 / x: ``tests/test_kernels_quant.py``); the second step makes up for a first guess up to ~2^11
+    ulps off. NaN stays NaN."""
+    if MARKSTEIN:
+        nx = -x
+        y = _rcp_approx(x)
+        y = tl.fma(tl.fma(nx, y, 1.0), y, y)
+        y = tl.fma(tl.fma(nx, y, 1.0), y, y)
+        ones = ((x.to(tl.int32, bitcast=True) & 0x7FFFFF) == 0x7FFFFF).to(tl.int32)
+        return (y.to(tl.int32, bitcast=True) | ones).to(tl.float32, bitcast=True)
+    else:
+        return tl.div_rn(1.0, x)
 
 
 @triton.jit
@@ -407,9 +460,34 @@ def _word_rows(pm, T: tl.constexpr):
 
 @triton.jit
 def _silu_mul(g, u):
-    """``silu(g) * u`` in fp32, ``precision.linear``'s form ``g / (1 + exp(-g)) * u`` with an IEEE
-    division; Triton's exp (not torch's), the same in both SwiGLU quantizers."""
-    return tl.div_rn(g, 1.0 + tl.exp(-g)) * u
+    """``silu(g) * u`` in fp32, ``precision.linear``'s form ``g / (1 + exp(-g)) * u``, the division
+    correctly rounded (``_over``); Triton's exp (not torch's), the same in both SwiGLU quantizers."""
+    return _over(g, 1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
+def _sigmoid(g):
+    """``1 / (1 + exp(-g))`` in fp32, ``precision.linear``'s form, its division correctly rounded
+    (``_over``)."""
+    d = 1.0 + tl.exp(-g)
+    if MARKSTEIN:
+        return tl.where(d < RCP_NORMAL, _rcp(d), 0.0)
+    else:
+        return tl.div_rn(1.0, d)
+
+
+@triton.jit
+def _over(x, d):
+    """``x / d`` correctly rounded for ``d = 1 + exp(-g)`` (>= 1, or +inf), with no division: ``_rcp(d)``
+    and ``_quotient``'s two corrections. Where ``d >= 2^126`` (g < -87.3: the reciprocal is subnormal)
+    the result is ``x * 0``: zero with IEEE division's sign, where for a finite d IEEE division gives
+    ``g / d`` with g in (-88.8, -87.3], under 2^-119 in magnitude. The FP8 and INT8 quantizers round
+    both to that zero (a group's scale is at least 2^-64, ``unsupported``), so their bytes are IEEE
+    division's."""
+    if MARKSTEIN:
+        return tl.where(d < RCP_NORMAL, _quotient(x, d, _rcp(d)), x * 0.0)
+    else:
+        return tl.div_rn(x, d)
 
 
 @triton.jit
@@ -549,7 +627,7 @@ def _swiglu_grad_quant_kernel(q_ptr, s_ptr, gy_ptr, qr_ptr, sr_ptr, qt_ptr, st_p
         half = part
         gy = tl.load(gy_ptr + rm.to(tl.int64)[:, None] * stride_gm + rk[None, :] * stride_gk, mask=inb, other=0.0)
         g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
-        sig = tl.div_rn(1.0, 1.0 + tl.exp(-g))  # as precision.linear's ``_silu_mul_grad`` computes it
+        sig = _sigmoid(g)  # as precision.linear's ``_silu_mul_grad`` computes it
         # d[g] = gy * u * sig * (1 + g * (1 - sig)), d[u] = gy * g * sig (* 1: exact), in that order of
         # operations (one path for both halves, u read by d[g]'s program only: 202-207 registers per
         # thread with the h^T branch beside it, sm_90a, where an if/else between the halves took 252)
@@ -567,7 +645,7 @@ def _swiglu_grad_quant_kernel(q_ptr, s_ptr, gy_ptr, qr_ptr, sr_ptr, qt_ptr, st_p
 def _swiglu_d(gy, g, u, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     """d[g] and d[u] of ``silu(g) * u`` for its output gradient ``gy``, in fp32 (rounded to bf16 with
     ``ROUND_BF16``), in ``_swiglu_grad_quant_kernel``'s order of operations, for the split kernels."""
-    sig = tl.div_rn(1.0, 1.0 + tl.exp(-g))  # as precision.linear's ``_silu_mul_grad`` computes it
+    sig = _sigmoid(g)  # as precision.linear's ``_silu_mul_grad`` computes it
     gs = gy.to(tl.float32)
     dg = gs * u * sig * (1.0 + g * (1.0 - sig))
     du = gs * g * sig  # the fused kernel's ``* 1.0`` after it is exact

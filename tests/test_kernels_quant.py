@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from jetrl_cli.kernels import layouts
-from jetrl_cli.kernels.fp8 import _divisor, _quotient
+from jetrl_cli.kernels.fp8 import RCP_NORMAL, _divisor, _over, _quotient, _rcp
 from jetrl_cli.precision.formats import Block, Format
 from jetrl_cli.precision.quant import CastSpec, QTensor, dequantize, quantize
 
@@ -780,6 +780,100 @@ def test_quotient_by_a_reciprocal_is_the_correctly_rounded_division():
     assert torch.equal(tiny_q.signbit(), tiny_ref.signbit()) and tiny_q.abs().max() < 2.0**-20, seed
     for fmt in (E4, E5):
         assert torch.equal(bytes_of(tiny_q.to(fmt.torch_dtype())), bytes_of(tiny_ref.to(fmt.torch_dtype()))), seed
+
+
+def newton_reciprocals(y_units, b_units):
+    """``RN(y + y * RN(1 - b * y))`` (two FMAs), in exact integer arithmetic, for b = B * 2^-23 in (1, 2)
+    and y = Y * 2^-24 in (0.5, 1): the result's Y. ``1 - b * y`` is D * 2^-47 with |D| < 2^24, exact in
+    fp32 (asserted); ``y * e`` is P * 2^-71, added to Y and rounded to the nearest integer, ties to even."""
+    d = (1 << 47) - b_units * y_units
+    assert int(d.abs().max()) < 1 << 24
+    p = y_units * d
+    whole = p >> 47
+    frac = p - (whole << 47)
+    half = 1 << 46
+    y1 = y_units + whole
+    return y1 + ((frac > half) | ((frac == half) & (y1 % 2 == 1))).long()
+
+
+def test_one_newton_step_rounds_every_reciprocal_correctly_but_one():
+    """The proof behind ``fp8._rcp``: for EVERY fp32 significand b (2^23 of them, b = 1 below) and both
+    fp32 neighbours y of 1 / b (any y within one ulp), one Newton step with FMAs gives the correctly
+    rounded 1 / b, except when b's significand is all ones and y = 0.5, where the step lands on a tie
+    and rounds down: setting the last bit (``_rcp``'s fix) makes that one right, and changes no other
+    result. Exponents scale out (normal inputs and results). b = 1: y = 1 - 2^-24 and 1 + 2^-23 both
+    step to 1 (1 - 2^-48 and 1 - 2^-46 round to 1)."""
+    b = torch.arange((1 << 23) + 1, 1 << 24, dtype=torch.int64)
+    q, rem = (1 << 47) // b, (1 << 47) % b  # 2^47 / b: 1 / b in units of 2^-24
+    want = q + ((2 * rem > b) | ((2 * rem == b) & (q % 2 == 1))).long()  # RN(1 / b), ties to even
+    all_ones = b == (1 << 24) - 1
+    for y in (q, q + 1):  # floor and ceiling of 1 / b: every y within one ulp of it
+        got = newton_reciprocals(y, b)
+        wrong = (got != want).nonzero()[:, 0]
+        assert wrong.tolist() == ([len(b) - 1] if y is q else []), [hex(int(b[i])) for i in wrong[:4]]
+        assert torch.equal(torch.where(all_ones, got | 1, got), want)
+
+
+@triton.jit
+def reciprocal_kernel(x_ptr, d_ptr, r_ptr, q_ptr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x, d = tl.load(x_ptr + i), tl.load(d_ptr + i)
+    tl.store(r_ptr + i, _rcp(x))
+    tl.store(q_ptr + i, _over(x, d))
+
+
+@needs_triton
+def test_reciprocals_and_quotients_without_a_division_are_ieee():
+    """``fp8._rcp`` (the GPU's approximate reciprocal and two Newton steps; in the interpreter a
+    reciprocal one ulp off stands in for the approximation) against IEEE ``1 / x``, bit for bit: fresh
+    random x over every exponent with a normal reciprocal, significands ending in many ones (all ones:
+    the step's one tie), powers of two; on a GPU every significand at three exponents. ``fp8._over``
+    (the SwiGLU kernels' ``x / (1 + exp(-g))``): IEEE ``x / d`` for d in [1, 2^126), and where d >= 2^126
+    (g < -87.3) a zero with IEEE's sign, whose FP8 byte is IEEE's."""
+    from .triton_interp_fix import exact_fma
+
+    g, seed = fresh_gen()
+    gpu = torch.cuda.is_available()
+    n = 1 << 23 if gpu else 1 << 16
+    sig = torch.randint(0, 1 << 23, (4, n), generator=g)
+    sig[1] |= (1 << 23) - (1 << torch.randint(0, 12, (n,), generator=g))  # ending in 12..23 ones
+    sig[2] = (1 << 23) - 1 if not gpu else torch.arange(n)  # all ones; on a GPU every significand
+    sig[3, : n // 2] = 0  # powers of two
+    exp = torch.randint(1, 253, (4, n), generator=g)  # biased exponents 1..252: 1 / x normal
+    exp[2] = torch.randint(1, 253, (n,), generator=g) if not gpu else torch.tensor([1, 127, 252]).repeat_interleave(
+        n // 3 + 1)[:n]
+    x = ((exp << 23) | sig).int().view(torch.float32)
+    x[0] *= torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    x = x.reshape(-1)
+    # x / d as the SwiGLU kernels divide: x = g, d = 1 + exp(-g) for g of an FP8 copy (scales >= 2^-64),
+    # over the whole range to g < -88.8 (d infinite); half of them x and d drawn apart (d < 2^40)
+    m = x.numel()
+    xn = torch.randn(m, generator=g) * torch.exp2(torch.randint(-60, 7, (m,), generator=g).float())
+    xn[: m // 8] = -87.3 - 1.5 * torch.rand(m // 8, generator=g)  # d from 2^126 to infinity
+    d = 1 + torch.exp(-xn)
+    d[m // 2:] = 1 + torch.exp2(torch.rand(m - m // 2, generator=g) * 40)
+    xn[:2], d[:2] = torch.tensor([-0.0, 0.0]), torch.tensor([2.0, 2.0])
+    x, xn, d = x.to(dev()), xn.to(dev()), d.to(dev())
+    r, q = torch.empty_like(x), torch.empty_like(x)
+    with exact_fma():
+        reciprocal_kernel[(x.numel() // 4096,)](x, d, r, torch.empty_like(x), BLOCK=4096)
+        reciprocal_kernel[(x.numel() // 4096,)](xn, d, torch.empty_like(x), q, BLOCK=4096)
+    x, xn, d, r, q = x.cpu(), xn.cpu(), d.cpu(), r.cpu(), q.cpu()
+    wrong = (r.view(torch.int32) != (1 / x).view(torch.int32)).nonzero()[:, 0]
+    assert len(wrong) == 0, f"seed {seed}: 1 / {x[wrong[0]].item()!r} = {r[wrong[0]].item()!r}, {len(wrong)} wrong"
+    ieee = xn / d
+    normal = d < RCP_NORMAL.value
+    # zeros (an interpreter whose FMA rounds twice divides instead: IEEE's values)
+    assert int((~normal).sum()) > m // 16 and bool(((q == 0) | (q == ieee))[~normal].all())
+    # quotients under 2^-100 (x tiny and d large: the residual subnormal) may be an ulp off, far below
+    # the FP8 and INT8 steps of any scale >= 2^-64: same sign and same bytes
+    exact = normal & (ieee.abs() >= 2.0**-100)
+    wrong = (q.view(torch.int32) != ieee.view(torch.int32)) & exact
+    assert not wrong.any(), f"seed {seed}: {int(wrong.sum())} quotients differ, first {xn[wrong][0].item()!r} / {d[wrong][0].item()!r}"
+    assert int(exact.sum()) > 0.8 * m and torch.equal(q.signbit(), ieee.signbit())
+    for fmt in (E4, E5):  # as quantized with the smallest scale, 2^-64
+        assert torch.equal(bytes_of((q[~exact] * 2.0**64).to(fmt.torch_dtype())),
+                           bytes_of((ieee[~exact] * 2.0**64).to(fmt.torch_dtype())))
 
 
 @needs_triton
