@@ -1577,19 +1577,27 @@ def _to_device(t: torch.Tensor, dev) -> torch.Tensor:
 
 @triton.jit
 def _transpose_words_kernel(tab_ptr, jobs_ptr, src_base, dst_base, ALIGNED: tl.constexpr, COLS: tl.constexpr,
-                            T: tl.constexpr):
+                            ORDER: tl.constexpr, T: tl.constexpr):
     """One T x T tile of ``dst = src^T`` for bytes, for the table's job (src N x K row-major, dst K x N
     row-major viewed as int32 K x N/4, N a multiple of 4): four rows of src (4i + j) packed into one
     little-endian word in registers, words transposed -- no byte moves
-    through shared memory."""
+    through shared memory. ``ORDER`` (``TRANSPOSE_ORDERS``): which tiles neighbouring programs take,
+    so which addresses the programs running at once read and write."""
     row, t = _job_row(tab_ptr, jobs_ptr, COLS)
     src_ptr = src_base + _field(row, 0, ALIGNED)
     dst_ptr = dst_base + _field(row, 1, ALIGNED)
     N = _field(row, 4, ALIGNED).to(tl.int32)
     K = _field(row, 5, ALIGNED).to(tl.int32)
     GK = tl.load(row + 8).to(tl.int32)
-    pn = t // GK
-    pk = t % GK
+    if ORDER == 0:  # along src's rows: a band of src rows, written down a band of dst's columns
+        pn = t // GK
+        pk = t % GK
+    else:
+        GN = (N + T - 1) // T
+        pn = t % GN  # along dst's rows: a band of dst rows, read down a band of src's columns
+        pk = t // GN
+        if ORDER == 2:  # diagonal: neither band shared by neighbours (a bijection of the tiles)
+            pk = (pk + pn) % GK
     r0 = _word_rows(pn, T)
     rk = pk * T + tl.arange(0, T)
     col_ok = rk[None, :] < K
@@ -1602,16 +1610,23 @@ def _transpose_words_kernel(tab_ptr, jobs_ptr, src_base, dst_base, ALIGNED: tl.c
              mask=(rk < K)[:, None] & (r0 < N)[None, :])
 
 
-_TRANSPOSE_FORCED: str | None = None  # "triton" or "torch" while set by transpose_with
+# W^T's ways besides torch's copy: ``_transpose_words_kernel`` with its tiles in each order. On the H200
+# the kernel (order 0) moved 2.6 GB in 5.0 ms of a 1.5B update, 0.13x of a copy, for no reason its code
+# shows (16-byte loads, whole 128-byte rows stored per warp, 312 instructions a thread); the programs
+# running at once then all write one band of dst's columns, rows N bytes apart. Which order is fastest
+# is for a GPU to say (``_choose_transpose``).
+TRANSPOSE_ORDERS = {"triton": 0, "triton-n-first": 1, "triton-diagonal": 2}
+TRANSPOSE_WAYS = (*TRANSPOSE_ORDERS, "torch")
+_TRANSPOSE_FORCED: str | None = None  # one of TRANSPOSE_WAYS while set by transpose_with
 
 
 @contextlib.contextmanager
 def transpose_with(kind: str):
-    """Transpose weight bytes with ``kind`` ("triton": ``_transpose_words_kernel``; "torch": a strided
-    copy) instead of the device's timed choice (tests, ``jetrl bench``)."""
+    """Transpose weight bytes with ``kind`` (``TRANSPOSE_ORDERS``: ``_transpose_words_kernel``, its tiles
+    in that order; "torch": a strided copy) instead of the device's timed choice (tests, ``jetrl bench``)."""
     global _TRANSPOSE_FORCED
-    if kind not in ("triton", "torch"):
-        raise ValueError(f"transpose_with: allowed triton or torch, got {kind}")
+    if kind not in TRANSPOSE_WAYS:
+        raise ValueError(f"transpose_with: allowed {', '.join(TRANSPOSE_WAYS)}, got {kind}")
     old, _TRANSPOSE_FORCED = _TRANSPOSE_FORCED, kind
     try:
         yield
@@ -1619,8 +1634,9 @@ def transpose_with(kind: str):
         _TRANSPOSE_FORCED = old
 
 
-def _transpose_triton(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst = src^T`` for every ``(dst, src)`` of ``pairs`` (uint8, src N x K with N a multiple of 4), one launch."""
+def _transpose_triton(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], order: int = 0) -> None:
+    """``dst = src^T`` for every ``(dst, src)`` of ``pairs`` (uint8, src N x K with N a multiple of 4), one
+    launch, its tiles in ``order`` (``TRANSPOSE_ORDERS``)."""
     rows, tiles, tensors = [], [], []
     for dst, src in pairs:
         n, k = src.shape
@@ -1634,8 +1650,8 @@ def _transpose_triton(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Non
         bases = _offsets(rows, tensors, (_J_SRC, _J_DST))
         aligned = _aligned(rows, (_J_SRC, _J_DST, _J_N, _J_K), bases)
         tab, which = _job_table(rows, tiles, pairs[0][1].device, "transpose_bytes_")
-        _transpose_words_kernel[(which.numel(),)](tab, which, *bases, ALIGNED=aligned, COLS=_J_COLS, T=TILE,
-                                                  num_warps=8, enable_fp_fusion=FP_FUSION)
+        _transpose_words_kernel[(which.numel(),)](tab, which, *bases, ALIGNED=aligned, COLS=_J_COLS, ORDER=order,
+                                                  T=TILE, num_warps=8, enable_fp_fusion=FP_FUSION)
 
 
 def transpose_bytes_(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -1656,19 +1672,19 @@ def transpose_many_(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         src = pairs[0][1] if pairs else None
         if src is not None and src.is_cuda:
             kind = (gemm.kernel_choice(TRANSPOSE_OP, src.device) or _choose_transpose(src.device))["kernel"]
-    words = [(d, s) for d, s in pairs if kind == "triton" and s.shape[0] % 4 == 0]
+    words = [(d, s) for d, s in pairs if kind in TRANSPOSE_ORDERS and s.shape[0] % 4 == 0]
     if words:
-        _transpose_triton([(d.view(torch.int32), s) for d, s in words])
+        _transpose_triton([(d.view(torch.int32), s) for d, s in words], TRANSPOSE_ORDERS[kind])
     for dst, src in pairs:
         if not any(d is dst for d, _ in words):
             dst.copy_(src.t())
 
 
 def _choose_transpose(device: torch.device) -> dict:
-    """Time ``transpose_bytes_``'s two ways on ``device`` (4096 x 4096 bytes) and record the faster with
-    ``note_kernel``; the kernel is a candidate only where its bytes equal torch's copy (a compiler that
-    miscompiles its transpose is caught here, not in a training step). During a graph capture: torch's
-    copy, unrecorded."""
+    """Time ``transpose_bytes_``'s ways (``TRANSPOSE_WAYS``) on ``device`` (4096 x 4096 bytes) and record
+    the fastest with ``note_kernel``; the kernel is a candidate only where its bytes equal torch's copy
+    in every order (a compiler that miscompiles its transpose is caught here, not in a training step).
+    During a graph capture: torch's copy, unrecorded."""
     if gemm.capturing(device):
         return {"kernel": "torch"}
     g = torch.Generator().manual_seed(0)
@@ -1676,11 +1692,15 @@ def _choose_transpose(device: torch.device) -> dict:
     want = src.t().contiguous()
     dst = torch.empty_like(want)
     try:
-        _transpose_triton([(dst.view(torch.int32), src)])
-        if not torch.equal(dst, want):
-            return gemm.note_kernel(TRANSPOSE_OP, device, "torch", "the Triton transpose's bytes differ from torch's")
-        t = {"triton": gemm.device_time_ms(lambda: _transpose_triton([(dst.view(torch.int32), src)]), device),
-             "torch": gemm.device_time_ms(lambda: dst.copy_(src.t()), device)}
+        for order in TRANSPOSE_ORDERS.values():
+            dst.zero_()
+            _transpose_triton([(dst.view(torch.int32), src)], order)
+            if not torch.equal(dst, want):
+                return gemm.note_kernel(TRANSPOSE_OP, device, "torch",
+                                        "the Triton transpose's bytes differ from torch's")
+        t = {way: gemm.device_time_ms(lambda o=order: _transpose_triton([(dst.view(torch.int32), src)], o), device)
+             for way, order in TRANSPOSE_ORDERS.items()}
+        t["torch"] = gemm.device_time_ms(lambda: dst.copy_(src.t()), device)
     except Exception as e:  # noqa: BLE001 - nothing timed: torch's copy, said why
         return gemm.note_kernel(TRANSPOSE_OP, device, "torch", _untimed(e))
     best = min(t, key=t.get)

@@ -154,11 +154,12 @@ def _split(warps: int, fn):
         return fn()
 
 
-def _words(fn):
-    """``fn()`` with W^T's bytes moved by the word-transposing kernel (a GPU's timed choice)."""
+def _words(fn, way: str = "triton"):
+    """``fn()`` with W^T's bytes moved by the word-transposing kernel in the tile order ``way`` (a GPU's
+    timed choice)."""
     from jetrl_cli.kernels import fp8
 
-    with fp8.transpose_with("triton"):
+    with fp8.transpose_with(way):
         return fn()
 
 
@@ -201,6 +202,9 @@ def cases():
             r, None, wn, 1e-6, torch.float32, pow2_scale=p)))
     out.append(("weight transpose words", None, lambda: _words(lambda: fp8.quantize_weight(
         torch.zeros(inter, hidden), transposed=True))))
+    for way in ("triton-n-first", "triton-diagonal"):  # the kernel's other tile orders
+        out.append((f"weight transpose words {way}", None, lambda way=way: _words(lambda: fp8.transpose_bytes_(
+            torch.zeros(hidden, inter, dtype=torch.uint8), torch.zeros(inter, hidden, dtype=torch.uint8)), way)))
 
     def model_weights():  # a layer's four groups of fp32 masters in one call, W^T by the word transpose
         qkv = [torch.zeros(n, hidden) for n in (hidden, 256, 256)]

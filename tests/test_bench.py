@@ -77,9 +77,9 @@ def test_quantize_rows_against_copy():
     assert rows[0]["quantizer"] == "copy (ceiling)" and rows[0]["vs_copy"] == 1.0
     ref = [r for r in rows if r.get("backend") == "torch (reference)"]
     assert len(ref) == 6
-    transposes = [r for r in rows if r.get("kind") == "transpose"]  # W^T's bytes: kernel, torch's copy
-    assert [r["backend"] for r in transposes] == (["triton", "torch"] if any(r.get("backend") == "triton" for r in rows)
-                                                  else [])
+    transposes = [r for r in rows if r.get("kind") == "transpose"]  # W^T's bytes: kernel (3 orders), torch's copy
+    assert [r["backend"] for r in transposes] == (["triton", "triton-n-first", "triton-diagonal", "torch"]
+                                                  if any(r.get("backend") == "triton" for r in rows) else [])
     for r in transposes:
         assert r["matches_reference"] and r["bytes"] == 2 * 132 * 256
     for r in (r for r in rows[1:] if r.get("kind") != "transpose"):
@@ -127,6 +127,34 @@ def test_quantize_times_the_tile_kernels_at_each_warp_count():
             assert sorted(r["warps"] for r in v) == [8, 16] and all("store" not in r for r in v), name
     worst = [t for t in targets({"quantize": rows}, "cuda") if t["target"].startswith("every Triton quantizer")][0]
     assert worst["value"] == min(max(r["vs_copy"] for r in v) for v in by_kernel.values())
+
+
+def test_quantizer_target_takes_the_kernels_replayed_time_where_every_row_has_it():
+    """On a GPU each Triton quantizer row is also timed replayed from a CUDA graph (``graph_vs_copy``,
+    against the copy replayed the same way): the kernels without the host's launches, which the
+    back-to-back ``vs_copy`` includes. The target takes the replayed ratio when every row has one (and
+    says so), each kernel at its best warps; else the back-to-back ratio."""
+    from jetrl_cli.bench import targets
+
+    rows = [{"shape": "8192x8192", "quantizer": "copy (ceiling)", "vs_copy": 1.0, "graph_vs_copy": 1.0},
+            {"shape": "8192x8192", "quantizer": "fp8 1x128", "backend": "triton", "warps": 8, "vs_copy": 0.4,
+             "graph_vs_copy": 0.85},
+            {"shape": "8192x8192", "quantizer": "fp8 1x128", "backend": "triton", "warps": 16, "vs_copy": 0.5,
+             "graph_vs_copy": 0.82},
+            {"shape": "8192x8192", "quantizer": "fp8 128x128", "backend": "triton", "warps": 8, "vs_copy": 0.3,
+             "graph_vs_copy": 0.81},
+            {"shape": "8192x8192", "quantizer": "fp8 weight bytes transposed (W^T)", "backend": "triton",
+             "kind": "transpose", "vs_copy": 0.1, "graph_vs_copy": 0.1}]
+
+    def quantizer_target(rs):
+        (t,) = [t for t in targets({"quantize": rs}, "cuda") if t["target"].startswith("every Triton quantizer")]
+        return t
+
+    t = quantizer_target(rows)
+    assert t["value"] == 0.81 and t["met"] and "replayed from a CUDA graph" in t["target"]
+    del rows[3]["graph_vs_copy"]  # one row that could not be captured: every row's back-to-back time
+    t = quantizer_target(rows)
+    assert t["value"] == 0.3 and not t["met"] and "replayed" not in t["target"]
 
 
 def test_quantize_catches_a_wrong_triton_quantizer():

@@ -1128,9 +1128,11 @@ def test_the_swiglu_backward_warps_are_timed_once_per_device_and_reported(fp8, m
 @pytest.mark.parametrize("n,k", [(260, 300), (128, 128), (4, 1), (6, 130)])
 def test_weight_bytes_transpose_by_kernel_equals_torchs(fp8, n, k):
     """``transpose_bytes_``'s Triton kernel (four rows per 32-bit word) writes torch's ``src.t()``
-    byte for byte, ragged tiles included; where N is not a multiple of 4 it is torch's copy."""
+    byte for byte in each order of its tiles, ragged tiles included; where N is not a multiple of 4
+    it is torch's copy."""
     src = torch.randint(0, 256, (n, k), generator=gen(n * k), dtype=torch.uint8).to(dev())
-    for kind in ("triton", "torch"):
+    assert fp8.TRANSPOSE_WAYS == ("triton", "triton-n-first", "triton-diagonal", "torch")
+    for kind in fp8.TRANSPOSE_WAYS:  # the kernel's three tile orders, and torch's copy
         dst = torch.full((k, n), 7, dtype=torch.uint8, device=dev())
         with fp8.transpose_with(kind):
             fp8.transpose_bytes_(dst, src)
@@ -1150,18 +1152,24 @@ def test_the_weight_transpose_is_chosen_once_per_device_and_only_if_exact(fp8, m
 
     monkeypatch.setattr(gemm, "_KERNELS", {})
     monkeypatch.setattr(fp8, "TIMING_SHAPE", (132, 260))
-    ms = iter([1.0, 4.0])  # triton, torch
+    ms = iter([3.0, 1.0, 2.0, 4.0])  # triton in its three orders, torch
     monkeypatch.setattr(gemm, "device_time_ms", lambda fn, device: (fn(), next(ms))[1])
     where = torch.device(dev())
     got = fp8._choose_transpose(where)
-    assert got["kernel"] == "triton" and gemm.kernel_choice(fp8.TRANSPOSE_OP, where) is got
-    assert got["why"] == "timed on 132 x 260 bytes: triton 1.000 ms, torch 4.000 ms"
+    assert got["kernel"] == "triton-n-first" and gemm.kernel_choice(fp8.TRANSPOSE_OP, where) is got
+    assert got["why"] == ("timed on 132 x 260 bytes: triton 3.000 ms, triton-n-first 1.000 ms, "
+                          "triton-diagonal 2.000 ms, torch 4.000 ms")
+    src = torch.randint(0, 256, (260, 132), generator=gen(5), dtype=torch.uint8).to(dev())
+    dst = torch.empty(132, 260, dtype=torch.uint8, device=dev())
+    fp8.transpose_bytes_(dst, src)  # the choice in use (on CPU: the kernel only where forced)
+    assert torch.equal(dst, src.t())
 
     real = fp8._transpose_triton
 
-    def wrong(pairs):  # one byte off
-        real(pairs)
-        pairs[0][0].view(torch.uint8).view(-1)[5] ^= 1
+    def wrong(pairs, order=0):  # one byte off, in one order only
+        real(pairs, order)
+        if order == 2:
+            pairs[0][0].view(torch.uint8).view(-1)[5] ^= 1
 
     monkeypatch.setattr(fp8, "_transpose_triton", wrong)
     got = fp8._choose_transpose(where)

@@ -97,9 +97,13 @@ def test_the_weight_transpose_moves_words_not_bytes(report):
     """W^T's FP8 bytes (``transpose_bytes_``'s kernel, a GPU's timed choice) move through shared memory
     as 32-bit words, never single bytes (the byte-wise ``tl.trans`` of an FP8 tile: 64 ``LDS.U8`` per
     thread)."""
-    ks = {k["kernel"]: k for k in report["kernels"] if k["case"] == "weight transpose words"}
-    assert "_transpose_words_kernel" in ks, sorted(ks)
-    assert not any(op.split(".")[-1] == "U8" for op in ks["_transpose_words_kernel"]["sass"]["shared"])
+    for case in ("weight transpose words", "weight transpose words triton-n-first",
+                 "weight transpose words triton-diagonal"):  # each order of its tiles
+        ks = {k["kernel"]: k for k in report["kernels"] if k["case"] == case}
+        assert "_transpose_words_kernel" in ks, (case, sorted(ks))
+        k = ks["_transpose_words_kernel"]
+        assert not any(op.split(".")[-1] == "U8" for op in k["sass"]["shared"]), case
+        assert k["sass"]["global"].get("LDG.E.128", 0) == 4 and k["stack"] == 0, (case, k["sass"]["global"])
 
 
 def test_fp8_gemm_runs_on_the_tensor_cores_at_every_tile(report):

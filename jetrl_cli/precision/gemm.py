@@ -1013,6 +1013,11 @@ def device_time_ms(fn, device: torch.device, calls: int = TIMED_CALLS) -> float:
     captured in one CUDA graph and replayed, as the engine replays its decode steps (host overhead is
     not what a captured step pays), or launched eagerly if they cannot be captured (on CPU: the wall
     clock of eager calls). A warm-up round first (Triton compiles, cuBLAS picks its algorithms)."""
+    return replayed_time_ms(fn, device, calls)[0]
+
+
+def replayed_time_ms(fn, device: torch.device, calls: int = TIMED_CALLS) -> tuple[float, bool]:
+    """``(device_time_ms(fn, device, calls), whether the calls were replayed from a CUDA graph)``."""
     cuda = device.type == "cuda"
 
     def sync():
@@ -1039,7 +1044,7 @@ def device_time_ms(fn, device: torch.device, calls: int = TIMED_CALLS) -> float:
     for _ in range(3):
         run()
     sync()
-    return (time.perf_counter() - t0) / (3 * calls) * 1e3
+    return (time.perf_counter() - t0) / (3 * calls) * 1e3, run is not run_calls
 
 
 def resolve(spec, gemm: str, device: torch.device | str) -> Resolution:
