@@ -869,7 +869,8 @@ def test_reciprocals_and_quotients_without_a_division_are_ieee():
     # the FP8 and INT8 steps of any scale >= 2^-64: same sign and same bytes
     exact = normal & (ieee.abs() >= 2.0**-100)
     wrong = (q.view(torch.int32) != ieee.view(torch.int32)) & exact
-    assert not wrong.any(), f"seed {seed}: {int(wrong.sum())} quotients differ, first {xn[wrong][0].item()!r} / {d[wrong][0].item()!r}"
+    assert not wrong.any(), (f"seed {seed}: {int(wrong.sum())} quotients differ, first "
+                             f"{xn[wrong][0].item()!r} / {d[wrong][0].item()!r}")
     assert int(exact.sum()) > 0.8 * m and torch.equal(q.signbit(), ieee.signbit())
     for fmt in (E4, E5):  # as quantized with the smallest scale, 2^-64
         assert torch.equal(bytes_of((q[~exact] * 2.0**64).to(fmt.torch_dtype())),
