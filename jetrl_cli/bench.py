@@ -257,11 +257,14 @@ def profile_once(fn, s: Settings, name: str) -> dict:
         # profiler, which adds host time of its own), and where the host's time went
         out["profile_wall_s"] = wall
         out["profile_kernel_s"] = sum(e.self_device_time_total for e in ops if e.device_type == DeviceType.CUDA) / 1e6
+        # the kernels' time by what they do (GEMMs, quantizers, attention, ...): where FP8 gains and pays
+        out["profile_kinds_s"] = device_time_by_kind((e.key, e.self_device_time_total) for e in ops
+                                                     if e.device_type == DeviceType.CUDA)
         host = ops.table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS)
         gaps = device_gaps(prof.events())
         out["profile_device_idle_s"] = gaps["idle_s"]
         text += (f"\nwall {wall * 1e3:.1f} ms, kernels {out['profile_kernel_s'] * 1e3:.1f} ms (summed), "
-                 f"{out['device_kernels']} kernels\n" + format_gaps(gaps)
+                 f"{out['device_kernels']} kernels\n" + format_kinds(out["profile_kinds_s"]) + format_gaps(gaps)
                  + f"\nthe same run's ops by host (CPU) self time:\n{host}\n")
     os.makedirs(s.profile_dir, exist_ok=True)
     if cuda:  # the timeline itself (chrome://tracing, Perfetto), gzipped: where the device waited, and on what
@@ -271,6 +274,45 @@ def profile_once(fn, s: Settings, name: str) -> dict:
         f.write(text)
     os.replace(tmp, out["profile"])
     return out
+
+
+# A profile's kernels by what they do: (kind, fragments of a kernel's name, lower-cased), the first kind
+# with a fragment in the name. jetrl's Triton kernels by name; cuBLAS / CUTLASS, flash attention and
+# torch's (and inductor's) kernels by the words their names carry.
+KERNEL_KINDS = (
+    ("quantizers (jetrl)", ("_act_quant", "_weight_quant", "_row_quant", "_transpose_words", "_swiglu_grad",
+                            "_swiglu_quant", "_swiglu_rows", "_rms_norm_quant", "_rms_norm_rows")),
+    ("attention, KV cache", ("_attention_kernel", "_decode_kernel", "_kv_store", "flash", "fmha", "attention",
+                             "sdpa")),
+    ("GEMMs", ("_mm_kernel", "_mm_split", "_split_sum", "_chunk_sum", "gemm", "gemv", "xmma", "nvjet", "cutlass",
+               "cublas", "splitk", "triton_tem")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("copies, fills", ("memcpy", "memset", "copy_kernel", "fillfunctor", "catarray")),
+)
+OTHER_KIND = "other (norms, softmax, elementwise, reductions)"
+
+
+def kernel_kind(name: str) -> str:
+    """Which of ``KERNEL_KINDS`` a kernel named ``name`` is (else ``OTHER_KIND``)."""
+    low = name.lower()
+    return next((kind for kind, parts in KERNEL_KINDS if any(p in low for p in parts)), OTHER_KIND)
+
+
+def device_time_by_kind(kernels) -> dict:
+    """``{kind: seconds}`` of ``(name, self device microseconds)`` pairs, largest first."""
+    out: dict = {}
+    for name, us in kernels:
+        k = kernel_kind(name)
+        out[k] = out.get(k, 0.0) + us / 1e6
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def format_kinds(kinds: dict) -> str:
+    total = sum(kinds.values())
+    if not total:
+        return ""
+    return "device time by kind of kernel:\n" + "".join(
+        f"  {1e3 * v:9.3f} ms  {100 * v / total:5.1f}%  {k}\n" for k, v in kinds.items())
 
 
 GAP_ROWS = 8  # the longest device-idle gaps a profile lists

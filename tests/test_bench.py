@@ -409,6 +409,40 @@ def test_profile_writes_each_rows_ops_by_self_time(tmp_path):
                                                    "train-transformers-python.txt", "train-transformers.txt"]
 
 
+def test_a_profiles_kernels_are_summed_by_what_they_do():
+    """A GPU profile's kernels by kind (``profile_kinds_s``, and a table in the profile's text): jetrl's
+    Triton kernels by name, cuBLAS / CUTLASS, flash attention and torch's and inductor's by the words
+    in their names (names as the profiler printed them on the H200); an inductor kernel named after
+    ``_to_copy`` is not a copy, a CUTLASS attention kernel is attention."""
+    from jetrl_cli.bench import OTHER_KIND, device_time_by_kind, format_kinds, kernel_kind
+
+    want = {
+        "quantizers (jetrl)": ["_act_quant_kernel", "_swiglu_grad_cols_kernel", "_transpose_words_kernel",
+                               "_rms_norm_quant_kernel", "_row_quant_kernel", "_weight_quant_kernel"],
+        "GEMMs": ["_blockwise_mm_split_kernel", "_int8_split_sum_kernel", "nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NTN",
+                  "sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x128_warpgroupsize2x1x1",
+                  "void gemv2T_kernel_val<int, int, float>", "triton_tem_fused_addmm_0"],
+        "attention, KV cache": ["pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>",
+                                "fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "_decode_kernel", "_kv_store_kernel",
+                                "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3"],
+        "optimizer": ["void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>"],
+        "copies, fills": ["Memcpy DtoD (Device -> Device)", "Memset (Device)",
+                          "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>",
+                          "void at::native::elementwise_kernel<128, 2, direct_copy_kernel_cuda>"],
+        OTHER_KIND: ["triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "triton_poi_fused_mul_silu_0",
+                     "void at::native::reduce_kernel<512, 1>", "_rms_norm_kernel", "_log_softmax_kernel"],
+    }
+    for kind, names in want.items():
+        for n in names:
+            assert kernel_kind(n) == kind, (n, kernel_kind(n))
+    kinds = device_time_by_kind([("_act_quant_kernel", 1500.0), ("nvjet_x", 3000.0),
+                                 ("_swiglu_grad_quant_kernel", 500.0), ("flash_fwd", 1000.0)])
+    assert kinds == {"GEMMs": 3e-3, "quantizers (jetrl)": 2e-3, "attention, KV cache": 1e-3}
+    assert list(kinds) == ["GEMMs", "quantizers (jetrl)", "attention, KV cache"]  # largest first
+    text = format_kinds(kinds)
+    assert text.splitlines()[1].split() == ["3.000", "ms", "50.0%", "GEMMs"] and format_kinds({}) == ""
+
+
 def test_model_shapes_are_real_configs_and_their_transformers_twin_matches():
     from jetrl_cli.models.shapes import SHAPES, random_model, with_layers
     from jetrl_cli.models.transformers_ref import hf_config_dict, transformers_twin
