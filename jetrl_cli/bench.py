@@ -419,16 +419,20 @@ def measure_interleaved(fns: dict, s: Settings) -> dict:
     the warm-up, the timed runs alternate between them, so a change in the machine's speed while
     the benchmark runs (other tenants on a shared CPU) hits all of them alike. A function may
     return the number of tokens it produced: ``tokens_per_s`` is then the median of tokens / time."""
-    for fn in fns.values():
-        for _ in range(s.warmup):
+    for k, fn in fns.items():
+        for i in range(s.warmup):
+            t0 = time.perf_counter()
             fn()
+            s.say(f"  {k}: warm-up {i + 1} of {s.warmup}, {time.perf_counter() - t0:.2f} s")
     ts: dict = {k: [] for k in fns}
     counts: dict = {k: [] for k in fns}
-    for _ in range(s.repeats):
+    for i in range(s.repeats):
         for k, fn in fns.items():
             t, c = _timed(fn, s.device == "cuda")
             ts[k].append(t)
             counts[k].append(c)
+            # each timed call as it ends: a bench cut off at a time limit still says what it measured
+            s.say(f"  {k}: run {i + 1} of {s.repeats}, {t:.3f} s" + (f", {c / t:.0f} tokens/s" if isinstance(c, int) else ""))
     out = {}
     for k in fns:
         res = _stats(ts[k])

@@ -145,7 +145,12 @@ FP_FUSION = True
 # program) takes, Triton 3.9 (3.6): at 8 warps 80 (80) registers for the 1x128 kernel and 128 (150)
 # for the 128x1 one, at 16 warps 52 (54) and 97 (120) -- several programs per SM, at more
 # instructions per value (the 128x1 kernel's column scales are computed by every thread holding the
-# column). Both forms are timed on the GPU (``SWIGLU_CHOICES``); the two-kernel one is unmeasured.
+# column). Both forms are timed on the GPU (``SWIGLU_CHOICES``). On the H200 (2026-11-27) the two
+# kernels at 8 warps won the first update's timing, and in a 1.5B update the 128x1 one ran at 0.78 TB/s
+# (0.66 ms a layer), the 1x128 one at 2.4. Fewer warps cut the 128x1 kernel's duplicated scale work:
+# a thread holds two rows of its 16 columns at 4 warps, one at 8, so each column scale serves twice the
+# values. Triton 3.9 (3.6), SASS per value per thread: 147 (159) at 4 warps against 200 (207) at 8,
+# at 200 (254) registers, unspilled; so the two kernels at 4 warps are timed too (unmeasured).
 NUM_WARPS = 8  # the act and weight quantizers where nothing was timed (CPU, the interpreter): below
 SWIGLU_WARPS = 8  # the SwiGLU backward kernels (swiglu_quantize_t, swiglu_grad_quantize), untimed
 
@@ -171,8 +176,8 @@ class Launch(NamedTuple):
 
 
 # the SwiGLU backward's timed choices: one kernel of 128x128 tiles, or two kernels of small tiles
-# (``_swiglu_grad_split``), at 8 or 16 warps
-SWIGLU_CHOICES = (Launch(8), Launch(16), Launch(8, False), Launch(16, False))
+# (``_swiglu_grad_split``), at 4 (two kernels only: one at 4 warps spills), 8 or 16 warps
+SWIGLU_CHOICES = (Launch(8), Launch(16), Launch(4, False), Launch(8, False), Launch(16, False))
 
 
 _FORCED: Launch | None = None  # while set by tile_warps or the timing
@@ -258,8 +263,8 @@ def _untimed(e: Exception) -> str:
 
 
 def _choose_swiglu_warps(device: torch.device) -> dict:
-    """Time the SwiGLU backward kernel (as a training step runs it, with down's h^T) at each of
-    ``WARP_CHOICES`` on ``device`` and record the fastest (``swiglu_config``); at its first call on the
+    """Time the SwiGLU backward kernels (as a training step runs them, with down's h^T) in each of
+    ``SWIGLU_CHOICES`` on ``device`` and record the fastest (``swiglu_config``); at its first call on the
     device, a training backward's. Inside a graph capture nothing is timed: the default, unrecorded."""
     default_launch = Launch(SWIGLU_WARPS)
     default = {"warps": SWIGLU_WARPS, "one_kernel": True}

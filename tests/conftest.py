@@ -25,6 +25,16 @@ settings.register_profile("jetrl", derandomize=True, print_blob=True)
 settings.load_profile("jetrl")
 
 
+def pytest_runtest_logreport(report):
+    """With ``JETRL_TEST_FAILURES=FILE``, each failure's report is appended to FILE as the test ends
+    (the controller's copy under xdist), so a run cut off at a time limit (``.ci/gpu``) keeps the
+    reasons that pytest would print only in its closing summary."""
+    path = os.environ.get("JETRL_TEST_FAILURES")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
 @pytest.fixture(autouse=True)
 def seeded_generators(request):
     """torch's, numpy's and Python's global generators seeded from the test's id: a test that draws

@@ -165,12 +165,13 @@ def _words(fn, way: str = "triton"):
 
 def cases():
     """(case, group, call): each group holds calls that must compile to the same arithmetic."""
-    from jetrl_cli.kernels import attention, fp8, int8, invariant
+    from jetrl_cli.kernels import attention, fp8, int8, invariant, sampling
     from jetrl_cli.precision.formats import Block, Format
     from jetrl_cli.precision.quant import CastSpec, QTensor
 
     invariant._check_device = lambda *a, **k: None  # CPU tensors stand in for CUDA ones (never read)
     attention._check_device = lambda *a, **k: None
+    sampling._check_device = lambda *a, **k: None
     bf = torch.bfloat16
     hidden, inter, vocab = 1536, 8960, 151936  # Qwen2.5-1.5B
     b, heads, kv_heads, d = 4, 12, 2, 128
@@ -191,7 +192,7 @@ def cases():
         out.append((f"swiglu_grad_quantize h_cols pow2={pow2}", None, lambda p=pow2: fp8.swiglu_grad_quantize(
             _qtensor(4096, 2 * inter, 1), torch.zeros(4096, inter, dtype=bf), bf, pow2_scale=p, pad_tokens_to=128,
             h_cols=True)))
-        for w in (8, 16):  # its two kernels of small tiles (a GPU's timed choice)
+        for w in (4, 8, 16):  # its two kernels of small tiles (a GPU's timed choice)
             out.append((f"swiglu_grad_quantize split {w} warps pow2={pow2}", None, lambda p=pow2, w=w: _split(
                 w, lambda: fp8.swiglu_grad_quantize(_qtensor(4096, 2 * inter, 1), torch.zeros(4096, inter, dtype=bf), bf,
                                                     pow2_scale=p, pad_tokens_to=128, h_cols=True))))
@@ -322,6 +323,9 @@ def cases():
     out.append(("invariant_attention fp32 t=512", "invariant_attention fp32", att(512, 512, dtype=torch.float32)))
     for width in (300, 1024):
         out.append((f"invariant_attention fp32 decode w={width}", "invariant_attention fp32", att(1, width, dtype=torch.float32)))
+    # a rollout step's keyed Gumbel-max: 512 rows of a 152K vocabulary
+    out.append(("keyed_gumbel_argmax", None, lambda: sampling.keyed_gumbel_argmax(
+        torch.zeros(512, vocab), torch.zeros(512, dtype=torch.int64), 12345)))
     return out
 
 

@@ -214,13 +214,18 @@ def test_k_chunks_is_the_documented_rule(inv):
 
 
 def test_mm_rejects_bad_input(inv):
-    a = torch.randn(4, 8)
-    for args, msg in [((a, torch.randn(3, 9)), "do not match"), ((a.half(), a), "operand a must be"),
-                      ((a, a, torch.randn(5)), "bias must be"), ((a, a, None, torch.float16), "out_dtype")]:
+    a = torch.randn(4, 8, device=DEV)  # on the kernels' device: a CPU tensor on a GPU machine is refused first
+    for args, msg in [((a, torch.randn(3, 9, device=DEV)), "do not match"), ((a.half(), a), "operand a must be"),
+                      ((a, a, torch.randn(5, device=DEV)), "bias must be"), ((a, a, None, torch.float16), "out_dtype")]:
         with pytest.raises(ValueError, match=msg):
             inv.invariant_mm(*args)
     with pytest.raises(ValueError, match="mode must be"):
         inv.invariant_mm(a, a, _mode="splt")
+    if GPU:  # without the interpreter, CPU tensors (and mixed devices) are named, not launched
+        with pytest.raises(ValueError, match="need CUDA tensors"):
+            inv.invariant_mm(a.cpu(), a.cpu())
+        with pytest.raises(ValueError, match="different devices"):
+            inv.invariant_mm(a, a.cpu())
 
 
 # --- blockwise FP8 GEMM ------------------------------------------------------------------------------

@@ -996,9 +996,9 @@ def test_the_pair_as_two_kernels_or_at_other_warps_writes_the_same_bits(fp8, war
 
 
 @needs_triton
-@pytest.mark.parametrize("warps,one", [(8, True), (16, True), (8, False), (16, False)])
+@pytest.mark.parametrize("warps,one", [(8, True), (16, True), (4, False), (8, False), (16, False)])
 def test_the_swiglu_backward_at_other_warps_writes_the_same_bits(fp8, warps, one, monkeypatch):
-    """The SwiGLU backward at 8 or 16 warps, as its one 128x128-tile kernel or as two kernels of small
+    """The SwiGLU backward at 4, 8 or 16 warps, as its one 128x128-tile kernel or as two kernels of small
     tiles (``swiglu_config``: timed on a GPU), writes the same d[g, u] copies and h^T -- NaN and inf
     groups, padding tokens and a last partial token group included -- and launches as asked."""
     split = ("_swiglu_grad_rows_kernel", "_swiglu_grad_cols_kernel")
@@ -1088,14 +1088,14 @@ def test_the_launch_configuration_is_timed_once_per_device_and_reported(fp8, mon
 @needs_triton
 def test_the_swiglu_backward_warps_are_timed_once_per_device_and_reported(fp8, monkeypatch):
     """The SwiGLU backward is timed as a training step runs it (d[g, u] both ways and h^T), as one
-    kernel and as two, at 8 and 16 warps, at its first call on a GPU, and the fastest kept and
+    kernel at 8 and 16 warps and as two at 4, 8 and 16, at its first call on a GPU, and the fastest kept and
     reported; a timing that fails keeps the default and says why. (Scripted times; on CPU the
     kernels run in the interpreter.)"""
     from jetrl_cli.precision import gemm
 
     monkeypatch.setattr(gemm, "_KERNELS", {})
     monkeypatch.setattr(fp8, "TIMING_SHAPE", (132, 512))
-    ms = {(8, True): 3.0, (16, True): 1.5, (8, False): 1.0, (16, False): 2.0}
+    ms = {(8, True): 3.0, (16, True): 1.5, (4, False): 1.25, (8, False): 1.0, (16, False): 2.0}
     timed = []
 
     def device_time_ms(fn, device):
@@ -1111,7 +1111,8 @@ def test_the_swiglu_backward_warps_are_timed_once_per_device_and_reported(fp8, m
     assert (got["warps"], got["one_kernel"], got["kernel"]) == (8, False, "two kernels at 8 warps")
     assert gemm.kernel_choice(fp8.SWIGLU_TILES_OP, where) is got
     assert got["why"] == ("timed on [g, u] 132 x 512: one kernel at 8 warps 3.000 ms, one kernel at 16 warps "
-                          "1.500 ms, two kernels at 8 warps 1.000 ms, two kernels at 16 warps 2.000 ms")
+                          "1.500 ms, two kernels at 4 warps 1.250 ms, two kernels at 8 warps 1.000 ms, "
+                          "two kernels at 16 warps 2.000 ms")
     probe = torch.zeros(2, 2, device=where)  # its kernels launch at the device's choice (CPU: the default)
     assert fp8.swiglu_config(probe) == ((8, False) if where.type == "cuda" else (fp8.SWIGLU_WARPS, True))
 

@@ -353,7 +353,19 @@ def test_real_cuda_graphs_train_as_the_eager_layers(flow_name):
     g = graphed.graphs
     assert g.disabled is None and g.captures >= 2 and g.replays == 12, g.report()  # 3 scored, 3 trained, twice
     # gradients, not weights: Adam's first steps move a weight by about lr whatever its gradient's size
+    fp8 = flow_name != "bf16"
     for ge, gg in zip(grads["eager"], grads["graphed"]):
         for a, b in zip(gg, ge):
-            torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2 * b.abs().max().item())
+            if not fp8:
+                torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2 * b.abs().max().item())
+                continue
+            # FP8 backward: a sum added in another order can round a gradient element to the
+            # neighbouring E4M3 value (2^-3 apart relative), and Wgrad's 128-token groups differ with
+            # the padding, so single elements may move by an FP8 step (on the H200: 30 of 131072 beyond
+            # the bf16 bound). Whole tensors may not: their relative error stays under one E4M3 step,
+            # and at most 1% of elements leave the elementwise bound (a stale or wrong gradient fails both)
+            err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+            assert err <= 2.0 ** -3, err
+            off = ~torch.isclose(a, b, rtol=5e-2, atol=5e-2 * b.abs().max().item())
+            assert off.float().mean().item() <= 0.01, off.sum().item()
     assert st_g[-1]["loss"] == pytest.approx(st_e[-1]["loss"], rel=5e-2, abs=1e-3)

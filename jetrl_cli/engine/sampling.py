@@ -235,9 +235,21 @@ def sample(logp: torch.Tensor, params: SamplingParams, generator: torch.Generato
     ``generator``."""
     if params.greedy:
         return logp.argmax(-1)
+    if keys is not None and logp.is_cuda and logp.dtype == torch.float32 and logp.dim() == 2:
+        # one Triton pass over logp, the same noise bits and argmax rule (``kernels.sampling``): the
+        # torch form below is ~20 passes over (rows, vocab) int64 and fp32 tensors per decode step
+        from ..kernels.sampling import keyed_gumbel_argmax
+
+        return keyed_gumbel_argmax(logp, keys, _splitmix64(position) >> 32)
     if keys is not None:
         u = keyed_uniform(keys, position, logp.shape[-1])
     else:
         u = torch.rand(logp.shape, generator=generator, device=logp.device, dtype=torch.float32)
+    return gumbel_argmax(logp, u)
+
+
+def gumbel_argmax(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``argmax(logp + g)`` per row, ``g = -log(-log(u))`` (``u`` clamped to 1e-20 from below): the
+    reference form of ``kernels.sampling``'s one-pass kernel."""
     gumbel = -torch.log(-torch.log(u.clamp_min(1e-20)))
     return (logp + gumbel).argmax(-1)
