@@ -544,6 +544,9 @@ def main() -> int:
     report["triton_launches"] = {}
     attention._decode_kernel = _NoLaunch("decode_attention", report["triton_launches"])  # FP8 KV-cache decode
     attention._kv_store_kernel = _NoLaunch("kv_store", report["triton_launches"])
+    from jetrl_cli.kernels import sampling
+
+    sampling._keyed_gumbel_argmax_kernel = _NoLaunch("keyed_gumbel_argmax", report["triton_launches"])  # decoding
     import jetrl_cli.kernels as kernels_pkg
     from jetrl_cli.kernels import fp8, int8
 

@@ -76,6 +76,7 @@ def test_every_scenario_runs(report):
     assert len(report["rollout"]) >= 5
     # the fp8-unified scenario's FP8 KV cache is read as stored (the kernel's launch stood in)
     assert report["triton_launches"].get("decode_attention", 0) > 0 and report["triton_launches"].get("kv_store", 0) > 0
+    assert report["triton_launches"].get("keyed_gumbel_argmax", 0) > 0  # sampling: one kernel a step on a GPU
     # the Triton quantizers' wrappers, on the device: activations, weights, SwiGLU forward and its
     # backward (its gradient with down's h^T: swiglu_quantize_t alone is for a frozen gate/up), the
     # norms that quantize their GEMM's input, INT8 rows (an INT8 rollout's norms and SwiGLU write theirs)
