@@ -757,22 +757,49 @@ def _norm_y(kb, r, w_ptr, x_at, d_at, rk, row_ok, N: tl.constexpr, HAS_DELTA: tl
     """Chunk ``kb`` of a norm's rows: its columns ``k``, their mask, the residual s (pass 1's bits,
     recomputed) and the norm's output y = s * r * w in fp32, rounded to bf16 with ``Y_BF16`` (the
     values a bf16 output holds: what is quantized)."""
+    x, d, w = _norm_in(kb, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, T)
+    return _norm_y_of(kb, x, d, w, r, rk, row_ok, N, HAS_DELTA, S_BF16, Y_BF16, INTERPRET, T)
+
+
+@triton.jit
+def _norm_in(kb, w_ptr, x_at, d_at, rk, row_ok, N: tl.constexpr, HAS_DELTA: tl.constexpr, T: tl.constexpr):
+    """Chunk ``kb``'s inputs as loaded: x, delta (x again without one) and the norm's weight."""
     k = kb * T + rk
     ok = row_ok[:, None] & (k < N)[None, :]
-    s = _residual(x_at, d_at, k, ok, HAS_DELTA, S_BF16, INTERPRET)
-    y = s * r[:, None] * tl.load(w_ptr + k, mask=k < N, other=0.0).to(tl.float32)[None, :]
+    x = tl.load(x_at + k[None, :], mask=ok, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(d_at + k[None, :], mask=ok, other=0.0)
+    else:
+        d = x
+    return x, d, tl.load(w_ptr + k, mask=k < N, other=0.0)
+
+
+@triton.jit
+def _norm_y_of(kb, x, d, w, r, rk, row_ok, N: tl.constexpr, HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr,
+               Y_BF16: tl.constexpr, INTERPRET: tl.constexpr, T: tl.constexpr):
+    """``_norm_y`` of chunk ``kb``'s inputs loaded already (``_norm_in``): the same arithmetic."""
+    k = kb * T + rk
+    ok = row_ok[:, None] & (k < N)[None, :]
+    s = x.to(tl.float32)
+    if HAS_DELTA:  # as _residual
+        s += d.to(tl.float32)
+        if S_BF16:
+            s = _to_bf16(s, INTERPRET).to(tl.float32)
+    y = s * r[:, None] * w.to(tl.float32)[None, :]
     if Y_BF16:
         y = _to_bf16(y, INTERPRET).to(tl.float32)
     return k, ok, s, y
 
 
 @triton.jit
-def _norm_chunk(kb, r, w_ptr, s_ptr, y_ptr, q_ptr, sc_ptr, x_at, d_at, rows, rm, rk, row_ok, M, N: tl.constexpr,
+def _norm_chunk(kb, inputs, r, s_ptr, y_ptr, q_ptr, sc_ptr, rows, rm, rk, row_ok, M, N: tl.constexpr,
                 FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
                 HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr, Y_BF16: tl.constexpr, WRITE_Y: tl.constexpr,
                 INTERPRET: tl.constexpr, T: tl.constexpr):
-    """The second pass over chunk ``kb``: s (with a delta), y (with ``WRITE_Y``) and y's 1x128 cast."""
-    k, ok, s, y = _norm_y(kb, r, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, S_BF16, Y_BF16, INTERPRET, T)
+    """The second pass over chunk ``kb`` (its ``inputs`` loaded by ``_norm_in``): s (with a delta), y
+    (with ``WRITE_Y``) and y's 1x128 cast."""
+    x, d, w = inputs
+    k, ok, s, y = _norm_y_of(kb, x, d, w, r, rk, row_ok, N, HAS_DELTA, S_BF16, Y_BF16, INTERPRET, T)
     if HAS_DELTA:
         tl.store(s_ptr + rows * N + k[None, :], s.to(s_ptr.dtype.element_ty), mask=ok)
     if WRITE_Y:
@@ -801,17 +828,31 @@ def _rms_norm_quant_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, r_ptr, q_ptr, sc_p
     rows = rm.to(tl.int64)[:, None]
     x_at = x_ptr + rows * stride_xm
     d_at = d_ptr + rows * stride_dm
+    # unrolled, the second pass loads each chunk two chunks ahead of its use (the first two before the
+    # norm's reduction): each chunk's 1x128 amax and stores wait at barriers, which no load crosses,
+    # so loading in turn waited on memory once per chunk: 12 L2 round trips in a row at width 1536
+    # (a decode step's norm took 8.4 us on the H200, 2026-11-27, at 32 rows as at 512). The same
+    # arithmetic on the same values either way.
+    NC: tl.constexpr = (N + T - 1) // T
+    if UNROLL:
+        ahead1 = _norm_in(0, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, T)
+        ahead2 = _norm_in(1, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, T) if NC > 1 else ahead1
     r = _norm_rsqrt(x_at, d_at, rk, row_ok, eps, N, HAS_DELTA, S_BF16, INTERPRET, UNROLL, BM, T)
     if WRITE_R:
         tl.store(r_ptr + rm, r, mask=row_ok)
     if UNROLL:
-        for kb in tl.static_range(0, (N + T - 1) // T):
-            _norm_chunk(kb, r, w_ptr, s_ptr, y_ptr, q_ptr, sc_ptr, x_at, d_at, rows, rm, rk, row_ok, M, N, FMAX,
-                        FLOOR, POW2, OUT, HAS_DELTA, S_BF16, Y_BF16, WRITE_Y, INTERPRET, T)
+        for kb in tl.static_range(0, NC):
+            cur = ahead1
+            ahead1 = ahead2
+            if kb + 2 < NC:
+                ahead2 = _norm_in(kb + 2, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, T)
+            _norm_chunk(kb, cur, r, s_ptr, y_ptr, q_ptr, sc_ptr, rows, rm, rk, row_ok, M, N, FMAX, FLOOR, POW2, OUT,
+                        HAS_DELTA, S_BF16, Y_BF16, WRITE_Y, INTERPRET, T)
     else:
         for kb in range(0, (N + T - 1) // T):
-            _norm_chunk(kb, r, w_ptr, s_ptr, y_ptr, q_ptr, sc_ptr, x_at, d_at, rows, rm, rk, row_ok, M, N, FMAX,
-                        FLOOR, POW2, OUT, HAS_DELTA, S_BF16, Y_BF16, WRITE_Y, INTERPRET, T)
+            _norm_chunk(kb, _norm_in(kb, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, T), r, s_ptr, y_ptr, q_ptr,
+                        sc_ptr, rows, rm, rk, row_ok, M, N, FMAX, FLOOR, POW2, OUT, HAS_DELTA, S_BF16, Y_BF16,
+                        WRITE_Y, INTERPRET, T)
 
 
 # The job tables of the table-driven kernels (one launch for many tensors): one row of int64 fields

@@ -47,8 +47,8 @@ from jetrl_cli.precision.quant import DEFAULT_AMAX_FLOOR, CastSpec, QTensor
 
 from . import fp8
 from .fp8 import (DECODE_ROWS, FP_FUSION, MIN_SCALE, NORM_ROWS, NORM_UNROLL_MAX, _abs_bits, _divisor, _group_scale,
-                  _interpreting, _norm_rsqrt, _norm_y, _scaled, _silu_mul, _splits, _to_bf16, decode_split,
-                  decode_tiles)
+                  _interpreting, _norm_in, _norm_rsqrt, _norm_y, _norm_y_of, _scaled, _silu_mul, _splits, _to_bf16,
+                  decode_split, decode_tiles)
 
 QMAX = tl.constexpr(127.0)  # Format.INT8.max
 ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding it rounds |y| <= 2^22 to an integer, half to even
@@ -102,24 +102,42 @@ def _rms_norm_rows_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, r_ptr, q_ptr, sc_pt
     rows = rm.to(tl.int64)[:, None]
     x_at = x_ptr + rows * stride_xm
     d_at = d_ptr + rows * stride_dm
+    # unrolled, the second and third passes load each chunk two chunks ahead of its use, as the FP8
+    # kernel does (``fp8._rms_norm_quant_kernel``): the second pass's barriers (its amax, its stores)
+    # would otherwise make each chunk's load wait for the previous chunk. The same arithmetic.
+    NC: tl.constexpr = (N + T - 1) // T
+    if UNROLL:
+        ahead1 = _norm_in(0, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, T)
+        ahead2 = _norm_in(1, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, T) if NC > 1 else ahead1
     r = _norm_rsqrt(x_at, d_at, rk, row_ok, eps, N, HAS_DELTA, S_BF16, INTERPRET, UNROLL, BM, T)
     amax = tl.zeros((BM,), dtype=tl.int32)
     if WRITE_R:
         tl.store(r_ptr + rm, r, mask=row_ok)
     if UNROLL:
-        for kb in tl.static_range(0, (N + T - 1) // T):
-            amax = _norm_amax(amax, kb, r, w_ptr, s_ptr, y_ptr, x_at, d_at, rows, rk, row_ok, N, HAS_DELTA, S_BF16,
-                              Y_BF16, WRITE_Y, INTERPRET, T)
+        for kb in tl.static_range(0, NC):
+            cur = ahead1
+            ahead1 = ahead2
+            if kb + 2 < NC:
+                ahead2 = _norm_in(kb + 2, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, T)
+            amax = _norm_amax(amax, kb, cur, r, s_ptr, y_ptr, rows, rk, row_ok, N, HAS_DELTA, S_BF16, Y_BF16, WRITE_Y,
+                              INTERPRET, T)
+        ahead1 = _norm_in(0, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, T)  # the third pass's first two
+        ahead2 = _norm_in(1, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, T) if NC > 1 else ahead1
     else:
-        for kb in range(0, (N + T - 1) // T):
-            amax = _norm_amax(amax, kb, r, w_ptr, s_ptr, y_ptr, x_at, d_at, rows, rk, row_ok, N, HAS_DELTA, S_BF16,
-                              Y_BF16, WRITE_Y, INTERPRET, T)
+        for kb in range(0, NC):
+            amax = _norm_amax(amax, kb, _norm_in(kb, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, T), r, s_ptr, y_ptr,
+                              rows, rk, row_ok, N, HAS_DELTA, S_BF16, Y_BF16, WRITE_Y, INTERPRET, T)
     sc = _group_scale(amax.to(tl.float32, bitcast=True), QMAX, FLOOR, POW2)
     tl.store(sc_ptr + rm, sc, mask=row_ok)
     rr = _divisor(sc)
     if UNROLL:
-        for kb in tl.static_range(0, (N + T - 1) // T):
-            k, ok, _, y = _norm_y(kb, r, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, S_BF16, Y_BF16, INTERPRET, T)
+        for kb in tl.static_range(0, NC):
+            cur = ahead1
+            ahead1 = ahead2
+            if kb + 2 < NC:
+                ahead2 = _norm_in(kb + 2, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, T)
+            x, d, w = cur
+            k, ok, _, y = _norm_y_of(kb, x, d, w, r, rk, row_ok, N, HAS_DELTA, S_BF16, Y_BF16, INTERPRET, T)
             tl.store(q_ptr + rows * N + k[None, :], _int8_rows(y, sc, rr, POW2), mask=ok)
     else:
         for kb in range(0, (N + T - 1) // T):
@@ -128,12 +146,14 @@ def _rms_norm_rows_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, r_ptr, q_ptr, sc_pt
 
 
 @triton.jit
-def _norm_amax(amax, kb, r, w_ptr, s_ptr, y_ptr, x_at, d_at, rows, rk, row_ok, N: tl.constexpr,
+def _norm_amax(amax, kb, inputs, r, s_ptr, y_ptr, rows, rk, row_ok, N: tl.constexpr,
                HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr, Y_BF16: tl.constexpr, WRITE_Y: tl.constexpr,
                INTERPRET: tl.constexpr, T: tl.constexpr):
-    """The second pass over chunk ``kb``: s (with a delta) and y (with ``WRITE_Y``) written, and each
-    row's running amax of y (``_abs_bits``' integer max: NaN-propagating)."""
-    k, ok, s, y = _norm_y(kb, r, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, S_BF16, Y_BF16, INTERPRET, T)
+    """The second pass over chunk ``kb`` (its ``inputs`` loaded by ``fp8._norm_in``): s (with a delta)
+    and y (with ``WRITE_Y``) written, and each row's running amax of y (``_abs_bits``' integer max:
+    NaN-propagating)."""
+    x, d, w = inputs
+    k, ok, s, y = _norm_y_of(kb, x, d, w, r, rk, row_ok, N, HAS_DELTA, S_BF16, Y_BF16, INTERPRET, T)
     if HAS_DELTA:
         tl.store(s_ptr + rows * N + k[None, :], s.to(s_ptr.dtype.element_ty), mask=ok)
     if WRITE_Y:
