@@ -987,12 +987,14 @@ def _blockwise_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
 
 
 @triton.jit(do_not_specialize=["M"])
-def _blockwise_mm_split_kernel(a_ptr, b_ptr, p_ptr, sa_ptr, sb_ptr, M, N, K, KB_SPLIT,
+def _blockwise_mm_split_kernel(a_ptr, b_ptr, p_ptr, sa_ptr, sb_ptr, c_ptr, bias_ptr, cnt_ptr, M, N, K, KB_SPLIT, S,
                                stride_am, stride_ak, stride_bn, stride_bk, stride_sam, stride_sak, stride_sbn,
-                               stride_sbk, SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                               stride_sbk, SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, FUSED: tl.constexpr,
+                               HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Split-K: program (m, n, s) sums K blocks ``s * KB_SPLIT ..`` (``_kblocks``, K order) into its
-    fp32 partial ``p[s]`` (S x M x N, contiguous); ``_split_sum_kernel`` adds the partials."""
+    fp32 partial ``p[s]`` (S x M x N, contiguous); ``_split_sum_kernel`` adds the partials, or with
+    ``FUSED`` the tile's last program to finish does (``_last_sums``)."""
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     ps = tl.program_id(2)
@@ -1002,8 +1004,32 @@ def _blockwise_mm_split_kernel(a_ptr, b_ptr, p_ptr, sa_ptr, sb_ptr, M, N, K, KB_
     acc = _kblocks(a_ptr, b_ptr, sa_ptr, sb_ptr, rm, rn, kb0, tl.minimum(kb0 + KB_SPLIT, tl.cdiv(K, BLOCK_K)), M, N,
                    K, stride_am, stride_ak, stride_bn, stride_bk, stride_sam, stride_sak, stride_sbn, stride_sbk,
                    SA_ROWS, SB_ROWS, BLOCK_M, BLOCK_N, BLOCK_K)
-    tl.store(p_ptr + ps.to(tl.int64) * M * N + rm.to(tl.int64)[:, None] * N + rn[None, :], acc,
-             mask=(rm < M)[:, None] & (rn < N)[None, :])
+    ok = (rm < M)[:, None] & (rn < N)[None, :]
+    at = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    tl.store(p_ptr + ps.to(tl.int64) * M * N + at, acc, mask=ok)
+    if FUSED:
+        _last_sums(p_ptr, c_ptr, bias_ptr, cnt_ptr + pm * tl.num_programs(1) + pn, at, rn, ok, M, N, S, HAS_BIAS,
+                   OUT_BF16, INTERPRET)
+
+
+@triton.jit
+def _last_sums(p_ptr, c_ptr, bias_ptr, cnt_at, at, rn, ok, M, N, S, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """The fused split-K's sum: each program of a tile counts its arrival (after its partial is
+    stored: a barrier, then a release); the last to arrive reads the S partials back from L2
+    (acquire) and adds them as ``_split_sum_kernel`` does -- p[0] + p[1] + ... in that order, then
+    the bias, rounded once -- and zeroes the tile's counter for the next call. No program waits on
+    another, and the result's bits do not depend on which program arrives last."""
+    tl.debug_barrier()  # every thread's partial stored before the count
+    arrived = tl.atomic_add(cnt_at, 1, sem="acq_rel", scope="gpu")
+    if arrived == S - 1:
+        total = tl.load(p_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
+        for s in range(1, S):
+            total += tl.load(p_ptr + s * M * N + at, mask=ok, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptr + at, _to_bf16(total, INTERPRET) if OUT_BF16 else total, mask=ok)
+        tl.atomic_xchg(cnt_at, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -1844,12 +1870,22 @@ def decode_split(block_m: int, n: int, k: int, device: torch.device, kind: str =
     return (gemm.kernel_choice(op, device) or _choose_split(op, kind, block_m, n, k, device))["split"]
 
 
+def _decode_split_fused(block_m: int, n: int, k: int, device: torch.device) -> bool:
+    """Whether ``decode_split``'s choice for this FP8 GEMM adds its partials in the last program of each
+    tile (``_last_sums``): timed beside the second kernel, and taken only where its output was the
+    same bytes (``_choose_split``). Forced splits (``split_k``) keep the two kernels."""
+    if _FORCED_SPLIT is not None or device.type != "cuda":
+        return False
+    choice = gemm.kernel_choice(f"fp8 {SPLIT_OP} {block_m} rows, {n} x {k}", device)
+    return bool(choice and choice.get("fused"))
+
+
 def _fp8_split_run(block_m: int, n: int, k: int, device: torch.device):
-    """``blockwise_mm`` at a given split on random operands of a decode GEMM's shape."""
+    """``blockwise_mm`` at a given split (``fused`` or not) on random operands of a decode GEMM's shape."""
     g = torch.Generator(device).manual_seed(0)  # drawn on the device: a 7-8B weight's shape is 10^8 values
     a = quantize_act(torch.randn(block_m, k, generator=g, device=device, dtype=torch.bfloat16), cols=False)[0]
     b = quantize_weight(torch.randn(n, k, generator=g, device=device) * 0.05)
-    return lambda s: blockwise_mm(a, b, torch.bfloat16, split=s)
+    return lambda s, fused=False: blockwise_mm(a, b, torch.bfloat16, split=s, fused=fused)
 
 
 SPLIT_RUNS = {"fp8": _fp8_split_run}  # kind -> its timing run's maker (``kernels.int8`` adds "int8")
@@ -1859,17 +1895,29 @@ def _choose_split(op: str, kind: str, block_m: int, n: int, k: int, device: torc
     """Time ``decode_split``'s choices for one GEMM shape on ``device`` and record the fastest."""
     if gemm.capturing(device):
         return {"split": 1}
+    fused_ok = None
     try:
         run = SPLIT_RUNS[kind](block_m, n, k, device)
         ways = sorted({_splits(cdiv(k, TILE), s) for s in SPLIT_CHOICES})
-        t = {s: gemm.device_time_ms(lambda s=s: run(s), device) for s in ways}
+        cases = [(s, False) for s in ways]
+        if kind == "fp8" and ways[-1] > 1:
+            # the last-program sum must give the second kernel's bytes here before it is timed
+            fused_ok = torch.equal(run(ways[-1], True).view(torch.int16), run(ways[-1], False).view(torch.int16))
+            if fused_ok:
+                cases += [(s, True) for s in ways if s > 1]
+        t = {c: gemm.device_time_ms(lambda c=c: run(*c) if c[1] else run(c[0]), device) for c in cases}
     except Exception as e:  # noqa: BLE001 - nothing timed: no split, said why
         return gemm.note_kernel(op, device, "1 split", _untimed(e), split=1)
     best = min(t, key=t.get)
-    why = f"timed on {block_m} x {k} x {n}: " + ", ".join(f"{s} {'split' if s == 1 else 'splits'} {ms:.4f} ms"
-                                                        for s, ms in t.items())
-    return gemm.note_kernel(op, device, f"{best} {'split' if best == 1 else 'splits'}", why, split=best,
-                            timings_ms={str(s): ms for s, ms in t.items()})
+    why = f"timed on {block_m} x {k} x {n}: " + ", ".join(f"{_split_name(*c)} {ms:.4f} ms" for c, ms in t.items())
+    if fused_ok is False:
+        why += "; the last-program sum was not the two kernels' bytes: not used"
+    return gemm.note_kernel(op, device, _split_name(*best), why, split=best[0], fused=best[1],
+                            timings_ms={str(c[0]) + ("f" if c[1] else ""): ms for c, ms in t.items()})
+
+
+def _split_name(s: int, fused: bool) -> str:
+    return f"{s} {'split' if s == 1 else 'splits'}" + (", summed by the last program" if fused else "")
 
 
 def _splits(kblocks: int, asked: int) -> int:
@@ -1878,15 +1926,33 @@ def _splits(kblocks: int, asked: int) -> int:
     return cdiv(kblocks, cdiv(kblocks, max(1, min(asked, kblocks)))) if kblocks else 1
 
 
+# The fused split-K's arrival counters (``_last_sums``): one int32 per output tile, per device, zero
+# between calls (the last program of a tile zeroes its own). Split GEMMs of one device run one after
+# another on its stream (a decode step's), so a call's counters are not shared with another's. Grown
+# outside a graph capture only: a capture that would need more tiles takes the two-kernel sum.
+_SPLIT_COUNTERS: dict[str, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    key = str(device)
+    held = _SPLIT_COUNTERS.get(key)
+    if held is None or held.numel() < tiles:
+        if device.type == "cuda" and gemm.capturing(device):
+            return None
+        held = _SPLIT_COUNTERS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return held
+
+
 def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
                  tiles: tuple[int, int, int, int] | None = None, bias: torch.Tensor | None = None,
-                 split: int | None = None) -> torch.Tensor:
+                 split: int | None = None, fused: bool | None = None) -> torch.Tensor:
     """``a @ b.T (+ bias)`` (a: M x K, b: N x K, FP8 with 1x128 or 128x128 scales), fp32 accumulation
     per K block; ``bias`` (N values) is added to the fp32 sum before the output is written (rounded
     once, as the emulation adds it). ``tiles``: (BLOCK_M, BLOCK_N, num_warps, num_stages), by default
     chosen from M and N (``_mm_config``). ``split``: the K blocks in that many consecutive runs, each
     summed on its own, the runs' fp32 sums then added in order (by default ``decode_split``'s choice
-    for a decode step's GEMM, else 1)."""
+    for a decode step's GEMM, else 1); ``fused``: the partials added by the last program of each tile
+    instead of a second kernel (the same bits; by default ``decode_split``'s timed choice)."""
     if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"blockwise_mm: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)} do not match as a @ b.T")
     sa_rows, sb_rows = _scale_rows(a, "operand a"), _scale_rows(b, "operand b")
@@ -1901,21 +1967,30 @@ def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
     c = torch.empty((m, n), dtype=out_dtype, device=dev)
     block_m, block_n, warps, stages = tiles or _mm_config(m, n)
     if split is None:
-        split = decode_split(block_m, n, k, dev) if m <= DECODE_ROWS and tiles is None else 1
+        decode = m <= DECODE_ROWS and tiles is None
+        split = decode_split(block_m, n, k, dev) if decode else 1
+        if fused is None and decode:
+            fused = _decode_split_fused(block_m, n, k, dev)
+    fused = bool(fused)
     kblocks = cdiv(k, TILE)
     splits = _splits(kblocks, split)
     if splits > 1 and m * n:
         part = torch.empty((splits, m, n), dtype=torch.float32, device=dev)
-        _blockwise_mm_split_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)](
-            a.data, b.data, part, a.scale, b.scale, m, n, k, cdiv(kblocks, splits),
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)
+        counters = _split_counters(dev, grid[0] * grid[1]) if fused else None
+        _blockwise_mm_split_kernel[grid](
+            a.data, b.data, part, a.scale, b.scale, c, c if bias is None else bias,
+            part if counters is None else counters, m, n, k, cdiv(kblocks, splits), splits,
             a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1),
             a.scale.stride(0), a.scale.stride(1), b.scale.stride(0), b.scale.stride(1),
-            SA_ROWS=sa_rows, SB_ROWS=sb_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=TILE, num_warps=warps,
-            num_stages=stages, enable_fp_fusion=FP_FUSION)
-        _split_sum_kernel[(cdiv(m * n, SUM_BLOCK),)](
-            part, c, c if bias is None else bias, m * n, n, splits, HAS_BIAS=bias is not None,
-            OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=_interpreting(), BLOCK=SUM_BLOCK, num_warps=4,
-            enable_fp_fusion=FP_FUSION)
+            SA_ROWS=sa_rows, SB_ROWS=sb_rows, FUSED=counters is not None, HAS_BIAS=bias is not None,
+            OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=_interpreting(), BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=TILE, num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
+        if counters is None:
+            _split_sum_kernel[(cdiv(m * n, SUM_BLOCK),)](
+                part, c, c if bias is None else bias, m * n, n, splits, HAS_BIAS=bias is not None,
+                OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=_interpreting(), BLOCK=SUM_BLOCK, num_warps=4,
+                enable_fp_fusion=FP_FUSION)
         return c
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _blockwise_mm_kernel[grid](

@@ -65,6 +65,15 @@ def ptx_fma_plus_one(ptx: str) -> int:
     return len(_PTX_FMA_ONE.findall(ptx))
 
 
+_PTX_MEM = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:atom|red|ld\.global\.cg|st\.global)[\w.:]*)")
+
+
+def ptx_memory_ops(ptx: str) -> list[str]:
+    """The PTX's atomics, L2-only (``.cg``) loads and global stores, each kind once: a fused split-K's
+    arrival count and its reads of the other programs' partials."""
+    return sorted({m.group(1) for line in ptx.splitlines() if (m := _PTX_MEM.match(line))})
+
+
 def ptx_f32_consts(ptx: str) -> list[str]:
     """The fp32 immediates of the PTX (``0f4B400000`` is 1.5 * 2^23), each once."""
     return sorted(set(_PTX_F32_CONST.findall(ptx)))
@@ -249,6 +258,9 @@ def cases():
     out.append(("split-K blockwise_mm M=32 N=1536 bias", None, lambda: fp8.blockwise_mm(  # down_proj, 4 splits
         _qtensor(32, inter, 1), _qtensor(hidden, inter, 128), out_dtype=bf, bias=torch.zeros(hidden, dtype=bf),
         split=4)))
+    out.append(("split-K blockwise_mm M=32 N=1536 bias fused", None, lambda: fp8.blockwise_mm(  # its partials summed
+        _qtensor(32, inter, 1), _qtensor(hidden, inter, 128), out_dtype=bf, bias=torch.zeros(hidden, dtype=bf),
+        split=4, fused=True)))  # by each tile's last program
     out.append(("blockwise_mm M=7 bias", None, lambda: fp8.blockwise_mm(  # q/k/v with Qwen's biases, in the epilogue
         _qtensor(7, hidden, 1), _qtensor(2048, hidden, 128), out_dtype=bf, bias=torch.zeros(2048, dtype=bf))))
     for m in (1, 7, 64, 4096):  # decode (one row, a few), prefill, training
@@ -364,7 +376,7 @@ def main() -> dict:
                             **resources(k.asm["cubin"]), ptx_fp=ptx_fp(k.asm["ptx"]), sass_fp=sass_fp(k.asm["cubin"]),
                             sass=sass_counts(k.asm["cubin"]),
                             ptx_mma=ptx_mma(k.asm["ptx"]), ptx_f32_consts=ptx_f32_consts(k.asm["ptx"]),
-                            ptx_fma_plus_one=ptx_fma_plus_one(k.asm["ptx"])))
+                            ptx_fma_plus_one=ptx_fma_plus_one(k.asm["ptx"]), ptx_mem=ptx_memory_ops(k.asm["ptx"])))
     return {"triton": triton.__version__, "torch": torch.__version__, "failures": failures, "kernels": kernels}
 
 

@@ -234,6 +234,13 @@ def test_split_k_gemm_adds_its_splits_partial_sums_in_order(m, n, k, split):
     assert torch.equal(fp8.blockwise_mm(a, b, out_dtype=torch.bfloat16, bias=bias, split=split),
                        (want + bias.float()).bfloat16())
     assert torch.equal(got, fp8.blockwise_mm(a, b, bias=bias, split=split))  # one order: deterministic
+    # the partials added by each tile's last program instead of a second kernel: the same bytes, and its
+    # arrival counters are back at zero after each call (a later call, or a graph replay, starts clean)
+    for out_dtype, expect in ((torch.float32, got), (torch.bfloat16, (want + bias.float()).bfloat16())):
+        for _ in range(2):
+            assert torch.equal(fp8.blockwise_mm(a, b, out_dtype=out_dtype, bias=bias, split=split, fused=True), expect)
+            assert not fp8._SPLIT_COUNTERS[str(a.data.device)].any()
+    assert torch.equal(fp8.blockwise_mm(a, b, split=split, fused=True), want)  # no bias
     emu = EmulatedBackend().mm(a, b) + bias.float()
     assert error_stats(emu, got)["rel_err"] < (2.0 ** -11 if torch.cuda.is_available() else 1e-5)
     with fp8.split_k(split):  # the forced choice reaches a decode call that asks for none
@@ -253,30 +260,49 @@ def test_split_counts():
 
 
 def test_the_decode_split_is_timed_once_per_shape_and_reported(monkeypatch):
-    """On a GPU the first decode GEMM of a shape times 1, 2, 4 and 8 splits (those its K blocks allow)
-    and keeps the fastest, reported with the GEMM backends; a failing timing keeps one split and says
-    why; during a graph capture nothing is decided. (Scripted times; on CPU the interpreter runs.)"""
+    """On a GPU the first decode GEMM of a shape times 1, 2, 4 and 8 splits (those its K blocks allow),
+    each split also with its partials added by the last program of a tile (once that gave the second
+    kernel's bytes), and keeps the fastest, reported with the GEMM backends; a failing timing keeps one
+    split and says why; during a graph capture nothing is decided. (Scripted times; on CPU the
+    interpreter runs.)"""
     from jetrl_cli.kernels import fp8
     from jetrl_cli.precision import gemm
 
     monkeypatch.setattr(gemm, "_KERNELS", {})
-    ms, timed = {1: 3.0, 2: 1.0, 3: 2.0}, []
+    ms, timed = {(1, False): 3.0, (2, False): 1.0, (3, False): 2.0, (2, True): 1.5, (3, True): 0.5}, []
 
     def device_time_ms(fn, device):
         c = fn()
         assert c.shape == (16, 96) and c.dtype == torch.bfloat16
-        timed.append(fp8._splits(3, int(fn.__defaults__[0])))
+        s, fused = fn.__defaults__[0]
+        timed.append((fp8._splits(3, s), fused))
         return ms[timed[-1]]
 
     monkeypatch.setattr(gemm, "device_time_ms", device_time_ms)
     where = torch.device(dev())
     op = f"fp8 {fp8.SPLIT_OP} 16 rows, 96 x 384"
     got = fp8._choose_split(op, "fp8", 16, 96, 384, where)  # 3 K blocks: 1, 2 or 3 splits
-    assert timed == [1, 2, 3] and got["split"] == 2 and got["kernel"] == "2 splits"
-    assert got["why"] == "timed on 16 x 384 x 96: 1 split 3.0000 ms, 2 splits 1.0000 ms, 3 splits 2.0000 ms"
+    assert timed == list(ms) and (got["split"], got["fused"]) == (3, True)
+    assert got["kernel"] == "3 splits, summed by the last program"
+    assert got["why"] == ("timed on 16 x 384 x 96: 1 split 3.0000 ms, 2 splits 1.0000 ms, 3 splits 2.0000 ms, "
+                          "2 splits, summed by the last program 1.5000 ms, 3 splits, summed by the last program "
+                          "0.5000 ms")
     assert gemm.kernel_choice(op, where) is got
     if where.type == "cuda":
-        assert fp8.decode_split(16, 96, 384, where) == 2
+        assert fp8.decode_split(16, 96, 384, where) == 3 and fp8._decode_split_fused(16, 96, 384, where)
+    # where the last-program sum gives other bytes than the two kernels, it is neither timed nor taken
+    real = fp8.SPLIT_RUNS["fp8"]
+
+    def wrong_when_fused(*shape):
+        run = real(*shape)
+        return lambda s, fused=False: run(s) + (1.0 if fused else 0.0)
+
+    monkeypatch.setitem(fp8.SPLIT_RUNS, "fp8", wrong_when_fused)
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    timed.clear()
+    got = fp8._choose_split(op, "fp8", 16, 96, 384, where)
+    assert timed == [(1, False), (2, False), (3, False)] and (got["split"], got["fused"]) == (2, False)
+    assert got["why"].endswith("; the last-program sum was not the two kernels' bytes: not used")
 
     def broken(fn, device):
         raise RuntimeError("out of resources")

@@ -141,6 +141,23 @@ def test_split_k_gemm_runs_on_the_tensor_cores_and_sums_in_fp32(report):
     assert not ks["_int8_split_sum_kernel"]["ptx_mma"]
 
 
+def test_a_fused_split_k_counts_arrivals_and_reads_partials_from_l2(report):
+    """The fused split-K (``_last_sums``): one kernel, the tensor cores as the unfused split's; each
+    program counts its arrival with an acquire-release atomic at GPU scope (its partial's stores
+    released to the other SMs, theirs acquired by the last), and the last reads the partials with
+    L2-only loads (``ld.global.cg``, no stale L1 line) and adds them in fp32, rounding to bf16 once."""
+    ks = {k["kernel"]: k for k in report["kernels"] if k["case"] == "split-K blockwise_mm M=32 N=1536 bias fused"}
+    assert set(ks) == {"_blockwise_mm_split_kernel"}
+    k = ks["_blockwise_mm_split_kernel"]
+    (op,) = k["ptx_mma"]
+    assert op.startswith(("wgmma", "mma.sync")) and k["stack"] == 0, (op, k["stack"])
+    mem = k["ptx_mem"]
+    assert any(o.startswith("atom") and ".acq_rel" in o and ".gpu" in o and ".add" in o for o in mem), mem
+    assert any(o.startswith("atom") and ".exch" in o for o in mem), mem  # the counter zeroed for the next call
+    assert any(o.startswith("ld.global.cg") for o in mem), mem
+    assert any(o.startswith("cvt.rn.bf16") for o in k["ptx_fp"]), k["ptx_fp"]
+
+
 def divides_without_division(k) -> bool:
     """Whether a kernel's quotients are IEEE division's with no division instruction: the reciprocal
     unit's approximation corrected by FMAs (``kernels.fp8._rcp``, ``_quotient``), no ``div.rn`` (an
