@@ -432,7 +432,8 @@ def measure_interleaved(fns: dict, s: Settings) -> dict:
             ts[k].append(t)
             counts[k].append(c)
             # each timed call as it ends: a bench cut off at a time limit still says what it measured
-            s.say(f"  {k}: run {i + 1} of {s.repeats}, {t:.3f} s" + (f", {c / t:.0f} tokens/s" if isinstance(c, int) else ""))
+            rate = f", {c / t:.0f} tokens/s" if isinstance(c, int) else ""
+            s.say(f"  {k}: run {i + 1} of {s.repeats}, {t:.3f} s{rate}")
     out = {}
     for k in fns:
         res = _stats(ts[k])
