@@ -423,6 +423,8 @@ def measure_interleaved(fns: dict, s: Settings) -> dict:
         for i in range(s.warmup):
             t0 = time.perf_counter()
             fn()
+            if s.device == "cuda":  # the warm-up's whole time, not just its launches
+                torch.cuda.synchronize()
             s.say(f"  {k}: warm-up {i + 1} of {s.warmup}, {time.perf_counter() - t0:.2f} s")
     ts: dict = {k: [] for k in fns}
     counts: dict = {k: [] for k in fns}

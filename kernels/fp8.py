@@ -718,9 +718,17 @@ def _swiglu_grad_cols_kernel(q_ptr, s_ptr, gy_ptr, qt_ptr, st_ptr, qh_ptr, sh_pt
 @triton.jit
 def _residual(x_at, d_at, k, ok, HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     """``s = x + delta`` of a (rows, 128) tile in fp32, rounded to s's dtype as torch's add rounds it."""
-    s = tl.load(x_at + k[None, :], mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_at + k[None, :], mask=ok, other=0.0)
+    d = tl.load(d_at + k[None, :], mask=ok, other=0.0) if HAS_DELTA else x
+    return _residual_of(x, d, HAS_DELTA, S_BF16, INTERPRET)
+
+
+@triton.jit
+def _residual_of(x, d, HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """``_residual`` of a tile's x and delta (x again without one) loaded already."""
+    s = x.to(tl.float32)
     if HAS_DELTA:
-        s += tl.load(d_at + k[None, :], mask=ok, other=0.0).to(tl.float32)
+        s += d.to(tl.float32)
         if S_BF16:
             s = _to_bf16(s, INTERPRET).to(tl.float32)
     return s
@@ -780,11 +788,7 @@ def _norm_y_of(kb, x, d, w, r, rk, row_ok, N: tl.constexpr, HAS_DELTA: tl.conste
     """``_norm_y`` of chunk ``kb``'s inputs loaded already (``_norm_in``): the same arithmetic."""
     k = kb * T + rk
     ok = row_ok[:, None] & (k < N)[None, :]
-    s = x.to(tl.float32)
-    if HAS_DELTA:  # as _residual
-        s += d.to(tl.float32)
-        if S_BF16:
-            s = _to_bf16(s, INTERPRET).to(tl.float32)
+    s = _residual_of(x, d, HAS_DELTA, S_BF16, INTERPRET)
     y = s * r[:, None] * w.to(tl.float32)[None, :]
     if Y_BF16:
         y = _to_bf16(y, INTERPRET).to(tl.float32)

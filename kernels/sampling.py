@@ -4,8 +4,8 @@ GPU path).
 ``sample`` draws token ``argmax_v(logp[r, v] + g[r, v])`` with ``g = -log(-log(u))`` and ``u`` a hash
 of (the row's key, the decode position, v) (``sampling.keyed_uniform``). Written as torch operations
 on ``(rows, vocab)`` int64 and fp32 tensors, that is about twenty passes over a vocabulary-wide
-tensor per decode step: on an H200, for 512 rows of a 152K vocabulary, 32 steps took 190 ms of a
-357 ms rollout's kernel time, more than its GEMMs. This kernel reads ``logp`` once and keeps the
+tensor per decode step: on an H200, for 512 rows of a 152K vocabulary, 32 steps took 176 ms of a
+362 ms rollout's kernel time, more than its GEMMs. This kernel reads ``logp`` once and keeps the
 rest in registers: one program per row walks the vocabulary in blocks, each block's noise
 computed from the same 32-bit hash (exact integer arithmetic, so the same ``u`` bits), the same
 clamp, the same two logarithms (fp32, libdevice's ``logf`` on a GPU, as torch's CUDA ``log``), the
