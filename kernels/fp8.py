@@ -147,10 +147,13 @@ FP_FUSION = True
 # instructions per value (the 128x1 kernel's column scales are computed by every thread holding the
 # column). Both forms are timed on the GPU (``SWIGLU_CHOICES``). On the H200 (2026-11-27) the two
 # kernels at 8 warps won the first update's timing, and in a 1.5B update the 128x1 one ran at 0.78 TB/s
-# (0.66 ms a layer), the 1x128 one at 2.4. Fewer warps cut the 128x1 kernel's duplicated scale work:
-# a thread holds two rows of its 16 columns at 4 warps, one at 8, so each column scale serves twice the
-# values. Triton 3.9 (3.6), SASS per value per thread: 147 (159) at 4 warps against 200 (207) at 8,
-# at 200 (254) registers, unspilled; so the two kernels at 4 warps are timed too (unmeasured).
+# (0.66 ms a layer), the 1x128 one at 2.4. By its SASS that kernel is bound by instruction issue, not
+# memory: 206 instructions per value (d[g], d[u] and h^T of one element) at 8 warps, about 0.45 ms a
+# layer of issue alone at the 1.5B shape. Most of them were the column scales' work: its 32-column
+# tile, loaded 16 FP8 bytes a thread, left each thread one token of 16 columns, so every thread reduced
+# 16 columns across 128 threads and computed 16 scales and reciprocals. Its columns are now loaded 2 to
+# a thread (``_runs``): 8 tokens of 2 columns a thread, 132 instructions per value at 8 warps, 120 at 4
+# and 153 at 16 (Triton 3.6; were 206, 158, 215), no spills. The two kernels are also timed at 4 warps.
 NUM_WARPS = 8  # the act and weight quantizers where nothing was timed (CPU, the interpreter): below
 SWIGLU_WARPS = 8  # the SwiGLU backward kernels (swiglu_quantize_t, swiglu_grad_quantize), untimed
 
@@ -464,6 +467,18 @@ def _word_rows(pm, T: tl.constexpr):
 
 
 @triton.jit
+def _runs(start, N: tl.constexpr, RUN: tl.constexpr):
+    """``start + tl.arange(0, N)`` as Triton's analysis sees runs of ``RUN`` consecutive values (``RUN`` a
+    power of two, at most N): the loads of a tile's rows along it then take ``RUN`` elements a thread,
+    and its layout puts more of the other axis in each thread. A 128x1 quantizer reduces each column
+    over the tokens and computes the column's scale and reciprocal in every thread that holds the
+    column: ``_swiglu_grad_cols_kernel``'s 32-column tile, loaded 16 FP8 bytes a thread, left each
+    thread one token of 16 columns (16 scales a thread, each column reduced across 128 threads)."""
+    a = tl.arange(0, N)
+    return start + (a // RUN) * RUN + a % RUN
+
+
+@triton.jit
 def _silu_mul(g, u):
     """``silu(g) * u`` in fp32, ``precision.linear``'s form ``g / (1 + exp(-g)) * u``, the division
     correctly rounded (``_over``); Triton's exp (not torch's), the same in both SwiGLU quantizers."""
@@ -689,13 +704,13 @@ def _swiglu_grad_cols_kernel(q_ptr, s_ptr, gy_ptr, qt_ptr, st_ptr, qh_ptr, sh_pt
                              stride_sk, stride_gm, stride_gk, FMAX: tl.constexpr, FLOOR: tl.constexpr,
                              POW2: tl.constexpr, OUT: tl.constexpr, ROUND_BF16: tl.constexpr,
                              INTERPRET: tl.constexpr, COLS: tl.constexpr, H_COLS: tl.constexpr,
-                             ZERO_PAD: tl.constexpr, BN: tl.constexpr, T: tl.constexpr):
+                             ZERO_PAD: tl.constexpr, BN: tl.constexpr, RUN: tl.constexpr, T: tl.constexpr):
     # the split form's 128x1 half: one 128-token group x BN columns of gy (inside one 128-wide group of
     # g and of u): d[g] and d[u] quantized 128x1 and written transposed (COLS), and down's h^T (H_COLS)
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     rm = pm * T + tl.arange(0, T)
-    rk = pn * BN + tl.arange(0, BN)
+    rk = _runs(pn * BN, BN, RUN)
     grp = pn * BN // T  # the 128-wide group of g holding these columns (u's: I / 128 later)
     row_ok = rm < M
     col_ok = rk < I
@@ -1281,6 +1296,10 @@ def swiglu_grad_quantize(gu: QTensor, gy: torch.Tensor, out_dtype: torch.dtype, 
 
 SWIGLU_SPLIT_ROWS = 32  # the split SwiGLU backward: rows per program of its 1x128 kernel (x 128 columns)
 SWIGLU_SPLIT_COLS = 32  # ... and columns per program of its 128x1 kernel (x 128 tokens)
+# ... loaded 2 to a thread (``_runs``): each thread then holds 8 tokens of 2 columns. Compiled for sm_90a
+# (tests/sm90_compile.py, Triton 3.6, 8 warps) 2112 SASS instructions a thread where 16 bytes a thread
+# took 3304: 132 per value for d[g], d[u] and h^T against 206 (4 warps 120 against 158)
+SWIGLU_COLS_RUN = 2
 
 
 def _swiglu_grad_split(gu: QTensor, gy: torch.Tensor | None, outs: tuple, m: int, i: int, m_pad: int, fmt: Format,
@@ -1307,7 +1326,7 @@ def _swiglu_grad_split(gu: QTensor, gy: torch.Tensor | None, outs: tuple, m: int
         _swiglu_grad_cols_kernel[(cdiv(m_pad, TILE), i // SWIGLU_SPLIT_COLS)](
             gu.data, gu.scale, gy if gy is not None else dummy, *(t if t is not None else dummy for t in (qt, st, qh, sh)),
             m, i, m_pad, *strides, COLS=qt is not None, H_COLS=qh is not None, ZERO_PAD=m_pad > m,
-            BN=SWIGLU_SPLIT_COLS, **common)
+            BN=SWIGLU_SPLIT_COLS, RUN=SWIGLU_COLS_RUN, **common)
 
 
 NORM_ROWS = 4  # rows per program of the RMSNorm quantizer (4 x 128 fp32 tiles at 4 warps)
