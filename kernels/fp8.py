@@ -376,7 +376,7 @@ def _rcp(x):
     1 / x: ``tests/test_kernels_quant.py``); the second step makes the first guess's accuracy not
     matter (from 100 ulps off, one step lands within 0.51 ulp). NaN stays NaN."""
     if MARKSTEIN:
-        nx = -x
+        nx = x * -1.0  # -x (Triton 3.6 compiles a negation as 0 - x, an instruction ptxas cannot fold)
         y = _rcp_approx(x)
         y = tl.fma(tl.fma(nx, y, 1.0), y, y)
         y = tl.fma(tl.fma(nx, y, 1.0), y, y)
@@ -406,9 +406,10 @@ def _quotient(x, s, r):
     Triton 3.9 emits ``neg.f32``). ``-r`` is exact either way (r > 0), and the residual is never
     -0 (its two terms are never both -0), so the sign of a zero quotient is x's with both."""
     nr = -r
+    nx = x * -1.0  # -x: Triton 3.6 compiles a negation as 0 - x, an instruction a thread per element
     q = x * r
-    q = tl.fma(tl.fma(q, s, -x), nr, q)
-    return tl.fma(tl.fma(q, s, -x), nr, q)
+    q = tl.fma(tl.fma(q, s, nx), nr, q)
+    return tl.fma(tl.fma(q, s, nx), nr, q)
 
 
 @triton.jit
@@ -479,17 +480,32 @@ def _runs(start, N: tl.constexpr, RUN: tl.constexpr):
 
 
 @triton.jit
+def _exp_neg(g):
+    """``tl.exp(-g)`` as Triton computes it on a GPU (``ex2.approx`` of ``-g * log2(e)`` rounded to fp32:
+    the same product as ``g * -log2(e)``), but with results below 2^-126 flushed to zero
+    (``ex2.approx.ftz``): for the SwiGLU kernels' ``1 + exp(-g)`` the same sum (1 + a subnormal rounds
+    to 1), without the range check and two predicated multiplies ``tl.exp`` adds per element to keep
+    subnormal results, nor Triton 3.6's ``0 - g`` for the negation. In the interpreter ``tl.exp(-g)``."""
+    if INTERPRETED:
+        return tl.exp(-g)
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [g * -1.4426950408889634],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _silu_mul(g, u):
     """``silu(g) * u`` in fp32, ``precision.linear``'s form ``g / (1 + exp(-g)) * u``, the division
-    correctly rounded (``_over``); Triton's exp (not torch's), the same in both SwiGLU quantizers."""
-    return _over(g, 1.0 + tl.exp(-g)) * u
+    correctly rounded (``_over``); Triton's exp (not torch's, ``_exp_neg``), the same in every SwiGLU
+    quantizer."""
+    return _over(g, 1.0 + _exp_neg(g)) * u
 
 
 @triton.jit
 def _sigmoid(g):
     """``1 / (1 + exp(-g))`` in fp32, ``precision.linear``'s form, its division correctly rounded
     (``_over``)."""
-    d = 1.0 + tl.exp(-g)
+    d = 1.0 + _exp_neg(g)
     if MARKSTEIN:
         return tl.where(d < RCP_NORMAL, _rcp(d), 0.0)
     else:
