@@ -705,6 +705,18 @@ def bench_quantize(s: Settings) -> list[dict]:
                     kernels.transpose_bytes_(dst, src)
                     timed(shape, "fp8 weight bytes transposed (W^T)", way, lambda: kernels.transpose_bytes_(dst, src),
                           2 * m * k, copy_bw, kind="transpose", matches_reference=torch.equal(dst, src.t()))
+        # an update's weight: its fp32 master quantized 128x128 with W^T, whose bytes are transposed after
+        # the quantizer or written by it (``wt_with``)
+        w32 = x.float()
+        want = kernels.quantize_weight(w32, transposed=True)
+        moved = w32.numel() * 4 + want[0].nbytes() + want[1].nbytes()
+        sqnr = error_stats(w32, dequantize(want[0]))["sqnr_db"]
+        for way in kernels.WT_WAYS:
+            with kernels.wt_with(way):
+                got = kernels.quantize_weight(w32, transposed=True)
+                timed(shape, "fp8 weight 128x128 + W^T, from fp32", way,
+                      lambda: kernels.quantize_weight(w32, transposed=True), moved, copy_bw, kind="W^T", sqnr_db=sqnr,
+                      matches_reference=same_bits(got[0], want[0]) and same_bits(got[1], want[1]))
         if k % 128 == 0:  # the SwiGLU backward of an MLP with I = k
             _, copy = kernels.swiglu_quantize(torch.cat([x, x.flip(0)], 1), save=True)  # [g, u]'s FP8 copy
             outs = kernels.swiglu_grad_quantize(copy, x, dtype, pad_tokens_to=128, h_cols=True)
@@ -1769,7 +1781,7 @@ def render(res: dict, console) -> None:
             t.add_column(c, justify="left" if c in ("shape", "quantizer", "dtype") else "right")
         for x in r["quantize"]:
             how = [f"{x['warps']} warps"] if "warps" in x and s_warps else []
-            where = (f" @ {x['backend']}" if x.get("kind") == "transpose" else
+            where = (f" @ {x['backend']}" if x.get("kind") in ("transpose", "W^T") else
                      " @ triton" + (f" ({', '.join(how)})" if how else "") if x.get("backend") == "triton" else "")
             replay = ((_f(x.get("graph_s") and 1e3 * x["graph_s"], "{:.3f}"), _f(x.get("graph_vs_copy"), "{:.2f}"))
                       if graphs else ())

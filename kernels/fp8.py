@@ -893,8 +893,8 @@ def _rms_norm_quant_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, r_ptr, q_ptr, sc_p
 # The job tables of the table-driven kernels (one launch for many tensors): one row of int64 fields
 # per tensor, and beside it, per program, the row it works on (``_job_table``). Columns of a row of
 # the weight quantizer's table; the word transpose's use the first five.
-(_J_SRC, _J_DST, _J_S, _J_ST, _J_N, _J_K, _J_SN, _J_GK, _J_L4, _J_PAD, _J_LT4, _J_PAD_T, _J_TILE0) = (
-    0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13)
+(_J_SRC, _J_DST, _J_S, _J_ST, _J_N, _J_K, _J_SN, _J_DT, _J_GK, _J_L4, _J_PAD, _J_LT4, _J_PAD_T, _J_TILE0,
+ _J_NT) = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14)
 _J_COLS = 16
 
 
@@ -922,12 +922,13 @@ def _field(row, col: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _weight_quant_kernel(tab_ptr, jobs_ptr, w_base, q_base, s_base, st_base, FMAX: tl.constexpr,
+def _weight_quant_kernel(tab_ptr, jobs_ptr, w_base, q_base, s_base, st_base, dt_base, FMAX: tl.constexpr,
                          FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr, TRANS: tl.constexpr,
-                         ALIGNED: tl.constexpr, COLS: tl.constexpr, T: tl.constexpr):
+                         WT: tl.constexpr, ALIGNED: tl.constexpr, COLS: tl.constexpr, T: tl.constexpr):
     # one 128x128 block of one weight of the table: the weight, its rows of the stacked data and
     # scale buffer, and (``TRANS``) its columns of the W^T scale buffer are at its row's offsets from
-    # the base arguments; the weight's rows are contiguous, each ``row + 6`` elements apart
+    # the base arguments; the weight's rows are contiguous, each ``row + 6`` elements apart. ``WT``: the
+    # block's bytes written transposed too, into its columns of W^T's data (rows ``row + 14`` apart)
     row, t = _job_row(tab_ptr, jobs_ptr, COLS)
     w_ptr = w_base + _field(row, 0, ALIGNED)
     q_ptr = q_base + _field(row, 1, ALIGNED)
@@ -959,6 +960,10 @@ def _weight_quant_kernel(tab_ptr, jobs_ptr, w_base, q_base, s_base, st_base, FMA
         tl.store(st_ptr + pk * lt4 + pn, s)
         tl.store(st_ptr + pk * lt4 + gn + pad, ones, mask=pad < tl.where(pn == gn - 1, tl.load(row + 12), 0))
     tl.store(q_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :], q, mask=inb)
+    if WT:  # N through _field too: a mask whose bound has no known divisibility stores a byte at a time
+        dt_ptr = dt_base + _field(row, 7, ALIGNED)
+        tl.store(dt_ptr + rk.to(tl.int64)[:, None] * _field(row, 14, ALIGNED) + rn[None, :], tl.trans(q),
+                 mask=(rk < K)[:, None] & (rn < _field(row, 4, ALIGNED).to(tl.int32))[None, :])
 
 
 def _interpreting() -> bool:
@@ -1472,6 +1477,7 @@ def _weight_stacks(groups, fmt: Format, pow2_scale: bool, amax_floor: float, tra
             total += w.shape[0]
         shapes.append((total, k))
     arena = _Arena(spec, shapes, dev, transposed) if _ONE_BUFFER and not any(h is not None for h in helds) else None
+    in_kernel = transposed and dev is not None and _wt_in_quantizer(dev)
     for ws, held, (total, k) in zip(groups, helds, shapes):
         wq, wt, s, st = arena.take(total, k) if arena is not None else _stack_outputs(spec, total, k, dev, transposed,
                                                                                         held)
@@ -1487,8 +1493,9 @@ def _weight_stacks(groups, fmt: Format, pow2_scale: bool, amax_floor: float, tra
                 row[_J_N], row[_J_K], row[_J_SN], row[_J_GK], row[_J_L4] = n, k, w.stride(0), gk, s.stride(0)
                 row[_J_PAD] = s.shape[1] - gk
                 if transposed:
-                    row[_J_LT4] = st.stride(0)
-                at = (w, wq.data[start:], s[g0:], st[:, g0:] if transposed else None)
+                    row[_J_LT4], row[_J_NT] = st.stride(0), total
+                at = (w, wq.data[start:], s[g0:], st[:, g0:] if transposed else None,
+                      wt.data[:, start:] if in_kernel else None)
                 jobs.setdefault(w.dtype, []).append((row, at))
             start += n
         if transposed and row is not None:  # the group's last block column writes W^T's scale pads
@@ -1502,18 +1509,91 @@ def _weight_stacks(groups, fmt: Format, pow2_scale: bool, amax_floor: float, tra
         warps = launch_config(groups[0][0], False).warps
         for parts in jobs.values():
             rows = [row for row, _ in parts]
-            bases = _offsets(rows, [at for _, at in parts], (_J_SRC, _J_DST, _J_S, _J_ST))
-            aligned = _aligned(rows, (_J_SRC, _J_DST, _J_K, _J_SN), bases[:2])
+            bases = _offsets(rows, [at for _, at in parts], (_J_SRC, _J_DST, _J_S, _J_ST, _J_DT))
+            aligned = _aligned(rows, (_J_SRC, _J_DST, _J_K, _J_SN) + ((_J_DT, _J_NT, _J_N) if in_kernel else ()),
+                               bases[:2] + (bases[4:] if in_kernel else []))
             tab, which = _job_table(rows, [-(-r[_J_N] // TILE) * r[_J_GK] for r in rows], dev, where)
             _weight_quant_kernel[(which.numel(),)](
                 tab, which, *bases, FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt],
-                TRANS=transposed, ALIGNED=aligned, COLS=_J_COLS, T=TILE, num_warps=warps, enable_fp_fusion=FP_FUSION)
-    if stacks:  # each group's W^T is its stack's transpose: the bytes copied after the quantizer, not
-        # written by it (on sm_90, Triton 3.6, the quantizer's tl.trans of a tile wrote garbage into W^T
-        # for fp32 weights with non-power-of-two scales, also transposed in fp32 before the cast). Its
-        # block scales the quantizer does write: a scalar store each, no tile transposed.
+                TRANS=transposed, WT=in_kernel, ALIGNED=aligned, COLS=_J_COLS, T=TILE, num_warps=warps,
+                enable_fp_fusion=FP_FUSION)
+    if stacks and not in_kernel:  # each group's W^T is its stack's transpose: the bytes copied after
+        # the quantizer (``transpose_many_``), or (``_wt_in_quantizer``) written by it. Its block scales
+        # the quantizer writes either way: a scalar store each, no tile transposed.
         transpose_many_(stacks)
     return outs
+
+
+# W^T's bytes, Dgrad's operand: copied after the weight quantizer by a byte transpose (``transpose_many_``:
+# on the H200 its kernel moved 2.6 GB in 5.0 ms of a 1.5B update, 0.13x of a copy, whatever its tile
+# order), or written by the quantizer itself from the tile it holds (``WT``: one more 1-byte store per
+# element through shared memory, as the activation quantizer's 128x1 copy is written, 0.57x of a copy
+# there). An early version wrote W^T in the quantizer and got garbage bytes on sm_90 with Triton 3.6
+# (a transposed store after ``tl.clamp(propagate_nan=ALL)``, gone since: triton-lang/triton#11111). On a
+# GPU the first transposed weight quantization times both ways on a TIMING_SHAPE fp32 weight, the
+# quantizer's only where its W^T bytes equal the transpose's there (``_choose_wt``); on CPU: after.
+WT_OP = "fp8 weight W^T"
+WT_WAYS = ("after", "quantizer")
+_WT_FORCED: str | None = None  # one of WT_WAYS while set by wt_with
+
+
+@contextlib.contextmanager
+def wt_with(way: str):
+    """Write W^T's bytes ``way`` (``WT_WAYS``: "after": transposed after the quantizer; "quantizer": by
+    the quantizer) instead of the device's timed choice (tests, ``jetrl bench``)."""
+    global _WT_FORCED
+    if way not in WT_WAYS:
+        raise ValueError(f"wt_with: allowed {', '.join(WT_WAYS)}, got {way}")
+    old, _WT_FORCED = _WT_FORCED, way
+    try:
+        yield
+    finally:
+        _WT_FORCED = old
+
+
+def _wt_in_quantizer(dev: torch.device) -> bool:
+    way = _WT_FORCED
+    if way is None:
+        way = "after"
+        if dev.type == "cuda":
+            way = (gemm.kernel_choice(WT_OP, dev) or _choose_wt(dev))["kernel"]
+    return way == "quantizer"
+
+
+def _choose_wt(device: torch.device) -> dict:
+    """Time ``quantize_weight(w, transposed=True)`` of a TIMING_SHAPE fp32 weight with W^T written each of
+    ``WT_WAYS`` on ``device`` and record the faster with ``note_kernel``; the quantizer's way is a
+    candidate only where its W^T (bytes and scales) equals the other's, on a stack of two weights, the
+    second 144 rows (a partial block; every field a multiple of 16, as the model's are, so the compiled
+    variant checked is the one a step runs). During a graph capture: after, unrecorded."""
+    if gemm.capturing(device):
+        return {"kernel": "after"}
+    global _WT_FORCED, _ONE_BUFFER
+    g = torch.Generator().manual_seed(0)
+    m, k = TIMING_SHAPE
+    stack = [(torch.randn(256, 384, generator=g) * 0.02).to(device), torch.randn(144, 384, generator=g).to(device)]
+    w = torch.randn(m, k, generator=g).to(device)
+    before, one_buffer, _ONE_BUFFER = _WT_FORCED, _ONE_BUFFER, False  # its own allocations (a capture's
+    try:  # warm-up decides it: the buffer and job tables it makes are the capture's)
+        got = {}
+        for way in WT_WAYS:
+            _WT_FORCED = way
+            got[way] = quantize_weight_stack(stack, transposed=True)[1]
+        a, b = got["after"], got["quantizer"]
+        if not (torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+                and torch.equal(scale_buffer(a).view(torch.int32), scale_buffer(b).view(torch.int32))):
+            return gemm.note_kernel(WT_OP, device, "after", "the quantizer's W^T bytes differ from the transpose's")
+        t = {}
+        for way in WT_WAYS:
+            _WT_FORCED = way
+            t[way] = gemm.device_time_ms(lambda: quantize_weight(w, transposed=True), device)
+    except Exception as e:  # noqa: BLE001 - nothing timed: after, said why
+        return gemm.note_kernel(WT_OP, device, "after", _untimed(e))
+    finally:
+        _WT_FORCED, _ONE_BUFFER = before, one_buffer
+    best = min(t, key=t.get)
+    why = f"timed on a {m} x {k} fp32 weight: " + ", ".join(f"{way} {ms:.3f} ms" for way, ms in t.items())
+    return gemm.note_kernel(WT_OP, device, best, why, timings_ms=t)
 
 
 _ONE_BUFFER = False  # within ``stacks_in_one_buffer``

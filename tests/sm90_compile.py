@@ -223,6 +223,14 @@ def cases():
             fp8.quantize_weight_stacks(groups, transposed=True)
 
     out.append(("quantize_weight_stacks model", None, model_weights))
+
+    def model_weights_wt():  # the same, W^T written by the quantizer
+        qkv = [torch.zeros(n, hidden) for n in (hidden, 256, 256)]
+        groups = [qkv, [torch.zeros(hidden, hidden)], [torch.zeros(inter, hidden)] * 2, [torch.zeros(hidden, inter)]]
+        with fp8.wt_with("quantizer"):
+            fp8.quantize_weight_stacks(groups, transposed=True)
+
+    out.append(("quantize_weight_stacks model, W^T in the quantizer", None, model_weights_wt))
     for pow2 in (False, True):  # INT8 rollout: per-token activations (bf16), per-channel weights (fp32 masters)
         spec = CastSpec(Format.INT8, Block(1, 0), pow2)
         for m in (1, 64, 4096):

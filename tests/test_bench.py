@@ -83,6 +83,9 @@ def test_quantize_rows_against_copy():
                                                   if any(r.get("backend") == "triton" for r in rows) else [])
     for r in transposes:
         assert r["matches_reference"] and r["bytes"] == 2 * 132 * 256
+    wt = [r for r in rows if r.get("kind") == "W^T"]  # a weight with W^T: transposed after the quantizer, or by it
+    assert [r["backend"] for r in wt] == (["after", "quantizer"] if transposes else [])
+    assert all(r["matches_reference"] and r["bytes"] > 132 * 256 * (4 + 2) for r in wt)  # fp32 in; W, W^T out
     for r in (r for r in rows[1:] if r.get("kind") != "transpose"):
         assert r["gb_per_s"] > 0 and r["vs_copy"] > 0 and r["sqnr_db"] > 20
         assert r["bytes"] > 130 * 256 * 4  # read the fp32 input, write data + scales

@@ -1146,6 +1146,104 @@ def test_weight_bytes_transpose_by_kernel_equals_torchs(fp8, n, k):
 
 
 @needs_triton
+def test_the_weight_quantizer_can_write_w_t_itself_with_the_transposes_bits(fp8, monkeypatch):
+    """``wt_with("quantizer")``: the weight quantizer writes W^T's bytes from the tile it holds (one
+    launch per weight dtype, no transpose after it) -- W, W^T, their scales and pads bit for bit as
+    when W^T is transposed after the quantizer, a NaN block, partial blocks, ragged widths and a
+    stack in one buffer included; its launch says ``WT``, vector-aligned where every field is."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    groups = [[torch.randn(256, 384, generator=g) * 0.02, torch.randn(144, 384, generator=g)],
+              [torch.randn(132, 384, generator=g).to(torch.bfloat16)],
+              [torch.randn(128, 256, generator=g), torch.randn(200, 256, generator=g) * 30],
+              [torch.randn(256, 130, generator=g)]]
+    groups = [[w.to(dev()) for w in ws] for ws in groups]
+    groups[0][1][3, 7] = float("nan")
+    seen = []
+    monkeypatch.setattr(fp8, "_weight_quant_kernel", Spy(fp8._weight_quant_kernel, seen))
+    real_transpose = fp8.transpose_many_
+    transposed = []
+    monkeypatch.setattr(fp8, "transpose_many_", lambda pairs: (transposed.append(len(pairs)), real_transpose(pairs)))
+    outs = {}
+    for way in ("after", "quantizer"):
+        seen.clear()
+        transposed.clear()
+        with fp8.wt_with(way), fp8.transpose_with("torch"):
+            outs[way] = fp8.quantize_weight_stacks(groups, E4, transposed=True)
+            aligned = fp8.quantize_weight_stacks([groups[0]], E4, transposed=True)  # every field a multiple of 16
+            with fp8.stacks_in_one_buffer():
+                arena = fp8.quantize_weight_stacks(groups[:1], E4, transposed=True)
+        assert [k["WT"] for k in seen] == [way == "quantizer"] * 4  # fp32, bf16; the aligned stack; the arena
+        assert seen[2]["ALIGNED"] and transposed == ([] if way == "quantizer" else [4, 1, 1])
+        for (w, wt), (aw, awt) in zip((*aligned, *arena), outs[way][:1] * 2):
+            assert same_data(w.data, aw.data) and same_data(wt.data, awt.data)
+    for ws, (w, wt), (qw, qwt) in zip(groups, outs["after"], outs["quantizer"]):
+        assert same_data(w.data, qw.data) and same_data(wt.data, qwt.data), [tuple(x.shape) for x in ws]
+        for a, b in ((w, qw), (wt, qwt)):
+            assert torch.equal(layouts.scale_buffer(a).view(torch.int32), layouts.scale_buffer(b).view(torch.int32))
+        assert same_data(qwt.data, fp8.quantize_weight_stack(ws, E4)[0].data.t())
+    assert bool(outs["quantizer"][0][1].scale.isnan().any())
+
+
+@needs_triton
+def test_the_w_t_way_is_chosen_once_per_device_and_only_if_exact(fp8, monkeypatch):
+    """On a GPU the first transposed weight quantization times W^T written by the quantizer against
+    its bytes transposed after it, on an fp32 weight, and keeps the faster, reported; the quantizer's
+    way only where its W^T equals the transpose's (a miscompiled transposed store is caught here); a
+    failing timing keeps the transpose; during a capture nothing is decided. (Scripted times.)"""
+    from jetrl_cli.precision import gemm
+
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    monkeypatch.setattr(fp8, "TIMING_SHAPE", (256, 384))
+    timed = []
+
+    def device_time_ms(fn, device):
+        q, qt = fn()
+        timed.append(fp8._WT_FORCED)
+        assert tuple(qt.data.shape) == (384, 256)
+        return {"after": 2.0, "quantizer": 1.0}[fp8._WT_FORCED]
+
+    monkeypatch.setattr(gemm, "device_time_ms", device_time_ms)
+    where = torch.device(dev())
+    got = fp8._choose_wt(where)
+    assert timed == ["after", "quantizer"] and fp8._WT_FORCED is None
+    assert got["kernel"] == "quantizer" and gemm.kernel_choice(fp8.WT_OP, where) is got
+    assert got["why"] == "timed on a 256 x 384 fp32 weight: after 2.000 ms, quantizer 1.000 ms"
+    if where.type == "cuda":  # the choice in use
+        assert fp8._wt_in_quantizer(where)
+    else:  # CPU: the transpose after the quantizer unless forced
+        assert not fp8._wt_in_quantizer(where)
+    real = fp8._weight_quant_kernel
+
+    class OneByteOff:  # the quantizer's W^T one byte off
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                out = real[grid](*args, **kwargs)
+                if kwargs["WT"]:
+                    args[6].view(torch.uint8).view(-1)[0] ^= 1
+                return out
+            return launch
+
+    monkeypatch.setattr(fp8, "_weight_quant_kernel", OneByteOff())
+    got = fp8._choose_wt(where)
+    assert got["kernel"] == "after" and got["why"] == "the quantizer's W^T bytes differ from the transpose's"
+    monkeypatch.setattr(fp8, "_weight_quant_kernel", real)
+
+    def broken(fn, device):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(gemm, "device_time_ms", broken)
+    assert fp8._choose_wt(where)["why"] == "not timed (RuntimeError: out of resources)"
+    assert fp8._WT_FORCED is None
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert fp8._choose_wt(torch.device("cuda")) == {"kernel": "after"}
+    assert gemm.kernel_choice(fp8.WT_OP, torch.device("cuda")) is None
+    with pytest.raises(ValueError, match="wt_with: allowed after, quantizer, got sideways"):
+        with fp8.wt_with("sideways"):
+            pass
+
+
+@needs_triton
 def test_the_weight_transpose_is_chosen_once_per_device_and_only_if_exact(fp8, monkeypatch):
     """On a GPU the first weight transpose times the kernel against torch's copy and keeps the faster,
     reported; a kernel whose bytes differ from torch's (a miscompiled transpose) is never chosen; a
