@@ -1182,6 +1182,14 @@ def test_the_weight_quantizer_can_write_w_t_itself_with_the_transposes_bits(fp8,
             assert torch.equal(layouts.scale_buffer(a).view(torch.int32), layouts.scale_buffer(b).view(torch.int32))
         assert same_data(qwt.data, fp8.quantize_weight_stack(ws, E4)[0].data.t())
     assert bool(outs["quantizer"][0][1].scale.isnan().any())
+    # held operands (a trainer's weight caches) written in place, W^T by the quantizer
+    twice = [[x * 2 for x in ws] for ws in groups]
+    with fp8.wt_with("quantizer"):
+        again = fp8.quantize_weight_stacks(twice, E4, transposed=True, helds=outs["after"])
+    for ws, (w, wt), (hw, hwt) in zip(twice, again, outs["after"]):
+        assert w.data.data_ptr() == hw.data.data_ptr() and wt.data.data_ptr() == hwt.data.data_ptr()
+        want_w, want_t = fp8.quantize_weight_stack(ws, E4, transposed=True)
+        assert same_data(w.data, want_w.data) and same_data(wt.data, want_t.data)
 
 
 @needs_triton
