@@ -152,8 +152,9 @@ FP_FUSION = True
 # layer of issue alone at the 1.5B shape. Most of them were the column scales' work: its 32-column
 # tile, loaded 16 FP8 bytes a thread, left each thread one token of 16 columns, so every thread reduced
 # 16 columns across 128 threads and computed 16 scales and reciprocals. Its columns are now loaded 2 to
-# a thread (``_runs``): 8 tokens of 2 columns a thread, 132 instructions per value at 8 warps, 120 at 4
-# and 153 at 16 (Triton 3.6; were 206, 158, 215), no spills. The two kernels are also timed at 4 warps.
+# a thread (``_runs``): 8 tokens of 2 columns a thread, 118 instructions per value at 8 warps, 108 at 4
+# and 139 at 16 (Triton 3.6, with ``_exp_neg`` and the folded negations; were 206, 158, 215), no
+# spills. The two kernels are also timed at 4 warps.
 NUM_WARPS = 8  # the act and weight quantizers where nothing was timed (CPU, the interpreter): below
 SWIGLU_WARPS = 8  # the SwiGLU backward kernels (swiglu_quantize_t, swiglu_grad_quantize), untimed
 
@@ -1319,7 +1320,8 @@ SWIGLU_SPLIT_ROWS = 32  # the split SwiGLU backward: rows per program of its 1x1
 SWIGLU_SPLIT_COLS = 32  # ... and columns per program of its 128x1 kernel (x 128 tokens)
 # ... loaded 2 to a thread (``_runs``): each thread then holds 8 tokens of 2 columns. Compiled for sm_90a
 # (tests/sm90_compile.py, Triton 3.6, 8 warps) 2112 SASS instructions a thread where 16 bytes a thread
-# took 3304: 132 per value for d[g], d[u] and h^T against 206 (4 warps 120 against 158)
+# took 3304: 132 per value for d[g], d[u] and h^T against 206 (4 warps 120 against 158); runs of 4 took
+# 138, 64-column tiles 122-125 at 219-255 registers
 SWIGLU_COLS_RUN = 2
 
 
