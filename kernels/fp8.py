@@ -1530,27 +1530,21 @@ def _weight_stacks(groups, fmt: Format, pow2_scale: bool, amax_floor: float, tra
 # on the H200 its kernel moved 2.6 GB in 5.0 ms of a 1.5B update, 0.13x of a copy, whatever its tile
 # order), or written by the quantizer itself from the tile it holds (``WT``: one more 1-byte store per
 # element through shared memory, as the activation quantizer's 128x1 copy is written, 0.57x of a copy
-# there). An early version wrote W^T in the quantizer and got garbage bytes on sm_90 with Triton 3.6
-# (a transposed store after ``tl.clamp(propagate_nan=ALL)``, gone since: triton-lang/triton#11111). On a
-# GPU the first transposed weight quantization times both ways on a TIMING_SHAPE fp32 weight, the
-# quantizer's only where its W^T bytes equal the transpose's there (``_choose_wt``); on CPU: after.
+# there). An early version wrote W^T in the quantizer and got garbage bytes on sm_90 with Triton 3.6,
+# as the activation quantizer's transposed stores did while ``_scaled`` clamped with
+# ``tl.clamp(propagate_nan=ALL)`` (triton-lang/triton#11111; the clamp is gone); whether that was the
+# cause here the byte check below settles: on a GPU the first transposed weight quantization times both
+# ways on a TIMING_SHAPE fp32 weight, the quantizer's only where its W^T bytes equal the transpose's
+# there (``_choose_wt``). On CPU: after.
 WT_OP = "fp8 weight W^T"
 WT_WAYS = ("after", "quantizer")
 _WT_FORCED: str | None = None  # one of WT_WAYS while set by wt_with
 
 
-@contextlib.contextmanager
 def wt_with(way: str):
     """Write W^T's bytes ``way`` (``WT_WAYS``: "after": transposed after the quantizer; "quantizer": by
     the quantizer) instead of the device's timed choice (tests, ``jetrl bench``)."""
-    global _WT_FORCED
-    if way not in WT_WAYS:
-        raise ValueError(f"wt_with: allowed {', '.join(WT_WAYS)}, got {way}")
-    old, _WT_FORCED = _WT_FORCED, way
-    try:
-        yield
-    finally:
-        _WT_FORCED = old
+    return _forcing("wt_with", "_WT_FORCED", way, WT_WAYS)
 
 
 def _wt_in_quantizer(dev: torch.device) -> bool:
@@ -1813,18 +1807,24 @@ TRANSPOSE_WAYS = (*TRANSPOSE_ORDERS, "torch")
 _TRANSPOSE_FORCED: str | None = None  # one of TRANSPOSE_WAYS while set by transpose_with
 
 
-@contextlib.contextmanager
 def transpose_with(kind: str):
     """Transpose weight bytes with ``kind`` (``TRANSPOSE_ORDERS``: ``_transpose_words_kernel``, its tiles
     in that order; "torch": a strided copy) instead of the device's timed choice (tests, ``jetrl bench``)."""
-    global _TRANSPOSE_FORCED
-    if kind not in TRANSPOSE_WAYS:
-        raise ValueError(f"transpose_with: allowed {', '.join(TRANSPOSE_WAYS)}, got {kind}")
-    old, _TRANSPOSE_FORCED = _TRANSPOSE_FORCED, kind
+    return _forcing("transpose_with", "_TRANSPOSE_FORCED", kind, TRANSPOSE_WAYS)
+
+
+@contextlib.contextmanager
+def _forcing(where: str, name: str, value: str, allowed: Sequence[str]):
+    """Within: the module global ``name`` (a timed choice's override) set to ``value``, one of
+    ``allowed``; restored after."""
+    if value not in allowed:
+        raise ValueError(f"{where}: allowed {', '.join(allowed)}, got {value}")
+    g = globals()
+    old, g[name] = g[name], value
     try:
         yield
     finally:
-        _TRANSPOSE_FORCED = old
+        g[name] = old
 
 
 def _transpose_triton(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], order: int = 0) -> None:
