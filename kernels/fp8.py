@@ -803,7 +803,9 @@ def _norm_y(kb, r, w_ptr, x_at, d_at, rk, row_ok, N: tl.constexpr, HAS_DELTA: tl
 
 @triton.jit
 def _norm_in(kb, w_ptr, x_at, d_at, rk, row_ok, N: tl.constexpr, HAS_DELTA: tl.constexpr, T: tl.constexpr):
-    """Chunk ``kb``'s inputs as loaded: x, delta (x again without one) and the norm's weight."""
+    """Chunk ``kb``'s inputs as loaded: x, delta (x again without one) and the norm's weight, the
+    weight's chunk loaded once per row of the tile (from L1): in the tile's own layout, where a 1-D
+    load of it took a layout of its own and a conversion through shared memory, a barrier per chunk."""
     k = kb * T + rk
     ok = row_ok[:, None] & (k < N)[None, :]
     x = tl.load(x_at + k[None, :], mask=ok, other=0.0)
@@ -811,7 +813,7 @@ def _norm_in(kb, w_ptr, x_at, d_at, rk, row_ok, N: tl.constexpr, HAS_DELTA: tl.c
         d = tl.load(d_at + k[None, :], mask=ok, other=0.0)
     else:
         d = x
-    return x, d, tl.load(w_ptr + k, mask=k < N, other=0.0)
+    return x, d, tl.load(w_ptr + k[None, :] + (row_ok.to(tl.int32) * 0)[:, None], mask=ok, other=0.0)
 
 
 @triton.jit
@@ -821,7 +823,7 @@ def _norm_y_of(kb, x, d, w, r, rk, row_ok, N: tl.constexpr, HAS_DELTA: tl.conste
     k = kb * T + rk
     ok = row_ok[:, None] & (k < N)[None, :]
     s = _residual_of(x, d, HAS_DELTA, S_BF16, INTERPRET)
-    y = s * r[:, None] * w.to(tl.float32)[None, :]
+    y = s * r[:, None] * w.to(tl.float32)
     if Y_BF16:
         y = _to_bf16(y, INTERPRET).to(tl.float32)
     return k, ok, s, y
