@@ -1236,16 +1236,8 @@ def test_the_w_t_way_is_chosen_once_per_device_and_only_if_exact(fp8, monkeypatc
     assert got["kernel"] == "after" and got["why"] == "the quantizer's W^T bytes differ from the transpose's"
     monkeypatch.setattr(fp8, "_weight_quant_kernel", real)
 
-    def broken(fn, device):
-        raise RuntimeError("out of resources")
-
-    monkeypatch.setattr(gemm, "device_time_ms", broken)
-    assert fp8._choose_wt(where)["why"] == "not timed (RuntimeError: out of resources)"
+    _untimed_then_undecided_in_a_capture(monkeypatch, fp8._choose_wt, fp8.WT_OP, "after", where)
     assert fp8._WT_FORCED is None
-    monkeypatch.setattr(gemm, "_KERNELS", {})
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert fp8._choose_wt(torch.device("cuda")) == {"kernel": "after"}
-    assert gemm.kernel_choice(fp8.WT_OP, torch.device("cuda")) is None
     with pytest.raises(ValueError, match="wt_with: allowed after, quantizer, got sideways"):
         with fp8.wt_with("sideways"):
             pass
@@ -1284,14 +1276,22 @@ def test_the_weight_transpose_is_chosen_once_per_device_and_only_if_exact(fp8, m
     assert got["kernel"] == "torch" and got["why"] == "the Triton transpose's bytes differ from torch's"
     monkeypatch.setattr(fp8, "_transpose_triton", real)
 
+    _untimed_then_undecided_in_a_capture(monkeypatch, fp8._choose_transpose, fp8.TRANSPOSE_OP, "torch", where)
+
+
+def _untimed_then_undecided_in_a_capture(monkeypatch, choose, op: str, fallback: str, where) -> None:
+    """A timed choice (``choose(device)``, recorded as ``op``): a timing that fails keeps ``fallback``
+    and says why; during a CUDA graph capture it returns ``fallback`` and records nothing."""
+    from jetrl_cli.precision import gemm
+
     def broken(fn, device):
         raise RuntimeError("out of resources")
 
     monkeypatch.setattr(gemm, "device_time_ms", broken)
-    assert fp8._choose_transpose(where)["why"] == "not timed (RuntimeError: out of resources)"
+    assert choose(where)["why"] == "not timed (RuntimeError: out of resources)"
     monkeypatch.setattr(gemm, "_KERNELS", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert fp8._choose_transpose(torch.device("cuda")) == {"kernel": "torch"}
-    assert gemm.kernel_choice(fp8.TRANSPOSE_OP, torch.device("cuda")) is None
+    assert choose(torch.device("cuda")) == {"kernel": fallback}
+    assert gemm.kernel_choice(op, torch.device("cuda")) is None
 
 
