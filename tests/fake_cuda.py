@@ -374,7 +374,7 @@ def _train_graphs(name: str) -> dict:
     finally:
         torch.autograd.backward, torch.equal = plain_backward, plain_equal
     return {"state": tr.graphs.report(), "captures": api.captures, "in_capture": mode.in_capture,
-            "stats": sorted(stats)}
+            "stats": sorted(stats), "first_replays": tr.graphs.first_replays}
 
 
 class _Event:  # torch.cuda.Event's timing on the host clock (fake work takes host time only)

@@ -270,6 +270,65 @@ def test_scaled_mm_adds_a_bias_in_its_epilogue_where_it_takes_one(refused, force
     assert dense is None
 
 
+@pytest.mark.parametrize("how", ["writes", "other bits", "refused"])
+def test_an_fp8_wgrad_writes_its_product_straight_into_the_gradient(how, forced_native, monkeypatch):
+    """``accumulate_gemm``'s overwrite of an FP8 Wgrad (an optimizer step's first backward into gradients
+    the CUDA graphs keep): scaled_mm writes the product into ``.grad`` (``out=``), no product of its own
+    then copied. Decided at the first call on a device, outside a graph capture, by writing once both
+    ways: kept where ``out=`` gives the functional call's bits; where it gives others or is refused,
+    the product is copied (as before), said why, and ``out=`` not asked again. (CPU stand-ins of
+    scaled_mm in float64.)"""
+    st = gemm._scaled_mm_v2()
+    if st is None:
+        pytest.skip("this torch has no torch.nn.functional.scaled_mm")
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    plain, into = _blockwise_scaled_mm_stand_in([]), []
+
+    def scaled_mm_into(a, b_t, sa, ra, sb, rb, out_dtype, out, bias=None):
+        into.append(out.data_ptr())
+        if how == "refused":
+            raise RuntimeError("_scaled_mm_v2: out must be contiguous")
+        y = plain(a, b_t, sa, ra, sb, rb, out_dtype)
+        return out.copy_(y if how == "writes" else y * 1.0001)
+
+    monkeypatch.setattr(gemm, "_scaled_mm_v2", lambda: (plain, st[1]))
+    monkeypatch.setattr(gemm, "_scaled_mm_into", scaled_mm_into)
+    g = gen(torch.seed() % 2**31)
+    t, k, n = 256, 384, 512
+    a, b = _blockwise_operands("wgrad", torch.randn(t, k, generator=g), None, torch.randn(t, n, generator=g))
+    be = gemm.ScaledMMBackend()
+    want = be.mm(a, b)
+    for i in range(2):
+        grad = torch.full((n, k), float("nan"))
+        if how == "writes" or i == 0:
+            into.clear()
+        assert be.mm_into(a, b, grad) is (how == "writes")
+        if how == "writes":  # written where it is held (the first call checked into a tensor of its own)
+            assert torch.equal(grad, want) and into[-1] == grad.data_ptr() and len(into) == 2 - i
+        else:
+            assert grad.isnan().all() and len(into) == 1  # asked once, at the first call
+    choice = gemm.kernel_choice(gemm.INTO_OP, torch.device("cpu"))
+    assert choice["into"] is (how == "writes")
+    assert choice["why"].startswith({"writes": "checked on (512, 384)", "other bits": "scaled_mm(out=) wrote other",
+                                     "refused": "scaled_mm(out=) refused: RuntimeError: _scaled_mm_v2: out"}[how])
+    assert not be.mm_into(a, b, torch.empty(n, k).t().contiguous().t())  # not contiguous: not written
+    assert not be.mm_into(a.dequantize(), b, torch.empty(n, k))  # not 8-bit: not this path
+
+
+def test_an_fp8_wgrad_is_not_decided_inside_a_graph_capture(forced_native, monkeypatch):
+    """Nothing is decided inside a CUDA graph capture (no timing, no check): the product is copied
+    there, and the check happens at the first call outside one (the graphs' warm-up runs first)."""
+    st = gemm._scaled_mm_v2()
+    if st is None:
+        pytest.skip("this torch has no torch.nn.functional.scaled_mm")
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    monkeypatch.setattr(gemm, "_scaled_mm_v2", lambda: (_blockwise_scaled_mm_stand_in([]), st[1]))
+    monkeypatch.setattr(gemm, "capturing", lambda dev: True)
+    a, b = _blockwise_operands("wgrad", torch.randn(128, 256), None, torch.randn(128, 128))
+    assert not gemm.ScaledMMBackend().mm_into(a, b, torch.empty(128, 256))
+    assert gemm.kernel_choice(gemm.INTO_OP, torch.device("cpu")) is None
+
+
 def _handed(a, b) -> tuple:
     """What ``ScaledMMBackend`` hands scaled_mm for the blockwise operands ``a``, ``b`` (bar the recipes)."""
     from jetrl_cli.kernels.layouts import pad_rows, scaled_mm_scale, to_gemm_layout
@@ -1413,6 +1472,62 @@ def test_a_micro_batch_adds_its_gradients_into_the_grads_held(monkeypatch, flow_
         gemm.reset_resolutions()
 
 
+@pytest.mark.parametrize("flow_name, tied, native, sliced", [
+    ("bf16", False, False, True), ("bf16", False, False, False), ("fp8-unified", True, False, True),
+    ("fp8-unified", False, True, False)])
+def test_within_grads_written_a_backward_writes_the_grads_held_not_adds(monkeypatch, flow_name, tied, native,
+                                                                         sliced):
+    """Within ``grads_in_place`` and ``grads_written`` (the first backward of an optimizer step whose
+    CUDA graphs keep the gradients, ``rl.train_graphs``), each gradient ``grad_sink`` hands out is
+    written: the linear groups' Wgrads (q/k/v, gate/up through one view), an untied lm_head's
+    (vocabulary slices, or the row chunks' sum) and an untied embedding's rows. Their stale values
+    (NaN here) are never read; with the others' zeroed (the caller's part), the gradients are a fresh
+    backward's, bit for bit."""
+    from jetrl_cli.precision import linear
+
+    vocab = 256
+    gemm.set_force_native(native)
+    gemm.reset_resolutions()
+    try:
+        base = _logprob_model(monkeypatch, flow_name, tied=tied, sliced=sliced, layers=2, vocab=vocab)
+        batches = [(_batch(vocab, n=n, t=24, seed=int(torch.randint(0, 2**31, ()))), int(torch.randint(0, 2**31, ())))
+                   for n in (3, 2)]
+        fresh = _in_place_grads(monkeypatch, base, batches[1:], False)[0]
+        sunk = []
+
+        def stale(m):  # after the first backward: what the sinks will write is stale, the rest zeroed
+            with torch.no_grad(), linear.grads_in_place(), linear.recording_sinks() as seen:
+                sinks = {id(w) for mods, _ in m.linear_groups() if linear.grad_sink([x.weight for x in mods])
+                         is not None for w in (x.weight for x in mods)}
+                if tied:  # the embedding adds its rows into the lm_head's gradient, which autograd adds
+                    sinks.discard(id(m.lm_head.weight))
+                else:
+                    sinks.add(id(m.model.embed_tokens.weight))
+                sunk.extend(seen)
+            for p in m.parameters():
+                p.grad.fill_(float("nan")) if id(p) in sinks else p.grad.zero_()
+
+        real = linear.grads_in_place
+        monkeypatch.setattr(linear, "grads_in_place", lambda: _both(real))
+        written, _, _, m = _in_place_grads(monkeypatch, base, batches, True, after_first=stale)
+        assert len(sunk) >= 14 - tied  # every linear layer's weight, the lm_head's unless tied
+        assert not linear.sink_overwrites()
+        assert written.keys() == fresh.keys()
+        for n, g in written.items():
+            assert torch.equal(g, fresh[n]), n
+    finally:
+        gemm.set_force_native(False)
+        gemm.reset_resolutions()
+
+
+@contextlib.contextmanager
+def _both(grads_in_place):
+    from jetrl_cli.precision import linear
+
+    with grads_in_place(), linear.grads_written():
+        yield
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified"])
@@ -1924,6 +2039,27 @@ def test_a_blockwise_gemms_bias_on_gpu_is_in_the_epilogue_or_after_as_reported(m
     assert got.dtype == torch.bfloat16 and error_stats(ref, got.float())["rel_err"] < 2.0 ** -8
     choice = gemm.kernel_choice(gemm.BIAS_OP, dev)
     assert choice is not None and choice["kernel"] in ("in scaled_mm's epilogue", "added after the GEMM"), choice
+
+
+@gpu
+@needs_cuda
+def test_an_fp8_wgrad_into_the_gradient_on_gpu_is_the_functional_calls_bits(monkeypatch):
+    """On Hopper a blockwise FP8 Wgrad written by scaled_mm into the gradient (``out=``) holds the
+    functional call's product bit for bit, or the refusal is reported and nothing is written."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("blockwise FP8 needs a Hopper GPU")
+    if gemm._scaled_mm_v2() is None:
+        pytest.skip("this torch has no torch.nn.functional.scaled_mm")
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    dev = torch.device("cuda")
+    t, k, n = 512, 1024, 768
+    a, b = _blockwise_operands("wgrad", torch.randn(t, k, device=dev), None, torch.randn(t, n, device=dev))
+    be = gemm.ScaledMMBackend()
+    grad = torch.full((n, k), float("nan"), device=dev)
+    wrote = be.mm_into(a, b, grad)
+    choice = gemm.kernel_choice(gemm.INTO_OP, dev)
+    assert choice is not None and choice["into"] is wrote, choice
+    assert torch.equal(grad, be.mm(a, b)) if wrote else grad.isnan().all()
 
 
 @gpu

@@ -54,7 +54,7 @@ class StandIn:
         self.model, self.fail_at, self.perturb = model, fail_at, perturb
         self.capturing = capturing  # appended to while a capture runs (what a stream reports)
         self.records = self.replays = 0
-        self.forward_next = True
+        self.backwards_next = 0  # backward captures still to follow the last forward's
 
     def prepare(self):
         pass
@@ -75,11 +75,13 @@ class StandIn:
         self.records += 1
         if self.fail_at == self.records:
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
-        if self.forward_next:  # a forward: it must quantize every layer's weights itself (none cached)
+        if not self.backwards_next:  # a forward: it must quantize every layer's weights itself (none cached)
             assert not [o for mods, o in self.groups() if o.__dict__.get("_jet_group_cache") or any(m._cache for m in mods)]
             graph.forward = True
-        # with autograd a backward capture follows the forward's; a scoring forward is captured alone
-        self.forward_next = not (graph.forward and torch.is_grad_enabled())
+            # with autograd a backward capture follows the forward's; a scoring forward is captured alone
+            self.backwards_next = 1 if torch.is_grad_enabled() else 0
+        else:
+            self.backwards_next -= 1
         params = [p for p in self.model.parameters() if p.requires_grad]
         before = [None if p.grad is None else p.grad.clone() for p in params]
         if self.capturing is not None:
@@ -98,9 +100,9 @@ class StandIn:
         return out
 
 
-def _batch(n=6, seed=1, vocab=128):
+def _batch(n=6, seed=1, vocab=128, longer=0):
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(1, vocab, (int(torch.randint(2, 6, (), generator=g)),), generator=g).tolist()
+    prompts = [torch.randint(1, vocab, (longer + int(torch.randint(2, 6, (), generator=g)),), generator=g).tolist()
                for _ in range(n)]
     comps = [torch.randint(1, vocab, (int(torch.randint(1, 9, (), generator=g)),), generator=g).tolist()
              for _ in range(n)]
@@ -132,26 +134,29 @@ def _updates(tr, steps=2, step=0):
 @pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified"])
 def test_graphed_layers_update_the_weights_as_the_eager_ones(monkeypatch, request, flow_name, native):
     """Two updates of three micro-batches each (so the graphs' forward must quantize the weights the
-    optimizer step just changed, and the backward add each micro-batch into the gradients held):
-    the same statistics and the same weights, bit for bit, as the eager layers'. Each micro-batch
-    shape is captured once (its warm-up running on gradients of its own); later micro-batches of the
-    same shape replay. ``native``: the GPU's code path (bf16 activations, the FP8 weight stacks of
-    ``WeightCastBatch``), forced on CPU tensors."""
+    optimizer step just changed, the first backward write the gradients held and the others add
+    into them): the same statistics and the same weights, bit for bit, as the eager layers'. Each
+    micro-batch shape is captured once (its warm-up running on gradients of its own); later
+    micro-batches of the same shape replay. ``native``: the GPU's code path (bf16 activations, the
+    FP8 weight stacks of ``WeightCastBatch``), forced on CPU tensors."""
     monkeypatch.setattr(train_graphs, "T_BUCKET", 1)  # no padding: the same GEMM shapes as the eager run
     if native:
         request.getfixturevalue("forced_native")
     eager, graphed = _pair(flow_name)
     st_e, w_e = _updates(eager)
     st_g, w_g = _updates(graphed, 1)
-    held = [p.grad.data_ptr() for p in graphed.params]
+    g = graphed.graphs
+    layers = g.params()
+    held = [p.grad.data_ptr() for p in layers]
     st_g += _updates(graphed, 1, step=1)[0]
     w_g = [p.detach().clone() for p in graphed.model.parameters()]
-    assert [p.grad.data_ptr() for p in graphed.params] == held  # zeroed in place, never dropped
-    g = graphed.graphs
-    # each update: three micro-batches scored (a forward graph each) and three trained
-    assert g.disabled is None and g.replays == 12, g.report()
-    assert g.captures == len(g.entries) <= 6  # the second update's shapes were replayed, not captured again
-    assert {k[0] for k in g.entries} == {True, False}  # graphs for training and for scoring
+    assert [p.grad.data_ptr() for p in layers] == held  # the layers' gradients never dropped
+    # each update: three micro-batches scored (a forward graph each) and three trained, the first
+    # backward of each update writing the gradients
+    assert g.disabled is None and g.replays == 12 and g.first_replays == 2, g.report()
+    assert g.captures == len(g.entries) <= 9  # the second update's shapes were replayed, not captured again
+    assert {k[:2] for k in g.entries} == {(True, True), (True, False), (False, False)}  # training (an optimizer
+    #   step's first micro-batch, the others) and scoring
     assert st_g == st_e
     assert all(torch.equal(a, b) for a, b in zip(w_g, w_e))
 
@@ -205,8 +210,9 @@ def test_graphed_sequences_are_padded_to_a_few_lengths():
         tr.opt.step = step
     st_e, _ = _updates(eager, 1)
     st_g, _ = _updates(graphed, 1)
-    # one length, 128: a scoring forward graph (6 replays: two scorings of 3) and a training pair (3)
-    assert graphed.graphs.captures == 2 and graphed.graphs.replays == 6 + 3, graphed.graphs.report()
+    # one length, 128: a scoring forward graph (6 replays: two scorings of 3) and two training pairs (the
+    # optimizer step's first micro-batch, and the others: 3 replays)
+    assert graphed.graphs.captures == 3 and graphed.graphs.replays == 6 + 3, graphed.graphs.report()
     assert len(grads[0]) == len(grads[1]) == len(eager.params)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
@@ -227,6 +233,45 @@ def test_graphs_that_cannot_serve_switch_off_and_the_layers_run_eagerly(monkeypa
     assert ("capture failed: RuntimeError" in g.disabled) if how == "capture fails" else "differed" in g.disabled
     assert g.report().startswith("off: ")
     assert st_g == st_e and all(torch.equal(a, b) for a, b in zip(w_g, w_e))
+
+
+@pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified"])
+def test_an_updates_first_backward_writes_the_layers_gradients(monkeypatch, forced_native, flow_name):
+    """Between optimizer steps the layers' gradients are not zeroed (``stale_grads``): the step's first
+    graphed backward writes them (a graph pair of its own, ``_Entry.first``: its Wgrad GEMMs write, not
+    add; the norm weights' and biases', which autograd adds, zeroed first), the later ones add. Filled with NaN before each
+    update, they still give the eager run's weights bit for bit; and an update whose first micro-batch
+    runs its layers eagerly (graphs suspended; a shape past ``MAX_SHAPES``) zeroes them first."""
+    from jetrl_cli.precision import linear
+
+    monkeypatch.setattr(train_graphs, "T_BUCKET", 1)
+    eager, graphed = _pair(flow_name)
+    g = graphed.graphs
+    b, adv = _batch()
+    zeroed = []
+    real_zero = torch._foreach_zero_
+    monkeypatch.setattr(torch, "_foreach_zero_", lambda ts: (zeroed.append(len(ts)), real_zero(ts))[1])
+    n_layer = len(g.params())
+    for step in range(4):
+        if step == 3:  # new shapes only, and no graph for them: the first micro-batch's layers run eagerly
+            monkeypatch.setattr(train_graphs, "MAX_SHAPES", len(g.entries))
+            b, adv = _batch(seed=7, longer=9)
+        zeroed.clear()
+        with g.suspended() if step == 2 else contextlib.nullcontext():
+            for tr in (eager, graphed):
+                tr.update(b, adv, tr.score(b), None, step=step)
+        # the graphs' first backward zeroes only the gradients autograd adds (norm weights, biases: not
+        # the GEMMs'; step 0's warm-ups and captures too); eager layers find all of the layers' zeroed
+        if step < 2:  # step 1: its first backward's zeroing alone
+            assert zeroed and max(zeroed) <= n_layer / 2 and (step == 0 or len(zeroed) == 1), (step, zeroed)
+        else:
+            assert zeroed == [n_layer], (step, zeroed)
+        for p in g.params():  # stale values, never to be read
+            p.grad.fill_(float("nan"))
+        assert all(torch.equal(x, y) for x, y in zip(graphed.model.parameters(), eager.model.parameters())), step
+    assert g.disabled is None and g.first_replays == 2 and g.eager_shapes, g.report()
+    assert all(e.first is k[1] for k, e in g.entries.items())
+    assert not linear.sink_overwrites()
 
 
 def test_gradients_dropped_between_updates_are_captured_again(monkeypatch):
@@ -328,8 +373,8 @@ def test_the_forward_graph_quantizes_the_layers_weights_in_one_batched_call(forc
 @pytest.mark.gpu
 @pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified"])
 def test_real_cuda_graphs_train_as_the_eager_layers(flow_name):
-    """On a GPU: two updates of three micro-batches through captured graphs, against the same model
-    trained eagerly. The forward is checked bit for bit at capture (``TrunkGraphs``); each update's
+    """On a GPU: two updates of three micro-batches through captured graphs (each update's first
+    backward writing the gradients, the others adding), against the same model trained eagerly. The forward is checked bit for bit at capture (``TrunkGraphs``); each update's
     gradients agree to the rounding of the backward's sums (flash attention's backward and the GEMMs
     may add in another order from one run to the next, and the graphed sequences are padded to 128
     tokens: other Wgrad token groups)."""
@@ -352,6 +397,7 @@ def test_real_cuda_graphs_train_as_the_eager_layers(flow_name):
     st_g, _ = _updates(graphed)
     g = graphed.graphs
     assert g.disabled is None and g.captures >= 2 and g.replays == 12, g.report()  # 3 scored, 3 trained, twice
+    assert g.first_replays == 2  # each update's first backward wrote the layers' gradients (``bwd_first``)
     # gradients, not weights: Adam's first steps move a weight by about lr whatever its gradient's size
     fp8 = flow_name != "bf16"
     for ge, gg in zip(grads["eager"], grads["graphed"]):

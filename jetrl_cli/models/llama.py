@@ -50,7 +50,7 @@ from ..precision.fuse import fused
 from ..precision.gemm import (F64_BITS, device_time_ms, fixed_point, fp8_kernels_for, kernel_choice, native,
                               note_kernel)
 from ..precision.linear import (JetLinear, RowGradSlot, fused_input_quantizer, gated_mlp, grad_sink,
-                                gradient_port, group_weight, input_dtype, linear_group)
+                                gradient_port, group_weight, input_dtype, linear_group, sink_overwrites)
 from ..precision.quant import CastSpec, QTensor, dequantize, fake_quantize, quantize, round_to
 
 
@@ -1136,6 +1136,8 @@ class _EmbedRows(torch.autograd.Function):
         held = grad_sink([weight]) if ctx.slot is None else None  # tied, without the head's: as autograd
         if held is None:
             return None, torch.ops.aten.embedding_dense_backward(g, ids, weight.shape[0], -1, False), None
+        if sink_overwrites():  # .grad holds stale values (``grads_written``): the rows go into zeros
+            held.zero_()
         add_rows_(held, flat, _token_sums(flat, rows.to(held.dtype), weight.shape[0]))
         return None, None, None
 
@@ -1230,6 +1232,8 @@ class LlamaForCausalLM(nn.Module):
                     and graphs.applies(self, x)):
                 x, delta = graphs.run(x, cos, sin, mask)
             else:
+                if graphs is not None and graphs.model is self and torch.is_grad_enabled():
+                    graphs.zero_stale()  # an eager backward adds into the layers' gradients: not stale ones
                 x, delta = self.run_layers(x, cos, sin, mask, cache)
             return self.model.norm(x + delta)  # a module call: its hooks see the final hidden state
 

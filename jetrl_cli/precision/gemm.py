@@ -217,11 +217,27 @@ def accumulate_gemm(acc: torch.Tensor | None, a: Operand, b: Operand, spec, gemm
             note_kernel(f"{gemm} sum", device, "mm, then add",
                         why=f"{'mm' if overwrite else 'addmm'}(out_dtype=) cannot write into an fp32 sum here: "
                             f"{str(e).splitlines()[0][:120]}")
+    if overwrite and acc is not None and _gemm_into(acc, a, b, spec, gemm, device):
+        return acc
     g = finish(run_gemm(a, b, spec, gemm, device), spec.out, dtype)
     g = g if g.dtype is dtype else g.to(dtype)
     if acc is None:
         return g
     return acc.copy_(g) if overwrite else acc.add_(g)
+
+
+def _gemm_into(acc: torch.Tensor, a: Operand, b: Operand, spec, gemm: str, device: torch.device) -> bool:
+    """``a @ b.T`` written by the GEMM itself into ``acc`` (``accumulate_gemm``'s overwrite; a backend's
+    ``mm_into``: the blockwise FP8 ``scaled_mm``), where its product would be ``acc``'s dtype anyway
+    (fp32 out, fp32 sum); False where it is not done (the caller writes the product, then copies it)."""
+    if spec.out is not Format.FP32 or acc.dtype is not torch.float32:
+        return False
+    res = resolve(spec, gemm, device)
+    if res.backend == "torch":
+        return False
+    be = _BACKENDS[res.backend_at((a.data if isinstance(a, QTensor) else a).shape[0])]
+    into = getattr(be, "mm_into", None)
+    return into is not None and be.shape_unsupported(a, b) is None and into(a, b, acc)
 
 
 def _fusable_sum(acc: torch.Tensor, a, b, spec, gemm: str, device: torch.device) -> bool:
@@ -482,6 +498,14 @@ def _scaled_mm_v2():
     return f, st
 
 
+def _scaled_mm_into(a, b_t, sa, recipe_a, sb, recipe_b, out_dtype, out, bias=None):
+    """``torch.nn.functional.scaled_mm(...)`` written into ``out``: the functional has no ``out=``, so
+    its op, with the arguments as the functional passes them (one scale and recipe per operand, no
+    swizzle)."""
+    return torch._scaled_mm_v2(a, b_t, [sa], [recipe_a.value], [], [sb], [recipe_b.value], [], bias, out_dtype, [],
+                               False, out=out)
+
+
 def blockwise_kind(a: CastSpec, b: CastSpec) -> str | None:
     """``"1x128x128x128"`` (Fprop/Dgrad), ``"1x128x1x128"`` (Wgrad) or None, for K-major blocks."""
     if a.block != B1x128:
@@ -590,7 +614,9 @@ class ScaledMMBackend:
         return torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=out_dtype)
 
     @staticmethod
-    def _blockwise(a: QTensor, b: QTensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _blockwise(a: QTensor, b: QTensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out``: the (M, N) tensor of ``out_dtype`` to write into (M a multiple of 4: no padded rows)."""
         from ..kernels.layouts import _pad_rows, _scaled_mm_scale, is_gemm_layout, to_gemm_layout
 
         m = a.data.shape[0]
@@ -605,11 +631,55 @@ class ScaledMMBackend:
         if v2 is not None:
             f, st = v2
             rb = st.BlockWise128x128 if b.spec.block == B128x128 else st.BlockWise1x128
+            if out is not None:
+                return _scaled_mm_into(a.data, b.data.t(), sa, st.BlockWise1x128, sb, rb, out_dtype, out, bias)
             kw = {} if bias is None else {"bias": bias}
             y = f(a.data, b.data.t(), sa, st.BlockWise1x128, sb, rb, output_dtype=out_dtype, **kw)
+        elif out is not None:
+            return torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=out_dtype, out=out)
         else:
             y = torch._scaled_mm(a.data, b.data.t(), sa, sb, out_dtype=out_dtype)
         return y if y.shape[0] == m else y[:m]
+
+    def mm_into(self, a, b, out: torch.Tensor) -> bool:
+        """A blockwise FP8 GEMM's fp32 product written by ``scaled_mm`` straight into ``out`` (a weight's
+        ``.grad``: ``accumulate_gemm``'s overwrite), not into a tensor of its own then copied. The first
+        call on a device checks, outside a graph capture, that this torch takes ``out=`` there and
+        writes the functional call's bits (``INTO_OP``, reported); a refusal or a difference is kept,
+        and the caller copies the product instead, as everywhere else. False: not written."""
+        if not (isinstance(a, QTensor) and isinstance(b, QTensor) and native(a.data)
+                and blockwise_kind(a.spec, b.spec) is not None and out.dtype is torch.float32
+                and out.is_contiguous() and out.shape == (a.data.shape[0], b.data.shape[0])
+                and a.data.shape[0] % 4 == 0):
+            return False
+        dev = out.device
+        choice = kernel_choice(INTO_OP, dev)
+        if choice is None:
+            if capturing(dev):
+                return False  # decided outside a capture (the trainer's graphs warm up eagerly first)
+            choice = self._check_into(a, b, out)
+        if not choice["into"]:
+            return False
+        self._blockwise(a, b, torch.float32, out=out)
+        return True
+
+    def _check_into(self, a: QTensor, b: QTensor, out: torch.Tensor) -> dict:
+        dev = out.device
+        try:
+            want = self._blockwise(a, b, torch.float32)
+            got = torch.empty_like(out)
+            self._blockwise(a, b, torch.float32, out=got)
+            same = torch.equal(got, want)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError, NotImplementedError, AttributeError) as e:
+            why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+            return note_kernel(INTO_OP, dev, "product, then copied", f"scaled_mm(out=) refused: {why}", into=False)
+        if not same:
+            return note_kernel(INTO_OP, dev, "product, then copied",
+                               "scaled_mm(out=) wrote other bits than the functional call", into=False)
+        return note_kernel(INTO_OP, dev, "scaled_mm into the gradient (out=)",
+                           f"checked on {tuple(out.shape)}: the functional call's bits", into=True)
 
     def mm_bias(self, a, b, out, bias):
         """A blockwise FP8 GEMM plus ``bias`` in ``scaled_mm``'s epilogue: added to the fp32 sum before
@@ -1147,6 +1217,7 @@ def fallbacks() -> list[dict]:
 
 _KERNELS: dict[tuple[str, str], dict] = {}  # (operation, device) -> which kernel serves it, and why
 BIAS_OP = "blockwise scaled_mm bias"  # ScaledMMBackend.mm_bias's decision, per device
+INTO_OP = "blockwise scaled_mm into the gradient"  # ScaledMMBackend.mm_into's decision, per device
 
 
 def capturing(device: torch.device) -> bool:

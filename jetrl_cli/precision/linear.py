@@ -760,6 +760,8 @@ def _release_weights(mods, owner: nn.Module) -> None:
 # --------------------------------------------------------------------------- gradients added where they are held
 
 _INTO_GRADS = False  # within ``grads_in_place``
+_WRITE_GRADS = False  # within ``grads_written``
+_SUNK: list | None = None  # within ``recording_sinks``: the weights ``grad_sink`` found a gradient to add into
 _OPEN_SLOTS = weakref.WeakValueDictionary()  # id(tied weight) -> its newest ``RowGradSlot``
 
 
@@ -793,6 +795,41 @@ def grads_in_place():
         _INTO_GRADS = before
 
 
+@contextlib.contextmanager
+def grads_written():
+    """Within (and within ``grads_in_place``): the tensor ``grad_sink`` hands out is *written* with the
+    gradient, not added to -- its old values are never read (``sink_overwrites``). For a backward
+    whose weight gradients are the first terms of their sums while ``.grad`` holds stale values (the
+    trainer's CUDA graphs, ``rl.train_graphs``, keep each layer's ``.grad`` at one address, so it is
+    not dropped between optimizer steps): the zero-fill before it and the read of those zeros go,
+    and an FP8 Wgrad GEMM, whose product cannot be added in its epilogue, writes straight into
+    ``.grad`` (``precision.gemm.accumulate_gemm``) instead of into a product that an add then reads.
+    Gradients autograd adds itself (no sink: a norm's weight, a bias) must be zeroed by the caller."""
+    global _WRITE_GRADS
+    before, _WRITE_GRADS = _WRITE_GRADS, True
+    try:
+        yield
+    finally:
+        _WRITE_GRADS = before
+
+
+def sink_overwrites() -> bool:
+    """Whether a tensor from ``grad_sink`` is to be written, not added to (``grads_written``)."""
+    return _WRITE_GRADS
+
+
+@contextlib.contextmanager
+def recording_sinks():
+    """Within: yields a list that collects each weight ``grad_sink`` hands a gradient tensor for (the
+    weights whose gradients a backward writes or adds itself; autograd adds the others')."""
+    global _SUNK
+    before, _SUNK = _SUNK, []
+    try:
+        yield _SUNK
+    finally:
+        _SUNK = before
+
+
 def grad_sink(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """Within ``grads_in_place``: the tensor to add the stacked gradient of ``weights`` (their rows one
     after another) into -- a weight's ``.grad``, or one view of several that lie back to back in one
@@ -813,16 +850,31 @@ def grad_sink(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
         grads.append(g)
     first = grads[0]
     if len(grads) == 1:
-        return first
-    if any(g.dim() != 2 or g.shape[1] != first.shape[1] for g in grads):
+        return _sunk(weights, first)
+    if not back_to_back(grads):
         return None
-    at, store = first.storage_offset(), first.untyped_storage()._cdata
-    for g in grads:
-        if g.untyped_storage()._cdata != store or g.storage_offset() != at:
-            return None
-        at += g.numel()
     cols = first.shape[1]
-    return first.as_strided((sum(g.shape[0] for g in grads), cols), (cols, 1))
+    return _sunk(weights, first.as_strided((sum(g.shape[0] for g in grads), cols), (cols, 1)))
+
+
+def back_to_back(ts: Sequence[torch.Tensor | None]) -> bool:
+    """Whether ``ts`` are contiguous matrices of one width lying one after another in one buffer (a
+    group's stacked gradient, as ``grad_sink`` hands it out)."""
+    if not ts or any(t is None or t.dim() != 2 or not t.is_contiguous() for t in ts):
+        return False
+    first = ts[0]
+    at, store = first.storage_offset(), first.untyped_storage()._cdata
+    for t in ts:
+        if t.shape[1] != first.shape[1] or t.untyped_storage()._cdata != store or t.storage_offset() != at:
+            return False
+        at += t.numel()
+    return True
+
+
+def _sunk(weights: Sequence[torch.Tensor], into: torch.Tensor) -> torch.Tensor:
+    if _SUNK is not None:
+        _SUNK.extend(weights)
+    return into
 
 
 # --------------------------------------------------------------------------- one weight gradient, many forwards
@@ -846,10 +898,12 @@ class WgradSum:
         self.rows = rows
 
     def add(self, a: Operand, b: Operand, spec: GemmSpec, device) -> torch.Tensor | None:
+        write = False
         if self.acc is None:
             self.acc = grad_sink([self.weight])
             self.in_grad = self.acc is not None
-        self.acc = accumulate_gemm(self.acc, a, b, spec, "wgrad", device, self.weight.dtype)
+            write = self.in_grad and _WRITE_GRADS  # the first term written into a stale .grad
+        self.acc = accumulate_gemm(self.acc, a, b, spec, "wgrad", device, self.weight.dtype, overwrite=write)
         self.pending -= 1
         if self.pending > 0:
             return None
@@ -970,8 +1024,8 @@ def _linear_backward(ctx, mods: tuple, gy2: torch.Tensor | None, x_dtype, need_x
         sink = None if wsum is not None or not all(need_w) else grad_sink([m.weight for m in mods])
         if wsum is not None:
             grads_w = [wsum.add(gy_t, x_operand(gx), wg, dev)]
-        elif sink is not None:  # added where autograd keeps the weights' gradients: it gets none
-            accumulate_gemm(sink, gy_t, x_operand(gx), wg, "wgrad", dev, sink.dtype)
+        elif sink is not None:  # added (or written) where autograd keeps the weights' gradients: it gets none
+            accumulate_gemm(sink, gy_t, x_operand(gx), wg, "wgrad", dev, sink.dtype, overwrite=_WRITE_GRADS)
         else:
             gw = finish(run_gemm(gy_t, x_operand(gx), wg, "wgrad", dev), wg.out, mods[0].weight.dtype)
             grads_w = list(gw.split(sizes, dim=0)) if len(mods) > 1 else [gw]

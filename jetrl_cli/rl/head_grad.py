@@ -31,7 +31,7 @@ from ..engine.sampling import SamplingParams, gathered_logprobs_lse, invariant_f
 from ..precision.formats import Format
 from ..precision.fuse import fused
 from ..precision.gemm import accumulate_gemm, dense_cast, finish, native, run_gemm, transpose_operand
-from ..precision.linear import TILE, JetLinear, grad_sink, release_after_backward
+from ..precision.linear import TILE, JetLinear, grad_sink, release_after_backward, sink_overwrites
 
 
 def sliced_backward_applies(model, sampling: SamplingParams) -> bool:
@@ -128,7 +128,8 @@ def _sliced_grads(head: JetLinear, h, targets, lse, g, sampling: SamplingParams,
         if need_h:
             gx = accumulate_gemm(gx, d, wt[:, v0:v1], dg_sum, "dgrad", dev, torch.float32)
         if need_w:
-            accumulate_gemm(gw[v0:v1], transpose_operand(d), ht, wg, "wgrad", dev, gw.dtype, overwrite=into is None)
+            accumulate_gemm(gw[v0:v1], transpose_operand(d), ht, wg, "wgrad", dev, gw.dtype,
+                            overwrite=into is None or sink_overwrites())
     if gx is not None:
         gx = finish(gx, dg.out, h_dtype)
         gx = gx if gx.dtype is h_dtype else gx.to(h_dtype)

@@ -23,9 +23,21 @@ What makes replay correct:
   (``WeightCastBatch.graphed`` keeps the two apart).
 - **Weight gradients added where they are held.** The backward graph adds each layer parameter's
   gradient into its ``.grad`` (autograd's in-place accumulation, or the GEMM's epilogue under
-  ``grads_in_place``), so the trainer zeroes gradients in place instead of dropping them
-  (``Trainer.update``); the addresses are checked before each replay, and graphs captured over
-  gradients that moved are dropped and captured again.
+  ``grads_in_place``), so the layers' gradients are never dropped; the addresses are checked
+  before each replay, and graphs captured over gradients that moved are dropped and captured again.
+- **An optimizer step's first backward writes them.** Zeroing every layer gradient before a step
+  and adding the first micro-batch into those zeros costs a write of every gradient, and a read of
+  the zeros in each Wgrad GEMM's epilogue -- or, for an FP8 Wgrad, whose ``scaled_mm`` cannot add in
+  its epilogue, a product written and then read again with the zeros by an add (4.6 ms of the 1.5B
+  FP8 update on an H200). So the trainer marks the layers' gradients stale at each optimizer step
+  (``stale_grads``) instead of zeroing them, and a step's first micro-batch replays a graph pair of
+  its own (``_Entry.first``), whose backward was captured under ``precision.linear.grads_written``:
+  its Wgrad GEMMs write the gradients they would add into (an FP8 one through ``scaled_mm``'s
+  ``out=``), after zeroing the few gradients autograd adds itself (norm weights, biases). A
+  backward of eager layers zeroes stale gradients first (``zero_stale``). The sums are the same: the
+  first term is the gradient itself either way (``0 + g == g``, but for the sign of a zero). A
+  linear group's weights (q/k/v, gate/up) get their gradients back to back in one buffer
+  (``_hold_grads``), so that its one Wgrad GEMM writes or adds into them.
 - **Nothing copied from the host inside a capture.** The FP8 weight quantizer's launches read job
   tables kept on the device by their contents (tensor offsets and sizes); a capture cannot copy a new
   one in. So the warm-up runs exactly what the capture will: the weights quantized into one buffer
@@ -44,7 +56,8 @@ off with the reason kept in ``disabled`` (``jetrl bench train`` reports it), and
 eagerly: a graph never silently changes a step.
 
 Sequence lengths are padded up to a multiple of ``T_BUCKET`` tokens (``bucket``) so an RL run meets
-a few shapes; at most ``MAX_SHAPES`` are captured, later ones run eagerly. Not under FSDP (its
+a few shapes; at most ``MAX_SHAPES`` are captured (each with up to three graph pairs: scoring's
+forward, an optimizer step's first micro-batch, the others), later ones run eagerly. Not under FSDP (its
 hooks gather each layer's weights in Python), nor with hooks on the layers (they would not run).
 Nothing here captures on CPU except through a test's stand-in for the capture API.
 """
@@ -57,6 +70,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.graphs import _CudaGraphAPI, _why  # the rollout's capture API, and its failure reasons
+from ..precision.linear import back_to_back, grads_written, recording_sinks
 
 T_BUCKET = 128  # a micro-batch's sequence length is padded up to a multiple of this
 MAX_SHAPES = 8  # micro-batch shapes captured; others run eagerly
@@ -81,6 +95,7 @@ class _Entry:
     grad_ptrs: tuple  # where the layer parameters' .grad lay at capture
     anchor: torch.nn.Parameter  # a layer parameter, an input of the autograd node so that its backward
     #   runs even when ``x`` needs no gradient (a frozen embedding); its gradient is the graph's to add
+    first: bool = False  # the backward writes the layers' gradients (stale ones), not adds into them
 
 
 class TrunkGraphs:
@@ -97,6 +112,8 @@ class TrunkGraphs:
         self.eager_shapes: set = set()  # shapes past MAX_SHAPES, run eagerly
         self.off = False  # ``suspended``
         self.pool = None
+        self.stale = False  # the layers' gradients hold the last optimizer step's (``stale_grads``)
+        self.first_replays = 0  # backward replays that wrote the gradients (``_Entry.first``)
 
     def __deepcopy__(self, memo):
         return None  # a copy of the model (a reference model) runs its layers eagerly; graphs do not copy
@@ -152,6 +169,59 @@ class TrunkGraphs:
     def params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.model.layers.parameters() if p.requires_grad]
 
+    # ------------------------------------------------------------------ gradients between optimizer steps
+
+    def _hold_grads(self, params) -> None:
+        """A gradient for every layer parameter before a backward capture, where the graph will add
+        into it: a linear group's weights' (q/k/v, gate/up) back to back in one buffer, which
+        ``grad_sink`` hands the group's one Wgrad GEMM to add into (or write) -- gradients of their
+        own would leave each slice of the GEMM's product to autograd, written and then added (eager
+        training gets such a buffer from autograd, which keeps the slices of the group's first
+        gradient). A group's gradients that are not back to back move into one (their values kept:
+        graphs captured over the old ones are captured again, ``run``)."""
+        for mods, _ in self.groups():
+            ws = [m.weight for m in mods]
+            if (len(ws) < 2 or not all(w.requires_grad for w in ws) or back_to_back([w.grad for w in ws])
+                    or any(w.dim() != 2 or w.shape[1] != ws[0].shape[1] or w.dtype != ws[0].dtype for w in ws)):
+                continue
+            buf = torch.zeros((sum(w.shape[0] for w in ws), ws[0].shape[1]), dtype=ws[0].dtype, device=ws[0].device)
+            at = 0
+            for w in ws:
+                part = buf[at:at + w.shape[0]]
+                if w.grad is not None:
+                    part.copy_(w.grad)
+                w.grad, at = part, at + w.shape[0]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def stale_grads(self, params) -> None:
+        """Before an optimizer step's first micro-batch (``Trainer.update``), instead of zeroing:
+        ``params`` outside the layers drop their gradients (their eager backward writes new ones, as
+        without graphs); the layers' stay where the graphs captured them, marked stale, and the step's
+        first backward writes them (a ``first`` graph pair) -- or, eager, finds them zeroed (``zero_stale``)."""
+        mine = {id(p) for p in self.params()}
+        for p in params:
+            if id(p) not in mine:
+                p.grad = None
+        self.stale = True
+
+    def zero_stale(self) -> None:
+        """Zero the layers' stale gradients before a backward that adds into them (eager layers, or a
+        graph pair that adds)."""
+        if self.stale:
+            grads = [p.grad for p in self.params() if p.grad is not None]
+            if grads:
+                torch._foreach_zero_(grads)
+            self.stale = False
+
+    def eager_layers(self, x, cos, sin, mask):
+        """The layers run eagerly (no graph serves this forward): stale gradients zeroed first when a
+        backward will follow."""
+        if torch.is_grad_enabled():
+            self.zero_stale()
+        return self.model.run_layers(x, cos, sin, mask)
+
     # ------------------------------------------------------------------ use
 
     def applies(self, model, x: torch.Tensor) -> bool:
@@ -170,24 +240,26 @@ class TrunkGraphs:
         """The last layer's ``(x, delta)`` for input ``x``: replayed, or, when no graph can serve
         this shape, from the eager layers."""
         train = torch.is_grad_enabled()
-        key = (train, tuple(x.shape), x.dtype, x.requires_grad, tuple(cos.shape), cos.dtype, bool(mask.invariant),
-               mask.width)
+        first = train and self.stale  # an optimizer step's first micro-batch: its backward writes the gradients
+        shape = (tuple(x.shape), x.dtype, x.requires_grad, tuple(cos.shape), cos.dtype, bool(mask.invariant),
+                 mask.width)
+        key = (train, first, *shape)
         e = self.entries.get(key)
         if e is not None and train and e.grad_ptrs != _grad_ptrs(self.params()):
             self.reset()  # a gradient was dropped or replaced: the backward graph would add into freed memory
             e = None
         if e is None:
-            if len(self.entries) >= MAX_SHAPES:
-                self.eager_shapes.add(key)
-                return self.model.run_layers(x, cos, sin, mask)
-            e, warm = self._capture(x, cos, sin, mask, train)
+            if len({k[2:] for k in self.entries} | {shape}) > MAX_SHAPES:
+                self.eager_shapes.add(shape)
+                return self.eager_layers(x, cos, sin, mask)
+            e, warm = self._capture(x, cos, sin, mask, train, first)
             if e is None:
-                return self.model.run_layers(x, cos, sin, mask)
+                return self.eager_layers(x, cos, sin, mask)
             out = _GraphedLayers.apply(x, cos, sin, mask.q_index, e.anchor, e, self)
             if not all(torch.equal(a, b) for a, b in zip(e.outs, warm)):
                 self.disabled = "a replayed training forward differed from the eager one"
                 self.reset()
-                return self.model.run_layers(x, cos, sin, mask)
+                return self.eager_layers(x, cos, sin, mask)
             self.entries[key] = e
             return out
         return _GraphedLayers.apply(x, cos, sin, mask.q_index, e.anchor, e, self)
@@ -199,9 +271,12 @@ class TrunkGraphs:
 
     # ------------------------------------------------------------------ capture
 
-    def _capture(self, x, cos, sin, mask, train: bool) -> tuple:
+    def _capture(self, x, cos, sin, mask, train: bool, first: bool = False) -> tuple:
         """``(entry, warm-up outputs)``, or ``(None, None)`` with ``disabled`` set. ``train``: a forward
-        with autograd, and its backward; else a forward alone (the trainer's scoring)."""
+        with autograd, and its backward; else a forward alone (the trainer's scoring). ``first``: the
+        backward writes the layers' gradients (an optimizer step's first, ``grads_written``), the
+        gradients autograd adds itself zeroed first -- those the warm-up's backward did not hand its
+        GEMMs (``recording_sinks``)."""
         from ..models.llama import Masking
 
         model, api = self.model, self.api
@@ -211,9 +286,8 @@ class TrunkGraphs:
             self.disabled = _why(e)
             return None, None
         params = self.params()
-        for p in params if train else ():  # the backward graph adds into them: they must exist, at addresses that stay
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        if train:  # the backward graph adds into them: they must exist, at addresses that stay
+            self._hold_grads(params)
         xs = x.detach().clone().requires_grad_(x.requires_grad)
         cs, ss, qs = cos.clone(), sin.clone(), mask.q_index.clone()
         held: dict = {}
@@ -225,12 +299,20 @@ class TrunkGraphs:
             return held["outs"]
 
         grads_in: list = []
+        sunk: dict = {}  # the weights whose gradients the backward's GEMMs write or add (``grad_sink``)
 
         def backward():
+            rest = sunk.get("warm-up")
+            if first and rest is not None:  # the gradients autograd adds itself (not the GEMMs') zeroed first
+                rest = [p.grad for p in params if id(p) not in rest and p.grad is not None]
+                if rest:
+                    torch._foreach_zero_(rest)
             xs.grad = None  # written, not added to (a stand-in's replay runs this again)
-            outs = held["outs"]
-            torch.autograd.backward(outs, grad_tensors=tuple(grads_in), inputs=([xs] if xs.requires_grad else [])
-                                    + params)
+            with grads_written() if first else contextlib.nullcontext(), recording_sinks() as seen:
+                torch.autograd.backward(held["outs"], grad_tensors=tuple(grads_in),
+                                        inputs=([xs] if xs.requires_grad else []) + params)
+            sunk.setdefault("warm-up", {id(w) for w in seen})
+            sunk["last"] = {id(w) for w in seen}
             return xs.grad
 
         def warm_up():
@@ -244,7 +326,7 @@ class TrunkGraphs:
             # The warm-up runs what the capture will: the weights quantized too (their kernels' first-call
             # compilation and launch timings happen there; they cannot run inside a capture).
             self._release()
-            with _scratch_grads(params if train else ()), _stacks_in_one_buffer():  # weight gradients: scratch
+            with _scratch_grads(self, params if train else ()), _stacks_in_one_buffer():  # weight gradients: scratch
                 warm = api.warmup(warm_up)
             self._release()  # so the forward graph quantizes every weight itself
             if self.pool is None:
@@ -257,6 +339,8 @@ class TrunkGraphs:
                 x_grad = api.record(bwd, self.pool, backward)
                 if _grad_ptrs(params) != ptrs:  # autograd replaced a .grad instead of adding into it
                     raise RuntimeError("the captured backward moved a weight gradient")
+                if sunk["last"] != sunk["warm-up"]:  # the graph would write gradients it did not zero, or so
+                    raise RuntimeError("the captured backward wrote other weight gradients than its warm-up")
         except Exception as e:  # a kernel that cannot be captured on this GPU / torch, or no memory for it
             self.disabled = _why(e)
             self.reset()
@@ -270,7 +354,7 @@ class TrunkGraphs:
         self.captures += 1
         # the outputs without their capture's autograd graph, whose nodes would keep tensors of the pool alive
         outs = tuple(o.detach() for o in outs)
-        e = _Entry(fwd, bwd, xs, cs, ss, qs, outs, tuple(grads_in), x_grad, _grad_ptrs(params), params[0])
+        e = _Entry(fwd, bwd, xs, cs, ss, qs, outs, tuple(grads_in), x_grad, _grad_ptrs(params), params[0], first)
         return e, warm
 
 
@@ -286,32 +370,40 @@ class _GraphedLayers(torch.autograd.Function):
                     dst.copy_(src)
         e.fwd.replay()
         owner.replays += 1
-        ctx.e = e
+        ctx.e, ctx.owner = e, owner
         return tuple(o.detach() for o in e.outs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        e = ctx.e
+        e, owner = ctx.e, ctx.owner
         for dst, g in zip(e.grads_in, grads):
             if g is None:
                 dst.zero_()
             else:
                 dst.copy_(g)
+        if e.first:  # the optimizer step's first backward: it writes the gradients
+            owner.stale = False
+            owner.first_replays += 1
+        else:
+            owner.zero_stale()
         e.bwd.replay()
         return (None if e.x_grad is None else e.x_grad.detach()), None, None, None, None, None, None
 
 
 class _scratch_grads:
-    """Within: ``params`` hold zero gradients of their own, their real ``.grad`` put back after."""
+    """Within: ``params`` hold zero gradients of their own, laid out as the real ones will be
+    (``TrunkGraphs._hold_grads``), their real ``.grad`` put back after."""
 
-    def __init__(self, params):
-        self.params = params
+    def __init__(self, graphs: TrunkGraphs, params):
+        self.graphs, self.params = graphs, params
 
     def __enter__(self):
         self.real = [p.grad for p in self.params]
-        for p in self.params:
-            p.grad = torch.zeros_like(p)
+        if self.params:
+            for p in self.params:
+                p.grad = None
+            self.graphs._hold_grads(self.params)
 
     def __exit__(self, *exc):
         for p, g in zip(self.params, self.real):

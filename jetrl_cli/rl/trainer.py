@@ -285,8 +285,10 @@ class Trainer:
             for gs in gsplit:
                 idx = torch.isin(b.group, gs).nonzero()[:, 0]
                 denom = loss_denominator(b.mask[idx], cfg.loss_agg, self.sampling.max_new_tokens)
-                # with CUDA graphs the layers' backward adds into gradients that must stay where they are
-                self.opt.zero_grad(set_to_none=self.graphs is None)
+                if self.graphs is None:
+                    self.opt.zero_grad(set_to_none=True)
+                else:  # the layers' gradients stay where the graphs add into them; the first backward writes them
+                    self.graphs.stale_grads(self.params)
                 starts = range(0, len(idx), cfg.micro_batch)
                 with grads_in_place():  # micro-batches after the first add into the gradients held
                     parts = [self._micro_step(b, idx[s:s + cfg.micro_batch], adv, old, ref_logp, denom,
