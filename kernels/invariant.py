@@ -36,9 +36,15 @@ is not associative, so the low bits differ, and so do the logprobs.
   output (rescale factor exp2(0) = 1, added terms exactly 0). So a decode query (t = 1, its program
   stops after p's block) and the same query inside the trainer's full sequence (its program walks
   on to the block of its last row) give the same bits.
-- ``invariant_rms_norm`` / ``invariant_log_softmax``: one program per row, the row read in chunks of
-  ``ROW_BLOCK`` lanes; each lane accumulates its chunks in order, then one fixed-shape tree reduces
-  the lanes. The number of rows only sets the number of programs.
+- ``invariant_rms_norm``: one program per row, the row read in chunks of ``ROW_BLOCK`` lanes; each
+  lane accumulates its chunks in order, then one fixed-shape tree reduces the lanes. The number of
+  rows only sets the number of programs.
+- ``invariant_log_softmax``: a row is cut into fixed chunks of ``SOFTMAX_CHUNK`` entries, one program
+  each (a decode step's few rows of a 152K vocabulary would leave all but a few SMs idle, each
+  program waiting on ~150 loads in a row, twice): per chunk, each lane's running max and sum of
+  exp(x - max) over its blocks in order and the lanes' fixed tree give a (max, sum) pair; a second
+  launch combines a row's pairs by one fixed tree and writes x - lse. The split depends on the row's
+  length only.
 
 **What it costs, and why.** Measured on an H200 before K was split (``docs/benchmarks.md``, third
 run; Qwen2.5-1.5B, a rollout of 32 sequences x 64 new tokens, a train step of 4 x 256): the mode took
@@ -102,6 +108,9 @@ MM_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
 FP8_MM_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)  # BLOCK_K = scale block
 ATT_BLOCK_M, ATT_BLOCK_N, ATT_WARPS, ATT_STAGES = 64, 64, 4, 2
 ROW_BLOCK, ROW_WARPS = 1024, 4
+# the log-softmax's fixed split of a row: programs of SOFTMAX_CHUNK entries each (a 152K vocabulary: 19),
+# whatever the number of rows; part of the math, as the tile configurations are
+SOFTMAX_CHUNK = 8192
 SUM_BLOCK, SUM_WARPS = 1024, 4  # outputs per program of split mode's sum of the chunks
 LOG2E = 1.4426950408889634
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -707,30 +716,50 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 @triton.jit
-def _log_softmax_kernel(x_ptr, y_ptr, N, stride_x, stride_y, BLOCK: tl.constexpr):
-    # Each chunk's load is issued one iteration ahead (a vocabulary is ~150 chunks: one memory wait
-    # per chunk otherwise, at a decode step's few rows); the arithmetic and its order are unchanged.
+def _lse_part_kernel(x_ptr, p_ptr, N, stride_x, CHUNKS, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    # one chunk of CHUNK entries of one row: each lane's running max and sum of exp(x - max) over the
+    # chunk's blocks in order, then the lanes' fixed tree: the chunk's (max, sum) pair
     row = tl.program_id(0)
+    c = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
-    m = tl.full((BLOCK,), float("-inf"), tl.float32)  # per lane: running max and sum of exp(x - max)
+    at = x_ptr + row.to(tl.int64) * stride_x
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK,), dtype=tl.float32)
-    ahead = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=float("-inf"))
-    for c0 in range(0, N, BLOCK):
-        x = ahead.to(tl.float32)
-        ahead = tl.load(x_ptr + row * stride_x + c0 + BLOCK + cols, mask=c0 + BLOCK + cols < N, other=float("-inf"))
+    for c0 in range(0, CHUNK, BLOCK):
+        k = c * CHUNK + c0 + cols
+        x = tl.load(at + k, mask=k < N, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, x)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane with only -inf so far keeps s = 0
         s = s * tl.exp(m - m_use) + tl.exp(x - m_use)
         m = m_new
     mx = tl.max(m, axis=0)
     mx_use = tl.where(mx == float("-inf"), 0.0, mx)
-    lse = mx + tl.log(tl.sum(s * tl.exp(m - mx_use), axis=0))
-    ahead = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=0.0)
-    for c0 in range(0, N, BLOCK):
-        ok = c0 + cols < N
-        x = ahead.to(tl.float32)
-        ahead = tl.load(x_ptr + row * stride_x + c0 + BLOCK + cols, mask=c0 + BLOCK + cols < N, other=0.0)
-        tl.store(y_ptr + row * stride_y + c0 + cols, x - lse, mask=ok)
+    at_p = p_ptr + (row.to(tl.int64) * CHUNKS + c) * 2
+    tl.store(at_p, mx)
+    tl.store(at_p + 1, tl.sum(s * tl.exp(m - mx_use), axis=0))
+
+
+@triton.jit
+def _lse_apply_kernel(x_ptr, p_ptr, y_ptr, N, stride_x, stride_y, CHUNKS, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                      P: tl.constexpr):
+    # the row's chunk pairs combined by one fixed tree (every program of the row computes the same lse),
+    # then x - lse over this program's chunk
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    j = tl.arange(0, P)
+    at_p = p_ptr + (row.to(tl.int64) * CHUNKS + j) * 2
+    pm = tl.load(at_p, mask=j < CHUNKS, other=float("-inf"))
+    ps = tl.load(at_p + 1, mask=j < CHUNKS, other=0.0)
+    mx = tl.max(pm, axis=0)
+    mx_use = tl.where(mx == float("-inf"), 0.0, mx)
+    lse = mx + tl.log(tl.sum(ps * tl.exp(pm - mx_use), axis=0))
+    cols = tl.arange(0, BLOCK)
+    at_x, at_y = x_ptr + row.to(tl.int64) * stride_x, y_ptr + row.to(tl.int64) * stride_y
+    for c0 in range(0, CHUNK, BLOCK):
+        k = c * CHUNK + c0 + cols
+        ok = k < N
+        x = tl.load(at_x + k, mask=ok, other=0.0).to(tl.float32)
+        tl.store(at_y + k, x - lse, mask=ok)
 
 
 class _InvariantLogSoftmax(torch.autograd.Function):
@@ -763,10 +792,15 @@ def _log_softmax_rows(x: torch.Tensor) -> torch.Tensor:
     where = "invariant_log_softmax"
     x2 = _rows(where, x)
     _check_device(where, x2)
+    rows, n = x2.shape
     y = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
-    if x2.shape[0]:
-        _log_softmax_kernel[(x2.shape[0],)](x2, y, x2.shape[1], x2.stride(0), y.stride(0),
-                                            BLOCK=ROW_BLOCK, num_warps=ROW_WARPS, enable_fp_fusion=FP_FUSION)
+    if rows:
+        chunks = triton.cdiv(n, SOFTMAX_CHUNK)
+        parts = torch.empty((rows, chunks, 2), dtype=torch.float32, device=x.device)
+        common = dict(CHUNK=SOFTMAX_CHUNK, BLOCK=ROW_BLOCK, num_warps=ROW_WARPS, enable_fp_fusion=FP_FUSION)
+        _lse_part_kernel[(rows, chunks)](x2, parts, n, x2.stride(0), chunks, **common)
+        _lse_apply_kernel[(rows, chunks)](x2, parts, y, n, x2.stride(0), y.stride(0), chunks,
+                                          P=triton.next_power_of_2(chunks), **common)
     return y.reshape(x.shape)
 
 

@@ -437,7 +437,7 @@ def test_a_profiles_kernels_are_summed_by_what_they_do():
                           "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>",
                           "void at::native::elementwise_kernel<128, 2, direct_copy_kernel_cuda>"],
         OTHER_KIND: ["triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "triton_poi_fused_mul_silu_0",
-                     "void at::native::reduce_kernel<512, 1>", "_rms_norm_kernel", "_log_softmax_kernel"],
+                     "void at::native::reduce_kernel<512, 1>", "_rms_norm_kernel", "_lse_part_kernel"],
     }
     for kind, names in want.items():
         for n in names:

@@ -504,7 +504,7 @@ def log_softmax_bound(x64, n):
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32])
-@pytest.mark.parametrize("rows,n", [(4, 3000), (2, 50)])
+@pytest.mark.parametrize("rows,n", [(4, 3000), (2, 50), (2, 20000)])  # 20000: three of SOFTMAX_CHUNK's programs
 def test_log_softmax_within_bound(inv, dtype, rows, n):
     g = gen(n + 1)
     x = randn(rows, n, g=g, scale=4.0, dtype=dtype)
@@ -544,12 +544,17 @@ def test_log_softmax_all_masked_row_is_nan_like_torch(inv):
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32])
-def test_log_softmax_rows_do_not_depend_on_the_batch(inv, dtype):
+@pytest.mark.parametrize("n", [2100, 17000])  # one program a row, and three (SOFTMAX_CHUNK's split)
+def test_log_softmax_rows_do_not_depend_on_the_batch(inv, dtype, n):
     g = gen(11)
-    x = randn(40, 2100, g=g, scale=3.0, dtype=dtype)
+    x = randn(40 if n < 5000 else 12, n, g=g, scale=3.0, dtype=dtype)
+    if n > inv.SOFTMAX_CHUNK:
+        x[1, :inv.SOFTMAX_CHUNK] = -math.inf  # a chunk all masked (top-k), and one partly
+        x[2, inv.SOFTMAX_CHUNK - 5:] = -math.inf
     full = inv.invariant_log_softmax(x)
-    for rows in ([0], [39], [5, 6, 7], [30, 3, 17]):
+    for rows in ([0], [len(x) - 1], [5, 6, 7], [1, 2], [len(x) - 2, 3, 1]):
         assert same_bits(inv.invariant_log_softmax(x[rows]), full[rows])
+    assert torch.isfinite(full[1, inv.SOFTMAX_CHUNK:]).all() if n > inv.SOFTMAX_CHUNK else True
 
 
 def test_row_kernels_reject_bad_input(inv):
