@@ -169,12 +169,14 @@ def _host_to_device(func, args, kwargs) -> bool:
 
 # --------------------------------------------------------------------------- scenarios
 
-FLOWS = {  # name -> (base flow, backend of the 8-bit GEMMs or None, rollout KV cache or None)
+FLOWS = {  # name -> (base flow, backend of the 8-bit GEMMs or None, rollout KV cache or None[, batch-invariant])
     "bf16": ("bf16", None, None),
     "fp8-rollout": ("fp8-rollout", "scaled_mm", None),
     "int8-rollout": ("int8-rollout", "scaled_mm", None),
     "fp8-unified": ("fp8-unified", "scaled_mm", "fp8_e4m3 row"),
     "fp8-unified-emulated": ("fp8-unified", "emulated", None),
+    "bf16+invariant": ("bf16", None, None, True),
+    "fp8-unified+invariant": ("fp8-unified", None, None, True),
 }
 NEW_TOKENS = 24
 
@@ -182,8 +184,8 @@ NEW_TOKENS = 24
 def _flow(name: str):
     from jetrl_cli.precision import parse_flow
 
-    base, backend, kv = FLOWS[name]
-    over: dict = {}
+    base, backend, kv, *invariant = FLOWS[name]
+    over: dict = {"batch_invariant": True} if invariant else {}
     if backend:
         over = {"rollout": {"linear": {"backend": backend}},
                 "train": {g: {"backend": backend} for g in ("fprop", "dgrad", "wgrad")}}
@@ -548,14 +550,16 @@ def main() -> int:
 
     sampling._keyed_gumbel_argmax_kernel = _NoLaunch("keyed_gumbel_argmax", report["triton_launches"])  # decoding
     import jetrl_cli.kernels as kernels_pkg
-    from jetrl_cli.kernels import fp8, int8
+    from jetrl_cli.kernels import fp8, int8, invariant
 
     kernels_pkg.unavailable_reason = lambda: None  # Triton "runs" where a fake GPU is: the quantizers'
     for mod, name in ((fp8, "_act_quant_kernel"), (fp8, "_weight_quant_kernel"), (fp8, "_swiglu_quant_kernel"),
                       (fp8, "_swiglu_quant_t_kernel"), (fp8, "_swiglu_grad_quant_kernel"), (fp8, "_rms_norm_quant_kernel"),
                       (fp8, "_swiglu_grad_rows_kernel"), (fp8, "_swiglu_grad_cols_kernel"),
                       (int8, "_row_quant_kernel"),
-                      (int8, "_rms_norm_rows_kernel"), (int8, "_swiglu_rows_kernel")):
+                      (int8, "_rms_norm_rows_kernel"), (int8, "_swiglu_rows_kernel"),
+                      *((invariant, k) for k in ("_mm_kernel", "_fp8_mm_kernel", "_chunk_sum_kernel", "_attention_kernel",
+                                                 "_rms_norm_kernel", "_lse_part_kernel", "_lse_apply_kernel"))):
         setattr(mod, name, _NoLaunch(name, report["triton_launches"]))  # wrappers run, on the device
     for name in ("quantize_weight_stack", "quantize_weight_stacks"):  # FP8 group weights, into their stacks
         def counted(*args, _fn=getattr(fp8, name), _name=name, **kwargs):
@@ -572,6 +576,8 @@ def main() -> int:
 
     for name in FLOWS:
         for part, fn in (("rollout", _rollout), ("train_forward", _train_forward), ("train_step", _train_step)):
+            if part == "train_step" and len(FLOWS[name]) > 3:
+                continue  # the invariant attention's backward calls autograd's C++ engine (no CUDA context here)
             attempt(report[part], name, f"{part} {name}", fn, name)
     report["train_graphs"] = {}
     for name in ("bf16", "fp8-unified"):

@@ -72,8 +72,13 @@ def test_the_detectors_work(report):
 
 def test_every_scenario_runs(report):
     assert report["failures"] == {}
-    assert set(report["rollout"]) == set(report["train_forward"]) == set(report["train_step"])
-    assert len(report["rollout"]) >= 5
+    assert set(report["rollout"]) == set(report["train_forward"])
+    # the batch-invariant flows: rollout and the trainer's forward (their attention's backward recomputes
+    # through autograd's C++ engine, which wants a CUDA context)
+    assert set(report["rollout"]) - set(report["train_step"]) == {"bf16+invariant", "fp8-unified+invariant"}
+    assert len(report["rollout"]) >= 7
+    for kernel in ("_mm_kernel", "_fp8_mm_kernel", "_attention_kernel", "_rms_norm_kernel", "_lse_part_kernel"):
+        assert report["triton_launches"].get(kernel, 0) > 0, kernel  # the invariant kernels' wrappers ran
     # the fp8-unified scenario's FP8 KV cache is read as stored (the kernel's launch stood in)
     assert report["triton_launches"].get("decode_attention", 0) > 0 and report["triton_launches"].get("kv_store", 0) > 0
     assert report["triton_launches"].get("keyed_gumbel_argmax", 0) > 0  # sampling: one kernel a step on a GPU
@@ -93,6 +98,8 @@ def test_every_scenario_runs(report):
 
 
 def test_rollout_stays_on_the_device_and_syncs_only_at_stop_checks(report):
+    """Every flow's decoding, the batch-invariant ones too: no host read but the stop checks and the
+    final copy (a read in a decode step would also break its CUDA graph's capture)."""
     for name, r in report["rollout"].items():
         assert r["load_reads"] == {}, name  # a weight sync never waits for the device
         assert r["completions"] == [2, 2, 2]
@@ -109,11 +116,17 @@ def test_rollout_stays_on_the_device_and_syncs_only_at_stop_checks(report):
 def test_training_forward_stays_on_the_device_and_reads_once_per_minibatch(report):
     for name, r in report["train_forward"].items():
         assert r["logprobs"] == [[3, 159], "torch.float32", "cuda:0"], name
-        assert r["step_reads"] == {}, (name, r["step_reads"])  # forward + loss: no host sync
-        (score,) = r["score_reads"]
+        assert _steady(r["step_reads"]) == {}, (name, r["step_reads"])  # forward + loss: no host sync
+        (score,) = _steady(r["score_reads"])
         assert "token_logprobs(model, mb, sampling, entropy).float().cpu()" in score and r["score_reads"][score] == 2
         (values,) = r["host_values_reads"]
         assert "rl/trainer.py" in values and r["host_values_reads"][values] == 1 + len(r["stats"]) + 1
+
+
+def _steady(reads: dict) -> dict:
+    """``reads`` but a backend's one-time check against the emulated GEMM, where a GEMM kind's backend is
+    first resolved in the process (the invariant flows' training forward, here): once, not per step."""
+    return {k: v for k, v in reads.items() if not ("precision/gemm.py" in k and "err = float((got - ref)" in k and v == 1)}
 
 
 def test_training_update_stays_on_the_device_and_reads_twice_per_minibatch(report):
