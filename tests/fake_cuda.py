@@ -379,6 +379,31 @@ def _train_graphs(name: str) -> dict:
             "stats": sorted(stats), "first_replays": tr.graphs.first_replays}
 
 
+def _decode_graphs(name: str) -> dict:
+    """The engine's decode steps captured as CUDA graphs (``engine.graphs``) through ``HostOnlyGraphs``:
+    what the captures did on the host (a read or a host-to-device copy there would break a real
+    capture, and the engine would decode eagerly, host-bound)."""
+    from jetrl_cli.engine.embedded import EmbeddedEngine
+    from jetrl_cli.engine.graphs import DecodeGraphs
+    from jetrl_cli.engine.sampling import SamplingParams
+
+    flow, model = _flow(name), _model()
+    params = SamplingParams(n=2, max_new_tokens=NEW_TOKENS, temperature=1.0, stop_token_ids=(2,))
+    plain_equal = torch.equal
+    torch.equal = lambda a, b: True  # a replay against the eager step: fake tensors hold no values
+    try:
+        mode = FakeCuda()
+        api = HostOnlyGraphs(mode)
+        with mode:
+            eng = EmbeddedEngine(model.to("cuda"), flow, width=64)
+            eng.graphs = DecodeGraphs(eng.model, graph_api=api)
+            out = eng.generate([[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]], params, seed=3)
+    finally:
+        torch.equal = plain_equal
+    return {"completions": [len(g) for g in out], "captures": api.captures, "disabled": eng.graphs.disabled,
+            "in_capture": mode.in_capture}
+
+
 class _Event:  # torch.cuda.Event's timing on the host clock (fake work takes host time only)
     def __init__(self, **kwargs):
         self.t = 0.0
@@ -579,6 +604,9 @@ def main() -> int:
             if part == "train_step" and len(FLOWS[name]) > 3:
                 continue  # the invariant attention's backward calls autograd's C++ engine (no CUDA context here)
             attempt(report[part], name, f"{part} {name}", fn, name)
+    report["decode_graphs"] = {}
+    for name in FLOWS:
+        attempt(report["decode_graphs"], name, f"decode_graphs {name}", _decode_graphs, name)
     report["train_graphs"] = {}
     for name in ("bf16", "fp8-unified"):
         attempt(report["train_graphs"], name, f"train_graphs {name}", _train_graphs, name)

@@ -18,8 +18,10 @@ meta kernels give shapes, dtypes and devices; nothing is computed) while host te
   the updated parameters; its micro-batches' inputs go to the device without a blocking copy (one
   would wait for the work queued before it), and a micro-batch after the first adds its weight
   gradients into the ``.grad`` the first left (``grads_in_place``);
-- ``train.cuda_graphs``: the trainer's captures (``HostOnlyGraphs``) read nothing from the device and
-  copy nothing to it from the host;
+- the batch-invariant flows' decoding and training forward, the same way (their Triton kernels' wrappers
+  on the device);
+- the engine's decode steps and ``train.cuda_graphs``: the captures (``HostOnlyGraphs``) read nothing
+  from the device and copy nothing to it from the host, for every flow;
 - ``jetrl bench train --device cuda`` (1.5B shape, one layer) runs every row, and ``auto`` keeps
   blockwise ``scaled_mm`` for Fprop, Dgrad and Wgrad (its probe once cast Wgrad's operands as no
   kernel takes them, which would have sent a GPU's Wgrad to the emulated path);
@@ -153,6 +155,17 @@ def test_training_update_stays_on_the_device_and_reads_twice_per_minibatch(repor
         assert reads[finite] == 2, (name, reads)
         # the micro-batches' inputs go to the device without waiting for it (pinned, non-blocking)
         assert r["update_blocking_h2d"] == {}, (name, r["update_blocking_h2d"])
+
+
+def test_decode_steps_capture_with_no_host_read_or_copy(report):
+    """The engine's decode steps captured as CUDA graphs for every flow, the batch-invariant ones too:
+    the capture keeps them (not switched off) and nothing in it reads the device from the host or
+    copies to it from the host (either would break a real capture: the engine would then decode
+    eagerly, host-bound)."""
+    assert set(report["decode_graphs"]) == set(report["rollout"]), report["failures"]
+    for name, r in report["decode_graphs"].items():
+        assert r["completions"] == [2, 2, 2] and r["captures"] >= 1 and r["disabled"] is None, (name, r)
+        assert r["in_capture"] == {}, (name, r["in_capture"])
 
 
 def test_training_cuda_graphs_capture_with_no_host_read_or_copy(report):
