@@ -101,7 +101,7 @@ import triton.language as tl
 from jetrl_cli.precision.quant import QTensor
 
 from .attention import check_kv_scales, dequant_kv, dequantized_reference, pv_accumulate
-from .fp8 import FP_FUSION, _interpreting, _to_bf16
+from .fp8 import FP_FUSION, _interpreting, _last_sums, _split_counters, _to_bf16
 
 # The one tile configuration of each kernel. Changing a value changes results (it is part of the math).
 MM_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
@@ -211,6 +211,56 @@ def _by_chunks(parts: list[torch.Tensor], steps: int) -> torch.Tensor:
     return total
 
 
+FUSED_SUM_OP = "invariant split-K sum"  # kernels.fp8-style note_kernel op: "<kind> FUSED_SUM_OP, N x K"
+
+
+def _fused_sum(kind: str, n: int, k: int, grid: tuple, dev: torch.device, forced: bool | None,
+               run) -> torch.Tensor | None:
+    """Split mode's sum: the arrival counters for the GEMM's last program of each tile to add the
+    partials (``_last_chunk_sums``), or None for ``_chunk_sum_kernel`` after it (a second launch; off
+    a GPU unless ``forced``). On a GPU decided at the first split call of each (kind, N, K): both ways
+    timed on that call's operands (``run(fused)``), the fused one taken only where it wrote the two
+    kernels' bytes and was faster; outside a graph capture only (inside one: the two kernels,
+    undecided). A launch choice: the bits are the same either way."""
+    fused = forced
+    if fused is None:
+        if dev.type != "cuda":
+            return None
+        from jetrl_cli.precision import gemm
+
+        op = f"{kind} {FUSED_SUM_OP}, {n} x {k}"
+        choice = gemm.kernel_choice(op, dev)
+        if choice is None:
+            if gemm.capturing(dev):
+                return None
+            choice = _choose_fused_sum(op, run, dev)
+        fused = choice["fused"]
+    return _split_counters(dev, grid[0] * grid[1]) if fused else None
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+def _choose_fused_sum(op: str, run, dev: torch.device) -> dict:
+    from jetrl_cli.precision import gemm
+
+    try:
+        two, one = run(False), run(True)
+        same = torch.equal(_bits(two), _bits(one))
+        t = {"two kernels": gemm.device_time_ms(lambda: run(False), dev)}
+        if same:
+            t["summed by the last program"] = gemm.device_time_ms(lambda: run(True), dev)
+    except Exception as e:  # noqa: BLE001 - nothing timed: the two kernels, said why
+        return gemm.note_kernel(op, dev, "two kernels", f"not timed ({type(e).__name__}: {str(e)[:120]})",
+                                fused=False)
+    best = min(t, key=t.get)
+    why = ", ".join(f"{w} {ms:.4f} ms" for w, ms in t.items())
+    if not same:
+        why += "; the last-program sum was not the two kernels' bytes: not used"
+    return gemm.note_kernel(op, dev, best, why, fused=best != "two kernels", timings_ms=dict(t))
+
+
 # --- dense GEMM -------------------------------------------------------------------------------------
 
 @triton.jit
@@ -255,16 +305,30 @@ def _chunk_out(acc, total, c_ptr, p_ptr, bias_ptr, rm, rn, M, N, stride_cm, stri
         tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn, out, mask=ok)
 
 
+@triton.jit
+def _last_chunk_sums(p_ptr, c_ptr, bias_ptr, cnt_ptr, rm, rn, M, N, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    """Split mode's sum in the GEMM itself: the tile's last program to store its chunk's partial adds the
+    partials as ``_chunk_sum_kernel`` does -- p[0] (== -0.0 + p[0]), + p[1], ... in chunk order, then the
+    bias, rounded once -- and zeroes the tile's arrival counter (``kernels.fp8._last_sums``). The
+    same bits whichever program arrives last: a launch choice (``_fused_sum``), not part of the math."""
+    ok = (rm < M)[:, None] & (rn < N)[None, :]
+    at = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    _last_sums(p_ptr, c_ptr, bias_ptr, cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), at, rn, ok,
+               M, N, tl.num_programs(2), HAS_BIAS, OUT_BF16, INTERPRET)
+
+
 @triton.jit(do_not_specialize=["M"])
-def _mm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, p_ptr, M, N, K, CHUNK, stride_am, stride_ak, stride_bn, stride_bk,
-               stride_cm, stride_cn, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
-               F32_DOT: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+def _mm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, p_ptr, cnt_ptr, M, N, K, CHUNK, stride_am, stride_ak, stride_bn,
+               stride_bk, stride_cm, stride_cn, MODE: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr,
+               OUT_BF16: tl.constexpr, F32_DOT: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile of ``a @ b.T``, K in chunks of CHUNK steps of BLOCK_K. MODE "split":
     program (m, n, c) sums chunk c's steps from zero in K order and writes that fp32 partial to ``p[c]``
     (``_chunk_sum_kernel`` adds them). "chunked": one program walks all steps, its chunk sum restarted
     from zero at each chunk boundary and added there to a running total, in chunk order (a branch taken
-    once per chunk: it waits for the tensor cores' sum, so it stays a branch). "whole": one chunk."""
+    once per chunk: it waits for the tensor cores' sum, so it stays a branch). "whole": one chunk.
+    ``FUSED`` (split mode): the tile's last program to store its partial adds them (``_last_chunk_sums``)."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -289,6 +353,9 @@ def _mm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, p_ptr, M, N, K, CHUNK, stride_am, 
                 end = tl.minimum(end + CHUNK, kb1 - 1)
     _chunk_out(acc, total, c_ptr, p_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, MODE, HAS_BIAS, OUT_BF16,
                INTERPRET)
+    if MODE == "split":
+        if FUSED:
+            _last_chunk_sums(p_ptr, c_ptr, bias_ptr, cnt_ptr, rm, rn, M, N, HAS_BIAS, OUT_BF16, INTERPRET)
 
 
 def _check_out_dtype(where: str, out_dtype: torch.dtype) -> None:
@@ -303,10 +370,12 @@ def _check_bias(where: str, bias: torch.Tensor | None, n: int) -> None:
 
 
 def invariant_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-                 out_dtype: torch.dtype = torch.float32, *, _mode: str | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype = torch.float32, *, _mode: str | None = None,
+                 _fused: bool | None = None) -> torch.Tensor:
     """``a @ b.T (+ bias)`` (a: M x K, b: N x K, bf16 or fp32), fp32 accumulation, one tile config for
     every M and K cut into the chunks ``k_chunks`` gives for (K, N): row i of the result does not depend
-    on M or on the other rows of ``a``. ``_mode`` forces split or chunked mode (same bits; tests)."""
+    on M or on the other rows of ``a``. ``_mode`` forces split or chunked mode, ``_fused`` split mode's
+    sum in the GEMM or in a second kernel (same bits; tests)."""
     where = "invariant_mm"
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"{where}: shapes {tuple(a.shape)} and {tuple(b.shape)} do not match as a @ b.T")
@@ -330,13 +399,15 @@ def invariant_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = N
     mode = _launch_mode(_mode, chunks, grid[0] * grid[1])
     split = mode == "split"
     p = torch.empty((chunks, m, n), dtype=torch.float32, device=a.device) if split else c
+    cnt = _fused_sum("bf16" if a.dtype == torch.bfloat16 else "fp32", n, k, grid, a.device, _fused,
+                     lambda f: invariant_mm(a, b, bias, out_dtype, _mode="split", _fused=f)) if split else None
     _mm_kernel[grid + ((chunks,) if split else ())](
-        a, b, bias if bias is not None else c, c, p, m, n, k, steps, a.stride(0), a.stride(1), b.stride(0),
-        b.stride(1), c.stride(0), c.stride(1), MODE=mode, HAS_BIAS=bias is not None,
-        OUT_BF16=out_dtype == torch.bfloat16,
+        a, b, bias if bias is not None else c, c, p, p if cnt is None else cnt, m, n, k, steps, a.stride(0),
+        a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), MODE=mode, FUSED=cnt is not None,
+        HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16,
         F32_DOT=interp or a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16,
         INTERPRET=interp, enable_fp_fusion=FP_FUSION, **cfg)
-    if split:
+    if split and cnt is None:
         _sum_chunks(p, c, bias)
     return c
 
@@ -363,9 +434,9 @@ def mm_reference(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = N
 # --- blockwise FP8 GEMM -----------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_mm_kernel(a_ptr, b_ptr, c_ptr, p_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, CHUNK,
+def _fp8_mm_kernel(a_ptr, b_ptr, c_ptr, p_ptr, cnt_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, CHUNK,
                    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-                   stride_sam, stride_sak, stride_sbn, stride_sbk, MODE: tl.constexpr,
+                   stride_sam, stride_sak, stride_sbn, stride_sbk, MODE: tl.constexpr, FUSED: tl.constexpr,
                    SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
                    OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -403,6 +474,9 @@ def _fp8_mm_kernel(a_ptr, b_ptr, c_ptr, p_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K
                 end = tl.minimum(end + CHUNK, kb1 - 1)
     _chunk_out(acc, total, c_ptr, p_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, MODE, HAS_BIAS, OUT_BF16,
                INTERPRET)
+    if MODE == "split":
+        if FUSED:
+            _last_chunk_sums(p_ptr, c_ptr, bias_ptr, cnt_ptr, rm, rn, M, N, HAS_BIAS, OUT_BF16, INTERPRET)
 
 
 def _k_scale_rows(where: str, name: str, op: QTensor) -> int:
@@ -421,7 +495,8 @@ def _k_scale_rows(where: str, name: str, op: QTensor) -> int:
 
 
 def invariant_blockwise_mm(a: QTensor, b: QTensor, bias: torch.Tensor | None = None,
-                           out_dtype: torch.dtype = torch.float32, *, _mode: str | None = None) -> torch.Tensor:
+                           out_dtype: torch.dtype = torch.float32, *, _mode: str | None = None,
+                           _fused: bool | None = None) -> torch.Tensor:
     """``a @ b.T (+ bias)`` for FP8 operands (a: M x K, b: N x K) with 1x128 or 128x128 scales along K,
     ``kernels.fp8.blockwise_mm``'s math per K block with one fixed tile config and K cut into the chunks
     ``k_chunks`` gives for (K, N): rows independent of M. ``_mode`` as ``invariant_mm``'s."""
@@ -445,13 +520,15 @@ def invariant_blockwise_mm(a: QTensor, b: QTensor, bias: torch.Tensor | None = N
     mode = _launch_mode(_mode, chunks, grid[0] * grid[1])
     split = mode == "split"
     p = torch.empty((chunks, m, n), dtype=torch.float32, device=c.device) if split else c
+    cnt = _fused_sum("fp8", n, k, grid, c.device, _fused,
+                     lambda f: invariant_blockwise_mm(a, b, bias, out_dtype, _mode="split", _fused=f)) if split else None
     _fp8_mm_kernel[grid + ((chunks,) if split else ())](
-        a.data, b.data, c, p, a.scale, b.scale, bias if bias is not None else c, m, n, k, steps,
-        a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1), c.stride(0), c.stride(1),
+        a.data, b.data, c, p, p if cnt is None else cnt, a.scale, b.scale, bias if bias is not None else c, m, n, k,
+        steps, a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1), c.stride(0), c.stride(1),
         a.scale.stride(0), a.scale.stride(1), b.scale.stride(0), b.scale.stride(1), MODE=mode,
-        SA_ROWS=sa_rows, SB_ROWS=sb_rows, HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16,
-        INTERPRET=_interpreting(), enable_fp_fusion=FP_FUSION, **cfg)
-    if split:
+        FUSED=cnt is not None, SA_ROWS=sa_rows, SB_ROWS=sb_rows, HAS_BIAS=bias is not None,
+        OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=_interpreting(), enable_fp_fusion=FP_FUSION, **cfg)
+    if split and cnt is None:
         _sum_chunks(p, c, bias)
     return c
 

@@ -286,6 +286,13 @@ def cases():
                                                out_dtype=bf, _mode=mode)))
             out.append((f"invariant_mm fp32{sfx} M={m}", f"invariant_mm fp32{sfx}", lambda m=m, mode=mode:
                         invariant.invariant_mm(torch.zeros(m, hidden), torch.zeros(256, hidden), _mode=mode)))
+        # split mode with the chunks' sum in the GEMM (each tile's last program: one kernel)
+        out.append((f"invariant_blockwise_mm split fused M={m}", "invariant_blockwise_mm split fused",
+                    lambda m=m: invariant.invariant_blockwise_mm(_qtensor(m, hidden, 1), _qtensor(inter, hidden, 128),
+                                                                 out_dtype=bf, _mode="split", _fused=True)))
+        out.append((f"invariant_mm bf16 split fused M={m}", "invariant_mm bf16 split fused", lambda m=m:
+                    invariant.invariant_mm(torch.zeros(m, hidden, dtype=bf), torch.zeros(inter, hidden, dtype=bf),
+                                           out_dtype=bf, _mode="split", _fused=True)))
         if m != 7:  # gate/up (N = 2 x 8960): K in one chunk, the unsplit kernel at every M
             out.append((f"invariant_blockwise_mm whole M={m}", "invariant_blockwise_mm whole", lambda m=m:
                         invariant.invariant_blockwise_mm(_qtensor(m, hidden, 1), _qtensor(2 * inter, hidden, 128),

@@ -132,9 +132,22 @@ def test_mm_decode_and_training_launches_give_the_same_bits(inv, dtype, out_dtyp
     chunked = inv.invariant_mm(a, b, bias, out_dtype, _mode="chunked")
     assert same_bits(split, chunked)
     assert same_bits(inv.invariant_mm(a, b, bias, out_dtype), chunked)
+    _check_fused_sum(inv, lambda f: inv.invariant_mm(a, b, bias, out_dtype, _mode="split", _fused=f), split)
     for rows in ([0], [69], [64, 3]):
         assert same_bits(inv.invariant_mm(a[rows], b, bias, out_dtype), chunked[rows]), rows
         assert same_bits(inv.invariant_mm(a[rows], b, bias, out_dtype, _mode="chunked"), split[rows]), rows
+
+
+def _check_fused_sum(inv, run, split):
+    """Split mode's sum in the GEMM (each tile's last program adds the chunks' partials) and in a second
+    kernel: the same bits, twice in a row (the arrival counters are back at zero after each call: a
+    later call, or a CUDA graph's replay, starts clean)."""
+    from jetrl_cli.kernels import fp8
+
+    for _ in range(2):
+        assert same_bits(run(True), split)
+        assert not fp8._SPLIT_COUNTERS[str(split.device)].any()
+    assert same_bits(run(False), split)
 
 
 def chunk_sum(parts, steps, reverse=False):
@@ -186,6 +199,7 @@ def test_mm_adds_the_chunks_in_order(inv, out_dtype):
         assert not same_bits(wrong + bias, chunk_sum(parts, steps) + bias)  # the data tell these apart (in fp32)
     for mode in ("split", "chunked"):
         assert same_bits(inv.invariant_mm(a, b, bias, out_dtype, _mode=mode), want), mode
+    assert same_bits(inv.invariant_mm(a, b, bias, out_dtype, _mode="split", _fused=True), want)
 
 
 def test_k_chunks_is_the_documented_rule(inv):
@@ -287,6 +301,7 @@ def test_blockwise_mm_decode_and_training_launches_give_the_same_bits(inv, b_blo
     split = inv.invariant_blockwise_mm(a, b, bias, out_dtype, _mode="split")
     chunked = inv.invariant_blockwise_mm(a, b, bias, out_dtype, _mode="chunked")
     assert same_bits(split, chunked) and same_bits(inv.invariant_blockwise_mm(a, b, bias, out_dtype), chunked)
+    _check_fused_sum(inv, lambda f: inv.invariant_blockwise_mm(a, b, bias, out_dtype, _mode="split", _fused=f), split)
     for rows in ([0], [69], [64, 3]):
         alone = quantize(x[rows], spec)
         assert same_bits(inv.invariant_blockwise_mm(alone, b, bias, out_dtype), chunked[rows]), rows

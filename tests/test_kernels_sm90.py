@@ -223,6 +223,7 @@ def test_the_norm_quantizer_divides_and_takes_the_root_exactly(report):
 
 @pytest.mark.parametrize("group", ["invariant_mm bf16", "invariant_mm fp32", "invariant_blockwise_mm",
                                    "invariant_mm bf16 split", "invariant_mm fp32 split", "invariant_blockwise_mm split",
+                                   "invariant_mm bf16 split fused", "invariant_blockwise_mm split fused",
                                    "invariant_mm bf16 whole", "invariant_blockwise_mm whole",
                                    "invariant_attention bf16", "invariant_attention fp32", "invariant_rms_norm",
                                    "invariant_log_softmax", "invariant_attention fp8 cache"])
@@ -231,7 +232,8 @@ def test_invariant_kernels_compile_to_one_arithmetic(report, group):
     the same floating-point instructions in the same program order in the PTX, and the same ones in
     the SASS (whose order is the scheduler's: it interleaves independent instructions, it does not
     reassociate them). The GEMMs in each launch mode (split mode: its two kernels, each compared
-    with itself; whole: a weight whose K is one chunk); the log-softmax's two kernels (a row's chunk
+    with itself; split fused: the chunks' sum in the GEMM's last program of a tile, one kernel; whole: a
+    weight whose K is one chunk); the log-softmax's two kernels (a row's chunk
     pairs, and their combination with x - lse), each compared with itself."""
     by_kernel = collections.defaultdict(list)
     for k in _by_group(report)[group]:
