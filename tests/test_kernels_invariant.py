@@ -579,3 +579,35 @@ def test_row_kernels_reject_bad_input(inv):
         inv.invariant_log_softmax(torch.randn(3, 8).half())
     with pytest.raises(ValueError, match="non-empty last dim"):
         inv.invariant_log_softmax(torch.randn(3, 0))
+
+
+@pytest.mark.parametrize("how", ["faster", "slower", "other bits", "fails"])
+def test_the_split_sum_in_the_gemm_is_a_timed_choice_kept_only_with_the_same_bytes(inv, monkeypatch, how):
+    """On a GPU the first split call of a weight shape times the chunks' sum in the GEMM against the
+    second kernel and keeps the faster -- the fused one only where it wrote the second kernel's bytes;
+    a timing that fails keeps the two kernels. Each decision says why (``note_kernel``). Here the
+    device's clock is stood in for: the fused way "takes" 1 or 3 units, the two kernels 2."""
+    from jetrl_cli.precision import gemm
+
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    g = gen(21)
+    a, b = randn(4, 1024, g=g, dtype=BF16), randn(72, 1024, g=g, scale=0.1, dtype=BF16)
+
+    def run(fused):
+        if how == "fails":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        c = inv.invariant_mm(a, b, None, BF16, _mode="split", _fused=fused)
+        return c + 1 if fused and how == "other bits" else c
+
+    times = iter([2.0, 1.0 if how == "faster" else 3.0])
+    monkeypatch.setattr(gemm, "device_time_ms", lambda fn, device: (fn(), next(times))[1])
+    choice = inv._choose_fused_sum("bf16 test op", run, torch.device("cpu"))
+    assert choice is gemm.kernel_choice("bf16 test op", torch.device("cpu"))
+    assert choice["fused"] is (how == "faster")
+    assert choice["kernel"] == ("summed by the last program" if how == "faster" else "two kernels")
+    if how == "other bits":
+        assert "not the two kernels' bytes" in choice["why"] and list(choice["timings_ms"]) == ["two kernels"]
+    elif how == "fails":
+        assert choice["why"].startswith("not timed (RuntimeError: CUDA error")
+    else:
+        assert set(choice["timings_ms"]) == {"two kernels", "summed by the last program"}
