@@ -153,8 +153,11 @@ class TrunkGraphs:
         return f"{self.captures} captured{more}"
 
     def report(self) -> str:
-        """``state`` and the forward replays so far (a bench row's ``train_graphs``)."""
-        return self.state() if self.disabled is not None else f"{self.state()}, {self.replays} replays"
+        """``state``, the forward replays so far and the backward replays among them that wrote the
+        gradients (an optimizer step's first: a bench row's ``train_graphs``)."""
+        if self.disabled is not None:
+            return self.state()
+        return f"{self.state()}, {self.replays} replays ({self.first_replays} writing the gradients)"
 
     def groups(self) -> list:
         return [g for g in self.model.linear_groups() if g[1] is not self.model.lm_head]
