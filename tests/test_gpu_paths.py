@@ -1441,13 +1441,7 @@ def test_a_micro_batch_adds_its_gradients_into_the_grads_held(monkeypatch, flow_
     for bit, a repeated token's embedding row included."""
     from jetrl_cli.precision.linear import JetLinear
 
-    vocab = 256
-    gemm.set_force_native(native)
-    gemm.reset_resolutions()
-    try:
-        base = _logprob_model(monkeypatch, flow_name, tied=tied, sliced=sliced, layers=2, vocab=vocab)
-        batches = [(_batch(vocab, n=n, t=30, seed=int(torch.randint(0, 2**31, ()))), int(torch.randint(0, 2**31, ())))
-                   for n in (3, 2)]
+    with _two_micro_batches(monkeypatch, flow_name, tied, native, sliced, t=30) as (base, batches):
         b2 = batches[1][0]
         b2.ids[1, 3:9] = b2.ids[0, 5]  # a token repeated in the second micro-batch
         summed, ops, into, m = _in_place_grads(monkeypatch, base, batches, True)
@@ -1467,6 +1461,19 @@ def test_a_micro_batch_adds_its_gradients_into_the_grads_held(monkeypatch, flow_
         assert summed.keys() == autograd.keys()
         for n, g in summed.items():
             assert torch.equal(g, autograd[n]), n
+
+
+@contextlib.contextmanager
+def _two_micro_batches(monkeypatch, flow_name: str, tied: bool, native: bool, sliced: bool, t: int):
+    """``(model, [(batch, loss seed)] * 2)`` for the in-place gradient tests: a two-layer model of the
+    flow (the native path forced where ``native``), micro-batches of 3 and 2 sequences of ``t`` tokens."""
+    vocab = 256
+    gemm.set_force_native(native)
+    gemm.reset_resolutions()
+    try:
+        base = _logprob_model(monkeypatch, flow_name, tied=tied, sliced=sliced, layers=2, vocab=vocab)
+        yield base, [(_batch(vocab, n=n, t=t, seed=int(torch.randint(0, 2**31, ()))), int(torch.randint(0, 2**31, ())))
+                     for n in (3, 2)]
     finally:
         gemm.set_force_native(False)
         gemm.reset_resolutions()
@@ -1485,13 +1492,7 @@ def test_within_grads_written_a_backward_writes_the_grads_held_not_adds(monkeypa
     backward's, bit for bit."""
     from jetrl_cli.precision import linear
 
-    vocab = 256
-    gemm.set_force_native(native)
-    gemm.reset_resolutions()
-    try:
-        base = _logprob_model(monkeypatch, flow_name, tied=tied, sliced=sliced, layers=2, vocab=vocab)
-        batches = [(_batch(vocab, n=n, t=24, seed=int(torch.randint(0, 2**31, ()))), int(torch.randint(0, 2**31, ())))
-                   for n in (3, 2)]
+    with _two_micro_batches(monkeypatch, flow_name, tied, native, sliced, t=24) as (base, batches):
         fresh = _in_place_grads(monkeypatch, base, batches[1:], False)[0]
         sunk = []
 
@@ -1515,9 +1516,6 @@ def test_within_grads_written_a_backward_writes_the_grads_held_not_adds(monkeypa
         assert written.keys() == fresh.keys()
         for n, g in written.items():
             assert torch.equal(g, fresh[n]), n
-    finally:
-        gemm.set_force_native(False)
-        gemm.reset_resolutions()
 
 
 @contextlib.contextmanager
