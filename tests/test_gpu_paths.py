@@ -2017,18 +2017,24 @@ def test_blockwise_scaled_mm_matches_the_emulated_gemm_on_gpu(kind, t):
     assert error_stats(ref, got)["rel_err"] < tol
 
 
+def _hopper_scaled_mm(monkeypatch) -> torch.device:
+    """The CUDA device, for a test of torch's blockwise ``scaled_mm`` API (skipped without a Hopper GPU
+    or without ``torch.nn.functional.scaled_mm``), with no per-device kernel decision made yet."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("blockwise FP8 needs a Hopper GPU")
+    if gemm._scaled_mm_v2() is None:
+        pytest.skip("this torch has no torch.nn.functional.scaled_mm")
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    return torch.device("cuda")
+
+
 @gpu
 @needs_cuda
 def test_a_blockwise_gemms_bias_on_gpu_is_in_the_epilogue_or_after_as_reported(monkeypatch):
     """On Hopper the q/k/v GEMM's bias goes into scaled_mm's epilogue where cuBLASLt takes it with
     block scales (else it is added after, and the refusal said); either way the result is the
     emulated GEMM plus the bias, within the bf16 output's rounding."""
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("blockwise FP8 needs a Hopper GPU")
-    if gemm._scaled_mm_v2() is None:
-        pytest.skip("this torch has no torch.nn.functional.scaled_mm")
-    monkeypatch.setattr(gemm, "_KERNELS", {})
-    dev = torch.device("cuda")
+    dev = _hopper_scaled_mm(monkeypatch)
     t, k, n = 64, 1024, 768
     a, b = _blockwise_operands("fprop", torch.randn(t, k, device=dev), torch.randn(n, k, device=dev) * 0.02, None)
     bias = torch.randn(n, device=dev).bfloat16()
@@ -2044,12 +2050,7 @@ def test_a_blockwise_gemms_bias_on_gpu_is_in_the_epilogue_or_after_as_reported(m
 def test_an_fp8_wgrad_into_the_gradient_on_gpu_is_the_functional_calls_bits(monkeypatch):
     """On Hopper a blockwise FP8 Wgrad written by scaled_mm into the gradient (``out=``) holds the
     functional call's product bit for bit, or the refusal is reported and nothing is written."""
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("blockwise FP8 needs a Hopper GPU")
-    if gemm._scaled_mm_v2() is None:
-        pytest.skip("this torch has no torch.nn.functional.scaled_mm")
-    monkeypatch.setattr(gemm, "_KERNELS", {})
-    dev = torch.device("cuda")
+    dev = _hopper_scaled_mm(monkeypatch)
     t, k, n = 512, 1024, 768
     a, b = _blockwise_operands("wgrad", torch.randn(t, k, device=dev), None, torch.randn(t, n, device=dev))
     be = gemm.ScaledMMBackend()
