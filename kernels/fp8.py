@@ -1535,9 +1535,10 @@ def _weight_stacks(groups, fmt: Format, pow2_scale: bool, amax_floor: float, tra
 # there). An early version wrote W^T in the quantizer and got garbage bytes on sm_90 with Triton 3.6,
 # as the activation quantizer's transposed stores did while ``_scaled`` clamped with
 # ``tl.clamp(propagate_nan=ALL)`` (triton-lang/triton#11111; the clamp is gone); whether that was the
-# cause here the byte check below settles: on a GPU the first transposed weight quantization times both
-# ways on a TIMING_SHAPE fp32 weight, the quantizer's only where its W^T bytes equal the transpose's
-# there (``_choose_wt``). On CPU: after.
+# cause here the byte check below settles: on a GPU the first transposed weight quantization checks the
+# quantizer's bytes (``_wt_exact``) and, only where they are exact, times both ways on a TIMING_SHAPE fp32
+# weight (``_choose_wt``). On an H200 on 2026-11-28 they were not (two rows of W^T wrong, in a test), after
+# a check on fresh outputs had let them through: the check now fills the outputs first. On CPU: after.
 WT_OP = "fp8 weight W^T"
 WT_WAYS = ("after", "quantizer")
 _WT_FORCED: str | None = None  # one of WT_WAYS while set by wt_with
@@ -1561,25 +1562,17 @@ def _wt_in_quantizer(dev: torch.device) -> bool:
 def _choose_wt(device: torch.device) -> dict:
     """Time ``quantize_weight(w, transposed=True)`` of a TIMING_SHAPE fp32 weight with W^T written each of
     ``WT_WAYS`` on ``device`` and record the faster with ``note_kernel``; the quantizer's way is a
-    candidate only where its W^T (bytes and scales) equals the other's, on a stack of two weights, the
-    second 144 rows (a partial block; every field a multiple of 16, as the model's are, so the compiled
-    variant checked is the one a step runs). During a graph capture: after, unrecorded."""
+    candidate only where ``_wt_exact`` finds every byte it writes equal to the other's. During a graph
+    capture: after, unrecorded."""
     if gemm.capturing(device):
         return {"kernel": "after"}
-    global _WT_FORCED, _ONE_BUFFER
+    global _WT_FORCED
     g = torch.Generator().manual_seed(0)
     m, k = TIMING_SHAPE
-    stack = [(torch.randn(256, 384, generator=g) * 0.02).to(device), torch.randn(144, 384, generator=g).to(device)]
     w = torch.randn(m, k, generator=g).to(device)
-    before, one_buffer, _ONE_BUFFER = _WT_FORCED, _ONE_BUFFER, False  # its own allocations (a capture's
-    try:  # warm-up decides it: the buffer and job tables it makes are the capture's)
-        got = {}
-        for way in WT_WAYS:
-            _WT_FORCED = way
-            got[way] = quantize_weight_stack(stack, transposed=True)[1]
-        a, b = got["after"], got["quantizer"]
-        if not (torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
-                and torch.equal(scale_buffer(a).view(torch.int32), scale_buffer(b).view(torch.int32))):
+    before = _WT_FORCED
+    try:
+        if not _wt_exact(device):
             return gemm.note_kernel(WT_OP, device, "after", "the quantizer's W^T bytes differ from the transpose's")
         t = {}
         for way in WT_WAYS:
@@ -1588,10 +1581,51 @@ def _choose_wt(device: torch.device) -> dict:
     except Exception as e:  # noqa: BLE001 - nothing timed: after, said why
         return gemm.note_kernel(WT_OP, device, "after", _untimed(e))
     finally:
-        _WT_FORCED, _ONE_BUFFER = before, one_buffer
+        _WT_FORCED = before
     best = min(t, key=t.get)
     why = f"timed on a {m} x {k} fp32 weight: " + ", ".join(f"{way} {ms:.3f} ms" for way, ms in t.items())
     return gemm.note_kernel(WT_OP, device, best, why, timings_ms=t)
+
+
+WT_CHECK_FILLS = (0x00, 0xFF, 0x5A)  # bytes the outputs hold before the quantizer's way writes them
+
+
+def _wt_exact(device: torch.device) -> bool:
+    """Whether W^T written by the quantizer equals, bytes and scales (pads included), W^T transposed after
+    it, on a stack of two weights, the second 144 rows (a partial block; every field a multiple of 16,
+    as the model's are, so the compiled variant checked is the one a step runs) with a NaN block: into
+    outputs filled beforehand with each of ``WT_CHECK_FILLS`` (a byte it leaves unwritten cannot equal
+    the transpose's under them all, whatever the allocator hands out), and into one buffer
+    (``stacks_in_one_buffer``, a graphed step's). On an H200 (Triton 3.6) the quantizer's W^T once
+    passed a check on fresh outputs of this stack without the NaN, and then wrote wrong bytes in two
+    rows of W^T in a test's run of it with one: every case of that test is here."""
+    global _WT_FORCED, _ONE_BUFFER
+    g = torch.Generator().manual_seed(0)
+    stack = [(torch.randn(256, 384, generator=g) * 0.02).to(device), torch.randn(144, 384, generator=g).to(device)]
+    stack[1][3, 7] = float("nan")
+    before, one_buffer = _WT_FORCED, _ONE_BUFFER
+    try:
+        _WT_FORCED, _ONE_BUFFER = "after", False
+        want = quantize_weight_stack(stack, transposed=True)
+        held = quantize_weight_stack(stack, transposed=True)  # the same layout, to be overwritten
+        _WT_FORCED = "quantizer"
+        for fill in WT_CHECK_FILLS:
+            for q in held:
+                q.data.view(torch.uint8).fill_(fill)
+                scale_buffer(q).view(torch.uint8).fill_(fill)
+            if not _same_operands(want, quantize_weight_stack(stack, transposed=True, held=held)):
+                return False
+        _ONE_BUFFER = True
+        return _same_operands(want, quantize_weight_stacks([stack], transposed=True)[0])
+    finally:
+        _WT_FORCED, _ONE_BUFFER = before, one_buffer
+
+
+def _same_operands(a: tuple[QTensor, QTensor], b: tuple[QTensor, QTensor]) -> bool:
+    """Whether two ``(W, W^T)`` results hold the same bytes and scale buffers (pads and NaNs included)."""
+    return all(torch.equal(x.data.view(torch.uint8), y.data.view(torch.uint8))
+               and torch.equal(scale_buffer(x).view(torch.int32), scale_buffer(y).view(torch.int32))
+               for x, y in zip(a, b))
 
 
 _ONE_BUFFER = False  # within ``stacks_in_one_buffer``

@@ -478,7 +478,7 @@ def test_weight_stacks_of_a_model_are_one_launch_and_the_groups_bits(fp8, monkey
         monkeypatch.setattr(fp8, name, Counted())
     for transposed in (True, False):
         launches.clear()
-        with fp8.transpose_with("triton"):
+        with fp8.transpose_with("triton"), fp8.wt_with("after"):  # W^T by the transpose on a GPU too
             got = fp8.quantize_weight_stacks(groups, E4, transposed=transposed)
         assert launches == ({"_weight_quant_kernel": 2, "_transpose_words_kernel": 1} if transposed
                             else {"_weight_quant_kernel": 2})  # fp32 and bf16 weights, one launch each
@@ -491,6 +491,9 @@ def test_weight_stacks_of_a_model_are_one_launch_and_the_groups_bits(fp8, monkey
                 assert torch.equal(bytes_of(a.data), bytes_of(b.data))
                 assert torch.equal(layouts.scale_buffer(a).view(torch.int32), layouts.scale_buffer(b).view(torch.int32))
         assert bool(got[0][0].scale.isnan().any()) and (not transposed or bool(got[0][1].scale.isnan().any()))
+    # the strided weight made contiguous here: the kernel reads a copy of it, new at each call, whose
+    # address (a table field) a CPU may hand out anew each time
+    groups = [[w.contiguous() for w in ws] for ws in groups]
     helds = fp8.quantize_weight_stacks(groups, E4, transposed=True)
     tables = dict(fp8._JOB_TABLES)
     with fp8.transpose_with("triton"):  # the same tensors and outputs again: the same job tables, kept on the device
@@ -1150,7 +1153,15 @@ def test_the_weight_quantizer_can_write_w_t_itself_with_the_transposes_bits(fp8,
     """``wt_with("quantizer")``: the weight quantizer writes W^T's bytes from the tile it holds (one
     launch per weight dtype, no transpose after it) -- W, W^T, their scales and pads bit for bit as
     when W^T is transposed after the quantizer, a NaN block, partial blocks, ragged widths and a
-    stack in one buffer included; its launch says ``WT``, vector-aligned where every field is."""
+    stack in one buffer included; its launch says ``WT``, vector-aligned where every field is. (On a GPU whose compiled
+    kernel is not exact -- an H200 with Triton 3.6 on 2026-11-28 -- what is checked is that it is never chosen.)"""
+    where = torch.device(dev())
+    if where.type == "cuda" and not fp8._wt_exact(where):
+        from jetrl_cli.precision import gemm
+
+        monkeypatch.setattr(gemm, "_KERNELS", {})
+        assert not fp8._wt_in_quantizer(where)
+        pytest.xfail("the weight quantizer's W^T bytes are not exact on this GPU: W^T is transposed after it")
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     groups = [[torch.randn(256, 384, generator=g) * 0.02, torch.randn(144, 384, generator=g)],
               [torch.randn(132, 384, generator=g).to(torch.bfloat16)],
@@ -1196,8 +1207,9 @@ def test_the_weight_quantizer_can_write_w_t_itself_with_the_transposes_bits(fp8,
 def test_the_w_t_way_is_chosen_once_per_device_and_only_if_exact(fp8, monkeypatch):
     """On a GPU the first transposed weight quantization times W^T written by the quantizer against
     its bytes transposed after it, on an fp32 weight, and keeps the faster, reported; the quantizer's
-    way only where its W^T equals the transpose's (a miscompiled transposed store is caught here); a
-    failing timing keeps the transpose; during a capture nothing is decided. (Scripted times.)"""
+    way only where ``_wt_exact`` finds its W^T equal to the transpose's -- a byte written wrong, or left
+    as the output held it (a miscompiled transposed store), is caught; a failing timing keeps the
+    transpose; during a capture nothing is decided. (Scripted times.)"""
     from jetrl_cli.precision import gemm
 
     monkeypatch.setattr(gemm, "_KERNELS", {})
@@ -1212,30 +1224,47 @@ def test_the_w_t_way_is_chosen_once_per_device_and_only_if_exact(fp8, monkeypatc
 
     monkeypatch.setattr(gemm, "device_time_ms", device_time_ms)
     where = torch.device(dev())
+    real_exact = fp8._wt_exact
+    exact = real_exact(where)  # on CPU (Triton's interpreter) the quantizer's W^T is exact
+    assert exact or where.type == "cuda"
+    monkeypatch.setattr(fp8, "_wt_exact", lambda device: True)  # the timed choice, whatever this GPU's bytes
     got = fp8._choose_wt(where)
-    assert timed == ["after", "quantizer"] and fp8._WT_FORCED is None
+    assert timed == ["after", "quantizer"] and fp8._WT_FORCED is None, got
     assert got["kernel"] == "quantizer" and gemm.kernel_choice(fp8.WT_OP, where) is got
     assert got["why"] == "timed on a 256 x 384 fp32 weight: after 2.000 ms, quantizer 1.000 ms"
     if where.type == "cuda":  # the choice in use
         assert fp8._wt_in_quantizer(where)
     else:  # CPU: the transpose after the quantizer unless forced
         assert not fp8._wt_in_quantizer(where)
+    monkeypatch.setattr(fp8, "_wt_exact", real_exact)
     real = fp8._weight_quant_kernel
 
-    class OneByteOff:  # the quantizer's W^T one byte off
+    class Broken:  # the quantizer's W^T one byte off, or its first two rows left unwritten
+        def __init__(self, how):
+            self.how = how
+
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
+                wt = args[6]  # the first job's W^T (its columns of the stack's), when WT
+                held = wt[:2].clone() if kwargs["WT"] else None
                 out = real[grid](*args, **kwargs)
-                if kwargs["WT"]:
-                    args[6].view(torch.uint8).view(-1)[0] ^= 1
+                if kwargs["WT"] and self.how == "byte":
+                    wt.view(torch.uint8).view(-1)[0] ^= 1
+                elif kwargs["WT"]:
+                    wt[:2].copy_(held)
                 return out
             return launch
 
-    monkeypatch.setattr(fp8, "_weight_quant_kernel", OneByteOff())
-    got = fp8._choose_wt(where)
-    assert got["kernel"] == "after" and got["why"] == "the quantizer's W^T bytes differ from the transpose's"
+    for how in ("byte", "rows"):
+        monkeypatch.setattr(fp8, "_weight_quant_kernel", Broken(how))
+        assert not fp8._wt_exact(where), how
+        gemm._KERNELS.clear()
+        got = fp8._choose_wt(where)
+        assert got["kernel"] == "after" and got["why"] == "the quantizer's W^T bytes differ from the transpose's"
     monkeypatch.setattr(fp8, "_weight_quant_kernel", real)
-
+    gemm._KERNELS.clear()
+    assert fp8._choose_wt(where)["kernel"] == ("quantizer" if exact else "after")
+    monkeypatch.setattr(fp8, "_wt_exact", lambda device: True)
     _untimed_then_undecided_in_a_capture(monkeypatch, fp8._choose_wt, fp8.WT_OP, "after", where)
     assert fp8._WT_FORCED is None
     with pytest.raises(ValueError, match="wt_with: allowed after, quantizer, got sideways"):
