@@ -56,8 +56,10 @@ def backend_lines(report: dict | None) -> list[str]:
             limited = fused.get("eager_variants")
             out.append(f"fused (torch.compile): {', '.join(fused['fused'])}"
                        + (f"; some calls eager past the recompile limit: {', '.join(limited)}" if limited else ""))
-        else:
+        elif "disabled" in fused:
             out.append(f"fusion off, eager: {fused['disabled']}")
+        if fused.get("exact"):
+            out.append(f"batch-invariant forward, one kernel op by op: {', '.join(fused['exact'])}")
     for k in report.get("kernels", []):
         out.append(f"{k['op']} on {k['device']}: {k['kernel']}" + (f" ({k['why']})" if k.get("why") else ""))
     return out

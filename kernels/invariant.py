@@ -29,9 +29,12 @@ is not associative, so the low bits differ, and so do the logprobs.
   (a wide weight, a short K) both modes are the unsplit kernel. ``invariant_blockwise_mm`` follows
   ``kernels.fp8.blockwise_mm``'s math: per 128-wide K block an fp32 dot of the fp8 values, times the
   two scales, added to the chunk's fp32 sum in K order (its ``split=S`` runs, summed in the same order).
-- ``invariant_attention``: one program owns a block of query rows of one (sequence, head) and walks
-  ALL their keys in fixed blocks of ``ATT_BLOCK_N`` from key 0 upward (online softmax; no split-KV,
-  whatever t or the key width). A query at key index p sees keys 0..p; blocks past p are fully
+- ``invariant_attention``: one program owns a block of query rows of one (sequence, KV head) -- the
+  (query head, query) pairs of that KV head's group of query heads, head by head, so a decode step's
+  program takes the group's heads together and reads each key once for them -- and walks ALL their
+  keys in fixed blocks of ``ATT_BLOCK_N`` from key 0 upward (online softmax; no split-KV, whatever t
+  or the key width). A row's dots and softmax reductions are its own: which rows share a tile does not
+  change its bits. A query at key index p sees keys 0..p; blocks past p are fully
   masked for that row, and a fully masked block is an exact no-op on its running max, sum and
   output (rescale factor exp2(0) = 1, added terms exactly 0). So a decode query (t = 1, its program
   stops after p's block) and the same query inside the trainer's full sequence (its program walks
@@ -39,6 +42,8 @@ is not associative, so the low bits differ, and so do the logprobs.
 - ``invariant_rms_norm``: one program per row, the row read in chunks of ``ROW_BLOCK`` lanes; each
   lane accumulates its chunks in order, then one fixed-shape tree reduces the lanes. The number of
   rows only sets the number of programs.
+- ``exact_rope``, ``exact_swiglu``: elementwise chains in one kernel each, every operation rounded as
+  torch's op by op (no multiply-add contraction); see "elementwise chains" below.
 - ``invariant_log_softmax``: a row is cut into fixed chunks of ``SOFTMAX_CHUNK`` entries, one program
   each (a decode step's few rows of a 152K vocabulary would leave all but a few SMs idle, each
   program waiting on ~150 loads in a row, twice): per chunk, each lane's running max and sum of
@@ -58,8 +63,10 @@ read back and a second launch. Chunked mode adds to a prefill or training GEMM o
 accumulator element and chunk, and a second fp32 tile in registers (the FP8 kernel, whose block
 products take a third, then reads rows past the edges as the last row instead of masking them, to
 stay within 255 registers unspilled). The speed with the split is NOT measured yet. Decode attention
-without split-KV runs one program per (sequence, head) over the whole key range, which leaves SMs
-idle at small batch and long contexts (that is what flash-decoding exists to fix). For prefill and
+without split-KV runs one program per (sequence, KV head) over the whole key range, which leaves SMs
+idle at small batch and long contexts (that is what flash-decoding exists to fix); on the H200 one
+program per (sequence, query head), each using 1 of its 64 query rows, took 27.8 us a layer at 32
+sequences against 4.1 us for the fast path's decode kernel. For prefill and
 training the tile is a reasonable one, but one that no autotuner chose, and cuBLAS /
 FlashAttention-3 use Hopper's wgmma + TMA pipelines that Triton reaches only partly. fp32 operands
 run IEEE fp32 dots on the CUDA cores (no tensor cores, no TF32), many times slower than bf16: use
@@ -97,6 +104,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from jetrl_cli.precision.quant import QTensor
 
@@ -563,16 +571,22 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_p
                       F32_DOT: tl.constexpr, P_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
                       INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr):
-    seq = tl.program_id(1) // H
-    head = tl.program_id(1) % H
-    kvh = head // REP
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # one program: BLOCK_M rows of one sequence's KV head's group of REP query heads, its (query head,
+    # query) pairs taken head by head (row i: head i // T of the group, query i % T). A row's arithmetic
+    # is its own (the dots' rows, the softmax's row reductions): which rows share its tile does not
+    # change its bits, so a decode step (T = 1) takes a group's REP heads in one program, reading each
+    # key and value once for them, instead of one program per head with 1 of its BLOCK_M rows used
+    seq = tl.program_id(1) // (H // REP)
+    kvh = tl.program_id(1) % (H // REP)
+    ri = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     rd = tl.arange(0, BLOCK_D)
-    row_ok = rm < T
+    row_ok = ri < REP * T
+    head = kvh * REP + ri // T
+    rm = ri % T
     d_ok = rd < D
     pos = tl.load(pos_ptr + seq * spb + rm * spt, mask=row_ok, other=-1).to(tl.int32)
-    q = tl.load(q_ptr + seq * sqb + head * sqh + rm[:, None] * sqt + rd[None, :] * sqd,
+    q = tl.load(q_ptr + seq * sqb + head[:, None] * sqh + rm[:, None] * sqt + rd[None, :] * sqd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if F32_DOT:
         q = q.to(tl.float32)
@@ -608,7 +622,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_p
     l_i = tl.where(row_ok, l_i, 1.0)  # rows past t (not stored): no 0 / 0
     out = tl.math.div_rn(acc, l_i[:, None])
     out = _to_bf16(out, INTERPRET) if OUT_BF16 else out
-    tl.store(o_ptr + seq * sob + head * soh + rm[:, None] * sot + rd[None, :] * sod, out,
+    tl.store(o_ptr + seq * sob + head[:, None] * soh + rm[:, None] * sot + rd[None, :] * sod, out,
              mask=row_ok[:, None] & d_ok[None, :])
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # natural-log log-sum-exp of the scaled scores
     tl.store(lse_ptr + seq * slb + head * slh + rm * slt, lse, mask=row_ok)
@@ -648,7 +662,7 @@ def _attention_forward(q, k, v, q_pos, scale, kv_scales=None):
         return out, lse.fill_(float("-inf"))
     interp = _interpreting()
     bf16 = q.dtype == torch.bfloat16
-    grid = (triton.cdiv(t, ATT_BLOCK_M), b * h)
+    grid = (triton.cdiv(h // hk * t, ATT_BLOCK_M), b * hk)  # a KV head's query heads together
     ks, vs = kv_scales if kv_scales is not None else (q, q)  # unread when unscaled
     _attention_kernel[grid](
         q, k, v, ks, vs, q_pos, out, lse, h, h // hk, t, w, d, scale * LOG2E,
@@ -738,23 +752,44 @@ def attention_reference(q, k, v, q_pos=None, scale=None, compute_dtype=torch.flo
 # --- row kernels: RMSNorm and log-softmax -----------------------------------------------------------
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, stride_x, stride_y, OUT_BF16: tl.constexpr,
-                     INTERPRET: tl.constexpr, BLOCK: tl.constexpr):
+def _residual(x_ptr, d_ptr, row, stride_x, stride_d, cols, ok, HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr,
+              INTERPRET: tl.constexpr):
+    """A chunk of the norm's input row: x, or ``s = x + delta`` (one fp32 add, rounded to s's dtype)."""
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        x = x + tl.load(d_ptr + row * stride_d + cols, mask=ok, other=0.0).to(tl.float32)
+        if S_BF16:
+            x = _to_bf16(x, INTERPRET).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, d_ptr, s_ptr, w_ptr, y_ptr, r_ptr, N, eps, stride_x, stride_d, stride_s, stride_y,
+                     HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr, ROUND_BF16: tl.constexpr,
+                     OUT_BF16: tl.constexpr, WRITE_R: tl.constexpr, INTERPRET: tl.constexpr, BLOCK: tl.constexpr):
+    # one row: (``HAS_DELTA``: s = x + delta, written) the norm of s, rounded to bf16 where s or the
+    # output is bf16 (``ROUND_BF16``), stored in the output's dtype; the same reduction either way
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ss = tl.zeros((BLOCK,), dtype=tl.float32)  # one running sum of squares per lane
     for c0 in range(0, N, BLOCK):
-        x = tl.load(x_ptr + row * stride_x + c0 + cols, mask=c0 + cols < N, other=0.0).to(tl.float32)
+        ok = c0 + cols < N
+        x = _residual(x_ptr, d_ptr, row, stride_x, stride_d, c0 + cols, ok, HAS_DELTA, S_BF16, INTERPRET)
+        if HAS_DELTA:
+            _store_as(s_ptr + row * stride_s + c0 + cols, x, ok, S_BF16, INTERPRET)
         ss += x * x
     ms = tl.math.div_rn(tl.sum(ss, axis=0), N.to(tl.float32))
     r = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))  # correctly rounded, like torch's 1 / sqrt
+    if WRITE_R:
+        tl.store(r_ptr + row, r)
     for c0 in range(0, N, BLOCK):
         ok = c0 + cols < N
-        x = tl.load(x_ptr + row * stride_x + c0 + cols, mask=ok, other=0.0).to(tl.float32)
+        x = _residual(x_ptr, d_ptr, row, stride_x, stride_d, c0 + cols, ok, HAS_DELTA, S_BF16, INTERPRET)
         w = tl.load(w_ptr + c0 + cols, mask=ok, other=0.0).to(tl.float32)
         y = x * r * w
-        y = _to_bf16(y, INTERPRET) if OUT_BF16 else y
-        tl.store(y_ptr + row * stride_y + c0 + cols, y, mask=ok)
+        if ROUND_BF16:
+            y = _to_bf16(y, INTERPRET)
+        tl.store(y_ptr + row * stride_y + c0 + cols, y.to(tl.bfloat16 if OUT_BF16 else tl.float32), mask=ok)
 
 
 def _rows(where: str, x: torch.Tensor) -> torch.Tensor:
@@ -777,11 +812,42 @@ def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     _check_device(where, x2, weight)
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, n, float(eps), x2.stride(0), y.stride(0),
-                                         OUT_BF16=x.dtype == torch.bfloat16, INTERPRET=_interpreting(),
-                                         BLOCK=ROW_BLOCK, num_warps=ROW_WARPS,
-                                         enable_fp_fusion=FP_FUSION)
+        bf16 = x.dtype == torch.bfloat16
+        _rms_norm_kernel[(x2.shape[0],)](x2, x2, x2, weight.contiguous(), y, y, n, float(eps), x2.stride(0), 0, 0,
+                                         y.stride(0), HAS_DELTA=False, S_BF16=bf16, ROUND_BF16=bf16, OUT_BF16=bf16,
+                                         WRITE_R=False, INTERPRET=_interpreting(), BLOCK=ROW_BLOCK,
+                                         num_warps=ROW_WARPS, enable_fp_fusion=FP_FUSION)
     return y.reshape(x.shape)
+
+
+def invariant_add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                           out_dtype: torch.dtype, rsqrt: bool = False) -> tuple:
+    """``s = x + delta`` (a residual connection; s in their promoted dtype) and ``invariant_rms_norm(s)``
+    cast to ``out_dtype``, in one kernel: the bits of those three ops (an fp32 add rounded to s's dtype,
+    the norm's reduction unchanged, its output's rounding). ``(s, y)``, with ``rsqrt`` also the per-row
+    1 / sqrt(mean(s^2) + eps) (fp32, rows x 1), for a backward."""
+    where = "invariant_add_rms_norm"
+    x2, d2 = _rows(where, x), _rows(where, delta)
+    n = x2.shape[1]
+    s_dtype = torch.promote_types(x.dtype, delta.dtype)
+    if d2.shape != x2.shape or out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"{where}: delta {tuple(delta.shape)} must have x's shape {tuple(x.shape)}, and the "
+                         f"output dtype be bfloat16 or float32 (got {out_dtype})")
+    if weight.shape != (n,) or not weight.is_floating_point():
+        raise ValueError(f"{where}: weight must be a float ({n},) tensor, got {tuple(weight.shape)} {weight.dtype}")
+    _check_device(where, x2, d2, weight)
+    s = torch.empty(x2.shape, dtype=s_dtype, device=x.device)
+    y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    r = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x.device)
+    if x2.shape[0]:
+        s_bf16, out_bf16 = s_dtype == torch.bfloat16, out_dtype == torch.bfloat16
+        _rms_norm_kernel[(x2.shape[0],)](x2, d2, s, weight.contiguous(), y, r, n, float(eps), x2.stride(0),
+                                         d2.stride(0), s.stride(0), y.stride(0), HAS_DELTA=True, S_BF16=s_bf16,
+                                         ROUND_BF16=s_bf16 or out_bf16, OUT_BF16=out_bf16, WRITE_R=rsqrt,
+                                         INTERPRET=_interpreting(), BLOCK=ROW_BLOCK, num_warps=ROW_WARPS,
+                                         enable_fp_fusion=FP_FUSION)
+    s, y = s.reshape(x.shape), y.reshape(x.shape)
+    return (s, y, r.reshape(*x.shape[:-1], 1)) if rsqrt else (s, y)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -884,3 +950,128 @@ def _log_softmax_rows(x: torch.Tensor) -> torch.Tensor:
 def log_softmax_reference(x: torch.Tensor) -> torch.Tensor:
     """The math of ``invariant_log_softmax``: ``x - logsumexp(x)`` over the last dim, fp32 (fp64 for fp64)."""
     return torch.log_softmax(x.to(torch.promote_types(x.dtype, torch.float32)), dim=-1)
+
+
+# --- elementwise chains, op by op in one kernel ---------------------------------------------------------
+#
+# A batch-invariant forward runs RoPE and SwiGLU op by op (``precision.fuse.suspended``): a chain compiled
+# by torch.compile for the rollout and its autograd twin compiled for the trainer need not contract the
+# same multiply-adds. Op by op they were ~20 kernels a decoder layer (casts, a roll, products, sums,
+# exp; on the H200 about 1.1 ms of a 4.1 ms invariant decode step of Qwen2.5-1.5B at 32 rows). These
+# kernels run each chain as one, every operation the op-by-op one: no multiply-add contraction
+# (``enable_fp_fusion=False``), each product and sum rounded to fp32 as torch rounds it, one rounding to
+# the output dtype at the end. Elementwise, so a value's bits depend on its own inputs only; the rollout
+# and the trainer call the same kernel. RoPE (products and sums only) gives torch's op-by-op bits exactly;
+# SwiGLU's exp is libdevice's ``expf`` on a GPU (torch's CUDA ``exp`` is the same CUDA math library
+# function), numpy's in the interpreter.
+
+ELEMENTWISE_BLOCK, ELEMENTWISE_WARPS = 1024, 4
+
+
+@triton.jit
+def _exp_precise(x, INTERPRET: tl.constexpr):
+    if INTERPRET:  # the interpreter has no libdevice: numpy's exp
+        return tl.exp(x)
+    return libdevice.exp(x)
+
+
+@triton.jit
+def _store_as(ptr, y, mask, BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    if BF16:
+        tl.store(ptr, _to_bf16(y, INTERPRET), mask=mask)
+    else:
+        tl.store(ptr, y, mask=mask)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, c_ptr, s_ptr, q_ptr, k_ptr, H, HEADS, T, D, sxb, sxh, sxt, sxd, scb, sch, sct, scd,
+                 ssb, ssh, sst, ssd, sqb, sqh, sqt, skb, skh, skt, Q_BF16: tl.constexpr, K_BF16: tl.constexpr,
+                 INTERPRET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    # rows BLOCK_T of one (sequence, head): y = x * cos + roll(x, D / 2) * sin in fp32, the sum of two
+    # rounded products; heads below H are queries (into q), the rest keys (into k)
+    bi = tl.program_id(1) // HEADS
+    hi = tl.program_id(1) % HEADS
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rd = tl.arange(0, BLOCK_D)
+    ok = (rt < T)[:, None] & (rd < D)[None, :]
+    partner = (rd + D // 2) % D  # roll by half a head: [x2, x1]
+    at = x_ptr + bi.to(tl.int64) * sxb + hi * sxh + rt.to(tl.int64)[:, None] * sxt
+    x = tl.load(at + rd[None, :] * sxd, mask=ok, other=0.0).to(tl.float32)
+    xr = tl.load(at + partner[None, :] * sxd, mask=ok, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + bi.to(tl.int64) * scb + hi * sch + rt.to(tl.int64)[:, None] * sct + rd[None, :] * scd,
+                mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + bi.to(tl.int64) * ssb + hi * ssh + rt.to(tl.int64)[:, None] * sst + rd[None, :] * ssd,
+                mask=ok, other=0.0).to(tl.float32)
+    y = x * c + xr * s
+    if hi < H:
+        _store_as(q_ptr + bi.to(tl.int64) * sqb + hi * sqh + rt.to(tl.int64)[:, None] * sqt + rd[None, :], y, ok,
+                  Q_BF16, INTERPRET)
+    else:
+        _store_as(k_ptr + bi.to(tl.int64) * skb + (hi - H) * skh + rt.to(tl.int64)[:, None] * skt + rd[None, :], y,
+                  ok, K_BF16, INTERPRET)
+
+
+_ELEMENTWISE_OUT = (torch.bfloat16, torch.float32)
+
+
+def exact_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, h: int, q_dtype: torch.dtype,
+               k_dtype: torch.dtype):
+    """``models.llama._rope`` in one kernel with its op-by-op bits: ``x * cos + roll(x, d / 2) * sin`` in
+    fp32 over x (b, heads, t, d; any strides, bf16 or fp32), cos and sin broadcastable to it (fp32 or
+    bf16); the first ``h`` heads returned as queries in ``q_dtype``, the rest as keys in ``k_dtype``
+    (contiguous (b, heads, t, d) tensors). None where it does not apply (other dtypes or ranks, an odd d):
+    the caller runs the ops."""
+    if (x.dim() != 4 or x.dtype not in _ELEMENTWISE_OUT or q_dtype not in _ELEMENTWISE_OUT
+            or k_dtype not in _ELEMENTWISE_OUT or x.shape[-1] % 2 or not 0 <= h <= x.shape[1]
+            or cos.dtype not in _ELEMENTWISE_OUT or sin.dtype not in _ELEMENTWISE_OUT):
+        return None
+    try:
+        c, s = torch.broadcast_to(cos, x.shape), torch.broadcast_to(sin, x.shape)
+    except RuntimeError:
+        return None
+    _check_device("exact_rope", x, c, s)
+    b, heads, t, d = x.shape
+    q = torch.empty((b, h, t, d), dtype=q_dtype, device=x.device)
+    k = torch.empty((b, heads - h, t, d), dtype=k_dtype, device=x.device)
+    if x.numel():
+        block_d = triton.next_power_of_2(d)
+        block_t = max(1, ELEMENTWISE_BLOCK // block_d)  # whatever t: one compilation for every call
+        _rope_kernel[(triton.cdiv(t, block_t), b * heads)](
+            x, c, s, q, k, h, heads, t, d, *x.stride(), *c.stride(), *s.stride(), *q.stride()[:3], *k.stride()[:3],
+            Q_BF16=q_dtype == torch.bfloat16, K_BF16=k_dtype == torch.bfloat16, INTERPRET=_interpreting(),
+            BLOCK_T=block_t, BLOCK_D=block_d, num_warps=ELEMENTWISE_WARPS, enable_fp_fusion=False)
+    return q, k
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, y_ptr, I, s_gu, s_y, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    # one row's columns BLOCK: g / (1 + exp(-g)) * u in fp32, each operation rounded as torch's
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < I
+    g = tl.load(gu_ptr + row * s_gu + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * s_gu + I + cols, mask=ok, other=0.0).to(tl.float32)
+    y = tl.math.div_rn(g, _exp_precise(-g, INTERPRET) + 1.0) * u
+    _store_as(y_ptr + row * s_y + cols, y, ok, OUT_BF16, INTERPRET)
+
+
+def exact_swiglu(gu: torch.Tensor, out_dtype: torch.dtype | None = None):
+    """``precision.linear._swiglu_math`` in one kernel, op by op: ``g / (1 + exp(-g)) * u`` in fp32 for
+    ``gu = [g, u]`` (last dim; bf16 or fp32), in ``out_dtype`` (default gu's). None where it does not
+    apply (other dtypes, an odd last dim): the caller runs the ops."""
+    out_dtype = out_dtype or gu.dtype
+    if gu.dim() == 0 or gu.dtype not in _ELEMENTWISE_OUT or out_dtype not in _ELEMENTWISE_OUT or gu.shape[-1] % 2:
+        return None
+    _check_device("exact_swiglu", gu)
+    g2 = gu.reshape(-1, gu.shape[-1])
+    if g2.shape[1] and g2.stride(1) != 1:
+        g2 = g2.contiguous()
+    i = g2.shape[1] // 2
+    y = torch.empty((g2.shape[0], i), dtype=out_dtype, device=gu.device)
+    if y.numel():
+        block = ELEMENTWISE_BLOCK
+        _silu_mul_kernel[(g2.shape[0], triton.cdiv(i, block))](
+            g2, y, i, g2.stride(0), y.stride(0), OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=_interpreting(),
+            BLOCK=block, num_warps=ELEMENTWISE_WARPS, enable_fp_fusion=False)
+    return y.reshape(*gu.shape[:-1], i)

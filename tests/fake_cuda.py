@@ -584,7 +584,8 @@ def main() -> int:
                       (int8, "_row_quant_kernel"),
                       (int8, "_rms_norm_rows_kernel"), (int8, "_swiglu_rows_kernel"),
                       *((invariant, k) for k in ("_mm_kernel", "_fp8_mm_kernel", "_chunk_sum_kernel", "_attention_kernel",
-                                                 "_rms_norm_kernel", "_lse_part_kernel", "_lse_apply_kernel"))):
+                                                 "_rms_norm_kernel", "_lse_part_kernel", "_lse_apply_kernel",
+                                                 "_rope_kernel", "_silu_mul_kernel"))):
         setattr(mod, name, _NoLaunch(name, report["triton_launches"]))  # wrappers run, on the device
     for name in ("quantize_weight_stack", "quantize_weight_stacks"):  # FP8 group weights, into their stacks
         def counted(*args, _fn=getattr(fp8, name), _name=name, **kwargs):

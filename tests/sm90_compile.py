@@ -301,6 +301,8 @@ def cases():
                 torch.zeros(m, hidden, dtype=bf), torch.zeros(2 * inter, hidden, dtype=bf), out_dtype=bf)))
         out.append((f"invariant_rms_norm M={m}", "invariant_rms_norm", lambda m=m: invariant.invariant_rms_norm(
             torch.zeros(m, hidden, dtype=bf), torch.ones(hidden), 1e-6)))
+        out.append((f"invariant_add_rms_norm M={m}", "invariant_add_rms_norm", lambda m=m: invariant.invariant_add_rms_norm(
+            torch.zeros(m, hidden), torch.zeros(m, hidden, dtype=bf), torch.ones(hidden), 1e-6, bf)))
         out.append((f"invariant_log_softmax M={m}", "invariant_log_softmax", lambda m=m: invariant.invariant_log_softmax(
             torch.zeros(m, vocab, dtype=bf))))
     out.append(("invariant_blockwise_mm down_proj M=32 bias", None, lambda: invariant.invariant_blockwise_mm(
@@ -350,6 +352,15 @@ def cases():
     out.append(("invariant_attention fp32 t=512", "invariant_attention fp32", att(512, 512, dtype=torch.float32)))
     for width in (300, 1024):
         out.append((f"invariant_attention fp32 decode w={width}", "invariant_attention fp32", att(1, width, dtype=torch.float32)))
+    # a batch-invariant forward's RoPE and SwiGLU chains, one kernel each: decode, prefill, training
+    angles = torch.zeros(4096, d)
+    for t in (1, 37, 512):
+        qk = torch.zeros(b, t, heads + 2 * kv_heads, d, dtype=bf).split((heads + kv_heads, kv_heads), 2)[0].transpose(1, 2)
+        cs = angles[torch.zeros(b, t, dtype=torch.long)][:, None]
+        out.append((f"exact_rope t={t}", "exact_rope", lambda qk=qk, cs=cs: invariant.exact_rope(qk, cs, cs, heads, bf, bf)))
+    for m in (1, 32, 4096):
+        out.append((f"exact_swiglu M={m}", "exact_swiglu", lambda m=m: invariant.exact_swiglu(
+            torch.zeros(m, 2 * inter, dtype=bf))))
     # a rollout step's keyed Gumbel-max: 512 rows of a 152K vocabulary
     out.append(("keyed_gumbel_argmax", None, lambda: sampling.keyed_gumbel_argmax(
         torch.zeros(512, vocab), torch.zeros(512, dtype=torch.int64), 12345)))

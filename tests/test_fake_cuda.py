@@ -79,7 +79,8 @@ def test_every_scenario_runs(report):
     # through autograd's C++ engine, which wants a CUDA context)
     assert set(report["rollout"]) - set(report["train_step"]) == {"bf16+invariant", "fp8-unified+invariant"}
     assert len(report["rollout"]) >= 7
-    for kernel in ("_mm_kernel", "_fp8_mm_kernel", "_attention_kernel", "_rms_norm_kernel", "_lse_part_kernel"):
+    for kernel in ("_mm_kernel", "_fp8_mm_kernel", "_attention_kernel", "_rms_norm_kernel", "_lse_part_kernel",
+                   "_rope_kernel", "_silu_mul_kernel"):  # the last two: RoPE and SwiGLU as one kernel each
         assert report["triton_launches"].get(kernel, 0) > 0, kernel  # the invariant kernels' wrappers ran
     # the fp8-unified scenario's FP8 KV cache is read as stored (the kernel's launch stood in)
     assert report["triton_launches"].get("decode_attention", 0) > 0 and report["triton_launches"].get("kv_store", 0) > 0

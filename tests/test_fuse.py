@@ -314,9 +314,12 @@ def test_a_variant_past_the_recompile_limit_runs_eagerly(native, monkeypatch):
     assert line.startswith("fused (torch.compile): ") and "eager past the recompile limit: add_rms_norm" in line
 
 
-def test_batch_invariant_forward_runs_op_by_op(native):
+def test_batch_invariant_forward_runs_op_by_op(native, monkeypatch):
     """A batch-invariant model's forward is not fused (a compiled forward and the trainer's autograd
-    twin need not round alike); its backward may be."""
+    twin need not round alike): op by op, RoPE and SwiGLU as one kernel each whose operations are the
+    op-by-op ones (``EXACT``; forced here for CPU tensors, in Triton's interpreter); its backward may be
+    fused."""
+    monkeypatch.setattr(fuse, "_force_exact", True)
     fuse.set_force(True, "aot_eager")
     # the batch-invariant ops are Triton kernels: on the GPU where there is one, else CPU tensors in
     # Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 there)
@@ -327,14 +330,18 @@ def test_batch_invariant_forward_runs_op_by_op(native):
     ids = torch.randint(1, 256, (2, 12)).to(dev)
     with torch.no_grad():
         m.hidden(ids)
-    assert fuse.report() is None
+    assert fuse.report() == {"exact": ["rope", "swiglu_math"]}
     m.hidden(ids).sum().backward()
-    assert fuse.report() == {"fused": ["rms_norm_grads", "split_rope_grad", "swiglu_grad"]}
+    # the residual adds' norms: the invariant kernel forward (add, norm and cast), one function backward
+    assert fuse.report() == {"fused": ["add_rms_norm_grads", "rms_norm_grads", "split_rope_grad", "swiglu_grad"],
+                             "exact": ["rope", "swiglu_math"]}
 
 
 def test_report_lines():
     assert backend_lines({"resolved": [], "fallbacks": [], "fused": {"fused": ["rms_norm", "swiglu_math"]}}) == [
         "fused (torch.compile): rms_norm, swiglu_math"]
+    assert backend_lines({"resolved": [], "fallbacks": [], "fused": {"exact": ["rope", "swiglu_math"]}}) == [
+        "batch-invariant forward, one kernel op by op: rope, swiglu_math"]
     assert backend_lines({"resolved": [], "fallbacks": []}) == []
 
 

@@ -2123,9 +2123,10 @@ def test_native_training_step_on_gpu_matches_cpu_emulation(flow):
 @pytest.mark.parametrize("flow_name,kv", [("bf16", None), ("fp8-unified", None), ("fp8-unified", "fp8_e4m3 row")])
 def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernels(flow_name, kv, forced_native, monkeypatch):
     """``precision.batch_invariant`` on the native (GPU) path, run here with Triton's interpreter:
-    GEMMs, attention, RMSNorm and the log-softmax go through kernels/invariant.py, and the rollout
-    (prefill, then decode steps of a few rows) gives the trainer's logprobs bit for bit. With an FP8
-    KV cache the decode steps' attention reads the FP8 bytes and scales as stored (``kv_scales``)."""
+    GEMMs, attention, RMSNorm (with its residual add), the log-softmax, RoPE and SwiGLU (bf16) go
+    through kernels/invariant.py, and the rollout (prefill, then decode steps of a few rows) gives the
+    trainer's logprobs bit for bit. With an FP8 KV cache the decode steps' attention reads the FP8
+    bytes and scales as stored (``kv_scales``)."""
     import os
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -2147,8 +2148,11 @@ def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernel
     assert flow.rollout.linear.backend == flow.train.linear.fprop.backend == "invariant"
     assert flow.skipped_linear().fprop.backend == "invariant" and "batch-invariant" in flow.short_str()
     calls = {}
+    from jetrl_cli.precision import fuse
+
+    monkeypatch.setattr(fuse, "_force_exact", True)  # the GPU's elementwise kernels for CPU tensors too
     for name in ("invariant_mm", "invariant_blockwise_mm", "invariant_attention", "invariant_rms_norm",
-                 "invariant_log_softmax"):
+                 "invariant_log_softmax", "invariant_add_rms_norm", "exact_rope", "exact_swiglu"):
         fn = getattr(invariant, name)
 
         def counted(*a, _fn=fn, _n=name, **k):
@@ -2174,9 +2178,12 @@ def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernel
         stats = tr.update(b, torch.randn(len(flat)), old, None, step=0)  # the backward need not be invariant
     assert torch.equal(old[b.mask], b.rollout_logp[b.mask])
     assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0 and not torch.equal(before, tr.model.lm_head.weight)
-    want = {"invariant_mm", "invariant_attention", "invariant_rms_norm", "invariant_log_softmax"}
+    want = {"invariant_mm", "invariant_attention", "invariant_rms_norm", "invariant_log_softmax",
+            "invariant_add_rms_norm", "exact_rope"}
     if flow_name == "fp8-unified":
         want.add("invariant_blockwise_mm")
+    else:  # FP8 flows' SwiGLU is their quantizer's kernel
+        want.add("exact_swiglu")
     if kv is not None:
         want.add("fp8 cache read as stored")
     assert want <= set(calls), calls

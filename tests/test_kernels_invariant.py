@@ -611,3 +611,120 @@ def test_the_split_sum_in_the_gemm_is_a_timed_choice_kept_only_with_the_same_byt
         assert choice["why"].startswith("not timed (RuntimeError: CUDA error")
     else:
         assert set(choice["timings_ms"]) == {"two kernels", "summed by the last program"}
+
+
+# --- elementwise chains (a batch-invariant forward's RoPE and SwiGLU) --------------------------------
+
+def fresh():
+    return gen(int(torch.randint(0, 2**31, ())))
+
+
+def rope_table(n, d, g):
+    """cos and sin as the model's table holds them (``sin`` with rotate_half's sign folded in)."""
+    ang = torch.arange(n, dtype=F32)[:, None] * torch.rand(d // 2, generator=g)
+    emb = torch.cat((ang, ang), dim=-1)
+    sin = emb.sin()
+    sin[:, : d // 2] *= -1
+    return emb.cos().to(DEV), sin.to(DEV)
+
+
+@pytest.mark.parametrize("b,t,h,hk,d", [(2, 5, 4, 2, 16), (3, 1, 12, 2, 64), (1, 70, 2, 1, 128)])
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_exact_rope_gives_the_op_by_op_bits(inv, b, t, h, hk, d, dtype):
+    """``exact_rope`` on queries and keys as a layer has them (a strided view of the q/k/v GEMM's
+    output, its positions' angles gathered from the table) gives, bit for bit, ``models.llama._rope``'s
+    op-by-op result in each output dtype: x * cos and roll(x) * sin rounded to fp32, their sum rounded,
+    then the cast. Zeros and a decode step (t = 1) included; what it cannot take returns None."""
+    from jetrl_cli.models import llama
+
+    g = fresh()
+    qkv = randn(b, t, h + 2 * hk, d, g=g, scale=3.0, dtype=dtype)
+    qkv[0, 0] = 0.0
+    qk = qkv.split((h + hk, hk), dim=2)[0].transpose(1, 2)
+    cos, sin = rope_table(200, d, g)
+    pos = torch.randint(0, 200, (b, t), generator=g).to(DEV)
+    c, s = cos[pos][:, None], sin[pos][:, None]
+    for q_dtype, k_dtype in ((dtype, dtype), (F32, BF16), (BF16, F32)):
+        got = inv.exact_rope(qk, c, s, h, q_dtype, k_dtype)
+        want = llama.apply_rope(qk.float(), c, s)
+        want = (want[:, :h].to(q_dtype), want[:, h:].to(k_dtype))
+        for x, y in zip(got, want):
+            assert x.is_contiguous() and same_bits(x, y), (q_dtype, k_dtype)
+    assert inv.exact_rope(qk[..., :-1], c[..., :-1], s[..., :-1], h, dtype, dtype) is None  # odd head dim
+    assert inv.exact_rope(qk.to(torch.float16), c, s, h, dtype, dtype) is None
+
+
+@pytest.mark.parametrize("rows,i", [(7, 40), (1, 8960), (33, 1500)])
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("out_dtype", [BF16, F32])
+def test_exact_swiglu_is_the_op_by_op_math(inv, rows, i, dtype, out_dtype):
+    """``exact_swiglu``: g / (1 + exp(-g)) * u in fp32, each operation rounded, one rounding to the
+    output. Against float64: the fp32 chain's bound (exp within 2 ulp -- numpy's in the interpreter,
+    libdevice's on a GPU -- then a sum, a division and a product, each one rounding) plus the output's
+    rounding; a row alone gives its bits in the batch; large |g| (exp over- and underflowing) and
+    zeros included."""
+    g = fresh()
+    gu = randn(rows, 2 * i, g=g, scale=4.0, dtype=dtype)
+    gu[0, :3] = torch.tensor([0.0, 100.0, -100.0], dtype=dtype)
+    got = inv.exact_swiglu(gu, out_dtype)
+    assert got.shape == (rows, i) and got.dtype == out_dtype
+    gf, uf = gu.double().chunk(2, dim=-1)
+    exact = gf / (1 + torch.exp(-gf)) * uf
+    # relative, and where exp(-g) overflows fp32 (g < -88.7: the result 0, its true value under
+    # 100 e^-88.7 |u|) absolute
+    bound = exact.abs() * (6 * U32 + (U16 if out_dtype == BF16 else 0)) + 1e-35 * uf.abs() + 1e-300
+    ok, worst = within(got, exact, bound)
+    assert ok, worst
+    assert same_bits(inv.exact_swiglu(gu[rows // 2:rows // 2 + 1], out_dtype), got[rows // 2:rows // 2 + 1])
+    assert same_bits(inv.exact_swiglu(gu.reshape(1, rows, 2 * i), out_dtype), got.reshape(1, rows, i))
+    assert inv.exact_swiglu(gu[:, :-1], out_dtype) is None  # odd width: the caller's ops
+
+
+def test_a_suspended_forward_runs_the_exact_chains_and_says_so(inv, monkeypatch):
+    """``precision.fuse``: inside ``suspended`` (a batch-invariant forward) ``_rope`` and ``_swiglu_math``
+    run their ``kernels.invariant`` kernel on a GPU's tensors (here forced, in the interpreter), and the
+    report lists them; outside, and for the functions without one, the ops run as before."""
+    from jetrl_cli.models import llama
+    from jetrl_cli.precision import fuse, linear
+
+    calls = []
+    for name in ("exact_rope", "exact_swiglu"):
+        real = getattr(inv, name)
+        monkeypatch.setattr(inv, name, lambda *a, real=real, name=name: (calls.append(name), real(*a))[1])
+    monkeypatch.setattr(fuse, "_force_exact", True)
+    fuse.reset_report()
+    g = fresh()
+    gu = randn(3, 64, g=g, dtype=BF16)
+    qk = randn(1, 3, 4, 16, g=g, dtype=BF16)
+    cos, sin = rope_table(8, 16, g)
+    c, s = cos[:4][None, None], sin[:4][None, None]
+    plain = linear._swiglu_math(gu), llama._rope(qk, c, s, 2, BF16, BF16)
+    assert calls == [] and not (fuse.report() or {}).get("exact")
+    with fuse.suspended(True):
+        inside = linear._swiglu_math(gu), llama._rope(qk, c, s, 2, BF16, BF16)
+    assert calls == ["exact_swiglu", "exact_rope"] and fuse.report()["exact"] == ["rope", "swiglu_math"]
+    assert same_bits(inside[1][0], plain[1][0]) and same_bits(inside[1][1], plain[1][1])  # RoPE: the same bits
+    torch.testing.assert_close(inside[0].float(), plain[0].float(), rtol=U16, atol=0)
+    fuse.reset_report()
+    assert fuse.report() is None
+
+
+@pytest.mark.parametrize("x_dtype,d_dtype", [(F32, BF16), (BF16, BF16), (F32, F32), (BF16, F32)])
+@pytest.mark.parametrize("out_dtype", [BF16, F32])
+def test_add_rms_norm_is_the_add_the_norm_and_the_cast(inv, x_dtype, d_dtype, out_dtype):
+    """``invariant_add_rms_norm``: a residual add, the batch-invariant norm and the cast to its
+    consumer's dtype in one kernel -- bit for bit ``x + delta`` (torch's add, in the promoted dtype),
+    ``invariant_rms_norm`` of it and ``.to(out_dtype)``; the per-row rsqrt within one rounding of
+    1 / sqrt(mean(s^2) + eps); a row alone gives its bits in the batch; rows of zeros included."""
+    g = fresh()
+    x, delta = randn(5, 3, 1500, g=g, scale=2.0, dtype=x_dtype), randn(5, 3, 1500, g=g, dtype=d_dtype)
+    x[0, 0], delta[0, 0] = 0.0, 0.0
+    w = randn(1500, g=g)
+    s, y, r = inv.invariant_add_rms_norm(x, delta, w, 1e-6, out_dtype, rsqrt=True)
+    want_s = x + delta
+    assert same_bits(s, want_s) and same_bits(y, inv.invariant_rms_norm(want_s, w, 1e-6).to(out_dtype))
+    sd = want_s.double()
+    exact_r = 1 / torch.sqrt((sd * sd).mean(-1, keepdim=True) + 1e-6)
+    assert r.shape == (5, 3, 1) and within(r, exact_r, exact_r * (1600 * U32))[0]
+    alone = inv.invariant_add_rms_norm(x[2, 1:2], delta[2, 1:2], w, 1e-6, out_dtype)
+    assert same_bits(alone[0], s[2, 1:2]) and same_bits(alone[1], y[2, 1:2])

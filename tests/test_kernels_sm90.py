@@ -226,7 +226,8 @@ def test_the_norm_quantizer_divides_and_takes_the_root_exactly(report):
                                    "invariant_mm bf16 split fused", "invariant_blockwise_mm split fused",
                                    "invariant_mm bf16 whole", "invariant_blockwise_mm whole",
                                    "invariant_attention bf16", "invariant_attention fp32", "invariant_rms_norm",
-                                   "invariant_log_softmax", "invariant_attention fp8 cache"])
+                                   "invariant_log_softmax", "invariant_attention fp8 cache", "exact_rope", "invariant_add_rms_norm",
+                                   "exact_swiglu"])
 def test_invariant_kernels_compile_to_one_arithmetic(report, group):
     """Decode (M = 1, 7; one query over a key width of 1, 300 or 1024), prefill and training calls:
     the same floating-point instructions in the same program order in the PTX, and the same ones in
@@ -247,6 +248,21 @@ def test_invariant_kernels_compile_to_one_arithmetic(report, group):
         for k in kernels[1:]:
             assert k["ptx_fp"] == first["ptx_fp"], f"{k['case']} vs {first['case']}"
             assert k["sass_fp"] == first["sass_fp"], f"{k['case']} vs {first['case']}"
+
+
+def test_the_exact_chains_round_each_operation_as_torch(report):
+    """A batch-invariant forward's RoPE and SwiGLU kernels (``kernels.invariant.exact_rope``,
+    ``exact_swiglu``): RoPE's products and sum each rounded (two ``mul.rn.f32`` and an ``add``, no
+    ``fma``: contraction is off), SwiGLU's division IEEE (``div.rn.f32``, not ``div.full``). (Neither
+    spills: ``test_fast_paths_do_not_spill_registers``.)"""
+    by_group = _by_group(report)
+    rope = by_group["exact_rope"][0]
+    assert not any(op.startswith("fma") for op in rope["ptx_fp"]), rope["ptx_fp"]
+    assert any(op.startswith("mul.rn.f32") for op in rope["ptx_fp"]) and any(op.startswith("add.rn.f32")
+                                                                              for op in rope["ptx_fp"])
+    swiglu = by_group["exact_swiglu"][0]
+    assert any(op.startswith("div.rn.f32") for op in swiglu["ptx_fp"]), swiglu["ptx_fp"]
+    assert not any(op.startswith("div.full") or op.startswith("div.approx") for op in swiglu["ptx_fp"])
 
 
 @pytest.mark.parametrize("gemm", ["invariant_mm bf16", "invariant_mm fp32", "invariant_blockwise_mm"])

@@ -113,7 +113,14 @@ class RMSNorm(nn.Module):
         too (``_AddRMSNormFn``), except in a batch-invariant forward (op by op)."""
         grad = self.tracks(x, delta)
         invariant = self.invariant and native(x)
-        if grad and delta is not None and not invariant:  # the same function, and one for its backward
+        if invariant and delta is not None:  # the batch-invariant kernel: add, norm and cast in one
+            if grad:
+                return _AddRMSNormFn.apply(x, delta, self.weight, self.eps, out, True)
+            from ..kernels.invariant import invariant_add_rms_norm
+
+            return invariant_add_rms_norm(x, delta, self.weight, self.eps,
+                                          out or torch.promote_types(x.dtype, delta.dtype))
+        if grad and delta is not None:  # the same function, and one for its backward
             return _AddRMSNormFn.apply(x, delta, self.weight, self.eps, out or x.dtype)
         if grad or invariant:
             s = x if delta is None else x + delta
@@ -187,18 +194,25 @@ class _AddRMSNormFn(torch.autograd.Function):
     the norm's input gradient, plus the residual's gradient of ``s``, and that sum in delta's dtype),
     where autograd ran the norm's backward, an add of the two gradients of ``s`` and a cast for
     delta: on a GPU one kernel for three, in the forward one for two. Keeps ``s``, the weight and
-    the per-row rsqrt, as ``_RMSNormFn``."""
+    the per-row rsqrt, as ``_RMSNormFn``. ``invariant``: the forward is the batch-invariant kernel's
+    (``kernels.invariant.invariant_add_rms_norm``, the rollout's in that mode too)."""
 
     @staticmethod
-    def forward(ctx, x, delta, w, eps, out):
-        s, y, r = _add_rms_norm(x, delta, w, eps, out, True)
+    def forward(ctx, x, delta, w, eps, out, invariant=False):
+        if invariant:  # the batch-invariant kernel's bits (out None: s's dtype)
+            from ..kernels.invariant import invariant_add_rms_norm
+
+            s, y, r = invariant_add_rms_norm(x, delta, w, eps, out or torch.promote_types(x.dtype, delta.dtype),
+                                             rsqrt=True)
+        else:
+            s, y, r = _add_rms_norm(x, delta, w, eps, out, True)
         ctx.save_for_backward(s, w, r)
         ctx.dtypes = (x.dtype, delta.dtype)
         return s, y
 
     @staticmethod
     def backward(ctx, gs, gy):
-        return _add_norm_backward(ctx, gs, gy)
+        return (*_add_norm_backward(ctx, gs, gy), None)
 
 
 def _add_norm_backward(ctx, gs, gy) -> tuple:

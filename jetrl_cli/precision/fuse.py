@@ -21,7 +21,10 @@ GEMM's input after it, RoPE's cast to what attention reads -- 12 kernels per bf1
 What this keeps: the rollout and the trainer call the same compiled functions, so they compute the
 same values as each other as before. Bitwise equality on a GPU is ``precision.batch_invariant``'s
 job: a model in that mode runs its forward op by op (``suspended``), since a compiled forward and
-its autograd twin (the trainer's) need not contract the same multiply-adds. What it changes: the last bits of
+its autograd twin (the trainer's) need not contract the same multiply-adds; there RoPE and SwiGLU
+(``EXACT``) run as one hand-written kernel each whose every operation is the op-by-op one, no
+multiply-add contracted (``kernels.invariant``), called alike by the rollout and the trainer -- about
+20 kernels a decoder layer fewer at a decode step. What it changes: the last bits of
 these functions on a GPU (a fused kernel may contract ``a * b + c`` into one FMA); the CPU path
 is untouched -- it stays op by op, as the bitwise CPU emulation needs.
 
@@ -92,11 +95,12 @@ def report() -> dict | None:
     """What ran fused in this process since ``reset_report`` (``{"fused": [names]}``, with
     ``"eager_variants": [names]`` for functions that also ran eagerly past the recompile limit), or why
     it stopped; None if nothing did."""
+    exact = {"exact": sorted(_used_exact)} if _used_exact else {}
     if disabled is not None:
-        return {"disabled": disabled}
+        return {"disabled": disabled, **exact}
     if not _used:
-        return None
-    return {"fused": sorted(_used), **({"eager_variants": sorted(_limited)} if _limited else {})}
+        return exact or None
+    return {"fused": sorted(_used), **({"eager_variants": sorted(_limited)} if _limited else {}), **exact}
 
 
 def reset_report() -> None:
@@ -105,6 +109,7 @@ def reset_report() -> None:
     A run after a GPU test in one process recorded the test's fused functions as its own."""
     _used.clear()
     _limited.clear()
+    _used_exact.clear()
 
 
 def _raise_recompile_limit() -> None:
@@ -126,7 +131,14 @@ def fused(fn):
     @functools.wraps(fn)
     def call(*args):
         global disabled
-        if disabled is None and _enabled and (args[0].is_cuda or _force) and not getattr(_local, "off", False):
+        if getattr(_local, "off", False):  # a batch-invariant forward: op by op, in one kernel where one is
+            if name in EXACT and (args[0].is_cuda or _force_exact):  # the mode's kernels, as its norm's
+                out = _exact(name)(*args)
+                if out is not None:
+                    _used_exact.add(name)
+                    return out
+            return fn(*args)
+        if disabled is None and _enabled and (args[0].is_cuda or _force):
             compiled = _compiled.get(fn)
             if compiled is None:
                 _raise_recompile_limit()
@@ -146,6 +158,27 @@ def fused(fn):
         return fn(*args)
 
     return call
+
+
+# Chains that a batch-invariant forward (``suspended``) runs as one Triton kernel of their own on a GPU,
+# every operation the op-by-op one (``kernels.invariant``'s elementwise chains): the rollout and the
+# trainer call the same kernel. The function's name -> the kernel's, in ``kernels.invariant``; it returns
+# None where it does not apply, and the ops run.
+EXACT = {"rope": "exact_rope", "swiglu_math": "exact_swiglu"}
+_force_exact = False  # tests: CPU tensors too (Triton's interpreter)
+_used_exact: set = set()  # names of the functions that ran as their exact kernel
+
+
+def set_force_exact(on: bool) -> None:
+    """Tests: run ``EXACT``'s kernels for CPU tensors too (with ``TRITON_INTERPRET=1``)."""
+    global _force_exact
+    _force_exact = bool(on)
+
+
+def _exact(name: str):
+    from jetrl_cli.kernels import invariant
+
+    return getattr(invariant, EXACT[name])
 
 
 def _why(e: Exception) -> str:
