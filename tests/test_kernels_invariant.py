@@ -728,3 +728,26 @@ def test_add_rms_norm_is_the_add_the_norm_and_the_cast(inv, x_dtype, d_dtype, ou
     assert r.shape == (5, 3, 1) and within(r, exact_r, exact_r * (1600 * U32))[0]
     alone = inv.invariant_add_rms_norm(x[2, 1:2], delta[2, 1:2], w, 1e-6, out_dtype)
     assert same_bits(alone[0], s[2, 1:2]) and same_bits(alone[1], y[2, 1:2])
+
+
+def test_a_causal_bf16_backward_is_flash_attentions_on_a_gpu(inv):
+    """The trainer's invariant attention (causal from key 0, bf16): on a GPU its backward is
+    ``scaled_dot_product_attention``'s (``_sdpa_causal``: GQA, the kernel's scale), elsewhere the
+    fp32 reference's; either way the gradients agree with float64 to bf16's rounding. ``_sdpa_causal``'s
+    own gradient is checked here on any device, and which backward runs is the rule's."""
+    g = fresh()
+    b, h, hk, t, d = 2, 4, 2, 70, 32
+    q, k, v = (randn(b, n, t, d, g=g, dtype=BF16).requires_grad_() for n in (h, hk, hk))
+    dy = randn(b, h, t, d, g=g, dtype=BF16)
+    out, _ = inv.invariant_attention(q, k, v, scale=0.3)
+    grads = torch.autograd.grad((out.float() * dy.float()).sum(), (q, k, v))
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = inv.attention_reference(q64, k64, v64, scale=0.3, compute_dtype=torch.float64)[0]
+    want = torch.autograd.grad((ref * dy.double()).sum(), (q64, k64, v64))
+    flash = torch.autograd.grad((inv._sdpa_causal(q, k, v, 0.3).float() * dy.float()).sum(), (q, k, v))
+    for got in (grads, flash):
+        for x, w in zip(got, want):
+            assert ((x.double() - w).norm() / w.norm()).item() < 2 ** -6
+    assert inv._flash_backward(True, q, k) == GPU
+    assert not inv._flash_backward(False, q, k) and not inv._flash_backward(True, q.float(), k.float())
+    assert not inv._flash_backward(True, q, k[:, :, :-1])  # keys past the queries: not causal from 0

@@ -928,7 +928,10 @@ def _native_attention(q, keys, values, mask: Masking, rep: int, fmt: Format) -> 
             raise JetrlError("precision.batch_invariant: left-padded sequences are not supported (right-pad them)")
         from ..kernels.invariant import invariant_attention
 
-        out, _ = invariant_attention(qn, kn, vn, mask.q_index, check_positions=False)
+        # causal from key 0 over t keys (training, a prefill): q_pos None, the same positions, and the
+        # trainer's backward may then be flash attention's
+        q_pos = None if mask.causal and t == kn.shape[2] else mask.q_index
+        out, _ = invariant_attention(qn, kn, vn, q_pos, check_positions=False)
         return out.transpose(1, 2).reshape(b, t, h * d)
     if mask.causal and t == kn.shape[2]:  # training, prefill: flash attention, which reads GQA's shared heads
         if rep > 1 and not _SDPA_GQA:
