@@ -23,8 +23,8 @@ same values as each other as before. Bitwise equality on a GPU is ``precision.ba
 job: a model in that mode runs its forward op by op (``suspended``), since a compiled forward and
 its autograd twin (the trainer's) need not contract the same multiply-adds; there RoPE and SwiGLU
 (``EXACT``) run as one hand-written kernel each whose every operation is the op-by-op one, no
-multiply-add contracted (``kernels.invariant``), called alike by the rollout and the trainer -- about
-20 kernels a decoder layer fewer at a decode step. What it changes: the last bits of
+multiply-add contracted (``kernels.invariant``), called alike by the rollout and the trainer (op by op
+they were about 13 kernels a decoder layer). What it changes: the last bits of
 these functions on a GPU (a fused kernel may contract ``a * b + c`` into one FMA); the CPU path
 is untouched -- it stays op by op, as the bitwise CPU emulation needs.
 
@@ -167,12 +167,6 @@ def fused(fn):
 EXACT = {"rope": "exact_rope", "swiglu_math": "exact_swiglu"}
 _force_exact = False  # tests: CPU tensors too (Triton's interpreter)
 _used_exact: set = set()  # names of the functions that ran as their exact kernel
-
-
-def set_force_exact(on: bool) -> None:
-    """Tests: run ``EXACT``'s kernels for CPU tensors too (with ``TRITON_INTERPRET=1``)."""
-    global _force_exact
-    _force_exact = bool(on)
 
 
 def _exact(name: str):
