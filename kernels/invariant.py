@@ -779,6 +779,14 @@ def attention_reference(q, k, v, q_pos=None, scale=None, compute_dtype=torch.flo
 # --- row kernels: RMSNorm and log-softmax -----------------------------------------------------------
 
 @triton.jit
+def _store_as(ptr, y, mask, BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    if BF16:
+        tl.store(ptr, _to_bf16(y, INTERPRET), mask=mask)
+    else:
+        tl.store(ptr, y, mask=mask)
+
+
+@triton.jit
 def _residual(x_ptr, d_ptr, row, stride_x, stride_d, cols, ok, HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr,
               INTERPRET: tl.constexpr):
     """A chunk of the norm's input row: x, or ``s = x + delta`` (one fp32 add, rounded to s's dtype)."""
@@ -865,7 +873,7 @@ def invariant_add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.T
     _check_device(where, x2, d2, weight)
     s = torch.empty(x2.shape, dtype=s_dtype, device=x.device)
     y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
-    r = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x.device)
+    r = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x.device) if rsqrt else y  # y: unread
     if x2.shape[0]:
         s_bf16, out_bf16 = s_dtype == torch.bfloat16, out_dtype == torch.bfloat16
         _rms_norm_kernel[(x2.shape[0],)](x2, d2, s, weight.contiguous(), y, r, n, float(eps), x2.stride(0),
@@ -983,7 +991,7 @@ def log_softmax_reference(x: torch.Tensor) -> torch.Tensor:
 #
 # A batch-invariant forward runs RoPE and SwiGLU op by op (``precision.fuse.suspended``): a chain compiled
 # by torch.compile for the rollout and its autograd twin compiled for the trainer need not contract the
-# same multiply-adds. Op by op they were ~20 kernels a decoder layer (casts, a roll, products, sums,
+# same multiply-adds. Op by op they were about 13 kernels a decoder layer (casts, a roll, products, sums,
 # exp; on the H200 about 1.1 ms of a 4.1 ms invariant decode step of Qwen2.5-1.5B at 32 rows). These
 # kernels run each chain as one, every operation the op-by-op one: no multiply-add contraction
 # (``enable_fp_fusion=False``), each product and sum rounded to fp32 as torch rounds it, one rounding to
@@ -1000,14 +1008,6 @@ def _exp_precise(x, INTERPRET: tl.constexpr):
     if INTERPRET:  # the interpreter has no libdevice: numpy's exp
         return tl.exp(x)
     return libdevice.exp(x)
-
-
-@triton.jit
-def _store_as(ptr, y, mask, BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    if BF16:
-        tl.store(ptr, _to_bf16(y, INTERPRET), mask=mask)
-    else:
-        tl.store(ptr, y, mask=mask)
 
 
 @triton.jit
