@@ -987,21 +987,38 @@ def _to_bf16(x, INTERPRET: tl.constexpr):
 @triton.jit
 def _kblocks(a_ptr, b_ptr, sa_ptr, sb_ptr, rm, rn, kb0, kb1, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
              stride_sam, stride_sak, stride_sbn, stride_sbk, SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr = False):
     """The fp32 sum over K blocks ``kb0 .. kb1 - 1``, in K order, of each block's ``a @ b.T`` partial
-    product scaled by its blocks' scales: rows ``rm`` of a, columns ``rn`` (rows of b)."""
+    product scaled by its blocks' scales: rows ``rm`` of a, columns ``rn`` (rows of b).
+
+    ``SWAP`` (a decode step's few rows): each block's product taken as ``b @ a.T``, the weight's rows
+    as the MMA's rows -- from 64 of them Hopper's ``wgmma`` on the FP8 bytes themselves, where a 16- or
+    32-row tile of a is ``mma.sync`` on f16 converted from FP8 -- then transposed back. The same
+    products and scales, each block's product scaled as ``(part * sa) * sb``; only the MMA's order of
+    sums within a block differs, as another tile shape's does."""
     rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(kb0, kb1):
         k = kb * BLOCK_K + rk
-        a = tl.load(a_ptr + rm.to(tl.int64)[:, None] * stride_am + k[None, :] * stride_ak,
-                    mask=(rm < M)[:, None] & (k < K)[None, :], other=0.0)
-        b = tl.load(b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn,  # (BLOCK_K, BLOCK_N): K-major B
-                    mask=(k < K)[:, None] & (rn < N)[None, :], other=0.0)
-        part = tl.dot(a, b, out_dtype=tl.float32)
         sa = tl.load(sa_ptr + (rm // SA_ROWS) * stride_sam + kb * stride_sak, mask=rm < M, other=0.0)
         sb = tl.load(sb_ptr + (rn // SB_ROWS) * stride_sbn + kb * stride_sbk, mask=rn < N, other=0.0)
-        acc += part * sa[:, None] * sb[None, :]  # promote each 128-wide K block with its scales
+        if SWAP:
+            b = tl.load(b_ptr + rn.to(tl.int64)[:, None] * stride_bn + k[None, :] * stride_bk,
+                        mask=(rn < N)[:, None] & (k < K)[None, :], other=0.0)
+            a = tl.load(a_ptr + k[:, None] * stride_ak + rm.to(tl.int64)[None, :] * stride_am,  # K-major a^T
+                        mask=(k < K)[:, None] & (rm < M)[None, :], other=0.0)
+            acc += tl.dot(b, a, out_dtype=tl.float32) * sa[None, :] * sb[:, None]
+        else:
+            a = tl.load(a_ptr + rm.to(tl.int64)[:, None] * stride_am + k[None, :] * stride_ak,
+                        mask=(rm < M)[:, None] & (k < K)[None, :], other=0.0)
+            b = tl.load(b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn,  # (BLOCK_K, BLOCK_N): K-major B
+                        mask=(k < K)[:, None] & (rn < N)[None, :], other=0.0)
+            acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]  # each 128-wide block scaled
+    if SWAP:
+        acc = tl.trans(acc)
     return acc
 
 
@@ -1011,7 +1028,7 @@ def _blockwise_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                          stride_sam, stride_sak, stride_sbn, stride_sbk,
                          SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile of ``a @ b.T``: fp8 x fp8 -> fp32 per 128-wide K block, each
     block's partial product scaled and added in K order (no split-K here; ``kernels.invariant``'s
     batch-invariant GEMM follows this math in chunks of K fixed per weight, ``_fp8_mm_kernel``)."""
@@ -1021,7 +1038,7 @@ def _blockwise_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _kblocks(a_ptr, b_ptr, sa_ptr, sb_ptr, rm, rn, 0, tl.cdiv(K, BLOCK_K), M, N, K, stride_am, stride_ak,
                    stride_bn, stride_bk, stride_sam, stride_sak, stride_sbn, stride_sbk, SA_ROWS, SB_ROWS,
-                   BLOCK_M, BLOCK_N, BLOCK_K)
+                   BLOCK_M, BLOCK_N, BLOCK_K, SWAP)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     out = _to_bf16(acc, INTERPRET) if OUT_BF16 else acc
@@ -1034,7 +1051,8 @@ def _blockwise_mm_split_kernel(a_ptr, b_ptr, p_ptr, sa_ptr, sb_ptr, c_ptr, bias_
                                stride_am, stride_ak, stride_bn, stride_bk, stride_sam, stride_sak, stride_sbn,
                                stride_sbk, SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, FUSED: tl.constexpr,
                                HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               SWAP: tl.constexpr):
     """Split-K: program (m, n, s) sums K blocks ``s * KB_SPLIT ..`` (``_kblocks``, K order) into its
     fp32 partial ``p[s]`` (S x M x N, contiguous); ``_split_sum_kernel`` adds the partials, or with
     ``FUSED`` the tile's last program to finish does (``_last_sums``)."""
@@ -1046,7 +1064,7 @@ def _blockwise_mm_split_kernel(a_ptr, b_ptr, p_ptr, sa_ptr, sb_ptr, c_ptr, bias_
     kb0 = ps * KB_SPLIT
     acc = _kblocks(a_ptr, b_ptr, sa_ptr, sb_ptr, rm, rn, kb0, tl.minimum(kb0 + KB_SPLIT, tl.cdiv(K, BLOCK_K)), M, N,
                    K, stride_am, stride_ak, stride_bn, stride_bk, stride_sam, stride_sak, stride_sbn, stride_sbk,
-                   SA_ROWS, SB_ROWS, BLOCK_M, BLOCK_N, BLOCK_K)
+                   SA_ROWS, SB_ROWS, BLOCK_M, BLOCK_N, BLOCK_K, SWAP)
     ok = (rm < M)[:, None] & (rn < N)[None, :]
     at = rm.to(tl.int64)[:, None] * N + rn[None, :]
     tl.store(p_ptr + ps.to(tl.int64) * M * N + at, acc, mask=ok)
@@ -1481,6 +1499,8 @@ def _weight_stacks(groups, fmt: Format, pow2_scale: bool, amax_floor: float, tra
             total += w.shape[0]
         shapes.append((total, k))
     arena = _Arena(spec, shapes, dev, transposed) if _ONE_BUFFER and not any(h is not None for h in helds) else None
+    # W^T by the quantizer only where this device's check (``_wt_exact``) passed and only in the compiled
+    # variant it checked: a launch whose every field is a multiple of 16 (``ALIGNED``), as a model's are
     in_kernel = transposed and dev is not None and _wt_in_quantizer(dev)
     for ws, held, (total, k) in zip(groups, helds, shapes):
         wq, wt, s, st = arena.take(total, k) if arena is not None else _stack_outputs(spec, total, k, dev, transposed,
@@ -1509,13 +1529,16 @@ def _weight_stacks(groups, fmt: Format, pow2_scale: bool, amax_floor: float, tra
                 st[:, gtot:] = 1.0
             stacks.append((wt.data.view(torch.uint8), wq.data.view(torch.uint8)))
         outs.append((wq, wt))
-    if jobs:
+    launches = []
+    for parts in jobs.values():
+        rows = [row for row, _ in parts]
+        bases = _offsets(rows, [at for _, at in parts], (_J_SRC, _J_DST, _J_S, _J_ST, _J_DT))
+        aligned = _aligned(rows, (_J_SRC, _J_DST, _J_K, _J_SN), bases[:2])
+        in_kernel = in_kernel and aligned and _aligned(rows, (_J_DT, _J_NT, _J_N), bases[4:])
+        launches.append((rows, bases, aligned))
+    if launches:
         warps = launch_config(groups[0][0], False).warps
-        for parts in jobs.values():
-            rows = [row for row, _ in parts]
-            bases = _offsets(rows, [at for _, at in parts], (_J_SRC, _J_DST, _J_S, _J_ST, _J_DT))
-            aligned = _aligned(rows, (_J_SRC, _J_DST, _J_K, _J_SN) + ((_J_DT, _J_NT, _J_N) if in_kernel else ()),
-                               bases[:2] + (bases[4:] if in_kernel else []))
+        for rows, bases, aligned in launches:
             tab, which = _job_table(rows, [-(-r[_J_N] // TILE) * r[_J_GK] for r in rows], dev, where)
             _weight_quant_kernel[(which.numel(),)](
                 tab, which, *bases, FMAX=fmt.max, FLOOR=amax_floor, POW2=pow2_scale, OUT=_TL_FP8[fmt],
@@ -1537,8 +1560,9 @@ def _weight_stacks(groups, fmt: Format, pow2_scale: bool, amax_floor: float, tra
 # ``tl.clamp(propagate_nan=ALL)`` (triton-lang/triton#11111; the clamp is gone); whether that was the
 # cause here the byte check below settles: on a GPU the first transposed weight quantization checks the
 # quantizer's bytes (``_wt_exact``) and, only where they are exact, times both ways on a TIMING_SHAPE fp32
-# weight (``_choose_wt``). On an H200 on 2026-11-28 they were not (two rows of W^T wrong, in a test), after
-# a check on fresh outputs had let them through: the check now fills the outputs first. On CPU: after.
+# weight (``_choose_wt``). On an H200 on 2026-11-28 they were not (two rows of W^T wrong, in a test's
+# unaligned launch), after a check on fresh outputs had let them through: the check now fills the outputs
+# first, and the quantizer writes W^T only in launches of the variant checked (``ALIGNED``). On CPU: after.
 WT_OP = "fp8 weight W^T"
 WT_WAYS = ("after", "quantizer")
 _WT_FORCED: str | None = None  # one of WT_WAYS while set by wt_with
@@ -1592,31 +1616,38 @@ WT_CHECK_FILLS = (0x00, 0xFF, 0x5A)  # bytes the outputs hold before the quantiz
 
 def _wt_exact(device: torch.device) -> bool:
     """Whether W^T written by the quantizer equals, bytes and scales (pads included), W^T transposed after
-    it, on a stack of two weights, the second 144 rows (a partial block; every field a multiple of 16,
-    as the model's are, so the compiled variant checked is the one a step runs) with a NaN block: into
-    outputs filled beforehand with each of ``WT_CHECK_FILLS`` (a byte it leaves unwritten cannot equal
-    the transpose's under them all, whatever the allocator hands out), and into one buffer
-    (``stacks_in_one_buffer``, a graphed step's). On an H200 (Triton 3.6) the quantizer's W^T once
-    passed a check on fresh outputs of this stack without the NaN, and then wrote wrong bytes in two
-    rows of W^T in a test's run of it with one: every case of that test is here."""
+    it, in the one compiled variant that writes it (``ALIGNED``: every field a multiple of 16, as a
+    model's are; other launches transpose after), on a stack of two weights, the second 144 rows (a
+    partial block of rows) with a NaN block, and on a weight of 160 x 208 (partial blocks of rows and of
+    columns): into outputs filled beforehand with each of ``WT_CHECK_FILLS`` (a byte it leaves
+    unwritten cannot equal the transpose's under them all, whatever the allocator hands out), and into
+    one buffer (``stacks_in_one_buffer``, a graphed step's). On an H200 (Triton 3.6) the quantizer's W^T
+    once passed a check on fresh outputs of the first stack without the NaN, and then wrote wrong bytes
+    in two rows of W^T in a test's run of it with one, launched beside a weight 130 columns wide (so
+    the unaligned variant, which no launch runs since; whether the aligned one was wrong too is not
+    known: this check, with the NaN, settles it per device)."""
     global _WT_FORCED, _ONE_BUFFER
     g = torch.Generator().manual_seed(0)
-    stack = [(torch.randn(256, 384, generator=g) * 0.02).to(device), torch.randn(144, 384, generator=g).to(device)]
-    stack[1][3, 7] = float("nan")
+    stacks = [[(torch.randn(256, 384, generator=g) * 0.02).to(device), torch.randn(144, 384, generator=g).to(device)],
+              [torch.randn(160, 208, generator=g).to(device)]]
+    stacks[0][1][3, 7] = float("nan")
     before, one_buffer = _WT_FORCED, _ONE_BUFFER
     try:
-        _WT_FORCED, _ONE_BUFFER = "after", False
-        want = quantize_weight_stack(stack, transposed=True)
-        held = quantize_weight_stack(stack, transposed=True)  # the same layout, to be overwritten
-        _WT_FORCED = "quantizer"
-        for fill in WT_CHECK_FILLS:
-            for q in held:
-                q.data.view(torch.uint8).fill_(fill)
-                scale_buffer(q).view(torch.uint8).fill_(fill)
-            if not _same_operands(want, quantize_weight_stack(stack, transposed=True, held=held)):
+        for stack in stacks:
+            _WT_FORCED, _ONE_BUFFER = "after", False
+            want = quantize_weight_stack(stack, transposed=True)
+            held = quantize_weight_stack(stack, transposed=True)  # the same layout, to be overwritten
+            _WT_FORCED = "quantizer"
+            for fill in WT_CHECK_FILLS:
+                for q in held:
+                    q.data.view(torch.uint8).fill_(fill)
+                    scale_buffer(q).view(torch.uint8).fill_(fill)
+                if not _same_operands(want, quantize_weight_stack(stack, transposed=True, held=held)):
+                    return False
+            _ONE_BUFFER = True
+            if not _same_operands(want, quantize_weight_stacks([stack], transposed=True)[0]):
                 return False
-        _ONE_BUFFER = True
-        return _same_operands(want, quantize_weight_stacks([stack], transposed=True)[0])
+        return True
     finally:
         _WT_FORCED, _ONE_BUFFER = before, one_buffer
 
@@ -2027,22 +2058,35 @@ def decode_split(block_m: int, n: int, k: int, device: torch.device, kind: str =
     return (gemm.kernel_choice(op, device) or _choose_split(op, kind, block_m, n, k, device))["split"]
 
 
-def _decode_split_fused(block_m: int, n: int, k: int, device: torch.device) -> bool:
+def _decode_split_fused(block_m: int, n: int, k: int, device: torch.device, what: str = "fused") -> bool:
     """Whether ``decode_split``'s choice for this FP8 GEMM adds its partials in the last program of each
     tile (``_last_sums``): timed beside the second kernel, and taken only where its output was the
-    same bytes (``_choose_split``). Forced splits (``split_k``) keep the two kernels."""
+    same bytes (``_choose_split``); with ``what="swap"``, whether it takes each block's product as
+    ``b @ a.T`` (``_kblocks``' ``SWAP``, timed beside the plain tiles). Forced splits (``split_k``)
+    keep the two kernels and the plain tiles."""
     if _FORCED_SPLIT is not None or device.type != "cuda":
         return False
     choice = gemm.kernel_choice(f"fp8 {SPLIT_OP} {block_m} rows, {n} x {k}", device)
-    return bool(choice and choice.get("fused"))
+    return bool(choice and choice.get(what))
+
+
+SWAP_N = 64  # a swapped decode tile's weight rows: the smallest M of Hopper's wgmma
+
+
+def swap_tiles(m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a swapped decode GEMM (``blockwise_mm``'s ``swap``):
+    the tokens as tall as ``decode_tiles`` makes them (16 at least: the MMA's smallest N here), the
+    weight's rows ``SWAP_N`` at a time, one warpgroup. Untuned until timed on a GPU."""
+    return max(16, triton.next_power_of_2(m)), SWAP_N, 4, 4
 
 
 def _fp8_split_run(block_m: int, n: int, k: int, device: torch.device):
-    """``blockwise_mm`` at a given split (``fused`` or not) on random operands of a decode GEMM's shape."""
+    """``blockwise_mm`` at a given split (``fused`` or not, ``swap``-ped or not) on random operands of a
+    decode GEMM's shape."""
     g = torch.Generator(device).manual_seed(0)  # drawn on the device: a 7-8B weight's shape is 10^8 values
     a = quantize_act(torch.randn(block_m, k, generator=g, device=device, dtype=torch.bfloat16), cols=False)[0]
     b = quantize_weight(torch.randn(n, k, generator=g, device=device) * 0.05)
-    return lambda s, fused=False: blockwise_mm(a, b, torch.bfloat16, split=s, fused=fused)
+    return lambda s, fused=False, swap=False: blockwise_mm(a, b, torch.bfloat16, split=s, fused=fused, swap=swap)
 
 
 SPLIT_RUNS = {"fp8": _fp8_split_run}  # kind -> its timing run's maker (``kernels.int8`` adds "int8")
@@ -2056,25 +2100,30 @@ def _choose_split(op: str, kind: str, block_m: int, n: int, k: int, device: torc
     try:
         run = SPLIT_RUNS[kind](block_m, n, k, device)
         ways = sorted({_splits(cdiv(k, TILE), s) for s in SPLIT_CHOICES})
-        cases = [(s, False) for s in ways]
-        if kind == "fp8" and ways[-1] > 1:
-            # the last-program sum must give the second kernel's bytes here before it is timed
-            fused_ok = torch.equal(run(ways[-1], True).view(torch.int16), run(ways[-1], False).view(torch.int16))
-            if fused_ok:
-                cases += [(s, True) for s in ways if s > 1]
-        t = {c: gemm.device_time_ms(lambda c=c: run(*c) if c[1] else run(c[0]), device) for c in cases}
+        cases = []
+        for swap in (False, True) if kind == "fp8" else (False,):  # FP8: the plain tiles, then b @ a.T
+            cases += [(s, False, swap) for s in ways]
+            if kind == "fp8" and ways[-1] > 1:
+                # the last-program sum must give the second kernel's bytes here before it is timed
+                ok = torch.equal(run(ways[-1], True, swap).view(torch.int16), run(ways[-1], False, swap).view(torch.int16))
+                fused_ok = ok and fused_ok is not False
+                if ok:
+                    cases += [(s, True, swap) for s in ways if s > 1]
+        t = {c: gemm.device_time_ms(lambda c=c: run(*c) if c[1] or c[2] else run(c[0]), device) for c in cases}
     except Exception as e:  # noqa: BLE001 - nothing timed: no split, said why
         return gemm.note_kernel(op, device, "1 split", _untimed(e), split=1)
     best = min(t, key=t.get)
     why = f"timed on {block_m} x {k} x {n}: " + ", ".join(f"{_split_name(*c)} {ms:.4f} ms" for c, ms in t.items())
     if fused_ok is False:
         why += "; the last-program sum was not the two kernels' bytes: not used"
-    return gemm.note_kernel(op, device, _split_name(*best), why, split=best[0], fused=best[1],
-                            timings_ms={str(c[0]) + ("f" if c[1] else ""): ms for c, ms in t.items()})
+    return gemm.note_kernel(op, device, _split_name(*best), why, split=best[0], fused=best[1], swap=best[2],
+                            timings_ms={str(c[0]) + ("f" if c[1] else "") + ("s" if c[2] else ""): ms
+                                        for c, ms in t.items()})
 
 
-def _split_name(s: int, fused: bool) -> str:
-    return f"{s} {'split' if s == 1 else 'splits'}" + (", summed by the last program" if fused else "")
+def _split_name(s: int, fused: bool, swap: bool = False) -> str:
+    return (f"{s} {'split' if s == 1 else 'splits'}" + (", summed by the last program" if fused else "")
+            + (", b @ a.T" if swap else ""))
 
 
 def _splits(kblocks: int, asked: int) -> int:
@@ -2102,14 +2151,16 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
 
 def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
                  tiles: tuple[int, int, int, int] | None = None, bias: torch.Tensor | None = None,
-                 split: int | None = None, fused: bool | None = None) -> torch.Tensor:
+                 split: int | None = None, fused: bool | None = None, swap: bool | None = None) -> torch.Tensor:
     """``a @ b.T (+ bias)`` (a: M x K, b: N x K, FP8 with 1x128 or 128x128 scales), fp32 accumulation
     per K block; ``bias`` (N values) is added to the fp32 sum before the output is written (rounded
     once, as the emulation adds it). ``tiles``: (BLOCK_M, BLOCK_N, num_warps, num_stages), by default
     chosen from M and N (``_mm_config``). ``split``: the K blocks in that many consecutive runs, each
     summed on its own, the runs' fp32 sums then added in order (by default ``decode_split``'s choice
     for a decode step's GEMM, else 1); ``fused``: the partials added by the last program of each tile
-    instead of a second kernel (the same bits; by default ``decode_split``'s timed choice)."""
+    instead of a second kernel (the same bits; by default ``decode_split``'s timed choice); ``swap``:
+    each K block's product taken as ``b @ a.T`` on ``swap_tiles`` (``_kblocks``' ``SWAP``; by default
+    ``decode_split``'s timed choice for a decode step, else not; ``tiles`` then give its token rows)."""
     if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"blockwise_mm: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)} do not match as a @ b.T")
     sa_rows, sb_rows = _scale_rows(a, "operand a"), _scale_rows(b, "operand b")
@@ -2123,12 +2174,16 @@ def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
     dev = a.data.device
     c = torch.empty((m, n), dtype=out_dtype, device=dev)
     block_m, block_n, warps, stages = tiles or _mm_config(m, n)
+    decode = m <= DECODE_ROWS and tiles is None
     if split is None:
-        decode = m <= DECODE_ROWS and tiles is None
         split = decode_split(block_m, n, k, dev) if decode else 1
         if fused is None and decode:
             fused = _decode_split_fused(block_m, n, k, dev)
-    fused = bool(fused)
+    if swap is None:
+        swap = decode and _decode_split_fused(block_m, n, k, dev, "swap")
+    if swap and tiles is None:
+        block_m, block_n, warps, stages = swap_tiles(m)
+    fused, swap = bool(fused), bool(swap)
     kblocks = cdiv(k, TILE)
     splits = _splits(kblocks, split)
     if splits > 1 and m * n:
@@ -2142,7 +2197,7 @@ def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
             a.scale.stride(0), a.scale.stride(1), b.scale.stride(0), b.scale.stride(1),
             SA_ROWS=sa_rows, SB_ROWS=sb_rows, FUSED=counters is not None, HAS_BIAS=bias is not None,
             OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=_interpreting(), BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=TILE, num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
+            BLOCK_K=TILE, SWAP=swap, num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
         if counters is None:
             _split_sum_kernel[(cdiv(m * n, SUM_BLOCK),)](
                 part, c, c if bias is None else bias, m * n, n, splits, HAS_BIAS=bias is not None,
@@ -2156,6 +2211,6 @@ def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
         a.scale.stride(0), a.scale.stride(1), b.scale.stride(0), b.scale.stride(1),
         SA_ROWS=sa_rows, SB_ROWS=sb_rows, HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16,
         INTERPRET=_interpreting(),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=TILE, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=TILE, SWAP=swap, num_warps=warps, num_stages=stages,
         enable_fp_fusion=FP_FUSION)
     return c

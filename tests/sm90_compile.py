@@ -269,6 +269,12 @@ def cases():
     out.append(("split-K blockwise_mm M=32 N=1536 bias fused", None, lambda: fp8.blockwise_mm(  # its partials summed
         _qtensor(32, inter, 1), _qtensor(hidden, inter, 128), out_dtype=bf, bias=torch.zeros(hidden, dtype=bf),
         split=4, fused=True)))  # by each tile's last program
+    for m in (1, 32, 64):  # a decode step's swapped GEMMs (b @ a.T): q/k/v with its bias, down_proj split
+        out.append((f"swapped blockwise_mm M={m} bias", None, lambda m=m: fp8.blockwise_mm(
+            _qtensor(m, hidden, 1), _qtensor(2048, hidden, 128), out_dtype=bf, bias=torch.zeros(2048, dtype=bf),
+            split=1, swap=True)))
+        out.append((f"swapped split-K blockwise_mm M={m} N=1536 fused", None, lambda m=m: fp8.blockwise_mm(
+            _qtensor(m, inter, 1), _qtensor(hidden, inter, 128), out_dtype=bf, split=4, fused=True, swap=True)))
     out.append(("blockwise_mm M=7 bias", None, lambda: fp8.blockwise_mm(  # q/k/v with Qwen's biases, in the epilogue
         _qtensor(7, hidden, 1), _qtensor(2048, hidden, 128), out_dtype=bf, bias=torch.zeros(2048, dtype=bf))))
     for m in (1, 7, 64, 4096):  # decode (one row, a few), prefill, training

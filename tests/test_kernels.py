@@ -171,6 +171,39 @@ def test_blockwise_gemm_decode_tiles_against_reference(m, b_block):
     assert error_stats(wide, fp8.blockwise_mm(a, b, tiles=tiles))["rel_err"] < tol
 
 
+@pytest.mark.parametrize("m,n,k,split", [(1, 200, 384, 1), (7, 96, 1000, 3), (33, 130, 1152, 1), (64, 64, 640, 2)])
+def test_a_swapped_decode_gemm_takes_the_same_products_and_scales(m, n, k, split):
+    """``swap``: each K block's product as ``b @ a.T`` on ``swap_tiles`` (a decode step's FP8 GEMM on
+    Hopper's ``wgmma``, its weight rows as the MMA's rows), transposed back: the emulation's result
+    within the tolerance of a sum in another order, each block scaled as ``(part * sa) * sb``; with
+    a bias, split (its partials added in order, by a second kernel or by each tile's last program),
+    bf16 output, partial tiles and a NaN block's scale, as the plain tiles."""
+    from jetrl_cli.kernels import fp8
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x, w = torch.randn(m, k, generator=g).to(dev()), (torch.randn(n, k, generator=g) * 0.02).to(dev())
+    x[0, :128] = 0  # an all-zero group
+    if n > 128:
+        w[-1, -1] = float("nan")  # the last block of the weight (not every row): NaN in its scale and products
+    a, b = quantize(x, CastSpec(E4, Block(1, 128))), quantize(w, CastSpec(E4, Block(128, 128)))
+    bias = (torch.randn(n, generator=g) * 0.1).bfloat16().to(dev())
+    assert fp8.swap_tiles(m)[:2] == (max(16, 1 << (m - 1).bit_length()), fp8.SWAP_N)
+    tol = 2.0 ** -11 if torch.cuda.is_available() else 1e-5
+    plain = fp8.blockwise_mm(a, b, bias=bias, split=split, swap=False)
+    for fused in (False, True):
+        got = fp8.blockwise_mm(a, b, bias=bias, split=split, fused=fused, swap=True)
+        assert got.shape == (m, n) and torch.equal(got.isnan(), plain.isnan())
+        ok = ~plain.isnan()
+        assert bool(ok.any()) and error_stats(plain[ok], got[ok])["rel_err"] < tol, fused
+        emu = EmulatedBackend().mm(a, b) + bias.float()
+        assert error_stats(emu[ok], got[ok])["rel_err"] < tol
+        assert torch.equal(got[ok], fp8.blockwise_mm(a, b, bias=bias, split=split, fused=fused, swap=True)[ok])
+    o16 = fp8.blockwise_mm(a, b, out_dtype=torch.bfloat16, bias=bias, split=split, swap=True)
+    assert o16.dtype == torch.bfloat16 and error_stats(plain[ok], o16.float()[ok])["rel_err"] < 1e-2
+    if not torch.cuda.is_available():  # the interpreter sums a block's products in one order either way
+        assert torch.equal(got[ok], plain[ok])
+
+
 @pytest.mark.parametrize("m", [1, 40, 130])
 def test_blockwise_gemm_adds_the_bias_to_its_fp32_sum_before_rounding(m):
     """The bias in the GEMM's epilogue (a decode step's q/k/v GEMM with Qwen's biases: no separate
@@ -262,46 +295,58 @@ def test_split_counts():
 def test_the_decode_split_is_timed_once_per_shape_and_reported(monkeypatch):
     """On a GPU the first decode GEMM of a shape times 1, 2, 4 and 8 splits (those its K blocks allow),
     each split also with its partials added by the last program of a tile (once that gave the second
-    kernel's bytes), and keeps the fastest, reported with the GEMM backends; a failing timing keeps one
-    split and says why; during a graph capture nothing is decided. (Scripted times; on CPU the
-    interpreter runs.)"""
+    kernel's bytes), each of those with the plain tiles and with each block's product taken as
+    ``b @ a.T`` (``swap``), and keeps the fastest, reported with the GEMM backends; a failing timing
+    keeps one split and says why; during a graph capture nothing is decided. (Scripted times; on CPU
+    the interpreter runs.)"""
     from jetrl_cli.kernels import fp8
     from jetrl_cli.precision import gemm
 
     monkeypatch.setattr(gemm, "_KERNELS", {})
-    ms, timed = {(1, False): 3.0, (2, False): 1.0, (3, False): 2.0, (2, True): 1.5, (3, True): 0.5}, []
+    plain = {(1, False): 3.0, (2, False): 1.0, (3, False): 2.0, (2, True): 1.5, (3, True): 0.5}
+    ms = {**{(*c, False): t for c, t in plain.items()}, **{(*c, True): t + 0.25 for c, t in plain.items()}}
+    timed = []
 
     def device_time_ms(fn, device):
         c = fn()
         assert c.shape == (16, 96) and c.dtype == torch.bfloat16
-        s, fused = fn.__defaults__[0]
-        timed.append((fp8._splits(3, s), fused))
+        s, fused, swap = fn.__defaults__[0]
+        timed.append((fp8._splits(3, s), fused, swap))
         return ms[timed[-1]]
 
     monkeypatch.setattr(gemm, "device_time_ms", device_time_ms)
     where = torch.device(dev())
     op = f"fp8 {fp8.SPLIT_OP} 16 rows, 96 x 384"
     got = fp8._choose_split(op, "fp8", 16, 96, 384, where)  # 3 K blocks: 1, 2 or 3 splits
-    assert timed == list(ms) and (got["split"], got["fused"]) == (3, True)
+    assert timed == list(ms) and (got["split"], got["fused"], got["swap"]) == (3, True, False)
     assert got["kernel"] == "3 splits, summed by the last program"
-    assert got["why"] == ("timed on 16 x 384 x 96: 1 split 3.0000 ms, 2 splits 1.0000 ms, 3 splits 2.0000 ms, "
-                          "2 splits, summed by the last program 1.5000 ms, 3 splits, summed by the last program "
-                          "0.5000 ms")
+    assert got["why"].startswith("timed on 16 x 384 x 96: 1 split 3.0000 ms, 2 splits 1.0000 ms, 3 splits 2.0000 ms, "
+                                 "2 splits, summed by the last program 1.5000 ms, 3 splits, summed by the last "
+                                 "program 0.5000 ms, 1 split, b @ a.T 3.2500 ms, ")
+    assert got["timings_ms"]["3f"] == 0.5 and got["timings_ms"]["3fs"] == 0.75
     assert gemm.kernel_choice(op, where) is got
     if where.type == "cuda":
         assert fp8.decode_split(16, 96, 384, where) == 3 and fp8._decode_split_fused(16, 96, 384, where)
+        assert not fp8._decode_split_fused(16, 96, 384, where, "swap")
+    ms[(2, False, True)] = 0.1  # the swapped tiles the fastest
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    got = fp8._choose_split(op, "fp8", 16, 96, 384, where)
+    assert (got["split"], got["fused"], got["swap"]) == (2, False, True) and got["kernel"] == "2 splits, b @ a.T"
+    if where.type == "cuda":
+        assert fp8._decode_split_fused(16, 96, 384, where, "swap")
     # where the last-program sum gives other bytes than the two kernels, it is neither timed nor taken
     real = fp8.SPLIT_RUNS["fp8"]
 
     def wrong_when_fused(*shape):
         run = real(*shape)
-        return lambda s, fused=False: run(s) + (1.0 if fused else 0.0)
+        return lambda s, fused=False, swap=False: run(s, False, swap) + (1.0 if fused else 0.0)
 
     monkeypatch.setitem(fp8.SPLIT_RUNS, "fp8", wrong_when_fused)
     monkeypatch.setattr(gemm, "_KERNELS", {})
     timed.clear()
     got = fp8._choose_split(op, "fp8", 16, 96, 384, where)
-    assert timed == [(1, False), (2, False), (3, False)] and (got["split"], got["fused"]) == (2, False)
+    assert timed == [(s, False, swap) for swap in (False, True) for s in (1, 2, 3)]
+    assert (got["split"], got["fused"], got["swap"]) == (2, False, True)
     assert got["why"].endswith("; the last-program sum was not the two kernels' bytes: not used")
 
     def broken(fn, device):

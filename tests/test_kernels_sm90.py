@@ -122,6 +122,18 @@ def test_fp8_gemm_runs_on_the_tensor_cores_at_every_tile(report):
         assert "cvt.rn.f16x2.e4m3x2" in gemms[case]["ptx_fp"], case
 
 
+def test_a_swapped_decode_gemm_runs_wgmma_on_the_fp8_bytes(report):
+    """``blockwise_mm(swap=True)``: a decode step's few rows as the MMA's N, the weight's rows as its M
+    (64), so from one row up ``wgmma`` takes the e4m3 bytes themselves (the plain 16- and 32-row tiles
+    convert them to f16 for ``mma.sync``), unspilled, split or not."""
+    swapped = {k["case"]: k for k in report["kernels"] if k["case"].startswith("swapped")}
+    assert len(swapped) == 6
+    for case, k in swapped.items():
+        (op,) = k["ptx_mma"]
+        assert op.startswith("wgmma") and op.endswith(".f32.e4m3.e4m3"), (case, op)
+        assert k["stack"] == 0 and "cvt.rn.f16x2.e4m3x2" not in k["ptx_fp"], case
+
+
 def test_split_k_gemm_runs_on_the_tensor_cores_and_sums_in_fp32(report):
     """A decode step's split-K FP8 and INT8 GEMMs (``decode_split``): the splits' kernels multiply on
     the tensor cores as the unsplit ones do at that tile; the FP8 sum kernel adds fp32 partials (and
