@@ -2058,15 +2058,16 @@ def decode_split(block_m: int, n: int, k: int, device: torch.device, kind: str =
     return (gemm.kernel_choice(op, device) or _choose_split(op, kind, block_m, n, k, device))["split"]
 
 
-def _decode_split_fused(block_m: int, n: int, k: int, device: torch.device, what: str = "fused") -> bool:
+def _decode_split_fused(block_m: int, n: int, k: int, device: torch.device, what: str = "fused",
+                        kind: str = "fp8") -> bool:
     """Whether ``decode_split``'s choice for this FP8 GEMM adds its partials in the last program of each
     tile (``_last_sums``): timed beside the second kernel, and taken only where its output was the
     same bytes (``_choose_split``); with ``what="swap"``, whether it takes each block's product as
-    ``b @ a.T`` (``_kblocks``' ``SWAP``, timed beside the plain tiles). Forced splits (``split_k``)
-    keep the two kernels and the plain tiles."""
+    ``b @ a.T`` (``_kblocks``' ``SWAP``, timed beside the plain tiles; ``kind="int8"``: ``int8_mm``'s).
+    Forced splits (``split_k``) keep the two kernels and the plain tiles."""
     if _FORCED_SPLIT is not None or device.type != "cuda":
         return False
-    choice = gemm.kernel_choice(f"fp8 {SPLIT_OP} {block_m} rows, {n} x {k}", device)
+    choice = gemm.kernel_choice(f"{kind} {SPLIT_OP} {block_m} rows, {n} x {k}", device)
     return bool(choice and choice.get(what))
 
 
@@ -2086,7 +2087,8 @@ def _fp8_split_run(block_m: int, n: int, k: int, device: torch.device):
     g = torch.Generator(device).manual_seed(0)  # drawn on the device: a 7-8B weight's shape is 10^8 values
     a = quantize_act(torch.randn(block_m, k, generator=g, device=device, dtype=torch.bfloat16), cols=False)[0]
     b = quantize_weight(torch.randn(n, k, generator=g, device=device) * 0.05)
-    return lambda s, fused=False, swap=False: blockwise_mm(a, b, torch.bfloat16, split=s, fused=fused, swap=swap)
+    return lambda s, fused=False, swap=False, tiles=None: blockwise_mm(a, b, torch.bfloat16, tiles=tiles, split=s,
+                                                                     fused=fused, swap=swap)
 
 
 SPLIT_RUNS = {"fp8": _fp8_split_run}  # kind -> its timing run's maker (``kernels.int8`` adds "int8")
@@ -2101,7 +2103,7 @@ def _choose_split(op: str, kind: str, block_m: int, n: int, k: int, device: torc
         run = SPLIT_RUNS[kind](block_m, n, k, device)
         ways = sorted({_splits(cdiv(k, TILE), s) for s in SPLIT_CHOICES})
         cases = []
-        for swap in (False, True) if kind == "fp8" else (False,):  # FP8: the plain tiles, then b @ a.T
+        for swap in (False, True):  # the plain tiles, then b @ a.T
             cases += [(s, False, swap) for s in ways]
             if kind == "fp8" and ways[-1] > 1:
                 # the last-program sum must give the second kernel's bytes here before it is timed
@@ -2132,6 +2134,55 @@ def _splits(kblocks: int, asked: int) -> int:
     return cdiv(kblocks, cdiv(kblocks, max(1, min(asked, kblocks)))) if kblocks else 1
 
 
+MID_ROWS = 512  # up to this many rows (past DECODE_ROWS), a GEMM's tiles and split are timed per shape
+MID_OP = "GEMM tiles"
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates, the untimed default first: a rollout's decode step
+# of 256 rows on the default 128 x 128 INT8 tiles ran a 1.5B model's q/k/v on 32 programs, o_proj and
+# down_proj on 24 (132 SMs on an H200), down_proj's each over 70 K blocks
+MID_TILES = {"fp8": ((64, 128, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3)),
+             "int8": ((128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 4))}
+MID_SPLITS = (1, 2, 4)
+
+
+def mid_choice(m: int, n: int, k: int, device: torch.device, kind: str = "fp8") -> dict | None:
+    """The tiles and split of a ``kind`` GEMM (``"fp8"``: ``blockwise_mm``; ``"int8"``: ``int8_mm``) of
+    ``DECODE_ROWS < m <= MID_ROWS`` rows -- a rollout's wide decode step, a short prefill -- or None
+    (the default tiles, one split: on CPU, outside those rows, or while ``split_k`` forces a split).
+    On a GPU each of ``MID_TILES`` at each of ``MID_SPLITS`` is timed once per (rows rounded up to a
+    power of two, N, K) at the first call (``_choose_mid``), the fastest kept and reported with the
+    GEMM backends. INT8's bits do not depend on it (exact int32 sums); FP8's, as any tile shape's, may
+    differ in the last bits from another row count's."""
+    if _FORCED_SPLIT is not None or device.type != "cuda" or not DECODE_ROWS < m <= MID_ROWS:
+        return None
+    rows = triton.next_power_of_2(m)
+    op = f"{kind} {MID_OP} {rows} rows, {n} x {k}"
+    return gemm.kernel_choice(op, device) or _choose_mid(op, kind, rows, n, k, device)
+
+
+def _choose_mid(op: str, kind: str, rows: int, n: int, k: int, device: torch.device) -> dict:
+    """Time ``mid_choice``'s candidates for one GEMM shape on ``device`` and record the fastest; during a
+    graph capture the default, unrecorded (the engine's eager step before a capture decides)."""
+    default = {"tiles": list(MID_TILES[kind][0]), "split": 1}
+    if gemm.capturing(device):
+        return default
+    try:
+        run = SPLIT_RUNS[kind](rows, n, k, device)
+        ways = sorted({_splits(cdiv(k, TILE), s) for s in MID_SPLITS})
+        cases = [(tiles, s) for tiles in MID_TILES[kind] for s in ways]
+        t = {c: gemm.device_time_ms(lambda c=c: run(c[1], tiles=c[0]), device) for c in cases}
+    except Exception as e:  # noqa: BLE001 - nothing timed: the default, said why
+        return gemm.note_kernel(op, device, _mid_name(*default.values()), _untimed(e), **default)
+    best = min(t, key=t.get)
+    why = f"timed on {rows} x {k} x {n}: " + ", ".join(f"{_mid_name(*c)} {ms:.4f} ms" for c, ms in t.items())
+    return gemm.note_kernel(op, device, _mid_name(*best), why, tiles=list(best[0]), split=best[1],
+                            timings_ms={_mid_name(*c): ms for c, ms in t.items()})
+
+
+def _mid_name(tiles, split: int) -> str:
+    bm, bn, warps, stages = tiles
+    return f"{bm}x{bn} tiles, {warps} warps, {stages} stages, {split} {'split' if split == 1 else 'splits'}"
+
+
 # The fused split-K's arrival counters (``_last_sums``): one int32 per output tile, per device, zero
 # between calls (the last program of a tile zeroes its own). Split GEMMs of one device run one after
 # another on its stream (a decode step's), so a call's counters are not shared with another's. Grown
@@ -2160,7 +2211,8 @@ def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
     for a decode step's GEMM, else 1); ``fused``: the partials added by the last program of each tile
     instead of a second kernel (the same bits; by default ``decode_split``'s timed choice); ``swap``:
     each K block's product taken as ``b @ a.T`` on ``swap_tiles`` (``_kblocks``' ``SWAP``; by default
-    ``decode_split``'s timed choice for a decode step, else not; ``tiles`` then give its token rows)."""
+    ``decode_split``'s timed choice for a decode step that asks for no split, else not; ``tiles`` then
+    give its token rows)."""
     if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"blockwise_mm: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)} do not match as a @ b.T")
     sa_rows, sb_rows = _scale_rows(a, "operand a"), _scale_rows(b, "operand b")
@@ -2173,14 +2225,17 @@ def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
                          f"got {tuple(bias.shape)} {bias.dtype}")
     dev = a.data.device
     c = torch.empty((m, n), dtype=out_dtype, device=dev)
+    mid = mid_choice(m, n, k, dev) if tiles is None and split is None else None
+    if mid is not None:
+        tiles, split = tuple(mid["tiles"]), mid["split"]
     block_m, block_n, warps, stages = tiles or _mm_config(m, n)
     decode = m <= DECODE_ROWS and tiles is None
     if split is None:
         split = decode_split(block_m, n, k, dev) if decode else 1
         if fused is None and decode:
             fused = _decode_split_fused(block_m, n, k, dev)
-    if swap is None:
-        swap = decode and _decode_split_fused(block_m, n, k, dev, "swap")
+        if swap is None and decode:
+            swap = _decode_split_fused(block_m, n, k, dev, "swap")
     if swap and tiles is None:
         block_m, block_n, warps, stages = swap_tiles(m)
     fused, swap = bool(fused), bool(swap)

@@ -46,7 +46,7 @@ from jetrl_cli.precision.gemm import INT8_K_LIMIT as K_LIMIT
 from jetrl_cli.precision.quant import DEFAULT_AMAX_FLOOR, CastSpec, QTensor
 
 from . import fp8
-from .fp8 import (DECODE_ROWS, FP_FUSION, MIN_SCALE, NORM_ROWS, NORM_UNROLL_MAX, _abs_bits, _divisor, _group_scale,
+from .fp8 import (DECODE_ROWS, FP_FUSION, MID_ROWS, MIN_SCALE, NORM_ROWS, NORM_UNROLL_MAX, _abs_bits, _divisor, _group_scale,
                   _interpreting, _norm_in, _norm_rsqrt, _norm_y, _norm_y_of, _scaled, _silu_mul, _splits, _to_bf16,
                   decode_split, decode_tiles)
 
@@ -212,9 +212,10 @@ def swiglu_quantize(gu: torch.Tensor, fmt: Format = Format.INT8, pow2_scale: boo
     q = torch.empty((m, i), dtype=torch.int8, device=gu.device)
     sc = torch.empty((m, 1), dtype=torch.float32, device=gu.device)
     if m and i:
-        decode = m <= DECODE_ROWS
-        # a decode step's few rows one per program: h's exp and division are most of the work, and
-        # 4 rows a program left a 32-row step 8 programs for the whole GPU; and each of those few
+        decode = m <= MID_ROWS
+        # a decode step's rows one per program: h's exp and division are most of the work, and
+        # 4 rows a program left a 32-row step 8 programs for the whole GPU (a wide decode step's 256
+        # rows 64 programs of 4 warps, each walking 4 x 8960 values twice); and each of those
         # programs at 16 warps in chunks of up to 4096 (4 warps: one per scheduler, each waiting on
         # its own exp and division; an 8960-wide row was two passes of 9 chunks of 1024). The bits
         # do not depend on it: h is elementwise, its amax a max.
@@ -257,29 +258,43 @@ def rms_norm_quantize(x: torch.Tensor, delta: torch.Tensor | None, weight: torch
 def _int8_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn, stride_sa, stride_sb,
                     OUT_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile of ``a @ b.T``: int8 x int8 summed in int32, then scaled."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _int8_kblocks(a_ptr, b_ptr, rm, rn, 0, K, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
-                        BLOCK_M, BLOCK_N, BLOCK_K)
+                        BLOCK_M, BLOCK_N, BLOCK_K, SWAP)
     _int8_epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, stride_sa, stride_sb,
                    OUT_BF16, HAS_BIAS, INTERPRET)
 
 
 @triton.jit
 def _int8_kblocks(a_ptr, b_ptr, rm, rn, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The int32 sum of int8 products over K in ``k_lo .. k_hi`` (exact) of rows ``rm`` and columns ``rn``."""
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr = False):
+    """The int32 sum of int8 products over K in ``k_lo .. k_hi`` (exact) of rows ``rm`` and columns ``rn``;
+    with ``SWAP`` taken as ``b @ a.T`` and transposed back (``fp8._kblocks``': the weight's rows as the
+    MMA's; the same exact sums)."""
     rk = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
     b_cols = b_ptr + rn.to(tl.int64)[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + rk
-        a = tl.load(a_rows + k[None, :] * stride_ak, mask=(rm < M)[:, None] & (k < K)[None, :], other=0)
-        b = tl.load(b_cols + k[:, None] * stride_bk, mask=(k < K)[:, None] & (rn < N)[None, :], other=0)
-        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        if SWAP:
+            b = tl.load(b_ptr + rn.to(tl.int64)[:, None] * stride_bn + k[None, :] * stride_bk,
+                        mask=(rn < N)[:, None] & (k < K)[None, :], other=0)
+            a = tl.load(a_ptr + k[:, None] * stride_ak + rm.to(tl.int64)[None, :] * stride_am,  # K-major a^T
+                        mask=(k < K)[:, None] & (rm < M)[None, :], other=0)
+            acc = tl.dot(b, a, acc, out_dtype=tl.int32)
+        else:
+            a = tl.load(a_rows + k[None, :] * stride_ak, mask=(rm < M)[:, None] & (k < K)[None, :], other=0)
+            b = tl.load(b_cols + k[:, None] * stride_bk, mask=(k < K)[:, None] & (rn < N)[None, :], other=0)
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+    if SWAP:
+        acc = tl.trans(acc)
     return acc
 
 
@@ -303,14 +318,14 @@ def _int8_epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, rm, rn, M, N, stride_cm
 
 @triton.jit(do_not_specialize=["M"])
 def _int8_mm_split_kernel(a_ptr, b_ptr, p_ptr, M, N, K, K_SPLIT, stride_am, stride_ak, stride_bn, stride_bk,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr):
     """Split-K: program (m, n, s) sums K ``s * K_SPLIT ..`` into its int32 partial ``p[s]`` (S x M x N)."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ps = tl.program_id(2)
     k_lo = ps * K_SPLIT
     acc = _int8_kblocks(a_ptr, b_ptr, rm, rn, k_lo, tl.minimum(k_lo + K_SPLIT, K), M, N, K, stride_am, stride_ak,
-                        stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K)
+                        stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, SWAP)
     tl.store(p_ptr + ps.to(tl.int64) * M * N + rm.to(tl.int64)[:, None] * N + rn[None, :], acc,
              mask=(rm < M)[:, None] & (rn < N)[None, :])
 
@@ -361,9 +376,9 @@ def quantize_rows(x: torch.Tensor, spec: CastSpec) -> QTensor:
     s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         block_k = min(triton.next_power_of_2(k), 1024)
-        # a decode step's rows one per program (4 a program left a 32-row step 8 programs); a max
-        # and elementwise steps: the bits do not depend on it
-        rows = 1 if m <= DECODE_ROWS else max(1, min(16, 4096 // block_k))
+        # a decode step's rows one per program (4 a program left a 32-row step 8 programs, a wide
+        # decode step's 256 rows 64); a max and elementwise steps: the bits do not depend on it
+        rows = 1 if m <= MID_ROWS else max(1, min(16, 4096 // block_k))
         _row_quant_kernel[(triton.cdiv(m, rows),)](
             x, q, s, m, x.stride(0), x.stride(1), K=k, FLOOR=spec.amax_floor, POW2=spec.pow2_scale, ROWS=rows,
             BLOCK_K=block_k, num_warps=4, enable_fp_fusion=FP_FUSION)
@@ -395,12 +410,17 @@ def _mm_config(m: int, n: int) -> tuple[int, int, int, int]:
 
 
 def int8_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
-            split: int | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+            split: int | None = None, bias: torch.Tensor | None = None,
+            tiles: tuple[int, int, int, int] | None = None, swap: bool | None = None) -> torch.Tensor:
     """``a @ b.T`` (a: M x K, b: N x K, INT8 with per-row or per-tensor scales), int32 accumulation.
     ``split``: K in that many runs of whole 128-wide blocks, their int32 sums added exactly (the same
     bits as one run), by default ``fp8.decode_split``'s timed choice for a decode step, else 1.
     ``bias`` (N, in ``out_dtype``): added in the epilogue, the bits of ``int8_mm(a, b) + bias`` (a
-    Qwen2 model's q/k/v: one kernel fewer per layer and decode step)."""
+    Qwen2 model's q/k/v: one kernel fewer per layer and decode step). ``tiles``: (BLOCK_M, BLOCK_N,
+    num_warps, num_stages), by default ``_mm_config``'s, or past a decode step's rows
+    ``fp8.mid_choice``'s timed tiles and split; ``swap``: each K block's product taken as ``b @ a.T`` on
+    ``fp8.swap_tiles`` (by default the timed choice for a decode step that asks for no split). None of
+    it changes a bit."""
     if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"int8_mm: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)} do not match as a @ b.T")
     if a.data.dtype is not torch.int8 or b.data.dtype is not torch.int8:
@@ -418,14 +438,23 @@ def int8_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
     c = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
     if m == 0 or n == 0:
         return c
-    block_m, block_n, warps, stages = _mm_config(m, n)
     dev = a.data.device
+    mid = fp8.mid_choice(m, n, k, dev, "int8") if tiles is None and split is None else None
+    if mid is not None:
+        tiles, split = tuple(mid["tiles"]), mid["split"]
+    block_m, block_n, warps, stages = tiles or _mm_config(m, n)
     # a bias is added to the product rounded to fp32, as the separate add adds it: with contraction on, the
     # GPU compile made an fp32 output's (acc * sa) * sb + bias one FMA, rounded once (other last bits; the
     # interpreter never contracts). Nothing else here to contract: without a bias, FP_FUSION as pinned.
     fusion = FP_FUSION and bias is None
+    decode = m <= DECODE_ROWS and tiles is None
     if split is None:
-        split = decode_split(block_m, n, k, dev, "int8") if m <= DECODE_ROWS else 1
+        split = decode_split(block_m, n, k, dev, "int8") if decode else 1
+        if swap is None and decode:
+            swap = fp8._decode_split_fused(block_m, n, k, dev, "swap", "int8")
+    swap = bool(swap)
+    if swap and tiles is None:
+        block_m, block_n, warps, stages = fp8.swap_tiles(m)
     kblocks = triton.cdiv(k, 128)
     splits = _splits(kblocks, split)
     if splits > 1:
@@ -434,8 +463,8 @@ def int8_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         _int8_mm_split_kernel[(*grid, splits)](
             a.data, b.data, part, m, n, k, per, a.data.stride(0), a.data.stride(1), b.data.stride(0),
-            b.data.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, num_stages=stages,
-            enable_fp_fusion=FP_FUSION)
+            b.data.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, SWAP=swap, num_warps=warps,
+            num_stages=stages, enable_fp_fusion=FP_FUSION)
         _int8_split_sum_kernel[grid](
             part, c, a.scale, b.scale, c if bias is None else bias, m, n, splits, ssa, ssb,
             OUT_BF16=out_dtype == torch.bfloat16, HAS_BIAS=bias is not None, INTERPRET=_interpreting(),
@@ -445,7 +474,7 @@ def int8_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
         a.data, b.data, c, a.scale, b.scale, c if bias is None else bias, m, n, k,
         a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1), c.stride(0), c.stride(1), ssa, ssb,
         OUT_BF16=out_dtype == torch.bfloat16, HAS_BIAS=bias is not None, INTERPRET=_interpreting(),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, SWAP=swap, num_warps=warps, num_stages=stages,
         enable_fp_fusion=fusion)
     return c
 
@@ -456,7 +485,8 @@ def _int8_split_run(block_m: int, n: int, k: int, device: torch.device):
     spec = CastSpec(Format.INT8, Block(1, 0))
     a = quantize_rows(torch.randn(block_m, k, generator=g, device=device, dtype=torch.bfloat16), spec)
     b = quantize_rows(torch.randn(n, k, generator=g, device=device) * 0.05, spec)
-    return lambda s: int8_mm(a, b, torch.bfloat16, split=s)
+    return lambda s, fused=False, swap=False, tiles=None: int8_mm(a, b, torch.bfloat16, split=s, tiles=tiles,
+                                                                  swap=swap)  # no fused sum: the kernels' int32
 
 
 fp8.SPLIT_RUNS["int8"] = _int8_split_run

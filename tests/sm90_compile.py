@@ -245,6 +245,18 @@ def cases():
     for m in (1, 7, 64, 4096):
         out.append((f"int8_mm M={m}", None, lambda m=m: int8.int8_mm(int8_op(m, hidden), int8_op(inter, hidden),
                                                                      out_dtype=bf)))
+    for m in (1, 32):  # a decode step's swapped INT8 GEMMs (b @ a.T): q/k/v with its bias, down_proj split
+        out.append((f"swapped int8_mm M={m} bias", None, lambda m=m: int8.int8_mm(
+            int8_op(m, hidden), int8_op(2048, hidden), out_dtype=bf, bias=torch.zeros(2048, dtype=bf), split=1,
+            swap=True)))
+        out.append((f"swapped split-K int8_mm M={m} N=1536", None, lambda m=m: int8.int8_mm(
+            int8_op(m, inter), int8_op(hidden, inter), out_dtype=bf, split=4, swap=True)))
+    for i, t in enumerate(fp8.MID_TILES["int8"]):  # a wide decode step's timed candidates (down_proj, split 2)
+        out.append((f"mid int8_mm M=256 tiles {i}", None, lambda t=t: int8.int8_mm(
+            int8_op(256, inter), int8_op(hidden, inter), out_dtype=bf, split=2, tiles=t)))
+    for i, t in enumerate(fp8.MID_TILES["fp8"]):
+        out.append((f"mid blockwise_mm M=256 tiles {i}", None, lambda t=t: fp8.blockwise_mm(
+            _qtensor(256, inter, 1), _qtensor(hidden, inter, 128), out_dtype=bf, split=2, tiles=t)))
     out.append(("split-K int8_mm M=32 N=1536", None, lambda: int8.int8_mm(int8_op(32, inter), int8_op(hidden, inter),
                                                                        out_dtype=bf, split=4)))
     out.append(("int8_mm M=64 N=1536", None, lambda: int8.int8_mm(int8_op(64, inter), int8_op(hidden, inter),

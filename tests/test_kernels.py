@@ -361,6 +361,66 @@ def test_the_decode_split_is_timed_once_per_shape_and_reported(monkeypatch):
     assert gemm.kernel_choice(op, torch.device("cuda")) is None
 
 
+def test_a_wide_decode_steps_gemm_tiles_are_timed_once_per_shape_and_reported(monkeypatch):
+    """Past a decode step's rows (65-512: a rollout's wide decode step, a short prefill), on a GPU the
+    first GEMM of a shape times each of ``MID_TILES`` at 1, 2 and 4 splits (those its K blocks allow),
+    FP8 and INT8, and keeps the fastest, reported; each candidate gives the default tiles' result
+    (INT8: the same bits; FP8: the emulation's within a sum order's tolerance); a failing timing keeps
+    the default and says why; during a capture nothing is decided; on CPU, at other rows or under
+    ``split_k`` there is no choice. (Scripted times; on CPU the interpreter runs.)"""
+    from jetrl_cli.kernels import fp8, int8
+    from jetrl_cli.precision import gemm
+
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    where = torch.device(dev())
+    for kind in ("fp8", "int8"):
+        timed, outs = [], []
+
+        def device_time_ms(fn, device):
+            out = fn()
+            assert out.shape == (128, 96) and out.dtype == torch.bfloat16
+            tiles, s = fn.__defaults__[0]
+            timed.append((tuple(tiles), fp8._splits(3, s)))
+            outs.append(out)
+            return 1.0 if timed[-1] == (fp8.MID_TILES[kind][2], 2) else 2.0
+
+        monkeypatch.setattr(gemm, "device_time_ms", device_time_ms)
+        op = f"{kind} {fp8.MID_OP} 128 rows, 96 x 384"
+        got = fp8._choose_mid(op, kind, 128, 96, 384, where)  # 3 K blocks: 1, 2 or 3 splits
+        assert timed == [(t, s) for t in fp8.MID_TILES[kind] for s in (1, 2, 3)]
+        assert (tuple(got["tiles"]), got["split"]) == (fp8.MID_TILES[kind][2], 2)
+        assert got["kernel"] == fp8._mid_name(fp8.MID_TILES[kind][2], 2) and len(got["timings_ms"]) == 9
+        assert got["why"].startswith(f"timed on 128 x 384 x 96: {fp8._mid_name(fp8.MID_TILES[kind][0], 1)} 2.0000 ms")
+        assert gemm.kernel_choice(op, where) is got
+        for out in outs[1:]:  # every candidate: the default's result
+            if kind == "int8":
+                assert torch.equal(out, outs[0])
+            else:
+                assert error_stats(outs[0].float(), out.float())["rel_err"] < 1e-2
+        if where.type == "cuda":
+            assert fp8.mid_choice(100, 96, 384, where, kind) is got
+        else:
+            assert fp8.mid_choice(100, 96, 384, where, kind) is None  # CPU: the default
+        assert fp8.mid_choice(64, 96, 384, torch.device("cuda"), kind) is None  # a decode step's rows
+        assert fp8.mid_choice(513, 96, 384, torch.device("cuda"), kind) is None
+        with fp8.split_k(2):
+            assert fp8.mid_choice(100, 96, 384, torch.device("cuda"), kind) is None
+
+    def broken(fn, device):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(gemm, "device_time_ms", broken)
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    got = fp8._choose_mid("op", "int8", 128, 96, 384, where)
+    assert (tuple(got["tiles"]), got["split"]) == (int8._mm_config(128, 96)[:4], 1)
+    assert got["why"] == "not timed (RuntimeError: out of resources)"
+    assert fp8._mm_config(128, 96) == fp8.MID_TILES["fp8"][0]  # the default is the untimed tiles
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    got = fp8._choose_mid("op", "fp8", 128, 96, 384, torch.device("cuda"))
+    assert got == {"tiles": list(fp8.MID_TILES["fp8"][0]), "split": 1} and gemm.kernel_choice("op", where) is None
+
+
 def test_gemm_tiles_by_rows_and_width():
     from jetrl_cli.kernels import fp8, int8
 

@@ -229,12 +229,15 @@ def test_int8_split_k_gemm_is_the_unsplit_gemm_bit_for_bit(int8, m, n, k, seed):
             want = _scaled_mm_reference(a, b, out_dtype)
             for split in (2, 3, 8):
                 assert torch.equal(int8.int8_mm(a, b, out_dtype, split=split).cpu(), want), (block, split)
+            for split in (1, 3):  # each K block's product as b @ a.T (the weight's rows as the MMA's): exact too
+                assert torch.equal(int8.int8_mm(a, b, out_dtype, split=split, swap=True).cpu(), want), (block, split)
             with fp8.split_k(4):
                 assert torch.equal(int8.int8_mm(a, b, out_dtype).cpu(), want)
 
 
 def test_int8_decode_split_is_timed_on_int8_operands(int8, monkeypatch):
-    """The split choice of an INT8 decode GEMM times ``int8_mm`` (not the FP8 GEMM) under its own name."""
+    """The split choice of an INT8 decode GEMM times ``int8_mm`` (not the FP8 GEMM) under its own name, each
+    split with the plain tiles and as ``b @ a.T`` (no last-program sum: INT8's partials are int32)."""
     from jetrl_cli.kernels import fp8
     from jetrl_cli.precision import gemm
 
@@ -250,7 +253,10 @@ def test_int8_decode_split_is_timed_on_int8_operands(int8, monkeypatch):
     where = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     op = f"int8 {fp8.SPLIT_OP} 16 rows, 40 x 640"
     got = fp8._choose_split(op, "int8", 16, 40, 640, where)
-    assert runs == [(16, 40)] * 4 and got["split"] == 5 and gemm.kernel_choice(op, where) is got
+    assert runs == [(16, 40)] * 8 and (got["split"], got["fused"], got["swap"]) == (5, False, True)
+    assert got["kernel"] == "5 splits, b @ a.T" and gemm.kernel_choice(op, where) is got
+    if where.type == "cuda":
+        assert fp8._decode_split_fused(16, 40, 640, where, "swap", "int8")
 
 
 def test_int8_gemm_with_per_tensor_scales_and_strided_operands(int8, seed):

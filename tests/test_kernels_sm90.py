@@ -125,12 +125,15 @@ def test_fp8_gemm_runs_on_the_tensor_cores_at_every_tile(report):
 def test_a_swapped_decode_gemm_runs_wgmma_on_the_fp8_bytes(report):
     """``blockwise_mm(swap=True)``: a decode step's few rows as the MMA's N, the weight's rows as its M
     (64), so from one row up ``wgmma`` takes the e4m3 bytes themselves (the plain 16- and 32-row tiles
-    convert them to f16 for ``mma.sync``), unspilled, split or not."""
-    swapped = {k["case"]: k for k in report["kernels"] if k["case"].startswith("swapped")}
-    assert len(swapped) == 6
+    convert them to f16 for ``mma.sync``), unspilled, split or not; ``int8_mm(swap=True)`` likewise on
+    s8 (the plain tiles: ``mma.sync`` on s8)."""
+    swapped = {k["case"]: k for k in report["kernels"]
+               if k["case"].startswith("swapped") and k["kernel"].endswith(("mm_kernel", "mm_split_kernel"))}
+    assert len(swapped) == 10
     for case, k in swapped.items():
         (op,) = k["ptx_mma"]
-        assert op.startswith("wgmma") and op.endswith(".f32.e4m3.e4m3"), (case, op)
+        int8 = "int8" in case  # INT8's twin: wgmma on s8, int32 sums
+        assert op.startswith("wgmma") and op.endswith(".s32.s8.s8" if int8 else ".f32.e4m3.e4m3"), (case, op)
         assert k["stack"] == 0 and "cvt.rn.f16x2.e4m3x2" not in k["ptx_fp"], case
 
 
