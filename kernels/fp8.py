@@ -2058,7 +2058,7 @@ def decode_split(block_m: int, n: int, k: int, device: torch.device, kind: str =
     return (gemm.kernel_choice(op, device) or _choose_split(op, kind, block_m, n, k, device))["split"]
 
 
-def _decode_split_fused(block_m: int, n: int, k: int, device: torch.device, what: str = "fused",
+def _decode_flag(block_m: int, n: int, k: int, device: torch.device, what: str = "fused",
                         kind: str = "fp8") -> bool:
     """Whether ``decode_split``'s choice for this FP8 GEMM adds its partials in the last program of each
     tile (``_last_sums``): timed beside the second kernel, and taken only where its output was the
@@ -2107,7 +2107,8 @@ def _choose_split(op: str, kind: str, block_m: int, n: int, k: int, device: torc
             cases += [(s, False, swap) for s in ways]
             if kind == "fp8" and ways[-1] > 1:
                 # the last-program sum must give the second kernel's bytes here before it is timed
-                ok = torch.equal(run(ways[-1], True, swap).view(torch.int16), run(ways[-1], False, swap).view(torch.int16))
+                fused_out, two_out = run(ways[-1], True, swap), run(ways[-1], False, swap)
+                ok = torch.equal(fused_out.view(torch.int16), two_out.view(torch.int16))
                 fused_ok = ok and fused_ok is not False
                 if ok:
                     cases += [(s, True, swap) for s in ways if s > 1]
@@ -2233,9 +2234,9 @@ def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
     if split is None:
         split = decode_split(block_m, n, k, dev) if decode else 1
         if fused is None and decode:
-            fused = _decode_split_fused(block_m, n, k, dev)
+            fused = _decode_flag(block_m, n, k, dev)
         if swap is None and decode:
-            swap = _decode_split_fused(block_m, n, k, dev, "swap")
+            swap = _decode_flag(block_m, n, k, dev, "swap")
     if swap and tiles is None:
         block_m, block_n, warps, stages = swap_tiles(m)
     fused, swap = bool(fused), bool(swap)

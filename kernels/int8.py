@@ -46,9 +46,9 @@ from jetrl_cli.precision.gemm import INT8_K_LIMIT as K_LIMIT
 from jetrl_cli.precision.quant import DEFAULT_AMAX_FLOOR, CastSpec, QTensor
 
 from . import fp8
-from .fp8 import (DECODE_ROWS, FP_FUSION, MID_ROWS, MIN_SCALE, NORM_ROWS, NORM_UNROLL_MAX, _abs_bits, _divisor, _group_scale,
-                  _interpreting, _norm_in, _norm_rsqrt, _norm_y, _norm_y_of, _scaled, _silu_mul, _splits, _to_bf16,
-                  decode_split, decode_tiles)
+from .fp8 import (DECODE_ROWS, FP_FUSION, MID_ROWS, MIN_SCALE, NORM_ROWS, NORM_UNROLL_MAX, _abs_bits, _divisor,
+                  _group_scale, _interpreting, _norm_in, _norm_rsqrt, _norm_y, _norm_y_of, _scaled, _silu_mul, _splits,
+                  _to_bf16, decode_split, decode_tiles)
 
 QMAX = tl.constexpr(127.0)  # Format.INT8.max
 ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding it rounds |y| <= 2^22 to an integer, half to even
@@ -451,7 +451,7 @@ def int8_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
     if split is None:
         split = decode_split(block_m, n, k, dev, "int8") if decode else 1
         if swap is None and decode:
-            swap = fp8._decode_split_fused(block_m, n, k, dev, "swap", "int8")
+            swap = fp8._decode_flag(block_m, n, k, dev, "swap", "int8")
     swap = bool(swap)
     if swap and tiles is None:
         block_m, block_n, warps, stages = fp8.swap_tiles(m)

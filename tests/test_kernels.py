@@ -326,14 +326,14 @@ def test_the_decode_split_is_timed_once_per_shape_and_reported(monkeypatch):
     assert got["timings_ms"]["3f"] == 0.5 and got["timings_ms"]["3fs"] == 0.75
     assert gemm.kernel_choice(op, where) is got
     if where.type == "cuda":
-        assert fp8.decode_split(16, 96, 384, where) == 3 and fp8._decode_split_fused(16, 96, 384, where)
-        assert not fp8._decode_split_fused(16, 96, 384, where, "swap")
+        assert fp8.decode_split(16, 96, 384, where) == 3 and fp8._decode_flag(16, 96, 384, where)
+        assert not fp8._decode_flag(16, 96, 384, where, "swap")
     ms[(2, False, True)] = 0.1  # the swapped tiles the fastest
     monkeypatch.setattr(gemm, "_KERNELS", {})
     got = fp8._choose_split(op, "fp8", 16, 96, 384, where)
     assert (got["split"], got["fused"], got["swap"]) == (2, False, True) and got["kernel"] == "2 splits, b @ a.T"
     if where.type == "cuda":
-        assert fp8._decode_split_fused(16, 96, 384, where, "swap")
+        assert fp8._decode_flag(16, 96, 384, where, "swap")
     # where the last-program sum gives other bytes than the two kernels, it is neither timed nor taken
     real = fp8.SPLIT_RUNS["fp8"]
 

@@ -256,7 +256,7 @@ def test_int8_decode_split_is_timed_on_int8_operands(int8, monkeypatch):
     assert runs == [(16, 40)] * 8 and (got["split"], got["fused"], got["swap"]) == (5, False, True)
     assert got["kernel"] == "5 splits, b @ a.T" and gemm.kernel_choice(op, where) is got
     if where.type == "cuda":
-        assert fp8._decode_split_fused(16, 40, 640, where, "swap", "int8")
+        assert fp8._decode_flag(16, 40, 640, where, "swap", "int8")
 
 
 def test_int8_gemm_with_per_tensor_scales_and_strided_operands(int8, seed):
