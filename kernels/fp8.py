@@ -2102,8 +2102,12 @@ def _choose_split(op: str, kind: str, block_m: int, n: int, k: int, device: torc
     try:
         run = SPLIT_RUNS[kind](block_m, n, k, device)
         ways = sorted({_splits(cdiv(k, TILE), s) for s in SPLIT_CHOICES})
-        cases = []
-        for swap in (False, True):  # the plain tiles, then b @ a.T
+        cases, swap_ok = [], None
+        for swap in (False, True):  # the plain tiles, then b @ a.T, once it gave the plain tiles' result here
+            if swap:
+                swap_ok = agrees(kind, run(1, False, True), run(1))
+                if not swap_ok:
+                    break
             cases += [(s, False, swap) for s in ways]
             if kind == "fp8" and ways[-1] > 1:
                 # the last-program sum must give the second kernel's bytes here before it is timed
@@ -2119,6 +2123,8 @@ def _choose_split(op: str, kind: str, block_m: int, n: int, k: int, device: torc
     why = f"timed on {block_m} x {k} x {n}: " + ", ".join(f"{_split_name(*c)} {ms:.4f} ms" for c, ms in t.items())
     if fused_ok is False:
         why += "; the last-program sum was not the two kernels' bytes: not used"
+    if swap_ok is False:
+        why += "; b @ a.T did not give the plain tiles' result: not used"
     return gemm.note_kernel(op, device, _split_name(*best), why, split=best[0], fused=best[1], swap=best[2],
                             timings_ms={str(c[0]) + ("f" if c[1] else "") + ("s" if c[2] else ""): ms
                                         for c, ms in t.items()})
@@ -2170,13 +2176,37 @@ def _choose_mid(op: str, kind: str, rows: int, n: int, k: int, device: torch.dev
         run = SPLIT_RUNS[kind](rows, n, k, device)
         ways = sorted({_splits(cdiv(k, TILE), s) for s in MID_SPLITS})
         cases = [(tiles, s) for tiles in MID_TILES[kind] for s in ways]
-        t = {c: gemm.device_time_ms(lambda c=c: run(c[1], tiles=c[0]), device) for c in cases}
+        # a candidate is timed only where it gives the default's result on this device (a kernel compiled
+        # wrong there -- as the weight quantizer's W^T once was on an H200 -- is never taken)
+        ref = run(1, tiles=MID_TILES[kind][0])
+        wrong = [c for c in cases[1:] if not agrees(kind, run(c[1], tiles=c[0]), ref)]
+        t = {c: gemm.device_time_ms(lambda c=c: run(c[1], tiles=c[0]), device) for c in cases if c not in wrong}
     except Exception as e:  # noqa: BLE001 - nothing timed: the default, said why
         return gemm.note_kernel(op, device, _mid_name(*default.values()), _untimed(e), **default)
     best = min(t, key=t.get)
     why = f"timed on {rows} x {k} x {n}: " + ", ".join(f"{_mid_name(*c)} {ms:.4f} ms" for c, ms in t.items())
+    if wrong:
+        why += "; not the default's result, not used: " + ", ".join(_mid_name(*c) for c in wrong)
     return gemm.note_kernel(op, device, _mid_name(*best), why, tiles=list(best[0]), split=best[1],
                             timings_ms={_mid_name(*c): ms for c, ms in t.items()})
+
+
+AGREE_TOL = 2.0**-7  # FP8 GEMMs of other tiles or splits: the norm-wise difference of their bf16 outputs
+
+
+def agrees(kind: str, out: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Whether a GEMM's ``out`` (another tile shape or split of the ``kind`` GEMM that gave ``ref``, both
+    bf16) is its result: INT8 bit for bit (exact int32 sums in any order); FP8 NaN and infinity at the
+    same places and the rest within ``AGREE_TOL`` of ``ref``'s norm (its sums in another order)."""
+    if kind == "int8":
+        return torch.equal(out.view(torch.int16), ref.view(torch.int16))
+    fin = ref.isfinite()
+    if not torch.equal(fin, out.isfinite()) or not torch.equal(out[~fin].isnan(), ref[~fin].isnan()):
+        return False
+    if not torch.equal(out[~fin & ~ref.isnan()], ref[~fin & ~ref.isnan()]):  # infinities: the same signs
+        return False
+    o, r = out[fin].float(), ref[fin].float()
+    return bool((o - r).norm() <= AGREE_TOL * r.norm())
 
 
 def _mid_name(tiles, split: int) -> str:

@@ -349,6 +349,18 @@ def test_the_decode_split_is_timed_once_per_shape_and_reported(monkeypatch):
     assert (got["split"], got["fused"], got["swap"]) == (2, False, True)
     assert got["why"].endswith("; the last-program sum was not the two kernels' bytes: not used")
 
+    # nor b @ a.T where it gives another result than the plain tiles on this device
+    def wrong_when_swapped(*shape):
+        run = real(*shape)
+        return lambda s, fused=False, swap=False: run(s, fused) * (2.0 if swap else 1.0)
+
+    monkeypatch.setitem(fp8.SPLIT_RUNS, "fp8", wrong_when_swapped)
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    timed.clear()
+    got = fp8._choose_split(op, "fp8", 16, 96, 384, where)
+    assert timed == [(1, False, False), (2, False, False), (3, False, False), (2, True, False), (3, True, False)]
+    assert not got["swap"] and got["why"].endswith("; b @ a.T did not give the plain tiles' result: not used")
+
     def broken(fn, device):
         raise RuntimeError("out of resources")
 
@@ -406,6 +418,24 @@ def test_a_wide_decode_steps_gemm_tiles_are_timed_once_per_shape_and_reported(mo
         with fp8.split_k(2):
             assert fp8.mid_choice(100, 96, 384, torch.device("cuda"), kind) is None
 
+    # a candidate that gives another result on this device is neither timed nor taken, FP8 or INT8
+    real = dict(fp8.SPLIT_RUNS)
+    for kind in ("fp8", "int8"):
+        def off_tiles(*shape, kind=kind):
+            run = real[kind](*shape)
+            return lambda s, fused=False, swap=False, tiles=None: run(s, tiles=tiles) + (
+                1.0 if tiles == fp8.MID_TILES[kind][2] else 0.0)
+
+        monkeypatch.setitem(fp8.SPLIT_RUNS, kind, off_tiles)
+        monkeypatch.setattr(gemm, "_KERNELS", {})
+        timed.clear()
+        got = fp8._choose_mid(f"{kind} op", kind, 128, 96, 384, where)
+        assert timed == [(t, s) for t in fp8.MID_TILES[kind][:2] for s in (1, 2, 3)], kind
+        assert tuple(got["tiles"]) != fp8.MID_TILES[kind][2]
+        assert got["why"].endswith("; not the default's result, not used: " + ", ".join(
+            fp8._mid_name(fp8.MID_TILES[kind][2], s) for s in (1, 2, 3)))
+    monkeypatch.setattr(fp8, "SPLIT_RUNS", real)
+
     def broken(fn, device):
         raise RuntimeError("out of resources")
 
@@ -419,6 +449,26 @@ def test_a_wide_decode_steps_gemm_tiles_are_timed_once_per_shape_and_reported(mo
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     got = fp8._choose_mid("op", "fp8", 128, 96, 384, torch.device("cuda"))
     assert got == {"tiles": list(fp8.MID_TILES["fp8"][0]), "split": 1} and gemm.kernel_choice("op", where) is None
+
+
+def test_a_candidate_kernel_agrees_with_the_default_as_its_kind_allows():
+    """``fp8.agrees``: INT8 outputs bit for bit; FP8 the same non-finite values at the same places and the
+    rest within ``AGREE_TOL`` of the norm (another order of sums), never a scaled or shifted result."""
+    from jetrl_cli.kernels import fp8
+
+    ref = (torch.randn(64, 96) * 3).bfloat16()
+    ref[0, 0], ref[1, 1], ref[2, 2] = float("nan"), float("inf"), -float("inf")
+    near = ref.float()
+    near[3:] += near[3:] * 2.0**-9 * torch.randn(61, 96).sign()  # a bf16 ulp or so here and there
+    near = near.bfloat16()
+    assert fp8.agrees("fp8", ref.clone(), ref) and fp8.agrees("fp8", near, ref)
+    assert not fp8.agrees("int8", near, ref) and fp8.agrees("int8", ref.clone(), ref)
+    for bad in (ref * 2, ref + 1):
+        assert not fp8.agrees("fp8", bad, ref)
+    for at, v in (((0, 0), 1.0), ((1, 1), -float("inf")), ((5, 5), float("nan"))):
+        bad = ref.clone()
+        bad[at] = v
+        assert not fp8.agrees("fp8", bad, ref), (at, v)
 
 
 def test_gemm_tiles_by_rows_and_width():
