@@ -2095,39 +2095,70 @@ SPLIT_RUNS = {"fp8": _fp8_split_run}  # kind -> its timing run's maker (``kernel
 
 
 def _choose_split(op: str, kind: str, block_m: int, n: int, k: int, device: torch.device) -> dict:
-    """Time ``decode_split``'s choices for one GEMM shape on ``device`` and record the fastest."""
+    """Time ``decode_split``'s choices for one GEMM shape on ``device`` and record the fastest: each split
+    with the plain tiles; FP8's with its partials added by the last program where that gave the second
+    kernel's bytes; and each with ``b @ a.T`` where that gave the plain tiles' result (``agrees``). A
+    swapped or fused case that fails is left out, said why; the plain tiles' failing, nothing is timed."""
     if gemm.capturing(device):
         return {"split": 1}
-    fused_ok = None
+    notes = []
     try:
         run = SPLIT_RUNS[kind](block_m, n, k, device)
         ways = sorted({_splits(cdiv(k, TILE), s) for s in SPLIT_CHOICES})
-        cases, swap_ok = [], None
-        for swap in (False, True):  # the plain tiles, then b @ a.T, once it gave the plain tiles' result here
+        cases = []
+        for swap in (False, True):  # the plain tiles, then b @ a.T
             if swap:
-                swap_ok = agrees(kind, run(1, False, True), run(1))
-                if not swap_ok:
+                ok, why = _checked(lambda: agrees(kind, run(1, False, True), run(1)))
+                if not ok:
+                    why = why or "did not give the plain tiles' result"
+                    notes.append(f"b @ a.T {why}: not used")
                     break
             cases += [(s, False, swap) for s in ways]
             if kind == "fp8" and ways[-1] > 1:
                 # the last-program sum must give the second kernel's bytes here before it is timed
-                fused_out, two_out = run(ways[-1], True, swap), run(ways[-1], False, swap)
-                ok = torch.equal(fused_out.view(torch.int16), two_out.view(torch.int16))
-                fused_ok = ok and fused_ok is not False
+                ok, why = _checked(lambda: torch.equal(run(ways[-1], True, swap).view(torch.int16),
+                                                       run(ways[-1], False, swap).view(torch.int16)))
                 if ok:
                     cases += [(s, True, swap) for s in ways if s > 1]
-        t = {c: gemm.device_time_ms(lambda c=c: run(*c) if c[1] or c[2] else run(c[0]), device) for c in cases}
+                else:
+                    what = "the last-program sum" + (" of b @ a.T" if swap else "")
+                    why = why or "was not the two kernels' bytes"
+                    notes.append(f"{what} {why}: not used")
+        t, left = _timed(cases, lambda c: run(*c) if c[1] or c[2] else run(c[0]), device)
     except Exception as e:  # noqa: BLE001 - nothing timed: no split, said why
         return gemm.note_kernel(op, device, "1 split", _untimed(e), split=1)
     best = min(t, key=t.get)
     why = f"timed on {block_m} x {k} x {n}: " + ", ".join(f"{_split_name(*c)} {ms:.4f} ms" for c, ms in t.items())
-    if fused_ok is False:
-        why += "; the last-program sum was not the two kernels' bytes: not used"
-    if swap_ok is False:
-        why += "; b @ a.T did not give the plain tiles' result: not used"
+    why += "".join(f"; {note}" for note in notes + [f"{_split_name(*c)} {w}" for c, w in left.items()])
     return gemm.note_kernel(op, device, _split_name(*best), why, split=best[0], fused=best[1], swap=best[2],
                             timings_ms={str(c[0]) + ("f" if c[1] else "") + ("s" if c[2] else ""): ms
                                         for c, ms in t.items()})
+
+
+def _checked(check) -> tuple[bool, str | None]:
+    """``(check(), None)``, or ``(False, why)`` where it raises (an optional candidate's check)."""
+    try:
+        return bool(check()), None
+    except Exception as e:  # noqa: BLE001 - this candidate left out, said why
+        return False, _untimed(e).replace("not timed", "failed", 1)
+
+
+def _timed(cases: list, run_case, device: torch.device, check=None) -> tuple[dict, dict]:
+    """``({case: device ms}, {case: why left out})`` of ``run_case(case)`` for each of ``cases``: a case
+    that fails, or whose output ``check`` rejects, is left out, except the first (the default), whose
+    failure is raised."""
+    t, left = {}, {}
+    for i, c in enumerate(cases):
+        try:
+            if check is not None and i and not check(run_case(c)):
+                left[c] = "not the default's result: not used"
+                continue
+            t[c] = gemm.device_time_ms(lambda c=c: run_case(c), device)
+        except Exception as e:  # noqa: BLE001 - this candidate left out, said why
+            if not i:
+                raise
+            left[c] = _untimed(e)
+    return t, left
 
 
 def _split_name(s: int, fused: bool, swap: bool = False) -> str:
@@ -2176,17 +2207,15 @@ def _choose_mid(op: str, kind: str, rows: int, n: int, k: int, device: torch.dev
         run = SPLIT_RUNS[kind](rows, n, k, device)
         ways = sorted({_splits(cdiv(k, TILE), s) for s in MID_SPLITS})
         cases = [(tiles, s) for tiles in MID_TILES[kind] for s in ways]
-        # a candidate is timed only where it gives the default's result on this device (a kernel compiled
-        # wrong there -- as the weight quantizer's W^T once was on an H200 -- is never taken)
+        # a candidate is timed only where it runs and gives the default's result on this device (a kernel
+        # compiled wrong there -- as the weight quantizer's W^T once was on an H200 -- is never taken)
         ref = run(1, tiles=MID_TILES[kind][0])
-        wrong = [c for c in cases[1:] if not agrees(kind, run(c[1], tiles=c[0]), ref)]
-        t = {c: gemm.device_time_ms(lambda c=c: run(c[1], tiles=c[0]), device) for c in cases if c not in wrong}
+        t, left = _timed(cases, lambda c: run(c[1], tiles=c[0]), device, check=lambda out: agrees(kind, out, ref))
     except Exception as e:  # noqa: BLE001 - nothing timed: the default, said why
         return gemm.note_kernel(op, device, _mid_name(*default.values()), _untimed(e), **default)
     best = min(t, key=t.get)
     why = f"timed on {rows} x {k} x {n}: " + ", ".join(f"{_mid_name(*c)} {ms:.4f} ms" for c, ms in t.items())
-    if wrong:
-        why += "; not the default's result, not used: " + ", ".join(_mid_name(*c) for c in wrong)
+    why += "".join(f"; {_mid_name(*c)} {w}" for c, w in left.items())
     return gemm.note_kernel(op, device, _mid_name(*best), why, tiles=list(best[0]), split=best[1],
                             timings_ms={_mid_name(*c): ms for c, ms in t.items()})
 

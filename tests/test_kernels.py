@@ -347,7 +347,27 @@ def test_the_decode_split_is_timed_once_per_shape_and_reported(monkeypatch):
     got = fp8._choose_split(op, "fp8", 16, 96, 384, where)
     assert timed == [(s, False, swap) for swap in (False, True) for s in (1, 2, 3)]
     assert (got["split"], got["fused"], got["swap"]) == (2, False, True)
-    assert got["why"].endswith("; the last-program sum was not the two kernels' bytes: not used")
+    assert got["why"].endswith("; the last-program sum was not the two kernels' bytes: not used; the last-program "
+                               "sum of b @ a.T was not the two kernels' bytes: not used")
+
+    # a swapped or fused case that fails (a compile's resources, say) is left out, said why; the plain
+    # tiles' cases are still timed and the choice made among them
+    def swap_fails(*shape):
+        run = real(*shape)
+
+        def go(s, fused=False, swap=False):
+            if swap:
+                raise RuntimeError("out of resources")
+            return run(s, fused)
+        return go
+
+    monkeypatch.setitem(fp8.SPLIT_RUNS, "fp8", swap_fails)
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    timed.clear()
+    got = fp8._choose_split(op, "fp8", 16, 96, 384, where)
+    assert timed == [(1, False, False), (2, False, False), (3, False, False), (2, True, False), (3, True, False)]
+    assert (got["split"], got["fused"], got["swap"]) == (3, True, False)
+    assert got["why"].endswith("; b @ a.T failed (RuntimeError: out of resources): not used")
 
     # nor b @ a.T where it gives another result than the plain tiles on this device
     def wrong_when_swapped(*shape):
@@ -432,9 +452,21 @@ def test_a_wide_decode_steps_gemm_tiles_are_timed_once_per_shape_and_reported(mo
         got = fp8._choose_mid(f"{kind} op", kind, 128, 96, 384, where)
         assert timed == [(t, s) for t in fp8.MID_TILES[kind][:2] for s in (1, 2, 3)], kind
         assert tuple(got["tiles"]) != fp8.MID_TILES[kind][2]
-        assert got["why"].endswith("; not the default's result, not used: " + ", ".join(
-            fp8._mid_name(fp8.MID_TILES[kind][2], s) for s in (1, 2, 3)))
+        assert got["why"].endswith("".join(f"; {fp8._mid_name(fp8.MID_TILES[kind][2], s)} not the default's "
+                                           "result: not used" for s in (1, 2, 3)))
+    # a candidate whose timing fails is left out, said why
+    def slow_fails(fn, device):
+        tiles, s = fn.__defaults__[0]
+        if tiles == fp8.MID_TILES["int8"][1]:
+            raise RuntimeError("out of resources")
+        return 1.0
+
     monkeypatch.setattr(fp8, "SPLIT_RUNS", real)
+    monkeypatch.setattr(gemm, "device_time_ms", slow_fails)
+    monkeypatch.setattr(gemm, "_KERNELS", {})
+    got = fp8._choose_mid("op", "int8", 128, 96, 384, where)
+    assert tuple(got["tiles"]) == fp8.MID_TILES["int8"][0] and len(got["timings_ms"]) == 6
+    assert "; " + fp8._mid_name(fp8.MID_TILES["int8"][1], 1) + " not timed (RuntimeError: out of resources)" in got["why"]
 
     def broken(fn, device):
         raise RuntimeError("out of resources")
