@@ -2050,25 +2050,49 @@ def decode_split(block_m: int, n: int, k: int, device: torch.device, kind: str =
     the sum's rounding differs from one split's, as another tile shape's would). On a GPU the split
     is timed once per (tile rows, N, K) at the first call (``_choose_split``: 1, 2, 4 or 8) and
     reported with the GEMM backends; during a graph capture, or on CPU, it is 1."""
+    return _decode_choice(block_m, n, k, device, kind).get("split", 1)
+
+
+def _decode_flag(block_m: int, n: int, k: int, device: torch.device, what: str = "fused", kind: str = "fp8") -> bool:
+    """Whether ``decode_split``'s choice for this ``kind`` GEMM adds its partials in the last program of
+    each tile (``_last_sums``, FP8): timed beside the second kernel, and taken only where its output
+    was the same bytes (``_choose_split``); with ``what="swap"``, whether it takes each block's product
+    as ``b @ a.T`` (``_kblocks``' ``SWAP``, timed beside the plain tiles). Forced splits (``split_k``)
+    keep the two kernels and the plain tiles."""
+    return bool(_decode_choice(block_m, n, k, device, kind).get(what))
+
+
+def _decode_choice(block_m: int, n: int, k: int, device: torch.device, kind: str) -> dict:
+    """A decode GEMM's recorded (else now timed) choice: ``split``, ``fused``, ``swap``; ``split_k``'s
+    forced split alone; on CPU nothing (one split, the plain tiles)."""
     if _FORCED_SPLIT is not None:
-        return _FORCED_SPLIT
+        return {"split": _FORCED_SPLIT}
     if device.type != "cuda":
-        return 1
+        return {}
     op = f"{kind} {SPLIT_OP} {block_m} rows, {n} x {k}"
-    return (gemm.kernel_choice(op, device) or _choose_split(op, kind, block_m, n, k, device))["split"]
+    return gemm.kernel_choice(op, device) or _choose_split(op, kind, block_m, n, k, device)
 
 
-def _decode_flag(block_m: int, n: int, k: int, device: torch.device, what: str = "fused",
-                        kind: str = "fp8") -> bool:
-    """Whether ``decode_split``'s choice for this FP8 GEMM adds its partials in the last program of each
-    tile (``_last_sums``): timed beside the second kernel, and taken only where its output was the
-    same bytes (``_choose_split``); with ``what="swap"``, whether it takes each block's product as
-    ``b @ a.T`` (``_kblocks``' ``SWAP``, timed beside the plain tiles; ``kind="int8"``: ``int8_mm``'s).
-    Forced splits (``split_k``) keep the two kernels and the plain tiles."""
-    if _FORCED_SPLIT is not None or device.type != "cuda":
-        return False
-    choice = gemm.kernel_choice(f"{kind} {SPLIT_OP} {block_m} rows, {n} x {k}", device)
-    return bool(choice and choice.get(what))
+def gemm_plan(kind: str, m: int, n: int, k: int, device: torch.device, config, tiles=None, split: int | None = None,
+              fused: bool | None = None, swap: bool | None = None) -> tuple[tuple[int, int, int, int], int, bool, bool]:
+    """``(tiles, split, fused, swap)`` of a Triton ``kind`` GEMM (``blockwise_mm``, ``kernels.int8.int8_mm``)
+    of ``m`` rows on an N x K weight, each as asked or else as chosen: 65-512 rows, ``mid_choice``'s
+    tiles and split; a decode step's rows (``DECODE_ROWS``, no tiles asked), ``decode_split``'s split
+    and, when no split is asked, its last-program sum and ``b @ a.T`` (on ``swap_tiles``); else
+    ``config(m, n)``'s tiles, one split."""
+    if tiles is None and split is None:
+        mid = mid_choice(m, n, k, device, kind)
+        if mid is not None:
+            tiles, split = tuple(mid["tiles"]), mid["split"]
+    plan = tiles or config(m, n)
+    if split is None:
+        choice = _decode_choice(plan[0], n, k, device, kind) if m <= DECODE_ROWS and tiles is None else {}
+        split = choice.get("split", 1)
+        fused = choice.get("fused", False) if fused is None else fused
+        swap = choice.get("swap", False) if swap is None else swap
+    if swap and tiles is None:
+        plan = swap_tiles(m)
+    return plan, split, bool(fused), bool(swap)
 
 
 SWAP_N = 64  # a swapped decode tile's weight rows: the smallest M of Hopper's wgmma
@@ -2285,20 +2309,8 @@ def blockwise_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
                          f"got {tuple(bias.shape)} {bias.dtype}")
     dev = a.data.device
     c = torch.empty((m, n), dtype=out_dtype, device=dev)
-    mid = mid_choice(m, n, k, dev) if tiles is None and split is None else None
-    if mid is not None:
-        tiles, split = tuple(mid["tiles"]), mid["split"]
-    block_m, block_n, warps, stages = tiles or _mm_config(m, n)
-    decode = m <= DECODE_ROWS and tiles is None
-    if split is None:
-        split = decode_split(block_m, n, k, dev) if decode else 1
-        if fused is None and decode:
-            fused = _decode_flag(block_m, n, k, dev)
-        if swap is None and decode:
-            swap = _decode_flag(block_m, n, k, dev, "swap")
-    if swap and tiles is None:
-        block_m, block_n, warps, stages = swap_tiles(m)
-    fused, swap = bool(fused), bool(swap)
+    (block_m, block_n, warps, stages), split, fused, swap = gemm_plan("fp8", m, n, k, dev, _mm_config, tiles, split,
+                                                                      fused, swap)
     kblocks = cdiv(k, TILE)
     splits = _splits(kblocks, split)
     if splits > 1 and m * n:

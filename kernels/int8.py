@@ -48,7 +48,7 @@ from jetrl_cli.precision.quant import DEFAULT_AMAX_FLOOR, CastSpec, QTensor
 from . import fp8
 from .fp8 import (DECODE_ROWS, FP_FUSION, MID_ROWS, MIN_SCALE, NORM_ROWS, NORM_UNROLL_MAX, _abs_bits, _divisor,
                   _group_scale, _interpreting, _norm_in, _norm_rsqrt, _norm_y, _norm_y_of, _scaled, _silu_mul, _splits,
-                  _to_bf16, decode_split, decode_tiles)
+                  _to_bf16, decode_tiles)
 
 QMAX = tl.constexpr(127.0)  # Format.INT8.max
 ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding it rounds |y| <= 2^22 to an integer, half to even
@@ -212,18 +212,18 @@ def swiglu_quantize(gu: torch.Tensor, fmt: Format = Format.INT8, pow2_scale: boo
     q = torch.empty((m, i), dtype=torch.int8, device=gu.device)
     sc = torch.empty((m, 1), dtype=torch.float32, device=gu.device)
     if m and i:
-        decode = m <= MID_ROWS
+        one_row = m <= MID_ROWS
         # a decode step's rows one per program: h's exp and division are most of the work, and
         # 4 rows a program left a 32-row step 8 programs for the whole GPU (a wide decode step's 256
         # rows 64 programs of 4 warps, each walking 4 x 8960 values twice); and each of those
         # programs at 16 warps in chunks of up to 4096 (4 warps: one per scheduler, each waiting on
         # its own exp and division; an 8960-wide row was two passes of 9 chunks of 1024). The bits
         # do not depend on it: h is elementwise, its amax a max.
-        block_k = min(triton.next_power_of_2(i), 4096 if decode else 1024)
-        rows = 1 if decode else max(1, min(16, 4096 // block_k))
+        block_k = min(triton.next_power_of_2(i), 4096 if one_row else 1024)
+        rows = 1 if one_row else max(1, min(16, 4096 // block_k))
         _swiglu_rows_kernel[(triton.cdiv(m, rows),)](
             gu, q, sc, m, gu.stride(0), gu.stride(1), I=i, FLOOR=amax_floor, POW2=pow2_scale, ROWS=rows,
-            BLOCK_K=block_k, num_warps=16 if decode else 4, enable_fp_fusion=FP_FUSION)
+            BLOCK_K=block_k, num_warps=16 if one_row else 4, enable_fp_fusion=FP_FUSION)
     return QTensor(q, sc, spec), None
 
 
@@ -439,22 +439,12 @@ def int8_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
     if m == 0 or n == 0:
         return c
     dev = a.data.device
-    mid = fp8.mid_choice(m, n, k, dev, "int8") if tiles is None and split is None else None
-    if mid is not None:
-        tiles, split = tuple(mid["tiles"]), mid["split"]
-    block_m, block_n, warps, stages = tiles or _mm_config(m, n)
+    (block_m, block_n, warps, stages), split, _, swap = fp8.gemm_plan("int8", m, n, k, dev, _mm_config, tiles, split,
+                                                                       swap=swap)
     # a bias is added to the product rounded to fp32, as the separate add adds it: with contraction on, the
     # GPU compile made an fp32 output's (acc * sa) * sb + bias one FMA, rounded once (other last bits; the
     # interpreter never contracts). Nothing else here to contract: without a bias, FP_FUSION as pinned.
     fusion = FP_FUSION and bias is None
-    decode = m <= DECODE_ROWS and tiles is None
-    if split is None:
-        split = decode_split(block_m, n, k, dev, "int8") if decode else 1
-        if swap is None and decode:
-            swap = fp8._decode_flag(block_m, n, k, dev, "swap", "int8")
-    swap = bool(swap)
-    if swap and tiles is None:
-        block_m, block_n, warps, stages = fp8.swap_tiles(m)
     kblocks = triton.cdiv(k, 128)
     splits = _splits(kblocks, split)
     if splits > 1:
