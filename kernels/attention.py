@@ -286,8 +286,8 @@ def kv_store(x: torch.Tensor, idx: torch.Tensor | None, data: torch.Tensor, scal
     (``idx`` None: to ``data[i]``, ``scales[i]``).
     ``data``: (rows, d) FP8, contiguous; ``scales``: (rows,) fp32. One kernel, where the reference
     (``quantize``, then two ``index_copy_``) is about ten; bit for bit the reference's data and scales
-    (the rules of ``kernels.fp8``: NaN-propagating amax, the IEEE quotient from the scale's reciprocal,
-    NaN kept)."""
+    (the rules of ``kernels.fp8``: NaN-propagating amax, the product by the scale's correctly rounded
+    reciprocal, NaN kept)."""
     where = "kv_store"
     from jetrl_cli.precision.formats import Format
 

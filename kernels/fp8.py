@@ -32,20 +32,22 @@ GEMM consumes (``kernels/layouts.py`` describes them and why each exists):
 
 Numerics (bit for bit the reference's): ``amax`` over the finite values of a group, floored at
 ``amax_floor``; ``scale = amax / fmt_max`` (optionally rounded up to a power of two), NaN when the
-group holds a NaN or an infinity; data ``= cast(clamp(x / scale, -fmt_max, fmt_max))`` rounded to
-nearest even. Two GPU facts shape the code. Triton's ``/`` on fp32 compiles to ``div.full.f32``, an
-approximate division (up to 2 ulp off), which can move a value across an FP8 rounding boundary; the
-kernels compute the IEEE quotient (what torch computes) with no division instruction at all:
-``1 / scale`` once per group (``_rcp``: the reciprocal unit's approximation and two Newton steps,
-correctly rounded), then per element a multiply by it and two FMA corrections (``_quotient``:
-Markstein's theorem makes the result the correctly rounded quotient); the scale itself is ``amax /
-fmt_max`` by the same corrections. With power-of-two scales ``1 / scale`` is
-exact, so ``x * (1 / scale)`` equals ``x / scale`` and costs one multiply. The amax is an
+group holds a NaN or an infinity; data ``= cast(clamp(x * (1 / scale), -fmt_max, fmt_max))`` rounded
+to nearest even, ``1 / scale`` correctly rounded once per group and the product rounded once. Two GPU
+facts shape the code. Triton's ``/`` on fp32 compiles to ``div.full.f32``, an approximate division (up
+to 2 ulp off), and ``div_rn`` to a slow path per call; the kernels divide nowhere: ``1 / scale`` once
+per group (``_rcp``: the reciprocal unit's approximation and two Newton steps, correctly rounded), the
+scale itself ``amax / fmt_max`` as the correctly rounded quotient from the constant ``RN(1 / fmt_max)``
+and two FMA corrections (``_quotient``: Markstein's theorem), per element one multiply. And with
+contraction on, a product followed by an add may become one FMA (other bits): the per-element product
+is ``mul.rn`` (``_scaled``), which no compiler contracts. Until 2026-11-28 the rule divided each
+element by the scale, which cost five instructions an element (the multiply and ``_quotient``'s two
+corrections) in kernels bound by their instructions. The amax is an
 integer max over the bits of ``|x|`` (sign bit cleared): for non-negative floats integer order is
 float order and every NaN lies above +inf, so this one reduction yields both the amax and the
 non-finite flag (the amax is NaN or inf exactly when the group holds a non-finite value), with no
-per-element select. The kernels leave the reference's clamp out: for finite groups the correctly
-rounded ``|x / scale|`` exceeds fmt_max by at most one fp32 ulp, which the round-to-nearest cast
+per-element select. The kernels leave the reference's clamp out: for finite groups the rounded
+``|x * (1 / scale)|`` exceeds fmt_max by at most two fp32 ulps, which the round-to-nearest cast
 takes to fmt_max anyway (``_scaled``; the GPU's ``cvt.rn.satfinite`` and the tests' interpreter
 cast alike).
 
@@ -71,9 +73,9 @@ per-element work small:
   load no other program's compute overlaps; the 1x128-only quantizer 99 and the weight quantizer
   103, two per SM. Whether the fused kernel still beats two separate ones (one read of x, but half
   the programs in flight) is for ``jetrl bench quantize`` on a GPU to say: it times all three.
-- No division per element: a group's scale is divided into 1 once (``_divisor``), and each element's
-  quotient is ``x * (1 / s)`` with two FMA corrections (``_quotient``), bit for bit the IEEE
-  division. ``div_rn`` per element was a multi-function-unit reciprocal, a range check and about
+- No division per element: a group's scale is divided into 1 once (``_divisor``), and each element
+  is multiplied by it (``_scaled``; until 2026-11-28 with two FMA corrections after the product,
+  ``_quotient``, for the IEEE quotient the reference then took). ``div_rn`` per element was a multi-function-unit reciprocal, a range check and about
   six FMAs (sm_90a SASS: 129 reciprocals per thread in the fused quantizer, 450 in the SwiGLU
   backward). With the clamp gone too (``_scaled``), the fused quantizer's SASS went from 3760 to 2432
   instructions per thread and the SwiGLU backward's from 10600 to 8712 (8 warps); the first H100
@@ -303,8 +305,9 @@ def _interpreter_fma_is_exact() -> bool:
     return hasattr(interpreter, "fma_fp32")
 
 
-# Divide by a group's scale with its reciprocal and two FMA corrections (``_quotient``), bit for bit
-# ``tl.div_rn``; where the kernels run in an interpreter whose FMA rounds twice, divide.
+# Divide (a group's amax by fmt_max, silu's g by 1 + exp(-g)) with a reciprocal and two FMA corrections
+# (``_quotient``), bit for bit ``tl.div_rn``; where the kernels run in an interpreter whose FMA rounds
+# twice, divide.
 MARKSTEIN = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1" or _interpreter_fma_is_exact())
 
 
@@ -414,31 +417,32 @@ def _quotient(x, s, r):
 
 
 @triton.jit
-def _scaled(x, s, r, POW2: tl.constexpr):
-    """``x / s`` in fp32, NaN kept (the cast to FP8 or INT8 follows); ``r`` is ``_divisor(s)``.
+def _scaled(x, r):
+    """``x * r`` in fp32 for ``r = _divisor(s)``, rounded once and never contracted into a multiply-add
+    (``mul.rn``: an INT8 quantizer adds its rounding constant to it next), NaN kept: the reference's
+    product (``precision.quant``, rule 4; the cast to FP8 or INT8 follows).
 
-    The reference's clamp to [-fmt_max, fmt_max] is left out: it changes nothing. ``|x| <= amax``
-    and ``s = RN(max(amax, floor) / fmt_max)`` (or its power-of-two ceiling, which is larger) put the
-    exact ``|x / s|`` at most ``fmt_max * (1 + 2^-24)``, so its correctly rounded value is at most
-    fmt_max plus one fp32 ulp, which the round-to-nearest cast takes to fmt_max (the next FP8 value
-    up is 1/8 of fmt_max away; INT8: 127). NaN and infinity make the group's scale NaN, and the
-    quotient NaN. Per element that saves two compares and two selects per output (on sm_90 with
-    Triton 3.6, ``tl.clamp(propagate_nan=ALL)`` there also made transposed FP8 stores write garbage
-    bytes: triton-lang/triton#11111)."""
-    if POW2:
-        y = x * r
-    elif MARKSTEIN:
-        y = _quotient(x, s, r)
-    else:  # an interpreter whose tl.fma rounds twice (Triton before 3.7): the division itself
-        y = tl.div_rn(x, s)
-    return y
+    The reference's clamp to [-fmt_max, fmt_max] is left out: it changes nothing. ``|x| <= amax``,
+    ``s = RN(max(amax, floor) / fmt_max)`` (or its power-of-two ceiling, which is larger) and ``r =
+    RN(1 / s)`` put the exact ``|x * r|`` at most ``fmt_max * (1 + 2^-23)``, so its rounded value is at
+    most fmt_max plus two fp32 ulps, which the round-to-nearest cast takes to fmt_max (the next FP8
+    value up is 1/8 of fmt_max away; INT8: 127). NaN and infinity make the group's scale NaN, and the
+    product NaN. Per element that saves two compares and two selects per output (on sm_90 with Triton
+    3.6, ``tl.clamp(propagate_nan=ALL)`` there also made transposed FP8 stores write garbage bytes:
+    triton-lang/triton#11111). Until 2026-11-28 this was the correctly rounded ``x / s`` (``_quotient``:
+    the multiply and two FMA corrections), five instructions an element to this one."""
+    if INTERPRETED:
+        return x * r
+    else:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [x, r], dtype=tl.float32,
+                                         is_pure=True, pack=1)
 
 
 @triton.jit
 def _rows_quantized(x, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr):
-    """A tile's 1x128 quantization, one group per row: ``(x / s in fp32, s)``."""
+    """A tile's 1x128 quantization, one group per row: ``(x * (1 / s) in fp32, s)``."""
     s = _group_scale(_amax(_abs_bits(x), 1), FMAX, FLOOR, POW2)
-    return _scaled(x, s[:, None], _divisor(s)[:, None], POW2), s
+    return _scaled(x, _divisor(s)[:, None]), s
 
 
 @triton.jit
@@ -447,7 +451,7 @@ def _store_cols(x, s, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, K, M_PAD,
     """A tile's 128x1 quantization with its column scales ``s``, written as x^T (K, M_PAD) and its
     (K, gM) scale grid, strides (1, K); padding tokens are zeros even in a NaN group."""
     tl.store(st_ptr + pm.to(tl.int64) * K + rk, s, mask=col_ok)
-    q = _scaled(x, s[None, :], _divisor(s)[None, :], POW2)
+    q = _scaled(x, _divisor(s)[None, :])
     if ZERO_PAD:
         q = tl.where(row_ok[:, None], q, 0.0)
     tl.store(qt_ptr + rk.to(tl.int64)[:, None] * M_PAD + rm[None, :], tl.trans(q.to(OUT)),
@@ -556,7 +560,7 @@ def _store_tile(x, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk, rm, rk, row_ok, col_o
         s_col = _group_scale(_amax(ax, 0), FMAX, FLOOR, POW2)
     if ROWS:  # 1x128: one scale per row of the tile; data (M, K) row-major, scale (M, gK) column-major
         tl.store(sr_ptr + pk.to(tl.int64) * M + rm, s_row, mask=row_ok)
-        q = _scaled(x, s_row[:, None], _divisor(s_row)[:, None], POW2)
+        q = _scaled(x, _divisor(s_row)[:, None])
         tl.store(qr_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :], q.to(OUT), mask=row_ok[:, None] & col_ok[None, :])
     if COLS:  # 128x1: one scale per column; written as x^T (K, M_PAD) and its (K, gM) grid, strides (1, K)
         _store_cols(x, s_col, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, K, M_PAD, POW2, OUT, ZERO_PAD)
@@ -949,7 +953,7 @@ def _weight_quant_kernel(tab_ptr, jobs_ptr, w_base, q_base, s_base, st_base, dt_
                 eviction_policy="evict_first").to(tl.float32)
     amax = tl.max(tl.max(_abs_bits(x), 1), 0).to(tl.float32, bitcast=True)
     s = _group_scale(amax, FMAX, FLOOR, POW2)
-    q = _scaled(x, s, _divisor(s), POW2).to(OUT)
+    q = _scaled(x, _divisor(s)).to(OUT)
     pad = tl.arange(0, 4)
     ones = tl.full((4,), 1.0, tl.float32)
     # scales into a buffer with rows L4 apart; the pad entries after a row's GK (1.0) written by

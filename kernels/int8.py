@@ -3,8 +3,8 @@
 - ``quantize_rows(x)``: ``precision.quant.quantize(x, int8 row)`` -- one scale per row (per token for
   activations, per output channel for weights), ``scale = max(amax, amax_floor) / 127`` (optionally
   rounded up to a power of two; NaN for a row holding a NaN or an infinity), data
-  ``round(clamp(x / scale, -127, 127))``, half to even, NaN -> 0 (the quotient from the scale's
-  reciprocal, bit for bit IEEE division, and no clamp: ``fp8._quotient``, ``fp8._scaled``). One
+  ``round(clamp(x * (1 / scale), -127, 127))``, half to even, NaN -> 0 (the product by the scale's
+  correctly rounded reciprocal, rounded once, and no clamp: ``fp8._scaled``). One
   program owns a few rows: a first pass over K finds each row's amax (an integer max over the bits
   of |x|, as in ``fp8.py``), a second quantizes and stores; the second pass reads what the first just
   read, from L2. Both passes are unrolled over K (a compile-time constant).
@@ -76,14 +76,14 @@ def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_xk, K: tl.conste
         rk = k0 + tl.arange(0, BLOCK_K)
         inb = row_ok[:, None] & (rk < K)[None, :]
         x = tl.load(x_row + rk[None, :] * stride_xk, mask=inb, other=0.0).to(tl.float32)
-        tl.store(q_row + rk[None, :], _int8_rows(x, s, r, POW2), mask=inb)
+        tl.store(q_row + rk[None, :], _int8_rows(x, r), mask=inb)
 
 
 @triton.jit
-def _int8_rows(y, sc, r, POW2: tl.constexpr):
-    """``y`` (rows x chunk, fp32) over its rows' scales ``sc`` (reciprocals ``r``), rounded to integers
-    half to even, NaN -> 0: ``_row_quant_kernel``'s second pass, as int8."""
-    n = (_scaled(y, sc[:, None], r[:, None], POW2) + ROUND) - ROUND
+def _int8_rows(y, r):
+    """``y`` (rows x chunk, fp32) times its rows' scales' reciprocals ``r``, rounded to integers half to
+    even, NaN -> 0: ``_row_quant_kernel``'s second pass, as int8."""
+    n = (_scaled(y, r[:, None]) + ROUND) - ROUND
     return tl.where(n == n, n, 0.0).to(tl.int8)
 
 
@@ -138,11 +138,11 @@ def _rms_norm_rows_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, r_ptr, q_ptr, sc_pt
                 ahead2 = _norm_in(kb + 2, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, T)
             x, d, w = cur
             k, ok, _, y = _norm_y_of(kb, x, d, w, r, rk, row_ok, N, HAS_DELTA, S_BF16, Y_BF16, INTERPRET, T)
-            tl.store(q_ptr + rows * N + k[None, :], _int8_rows(y, sc, rr, POW2), mask=ok)
+            tl.store(q_ptr + rows * N + k[None, :], _int8_rows(y, rr), mask=ok)
     else:
         for kb in range(0, (N + T - 1) // T):
             k, ok, _, y = _norm_y(kb, r, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, S_BF16, Y_BF16, INTERPRET, T)
-            tl.store(q_ptr + rows * N + k[None, :], _int8_rows(y, sc, rr, POW2), mask=ok)
+            tl.store(q_ptr + rows * N + k[None, :], _int8_rows(y, rr), mask=ok)
 
 
 @triton.jit
@@ -181,7 +181,7 @@ def _swiglu_rows_kernel(gu_ptr, q_ptr, s_ptr, M, stride_m, stride_k, I: tl.const
     for k0 in tl.static_range(0, I, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         h = _h_chunk(at, rk, row_ok, stride_k, I)
-        tl.store(q_row + rk[None, :], _int8_rows(h, s, r, POW2), mask=row_ok[:, None] & (rk < I)[None, :])
+        tl.store(q_row + rk[None, :], _int8_rows(h, r), mask=row_ok[:, None] & (rk < I)[None, :])
 
 
 @triton.jit

@@ -43,7 +43,7 @@ def reference_quantize(x: np.ndarray, fmt: str, block: tuple[int, int], pow2: bo
                     s = np.float32(pow2_ceil(float(s)))
             scale[i, j] = s
             with np.errstate(invalid="ignore"):
-                q = np.clip(tile / s, -fmax, fmax)
+                q = np.clip(tile * (np.float32(1) / s), -fmax, fmax)  # 1 / s rounded once, then a product
             out[i * br : (i + 1) * br, j * bc : (j + 1) * bc] = q
     if fmt == "int8":
         data = np.rint(out)

@@ -727,12 +727,13 @@ def fp8_midpoints(fmt):
     return (v[1:] + v[:-1]) / 2
 
 
-def naive_bytes(x, spec):
-    """What multiplying by 1 / scale instead of dividing would give (the test inputs must tell them apart)."""
+def divided_bytes(x, spec):
+    """What dividing by the scale instead of multiplying by its reciprocal would give (the test inputs
+    must tell them apart)."""
     fmt = spec.format
     xs = x.reshape(x.shape[0], -1, 128)
-    r = 1 / quantize(x, spec).scale.reshape(x.shape[0], -1, 1)
-    return bytes_of((xs * r).clamp(-fmt.max, fmt.max).to(fmt.torch_dtype()).reshape(x.shape))
+    s = quantize(x, spec).scale.reshape(x.shape[0], -1, 1)
+    return bytes_of((xs / s).clamp(-fmt.max, fmt.max).to(fmt.torch_dtype()).reshape(x.shape))
 
 
 @triton.jit
@@ -882,22 +883,24 @@ def test_reciprocals_and_quotients_without_a_division_are_ieee():
 
 @needs_triton
 @pytest.mark.parametrize("fmt", [E4, E5])
-def test_quantizers_round_quotients_at_ties_as_the_reference(fp8, fmt):
+def test_quantizers_round_products_at_ties_as_the_reference(fp8, fmt):
     """The quantizers' data at FP8 rounding ties (values within 3 ulps of ``midpoint * scale``, fresh
     random draws) and at the group's amax: the 1x128 rows and 128x1 columns of ``quantize_act`` and
-    the weight quantizer's 128x128 blocks; a multiply by 1 / scale gets some of them wrong."""
+    the weight quantizer's 128x128 blocks, each ``x * (1 / scale)`` rounded once as the reference's;
+    a division by the scale (or a product contracted into a multiply-add) gets some of them wrong."""
     g, seed = fresh_gen()
     x = hard_quotients(128, 256, fmt.max, g, fp8_midpoints(fmt))
     spec = CastSpec(fmt, B1x128)
-    assert (naive_bytes(x, spec) != bytes_of(quantize(x, spec).data)).sum() > 20, seed
-    # groups whose amax / scale rounds above fmt_max (the scale rounded down): the cast, not a clamp,
-    # brings them to fmt_max in the kernels
-    assert (x.reshape(128, 2, 128).abs() / quantize(x, spec).scale.reshape(128, 2, 1) > fmt.max).any(), seed
+    ref = quantize(x, spec)
+    assert (divided_bytes(x, spec) != bytes_of(ref.data)).sum() > 20, seed
+    # groups whose amax * (1 / scale) rounds above fmt_max: the cast, not a clamp, brings them to
+    # fmt_max in the kernels
+    assert (x.reshape(128, 2, 128).abs() * (1 / ref.scale.reshape(128, 2, 1)) > fmt.max).any(), seed
     rows, _ = fp8.quantize_act(x.to(dev()), fmt, cols=False)
-    assert same_data(rows.data.cpu(), quantize(x, spec).data), f"seed {seed}"
+    assert same_data(rows.data.cpu(), ref.data), f"seed {seed}"
     xt = x.t().contiguous()  # 128x1 groups of xt are the 1x128 groups of x
     _, cols = fp8.quantize_act(xt.to(dev()), fmt, rows=False)
-    assert same_data(cols.data.cpu(), quantize(x, spec).data), f"seed {seed}"
+    assert same_data(cols.data.cpu(), ref.data), f"seed {seed}"
     # a 128x128 block: one scale; rows of x scaled to the first row's amax, which stays the largest
     w = x[:, :128] / x[:, :1].abs() * x[0, 0].abs()
     w = (w.view(torch.int32) + torch.randint(-3, 4, w.shape, generator=g, dtype=torch.int32)).view(torch.float32)
@@ -905,22 +908,26 @@ def test_quantizers_round_quotients_at_ties_as_the_reference(fp8, fmt):
     ref_w = quantize(w, CastSpec(fmt, B128))
     q = fp8.quantize_weight(w.to(dev()), fmt)
     assert same_data(q.data.cpu(), ref_w.data) and same_scales(q.scale.cpu()[:1, :1], ref_w.scale), f"seed {seed}"
-    assert (bytes_of((w * (1 / ref_w.scale)).clamp(-fmt.max, fmt.max).to(fmt.torch_dtype())) != bytes_of(ref_w.data)).any()
+    assert (bytes_of((w / ref_w.scale).clamp(-fmt.max, fmt.max).to(fmt.torch_dtype())) != bytes_of(ref_w.data)).any()
 
 
 @needs_triton
 def test_quantize_rows_for_int8_rounds_halves_as_the_reference():
     """INT8 per-row quantization of values within 3 ulps of ``(k + 1/2) * scale`` (fresh random draws):
-    bit for bit the reference, where a multiply by 1 / scale rounds some of them the other way."""
+    bit for bit the reference's ``round(x * (1 / scale))``, where a division by the scale, or the
+    product contracted with the kernel's rounding constant into one multiply-add, rounds some of them
+    the other way."""
     from jetrl_cli.kernels import int8
 
     g, seed = fresh_gen()
     x = hard_quotients(64, 128, 127.0, g, torch.arange(127) + 0.5)
     spec = CastSpec(Format.INT8, Block(1, 0))
     ref = quantize(x, spec)
-    naive = ((x * (1 / ref.scale)).clamp(-127, 127).round()).to(torch.int8)
-    assert (naive != ref.data).sum() > 20, seed
-    assert (x.abs() / ref.scale > 127).any(), seed  # rounded above 127: the kernel does not clamp
+    divided = ((x / ref.scale).clamp(-127, 127).round()).to(torch.int8)
+    assert (divided != ref.data).sum() > 20, seed
+    fused = (x.double() * (1 / ref.scale).double()).clamp(-127, 127).round().to(torch.int8)  # one rounding
+    assert (fused != ref.data).sum() > 0, seed
+    assert (x.abs() * (1 / ref.scale) > 127).any(), seed  # rounded above 127: the kernel does not clamp
     got = int8.quantize_rows(x.to(dev()), spec)
     assert torch.equal(got.data.cpu(), ref.data) and torch.equal(got.scale.cpu(), ref.scale), f"seed {seed}"
 

@@ -202,8 +202,10 @@ def test_the_swiglu_backwards_two_kernels_keep_its_arithmetic_in_few_registers(r
     one program per SM)."""
     fused = next(k for k in report["kernels"] if k["case"] == "swiglu_grad_quantize h_cols pow2=False")
     assert fused["ptx_fma_plus_one"] > 0
-    # at 4 warps the 128x1 kernel holds two rows of its columns a thread: up to 254 registers (3.6), unspilled
-    for w, rows_max, cols_max in ((4, 104, 255), (8, 64, 128), (16, 48, 80)):
+    # at 4 warps the 128x1 kernel holds two rows of its columns a thread: up to 254 registers (3.6), unspilled;
+    # the 1x128 kernel 128 there (Triton 3.6, since its quotients are products: 96 before; its pow2 variant's
+    # already were), four programs an SM
+    for w, rows_max, cols_max in ((4, 128, 255), (8, 64, 128), (16, 48, 80)):
         ks = {k["kernel"]: k for k in report["kernels"] if k["case"] == f"swiglu_grad_quantize split {w} warps pow2=False"}
         assert set(ks) == {"_swiglu_grad_rows_kernel", "_swiglu_grad_cols_kernel"}, sorted(ks)
         for name, k in ks.items():
@@ -406,25 +408,30 @@ def test_no_fp8_quantizer_clamps_with_nan_propagating_min_max(report):
         assert not any(".NaN" in op for op in k["ptx_fp"]), (k["case"], sorted(set(k["ptx_fp"])))
 
 
-def test_quantizers_divide_once_per_group_not_per_element(report):
+def test_quantizers_find_a_groups_reciprocal_once_and_multiply_each_element(report):
     """The act and weight quantizers find a group's ``1 / scale`` once (the reciprocal unit and two
-    Newton steps, ``kernels.fp8._rcp``) and multiply each element by it, with two FMA corrections
-    (``kernels.fp8._quotient``): far fewer reciprocals than elements per thread, and no IEEE division
-    at all (``FCHK``, one per ``div_rn``, each with a branch to a slow path). Dividing each element
-    (``tl.div_rn(x, s)``, as the first H100 run did) put 148 divisions into the fused 1x128 + 128x1
-    quantizer's 64 elements per thread, most of its work; the groups' own ``div_rn``s (40) were a
-    fifth of what was left."""
+    Newton steps, ``kernels.fp8._rcp``; the scale itself by ``_quotient``'s two corrections) and multiply
+    each element by it once, ``mul.rn`` (``_scaled``): far fewer reciprocals than elements per thread,
+    no IEEE division at all (``FCHK``, one per ``div_rn``, each with a branch to a slow path), and every
+    FMA a group's (8 a reciprocal: the Newton steps and the scale's corrections), none an element's.
+    Dividing each element (``tl.div_rn(x, s)``, as the first H100 run did) put 148 divisions into the
+    fused 1x128 + 128x1 quantizer's 64 elements per thread; the correctly rounded quotient without a
+    division (until 2026-11-28) still took two FMA corrections an element. The INT8 quantizer's product
+    stays its own instruction: with contraction on, ``x * r + 1.5 * 2^23`` would be one FMA, rounding
+    the exact product to an integer where the reference rounds the rounded one."""
     by_case = {k["case"]: k for k in report["kernels"]}
     for case in ("quantize_act pow2=False", "quantize_act rows pow2=False", "quantize_act cols pow2=False",
-                 "quantize_weight pow2=False"):
+                 "quantize_weight pow2=False", "int8 quantize_rows M=64 pow2=False"):
         k = by_case[case]
-        per_thread = 128 * 128 // (32 * k["num_warps"])
-        assert k["sass_fp"].get("FCHK", 0) == 0 and divides_without_division(k), (case, k["sass_fp"])
-        assert k["sass_fp"].get("MUFU.RCP", 0) <= 0.7 * per_thread, (case, k["sass_fp"], per_thread)
-        assert k["sass_fp"].get("FFMA", 0) >= 2 * per_thread  # the corrections are there
-        # one negation per element, x's in the residual ``q * s - x``, and a few per group (the scale's
-        # residual, the Newton steps' -s), never of a value that can be zero; the residual itself is
-        # not negated, its correction multiplies by -r: Triton 3.6 compiles a negation as ``0 - v``,
-        # which keeps +0 at +0 and wrote +0 for a -0 quotient on an H200 (three per element then)
-        negations = sum(op.startswith(("neg.", "sub.")) for op in k["ptx_fp"])  # these kernels subtract nothing else
-        assert negations <= 2 * per_thread, (case, negations, per_thread)
+        per_thread = 128 * 128 // (32 * k["num_warps"]) if case.startswith("quantize") else None
+        fp = k["sass_fp"]
+        assert fp.get("FCHK", 0) == 0 and divides_without_division(k), (case, fp)
+        assert "mul.rn.f32" in k["ptx_fp"], (case, sorted(set(k["ptx_fp"])))
+        assert 0 < fp.get("FFMA", 0) <= 8 * fp.get("MUFU.RCP", 0), (case, fp)  # a group's work only
+        if per_thread:
+            assert fp.get("MUFU.RCP", 0) <= 0.7 * per_thread and fp.get("FMUL", 0) >= per_thread, (case, fp)
+            # a few negations per group (the scale's residual, the Newton steps' -s), none an element's
+            negations = sum(op.startswith(("neg.", "sub.")) for op in k["ptx_fp"])
+            assert negations <= per_thread, (case, negations, per_thread)
+        else:  # INT8: each product's rounding constant added and taken away, not taken into an FMA
+            assert fp.get("FADD", 0) >= fp.get("FMUL", 0), (case, fp)

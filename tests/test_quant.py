@@ -213,3 +213,35 @@ def test_scales_are_the_correctly_rounded_quotient_on_every_device(device, fmt):
     # not vacuous: for some of these amax the reciprocal multiply (what CUDA did) rounds differently
     recip = amax.clamp_min(spec.amax_floor) * torch.tensor(1 / fmt.max, dtype=torch.float32, device=device)
     assert not torch.equal(recip, want)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_quantize_multiplies_by_the_correctly_rounded_reciprocal_on_every_device(device):
+    """Rule 4: each element times ``RN(1 / scale)``, rounded once. On every device the reference's
+    reciprocal is the correctly rounded one (the fp64 quotient rounded to fp32) and its data the cast of
+    that product, bit for bit what the Triton kernels compute (``kernels.fp8._scaled``)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x = (torch.randn(512, 1024, generator=g) * torch.exp2(torch.randint(-40, 40, (512, 1), generator=g).float()))
+    x = x.to(device)
+    for fmt in (Format.FP8_E4M3, Format.INT8):
+        spec = CastSpec(fmt, Block.parse("1x128" if fmt is Format.FP8_E4M3 else "row"))
+        q = quantize(x, spec)
+        r = torch.reciprocal(q.scale)
+        assert torch.equal(r, (1 / q.scale.double()).float())
+        br, bc = spec.block.resolve(*x.shape)
+        y = (x.reshape(512 // br, br, -1, bc) * r[:, None, :, None]).reshape(x.shape).clamp(-fmt.max, fmt.max)
+        want = torch.round(y).to(torch.int8) if fmt is Format.INT8 else y.to(fmt.torch_dtype())
+        assert torch.equal(q.data.view(torch.uint8), want.view(torch.uint8))
+    # values within 3 ulps of the INT8 ties (k + 1/2) * scale: the product and the quotient round apart
+    a = torch.exp2(torch.randint(-20, 20, (256, 1), generator=g).float()) * (1 + torch.rand(256, 1, generator=g))
+    x = (torch.randint(0, 127, (256, 512), generator=g) + 0.5) * (a / 127) * torch.where(
+        torch.rand(256, 512, generator=g) < 0.5, -1.0, 1.0)
+    x = (x.view(torch.int32) + torch.randint(-3, 4, x.shape, generator=g, dtype=torch.int32)).view(torch.float32)
+    x = x.clamp(-a, a)
+    x[:, 0] = a[:, 0]
+    q = quantize(x.to(device), CastSpec(Format.INT8, Block.parse("row")))
+    s = q.scale.cpu()  # (256, 1): one a row
+    assert torch.equal(q.data.cpu(), torch.round((x * torch.reciprocal(s)).clamp(-127, 127)).to(torch.int8))
+    assert (torch.round((x / s).clamp(-127, 127)).to(torch.int8) != q.data.cpu()).sum() > 20

@@ -5,6 +5,7 @@ its SASS instructions a thread times the threads of its launch grid.
 
     python docs/experiments/quantizer_issue_time.py            # a table, one row per kernel launch
     python docs/experiments/quantizer_issue_time.py --json
+    python docs/experiments/quantizer_issue_time.py --pow2     # with power-of-two scales
 
 Why: on an H200 (2026-11-27, ``docs/benchmarks.md``) the SwiGLU backward's 128x1 kernel moved its bytes
 at 0.78 TB/s, and its 206 instructions per value needed about 0.45 ms a layer of issue alone against the
@@ -40,7 +41,7 @@ SMS, CLOCK_GHZ, COPY_TBPS = 132, 1.98, 4.15  # H200: SMs, boost clock, graph-rep
 M, HIDDEN, INTER = 8192, 1536, 8960
 
 
-def launches() -> list:
+def launches(pow2: bool = False) -> list:
     """Compile each kernel once at the training shapes; return (label, kernel name, compiled, grid,
     bytes moved) per launch."""
     from triton.runtime.jit import JITFunction
@@ -64,25 +65,27 @@ def launches() -> list:
     fp8_copy = S._qtensor(M, 2 * INTER, 1)
     cases = [
         ("activation 1x128 + 128x1, one kernel (M x hidden)", M * HIDDEN * (2 + 2),
-         lambda: fp8.quantize_act(torch.zeros(M, HIDDEN, dtype=bf), pad_tokens_to=128), (8, True)),
+         lambda: fp8.quantize_act(torch.zeros(M, HIDDEN, dtype=bf), pow2_scale=pow2, pad_tokens_to=128), (8, True)),
         ("activation 1x128 + 128x1, two kernels", M * HIDDEN * (2 + 2 + 2),
-         lambda: fp8.quantize_act(torch.zeros(M, HIDDEN, dtype=bf), pad_tokens_to=128), (8, False)),
+         lambda: fp8.quantize_act(torch.zeros(M, HIDDEN, dtype=bf), pow2_scale=pow2, pad_tokens_to=128), (8, False)),
         ("activation 128x1 only", M * HIDDEN * (2 + 1),
-         lambda: fp8.quantize_act(torch.zeros(M, HIDDEN, dtype=bf), rows=False, pad_tokens_to=128), (8, True)),
+         lambda: fp8.quantize_act(torch.zeros(M, HIDDEN, dtype=bf), pow2_scale=pow2, rows=False,
+                                           pad_tokens_to=128), (8, True)),
         ("SwiGLU forward + [g, u]'s copy", M * INTER * (4 + 1 + 2),
-         lambda: fp8.swiglu_quantize(torch.zeros(M, 2 * INTER, dtype=bf), save=True), None),
+         lambda: fp8.swiglu_quantize(torch.zeros(M, 2 * INTER, dtype=bf), pow2_scale=pow2, save=True), None),
         # each kernel reads [g, u]'s copy (2 bytes a value) and gy (2); d[g, u] 1x128 (2), 128x1 (2), h^T (1)
         ("SwiGLU backward, two kernels, 8 warps", M * INTER * (4 + 4 + 2 + 2 + 1),
-         lambda: fp8.swiglu_grad_quantize(fp8_copy, torch.zeros(M, INTER, dtype=bf), bf, pad_tokens_to=128,
+         lambda: fp8.swiglu_grad_quantize(fp8_copy, torch.zeros(M, INTER, dtype=bf), bf, pow2_scale=pow2, pad_tokens_to=128,
                                           h_cols=True), (8, False)),
         ("SwiGLU backward, two kernels, 4 warps", M * INTER * (4 + 4 + 2 + 2 + 1),
-         lambda: fp8.swiglu_grad_quantize(fp8_copy, torch.zeros(M, INTER, dtype=bf), bf, pad_tokens_to=128,
+         lambda: fp8.swiglu_grad_quantize(fp8_copy, torch.zeros(M, INTER, dtype=bf), bf, pow2_scale=pow2, pad_tokens_to=128,
                                           h_cols=True), (4, False)),
         ("RMSNorm + quantizer (train: residual in, s, q out)", M * HIDDEN * (4 + 2 + 4 + 1 + 2),
          lambda: fp8.rms_norm_quantize(torch.zeros(M, HIDDEN), torch.zeros(M, HIDDEN, dtype=bf),
-                                       torch.ones(HIDDEN), 1e-6, torch.float32, write_y=True, rsqrt=True), None),
+                                       torch.ones(HIDDEN), 1e-6, torch.float32, pow2_scale=pow2, write_y=True,
+                                       rsqrt=True), None),
         ("weight 128x128 + W^T in the quantizer (intermediate x hidden fp32)", INTER * HIDDEN * (4 + 2),
-         lambda: fp8.quantize_weight(torch.zeros(INTER, HIDDEN), transposed=True), "quantizer"),
+         lambda: fp8.quantize_weight(torch.zeros(INTER, HIDDEN), pow2_scale=pow2, transposed=True), "quantizer"),
     ]
     for label, moved, call, how in cases:
         current.update(label=label, bytes=moved)
@@ -101,9 +104,10 @@ def launches() -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--pow2", action="store_true", help="power-of-two scales (`<format> <block> pow2`)")
     args = ap.parse_args()
     rows = []
-    for label, name, kernel, grid, moved in launches():
+    for label, name, kernel, grid, moved in launches(args.pow2):
         cub = kernel.asm["cubin"]
         per_thread = S.sass_counts(cub)["total"]
         warps = kernel.metadata.num_warps
