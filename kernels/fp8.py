@@ -361,10 +361,14 @@ RCP_NORMAL = tl.constexpr(2.0**126)  # the largest power of two whose reciprocal
 @triton.jit
 def _rcp_approx(x):
     """An approximate ``1 / x``: the GPU's reciprocal unit (``rcp.approx.ftz.f32``, within one ulp); in
-    the interpreter, the correctly rounded reciprocal with its last bit flipped (one ulp off, or the
-    exact value), so that ``_rcp``'s corrections are what the CPU tests check."""
+    the interpreter, the correctly rounded reciprocal with its last bit flipped where it is a normal
+    number (one ulp off, or the exact value), so that ``_rcp``'s corrections are what the CPU tests
+    check, and a signed zero where it is subnormal or zero (``.ftz``)."""
     if INTERPRETED:
-        return (tl.div_rn(1.0, x).to(tl.int32, bitcast=True) ^ 1).to(tl.float32, bitcast=True)
+        bits = tl.div_rn(1.0, x).to(tl.int32, bitcast=True)
+        mag = bits & 0x7FFFFFFF
+        bits = tl.where(mag < 0x00800000, (bits >> 31) << 31, tl.where(mag < 0x7F800000, bits ^ 1, bits))
+        return bits.to(tl.float32, bitcast=True)
     else:
         return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
                                          is_pure=True, pack=1)
@@ -517,6 +521,38 @@ def _sigmoid(g):
         return tl.div_rn(1.0, d)
 
 
+# The SwiGLU backward's ``1 / (1 + exp(-g))`` (its sigmoid, and h = g * that * u for down's Wgrad operand):
+# on a GPU the reciprocal unit's approximation (``rcp.approx.ftz``, within an ulp), as its ``exp`` is
+# ``ex2.approx``; in the interpreter the correctly rounded division, so the CPU tests check the kernels'
+# bytes against the reference's bit for bit. The backward's gradients are not part of the on-policy
+# equality (the forward's logprobs are): an ulp of fp32 there, before the bf16 and FP8 roundings that
+# follow, is what the GPU's exp already costs. The exact form took the 128x1 kernel about 25 of its 106
+# instructions a value (sm_90a, Triton 3.6): the reciprocal's two Newton steps and last-bit fix, the
+# range checks, and h's quotient with its own reciprocal. Tests force it on in the interpreter (whose
+# stand-in reciprocal is one ulp off) and check the bytes against the reference within one FP8 step.
+APPROX_BACKWARD = tl.constexpr(not INTERPRETED)
+
+
+@triton.jit
+def _sigmoid_bwd(g):
+    """The SwiGLU backward's ``1 / (1 + exp(-g))`` (``APPROX_BACKWARD``)."""
+    if APPROX_BACKWARD:
+        return _rcp_approx(1.0 + _exp_neg(g))
+    else:
+        return _sigmoid(g)
+
+
+@triton.jit
+def _silu_mul_bwd(g, u):
+    """The SwiGLU backward's ``silu(g) * u`` (down's Wgrad operand): ``g * (1 / (1 + exp(-g))) * u`` with
+    the approximate reciprocal (``APPROX_BACKWARD``; two products, nothing to contract), else
+    ``_silu_mul``'s correctly rounded quotient."""
+    if APPROX_BACKWARD:
+        return g * _rcp_approx(1.0 + _exp_neg(g)) * u
+    else:
+        return _silu_mul(g, u)
+
+
 @triton.jit
 def _over(x, d):
     """``x / d`` correctly rounded for ``d = 1 + exp(-g)`` (>= 1, or +inf), with no division: ``_rcp(d)``
@@ -645,7 +681,7 @@ def _h_cols(g, u, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, FMAX: tl
     if ROUND_BF16:  # the values the forward's bf16 [g, u] had
         g = _to_bf16(g, INTERPRET).to(tl.float32)
         u = _to_bf16(u, INTERPRET).to(tl.float32)
-    h = _silu_mul(g, u)  # as swiglu_quantize computes it
+    h = _silu_mul_bwd(g, u)  # as swiglu_quantize computes it (in the interpreter; APPROX_BACKWARD)
     s = _group_scale(_amax(_abs_bits(h), 0), FMAX, FLOOR, POW2)  # 128x1: one scale per column of h
     _store_cols(h, s, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, POW2, OUT, ZERO_PAD)
 
@@ -668,7 +704,7 @@ def _swiglu_grad_quant_kernel(q_ptr, s_ptr, gy_ptr, qr_ptr, sr_ptr, qt_ptr, st_p
         half = part
         gy = tl.load(gy_ptr + rm.to(tl.int64)[:, None] * stride_gm + rk[None, :] * stride_gk, mask=inb, other=0.0)
         g = _copy_group(at, s_at, rk, pk, inb, row_ok, stride_sk)
-        sig = _sigmoid(g)  # as precision.linear's ``_silu_mul_grad`` computes it
+        sig = _sigmoid_bwd(g)  # as precision.linear's ``_silu_mul_grad`` computes it (APPROX_BACKWARD)
         # d[g] = gy * u * sig * (1 + g * (1 - sig)), d[u] = gy * g * sig (* 1: exact), in that order of
         # operations (one path for both halves, u read by d[g]'s program only: 202-207 registers per
         # thread with the h^T branch beside it, sm_90a, where an if/else between the halves took 252)
@@ -686,7 +722,7 @@ def _swiglu_grad_quant_kernel(q_ptr, s_ptr, gy_ptr, qr_ptr, sr_ptr, qt_ptr, st_p
 def _swiglu_d(gy, g, u, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     """d[g] and d[u] of ``silu(g) * u`` for its output gradient ``gy``, in fp32 (rounded to bf16 with
     ``ROUND_BF16``), in ``_swiglu_grad_quant_kernel``'s order of operations, for the split kernels."""
-    sig = _sigmoid(g)  # as precision.linear's ``_silu_mul_grad`` computes it
+    sig = _sigmoid_bwd(g)  # as precision.linear's ``_silu_mul_grad`` computes it (APPROX_BACKWARD)
     gs = gy.to(tl.float32)
     dg = gs * u * sig * (1.0 + g * (1.0 - sig))
     du = gs * g * sig  # the fused kernel's ``* 1.0`` after it is exact

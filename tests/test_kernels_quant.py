@@ -271,6 +271,83 @@ def test_swiglu_gradient_quantizer_is_the_reference_on_the_fp8_copy(fp8, shape, 
         assert same_data(got.data, want_h.data) and same_scales(got.scale, want_h.scale)
 
 
+@triton.jit
+def silu_rcp_kernel(g_ptr, u_ptr, sig_ptr, h_ptr, BLOCK: tl.constexpr):
+    from jetrl_cli.kernels.fp8 import _silu_mul_bwd, _sigmoid_bwd
+
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    g, u = tl.load(g_ptr + i), tl.load(u_ptr + i)
+    tl.store(sig_ptr + i, _sigmoid_bwd(g))
+    tl.store(h_ptr + i, _silu_mul_bwd(g, u))
+
+
+def approximate_backward(fp8, monkeypatch, on=True):
+    """``kernels.fp8.APPROX_BACKWARD`` as a GPU sets it, in the interpreter (whose stand-in for the
+    reciprocal unit is the correctly rounded reciprocal one ulp off)."""
+    monkeypatch.setattr(fp8, "APPROX_BACKWARD", tl.constexpr(on))
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+def test_the_swiglu_backwards_reciprocal_is_approximate_on_a_gpu_only(fp8, monkeypatch):
+    """Where ``APPROX_BACKWARD`` is on (a GPU), the SwiGLU backward's ``1 / (1 + exp(-g))`` is the reciprocal
+    unit's (one ulp off here, in the interpreter's stand-in), sigmoid and h alike; where it is off (the
+    interpreter) the correctly rounded one: the reference's ``1 / d`` and ``g / d * u``."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter's switch: on a GPU the kernels are compiled")
+    g_, seed = fresh_gen()
+    g = torch.randn(1 << 12, generator=g_) * 8
+    g[:4] = torch.tensor([0.0, -0.0, -100.0, 100.0])  # exp(-g) infinite, and 0
+    u = torch.randn(1 << 12, generator=g_)
+    d = 1 + numpy_exp(-g)
+    for on in (False, True):
+        approximate_backward(fp8, monkeypatch, on)
+        sig, h = torch.empty_like(g), torch.empty_like(g)
+        silu_rcp_kernel[(4,)](g, u, sig, h, BLOCK=1 << 10)
+        exact_sig, exact_h = 1 / d, g / d * u
+        ulps = (sig.view(torch.int32) - exact_sig.view(torch.int32)).abs()
+        assert int(ulps.max()) <= (1 if on else 0) and bool((ulps > 0).any()) is on, (seed, on)
+        assert sig[2] == 0.0 and (on or sig[3] == 1.0)  # 1 / inf, 1 / 1
+        assert torch.allclose(h, exact_h, rtol=2**-21, atol=0) and torch.equal(h.signbit(), exact_h.signbit())
+        assert torch.equal(h, exact_h) is not on, (seed, on)  # h takes the same reciprocal
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("shape,dtype,pad_to", [((130, 512), torch.bfloat16, 128), ((256, 256), torch.float32, 1)])
+def test_the_swiglu_backward_with_the_approximate_reciprocal_stays_within_a_step(fp8, monkeypatch, shape, dtype, pad_to):
+    """The SwiGLU backward's kernels as a GPU runs them (``APPROX_BACKWARD``), in the interpreter: d[g, u]
+    1x128 and 128x1 and h^T are the reference's bytes but for rare one-step roundings (the FP8 step
+    is 2^19 of the reciprocal's ulp), NaN groups where the reference's are; the two-kernel form and the
+    one-kernel form agree bit for bit, as they do with the exact reciprocal."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter's switch: on a GPU the kernels are compiled")
+    approximate_backward(fp8, monkeypatch)
+    m, k2 = shape
+    i = k2 // 2
+    gu = spread(m, k2, seed=m * 19 + k2, dtype=dtype)
+    copy = quantize(gu, CastSpec(E4, B1x128))
+    gy = spread(m, i, seed=m * 23 + k2, dtype=dtype)
+    gy[-1, 3] = float("nan")
+    spec = CastSpec(E4, B1x128)
+    values = dequantize(copy)
+    d = swiglu_grad_fp32(values, gy, dtype, numpy_exp)
+    h = swiglu_fp32(values.to(dtype).float(), numpy_exp)
+    outs = {}
+    for one in (True, False):
+        with fp8.tile_warps(8, one):
+            outs[one] = fp8.swiglu_grad_quantize(copy, gy, dtype, E4, pad_tokens_to=pad_to, h_cols=True)
+    for a, b in zip(outs[True], outs[False]):
+        assert same_data(a.data, b.data) and same_scales(a.scale, b.scale)
+    rows, cols, h_t = outs[False]
+    for got, want in ((rows, quantize(d, spec)), (cols, expected_cols(d, spec, pad_to)),
+                      (h_t, expected_cols(h, spec, pad_to))):
+        assert torch.equal(got.scale.isnan(), want.scale.isnan())
+        differ = (bytes_of(got.data).int() - bytes_of(want.data).int()).abs()
+        finite = ~(got.data.float().isnan() | want.data.float().isnan())
+        assert int(differ[finite].max()) <= 1 and float((differ[finite] > 0).float().mean()) <= 1e-3
+
+
 @needs_triton
 def test_swiglu_gradient_quantizer_refuses_what_it_cannot_read(fp8):
     copy = quantize(torch.randn(4, 256), CastSpec(E4, B1x128))

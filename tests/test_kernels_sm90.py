@@ -182,21 +182,35 @@ def divides_without_division(k) -> bool:
             and not any(op.startswith(("div.", "rcp.rn")) for op in fp))
 
 
-def test_the_swiglu_quantizers_divide_exactly(report):
-    """The SwiGLU quantizers divide as IEEE does (silu's ``g / (1 + exp(-g))`` and the scales'), with
-    no division instruction, and take the hardware's ``exp`` (``ex2.approx``, torch's is ``expf``):
-    which is why h's last bits may differ from torch's SwiGLU, and why the rollout and the trainer
-    share the kernel."""
+def test_the_swiglu_forward_divides_exactly_and_its_backward_takes_the_reciprocal_unit(report):
+    """The SwiGLU quantizers compute their scales as IEEE does, with no division instruction, and take the
+    hardware's ``exp`` (``ex2.approx``, torch's is ``expf``): which is why h's last bits may differ from
+    torch's SwiGLU, and why the rollout and the trainer share the forward's kernel. The forward divides
+    silu's ``g / (1 + exp(-g))`` exactly too (the reciprocal's two Newton steps and the quotient's two
+    corrections: 8 FMAs an exp at least); the backward's kernels (``kernels.fp8.APPROX_BACKWARD``) take
+    ``1 / (1 + exp(-g))`` from the reciprocal unit: one ``rcp.approx`` an exp, and FMAs only for the
+    scales' (8 a reciprocal) and d[g]'s contracted ``1 + g * (1 - sig)`` (one an exp)."""
     by_case = {k["case"]: k for k in report["kernels"]}
-    for case in ("swiglu_quantize pow2=False", "swiglu_quantize_t pow2=False", "swiglu_grad_quantize pow2=False",
-                 "swiglu_grad_quantize h_cols pow2=False"):
-        assert divides_without_division(by_case[case]), (case, by_case[case]["ptx_fp"])
-        assert any(op.startswith("ex2.approx") for op in by_case[case]["ptx_fp"]), case
+    backward = ("swiglu_quantize_t pow2=False", "swiglu_grad_quantize pow2=False",
+                "swiglu_grad_quantize h_cols pow2=False",
+                *(f"swiglu_grad_quantize split {w} warps pow2=False" for w in (4, 8, 16)))
+    for case in ("swiglu_quantize pow2=False", *backward):
+        for k in (k for k in report["kernels"] if k["case"] == case):
+            assert divides_without_division(k), (case, k["ptx_fp"])
+            assert any(op.startswith("ex2.approx") for op in k["ptx_fp"]), case
+            fp = k["sass_fp"]
+            ffma, rcp, ex2 = fp.get("FFMA", 0), fp.get("MUFU.RCP", 0), fp.get("MUFU.EX2", 0)
+            assert ex2 > 0 and rcp > ex2, (case, fp)
+            if case in backward:
+                assert ffma <= 8 * (rcp - ex2) + ex2, (case, k["kernel"], fp)
+            else:
+                assert ffma >= 8 * ex2, (case, fp)
+    assert by_case["swiglu_quantize pow2=False"]["kernel"] == "_swiglu_quant_kernel"
 
 
 def test_the_swiglu_backwards_two_kernels_keep_its_arithmetic_in_few_registers(report):
     """The SwiGLU backward's two kernels of small tiles (a GPU's timed choice beside the 128x128-tile
-    kernel) divide exactly and take ``ex2.approx`` as that kernel does, contract d[g]'s ``1 + g * (1 -
+    kernel) compute their scales exactly and take ``ex2.approx`` as that kernel does, contract d[g]'s ``1 + g * (1 -
     sig)`` into one FMA as it does (the same bits; in the interpreter it is tested), and run in far
     fewer registers, unspilled: the point of them (at 8 warps the one kernel takes 190-255 and runs
     one program per SM)."""
