@@ -450,8 +450,8 @@ def _rows_quantized(x, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constex
 
 
 @triton.jit
-def _store_cols(x, s, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, K, M_PAD,
-                POW2: tl.constexpr, OUT: tl.constexpr, ZERO_PAD: tl.constexpr):
+def _store_cols(x, s, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, K, M_PAD, OUT: tl.constexpr,
+                ZERO_PAD: tl.constexpr):
     """A tile's 128x1 quantization with its column scales ``s``, written as x^T (K, M_PAD) and its
     (K, gM) scale grid, strides (1, K); padding tokens are zeros even in a NaN group."""
     tl.store(st_ptr + pm.to(tl.int64) * K + rk, s, mask=col_ok)
@@ -599,7 +599,7 @@ def _store_tile(x, qr_ptr, sr_ptr, qt_ptr, st_ptr, pm, pk, rm, rk, row_ok, col_o
         q = _scaled(x, _divisor(s_row)[:, None])
         tl.store(qr_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :], q.to(OUT), mask=row_ok[:, None] & col_ok[None, :])
     if COLS:  # 128x1: one scale per column; written as x^T (K, M_PAD) and its (K, gM) grid, strides (1, K)
-        _store_cols(x, s_col, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, K, M_PAD, POW2, OUT, ZERO_PAD)
+        _store_cols(x, s_col, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, K, M_PAD, OUT, ZERO_PAD)
 
 
 @triton.jit
@@ -683,7 +683,7 @@ def _h_cols(g, u, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, FMAX: tl
         u = _to_bf16(u, INTERPRET).to(tl.float32)
     h = _silu_mul_bwd(g, u)  # as swiglu_quantize computes it (in the interpreter; APPROX_BACKWARD)
     s = _group_scale(_amax(_abs_bits(h), 0), FMAX, FLOOR, POW2)  # 128x1: one scale per column of h
-    _store_cols(h, s, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, POW2, OUT, ZERO_PAD)
+    _store_cols(h, s, qt_ptr, st_ptr, pm, rm, rk, row_ok, col_ok, I, M_PAD, OUT, ZERO_PAD)
 
 
 @triton.jit
