@@ -420,7 +420,9 @@ def main() -> dict:
                             **resources(k.asm["cubin"]), ptx_fp=ptx_fp(k.asm["ptx"]), sass_fp=sass_fp(k.asm["cubin"]),
                             sass=sass_counts(k.asm["cubin"]),
                             ptx_mma=ptx_mma(k.asm["ptx"]), ptx_f32_consts=ptx_f32_consts(k.asm["ptx"]),
-                            ptx_fma_plus_one=ptx_fma_plus_one(k.asm["ptx"]), ptx_mem=ptx_memory_ops(k.asm["ptx"])))
+                            ptx_fma_plus_one=ptx_fma_plus_one(k.asm["ptx"]), ptx_mem=ptx_memory_ops(k.asm["ptx"]),
+                            layout_conversions=k.asm["ttgir"].count("ttg.convert_layout"),
+                            barriers=len(re.findall(r"\bbar\.sync\b", k.asm["ptx"]))))
     return {"triton": triton.__version__, "torch": torch.__version__, "failures": failures, "kernels": kernels}
 
 
