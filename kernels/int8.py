@@ -63,12 +63,12 @@ def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_xk, K: tl.conste
     rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rm < M
     x_row = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
-    amax = tl.zeros((ROWS,), dtype=tl.int32)
+    amax = tl.zeros((ROWS, BLOCK_K), dtype=tl.int32)  # per lane over the chunks, then one reduction a row
     for k0 in tl.static_range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + rk[None, :] * stride_xk, mask=row_ok[:, None] & (rk < K)[None, :], other=0.0)
-        amax = tl.maximum(amax, tl.max(_abs_bits(x.to(tl.float32)), 1))
-    s = _group_scale(amax.to(tl.float32, bitcast=True), QMAX, FLOOR, POW2)
+        amax = tl.maximum(amax, _abs_bits(x.to(tl.float32)))
+    s = _group_scale(tl.max(amax, 1).to(tl.float32, bitcast=True), QMAX, FLOOR, POW2)
     tl.store(s_ptr + rm, s, mask=row_ok)
     r = _divisor(s)
     q_row = q_ptr + rm.to(tl.int64)[:, None] * K
@@ -169,12 +169,12 @@ def _swiglu_rows_kernel(gu_ptr, q_ptr, s_ptr, M, stride_m, stride_k, I: tl.const
     rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rm < M
     at = gu_ptr + rm.to(tl.int64)[:, None] * stride_m
-    amax = tl.zeros((ROWS,), dtype=tl.int32)
+    amax = tl.zeros((ROWS, BLOCK_K), dtype=tl.int32)  # per lane over the chunks, then one reduction a row
     for k0 in tl.static_range(0, I, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         h = _h_chunk(at, rk, row_ok, stride_k, I)
-        amax = tl.maximum(amax, tl.max(_abs_bits(h), 1))
-    s = _group_scale(amax.to(tl.float32, bitcast=True), QMAX, FLOOR, POW2)
+        amax = tl.maximum(amax, _abs_bits(h))
+    s = _group_scale(tl.max(amax, 1).to(tl.float32, bitcast=True), QMAX, FLOOR, POW2)
     tl.store(s_ptr + rm, s, mask=row_ok)
     r = _divisor(s)
     q_row = q_ptr + rm.to(tl.int64)[:, None] * I
