@@ -870,12 +870,12 @@ def _norm_y_of(kb, x, d, w, r, rk, row_ok, N: tl.constexpr, HAS_DELTA: tl.conste
 
 
 @triton.jit
-def _norm_chunk(kb, inputs, r, s_ptr, y_ptr, q_ptr, sc_ptr, rows, rm, rk, row_ok, M, N: tl.constexpr,
+def _norm_chunk(kb, inputs, r, s_ptr, y_ptr, q_ptr, rows, rk, row_ok, N: tl.constexpr,
                 FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
                 HAS_DELTA: tl.constexpr, S_BF16: tl.constexpr, Y_BF16: tl.constexpr, WRITE_Y: tl.constexpr,
-                INTERPRET: tl.constexpr, T: tl.constexpr, STORE_SC: tl.constexpr = True):
+                INTERPRET: tl.constexpr, T: tl.constexpr):
     """The second pass over chunk ``kb`` (its ``inputs`` loaded by ``_norm_in``): s (with a delta), y
-    (with ``WRITE_Y``) and y's 1x128 cast; returns the chunk's scales (stored here with ``STORE_SC``)."""
+    (with ``WRITE_Y``) and y's 1x128 cast; returns the chunk's row scales (stored by the caller)."""
     x, d, w = inputs
     k, ok, s, y = _norm_y_of(kb, x, d, w, r, rk, row_ok, N, HAS_DELTA, S_BF16, Y_BF16, INTERPRET, T)
     if HAS_DELTA:
@@ -883,8 +883,6 @@ def _norm_chunk(kb, inputs, r, s_ptr, y_ptr, q_ptr, sc_ptr, rows, rm, rk, row_ok
     if WRITE_Y:
         tl.store(y_ptr + rows * N + k[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
     q, sc = _rows_quantized(y, FMAX, FLOOR, POW2)
-    if STORE_SC:
-        tl.store(sc_ptr + kb * M + rm, sc, mask=row_ok)  # < numel / 128: int32 is enough
     tl.store(q_ptr + rows * N + k[None, :], q.to(OUT), mask=ok)
     return sc
 
@@ -920,27 +918,28 @@ def _rms_norm_quant_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, r_ptr, q_ptr, sc_p
     r = _norm_rsqrt(x_at, d_at, rk, row_ok, eps, N, HAS_DELTA, S_BF16, INTERPRET, UNROLL, BM, T)
     if WRITE_R:
         tl.store(r_ptr + rm, r, mask=row_ok)
+    # the chunks' scales are kept in one (rows, chunks) tile and stored once at the end: a store of a
+    # chunk's (rows,) vector took a layout of its own, a conversion through shared memory and two barriers
+    # per chunk (sm_90a: 12 conversions and 23 barriers at width 1536, now 1 and 1)
+    NCP: tl.constexpr = triton.next_power_of_2(NC)
+    cg = tl.arange(0, NCP)
+    scs = tl.zeros((BM, NCP), dtype=tl.float32)
     if UNROLL:
-        # the chunks' scales are kept in one (rows, chunks) tile and stored once at the end: a store of
-        # a chunk's (rows,) vector took a layout of its own, a conversion through shared memory and two
-        # barriers per chunk (sm_90a: 12 conversions and 23 barriers at width 1536, now 1 and 1)
-        NCP: tl.constexpr = triton.next_power_of_2(NC)
-        cg = tl.arange(0, NCP)
-        scs = tl.zeros((BM, NCP), dtype=tl.float32)
         for kb in tl.static_range(0, NC):
             cur = ahead1
             ahead1 = ahead2
             if kb + 2 < NC:
                 ahead2 = _norm_in(kb + 2, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, T)
-            sc = _norm_chunk(kb, cur, r, s_ptr, y_ptr, q_ptr, sc_ptr, rows, rm, rk, row_ok, M, N, FMAX, FLOOR, POW2,
-                             OUT, HAS_DELTA, S_BF16, Y_BF16, WRITE_Y, INTERPRET, T, False)
+            sc = _norm_chunk(kb, cur, r, s_ptr, y_ptr, q_ptr, rows, rk, row_ok, N, FMAX, FLOOR, POW2, OUT,
+                             HAS_DELTA, S_BF16, Y_BF16, WRITE_Y, INTERPRET, T)
             scs = tl.where(cg[None, :] == kb, sc[:, None], scs)
-        tl.store(sc_ptr + cg[None, :] * M + rm[:, None], scs, mask=row_ok[:, None] & (cg < NC)[None, :])
     else:
-        for kb in range(0, (N + T - 1) // T):
-            _norm_chunk(kb, _norm_in(kb, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, T), r, s_ptr, y_ptr, q_ptr,
-                        sc_ptr, rows, rm, rk, row_ok, M, N, FMAX, FLOOR, POW2, OUT, HAS_DELTA, S_BF16, Y_BF16,
-                        WRITE_Y, INTERPRET, T)
+        for kb in range(0, NC):
+            sc = _norm_chunk(kb, _norm_in(kb, w_ptr, x_at, d_at, rk, row_ok, N, HAS_DELTA, T), r, s_ptr, y_ptr,
+                             q_ptr, rows, rk, row_ok, N, FMAX, FLOOR, POW2, OUT, HAS_DELTA, S_BF16, Y_BF16, WRITE_Y,
+                             INTERPRET, T)
+            scs = tl.where(cg[None, :] == kb, sc[:, None], scs)
+    tl.store(sc_ptr + cg[None, :] * M + rm[:, None], scs, mask=row_ok[:, None] & (cg < NC)[None, :])
 
 
 # The job tables of the table-driven kernels (one launch for many tensors): one row of int64 fields

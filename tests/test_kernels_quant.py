@@ -411,6 +411,34 @@ def test_norm_quantizer_is_the_add_the_norm_and_the_quantizer_of_its_output(fp8,
 
 
 @needs_triton
+@pytest.mark.parametrize("m,n,d_dtype", [(7, 320, torch.bfloat16), (5, 512, None)])
+def test_norm_quantizer_looped_over_a_wide_row_writes_the_unrolled_bits(fp8, monkeypatch, m, n, d_dtype):
+    """Rows wider than ``NORM_UNROLL_MAX`` (an 8B model's 4096) loop over their 128-wide chunks instead of
+    unrolling them: the same s, y, r, FP8 data and scales (the chunks' scales gathered into one tile and
+    stored once in both forms), a NaN row's groups included; the INT8 norm likewise."""
+    from jetrl_cli.kernels import int8
+
+    g = gen(m * 37 + n)
+    x = (torch.randn(m, n, generator=g) * torch.exp(torch.randn(m, 1, generator=g))).to(dev())
+    delta = None if d_dtype is None else torch.randn(m, n, generator=g).to(d_dtype).to(dev())
+    x[2, 5] = float("nan")
+    w = (torch.rand(n, generator=g) + 0.5).to(dev())
+    runs = {}
+    for widest in (fp8.NORM_UNROLL_MAX, 128):
+        monkeypatch.setattr(fp8, "NORM_UNROLL_MAX", widest)
+        monkeypatch.setattr(int8, "NORM_UNROLL_MAX", widest)
+        runs[widest] = (fp8.rms_norm_quantize(x, delta, w, 1e-6, torch.float32, write_y=True, rsqrt=True),
+                        int8.rms_norm_quantize(x, delta, w, 1e-6, torch.bfloat16, write_y=True, rsqrt=True))
+    (unrolled, unrolled8), (looped, looped8) = runs.values()
+    for a, b in ((unrolled, looped), (unrolled8, looped8)):
+        for u, v in zip(a[:3], b[:3]):
+            assert (u is None) == (v is None) and (u is None or same_scales(u, v))
+        assert torch.equal(a[3].data.view(torch.uint8), b[3].data.view(torch.uint8))
+        assert same_scales(a[3].scale, b[3].scale)
+    assert bool(unrolled[3].scale[2].isnan().all()) and not unrolled[3].scale[3].isnan().any()
+
+
+@needs_triton
 def test_norm_quantizer_rejects_what_it_cannot_take(fp8):
     x = torch.randn(4, 256)
     with pytest.raises(ValueError, match="rms_norm_quantize: delta must be a bfloat16 or float32"):
