@@ -210,6 +210,8 @@ def cases():
             r, r.to(bf), wn, 1e-6, torch.float32, pow2_scale=p, write_y=True, rsqrt=True)))
         out.append((f"rms_norm_quantize decode pow2={pow2}", None, lambda r=res[:64], p=pow2: fp8.rms_norm_quantize(
             r, None, wn, 1e-6, torch.float32, pow2_scale=p)))
+    out.append(("rms_norm_quantize decode 8B", None, lambda: fp8.rms_norm_quantize(  # 4096 wide: its chunks loop
+        torch.zeros(64, 4096), None, torch.ones(4096), 1e-6, torch.float32)))
     out.append(("weight transpose words", None, lambda: _words(lambda: fp8.quantize_weight(
         torch.zeros(inter, hidden), transposed=True))))
     for way in ("triton-n-first", "triton-diagonal"):  # the kernel's other tile orders
