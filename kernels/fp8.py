@@ -939,6 +939,7 @@ def _rms_norm_quant_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, r_ptr, q_ptr, sc_p
                              q_ptr, rows, rk, row_ok, N, FMAX, FLOOR, POW2, OUT, HAS_DELTA, S_BF16, Y_BF16, WRITE_Y,
                              INTERPRET, T)
             scs = tl.where(cg[None, :] == kb, sc[:, None], scs)
+    # (chunks, M) scale grid; offsets < numel / 128: int32 is enough
     tl.store(sc_ptr + cg[None, :] * M + rm[:, None], scs, mask=row_ok[:, None] & (cg < NC)[None, :])
 
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from jetrl_cli.kernels import layouts
-from jetrl_cli.kernels.fp8 import RCP_NORMAL, _divisor, _over, _quotient, _rcp
+from jetrl_cli.kernels.fp8 import RCP_NORMAL, _divisor, _over, _quotient, _rcp, _sigmoid_bwd, _silu_mul_bwd
 from jetrl_cli.precision.formats import Block, Format
 from jetrl_cli.precision.quant import CastSpec, QTensor, dequantize, quantize
 
@@ -273,8 +273,6 @@ def test_swiglu_gradient_quantizer_is_the_reference_on_the_fp8_copy(fp8, shape, 
 
 @triton.jit
 def silu_rcp_kernel(g_ptr, u_ptr, sig_ptr, h_ptr, BLOCK: tl.constexpr):
-    from jetrl_cli.kernels.fp8 import _silu_mul_bwd, _sigmoid_bwd
-
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     g, u = tl.load(g_ptr + i), tl.load(u_ptr + i)
     tl.store(sig_ptr + i, _sigmoid_bwd(g))
