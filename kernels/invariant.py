@@ -108,8 +108,8 @@ from triton.language.extra import libdevice
 
 from jetrl_cli.precision.quant import QTensor
 
-from .attention import check_kv_scales, dequant_kv, dequantized_reference, pv_accumulate
-from .fp8 import FP_FUSION, _interpreting, _last_sums, _split_counters, _to_bf16
+from .attention import check_kv_scales, dequant_kv, dequantized_reference, out_quant_unsupported, pv_accumulate
+from .fp8 import FP_FUSION, _interpreting, _last_sums, _rows_quantized, _split_counters, _to_bf16
 
 # The one tile configuration of each kernel. Changing a value changes results (it is part of the math).
 MM_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
@@ -564,11 +564,12 @@ def blockwise_mm_reference(a: QTensor, b: QTensor, bias: torch.Tensor | None = N
 # --- causal GQA attention (forward) -----------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["T"])
-def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, H, REP, T, W, D, qk_scale,
-                      sqb, sqh, sqt, sqd, skb, skh, skw, skd, svb, svh, svw, svd,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, os_ptr, lse_ptr, H, REP, T, W, D, BT,
+                      qk_scale, sqb, sqh, sqt, sqd, skb, skh, skw, skd, svb, svh, svw, svd,
                       sksb, sksh, sksw, svsb, svsh, svsw, spb, spt,
                       sob, soh, sot, sod, slb, slh, slt, SCALED: tl.constexpr,
                       F32_DOT: tl.constexpr, P_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
+                      QUANT: tl.constexpr, FMAX: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr,
                       INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr):
     # one program: BLOCK_M rows of one sequence's KV head's group of REP query heads, its (query head,
@@ -622,6 +623,10 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_p
     l_i = tl.where(row_ok, l_i, 1.0)  # rows past t (not stored): no 0 / 0
     out = tl.math.div_rn(acc, l_i[:, None])
     out = _to_bf16(out, INTERPRET) if OUT_BF16 else out
+    if QUANT:  # o_proj's FP8 1x128 input: a head's D = 128 outputs are one group of its (sequence, query) row
+        y, sc = _rows_quantized(out.to(tl.float32), FMAX, FLOOR, POW2)
+        tl.store(os_ptr + head.to(tl.int64) * BT + seq * T + rm, sc, mask=row_ok)  # (b t, heads), strides (1, b t)
+        out = y.to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + seq * sob + head[:, None] * soh + rm[:, None] * sot + rd[None, :] * sod, out,
              mask=row_ok[:, None] & d_ok[None, :])
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # natural-log log-sum-exp of the scaled scores
@@ -653,27 +658,39 @@ def _attention_args(q, k, v, q_pos, scale, check_positions, kv_scales=None):
     return q_pos, (d ** -0.5 if scale is None else float(scale))
 
 
-def _attention_forward(q, k, v, q_pos, scale, kv_scales=None):
+def _attention_forward(q, k, v, q_pos, scale, kv_scales=None, quant=None):
     b, h, t, d = q.shape
     hk, w = k.shape[1], k.shape[2]
     # (b, heads, t, d) over a (b, t, heads, d) buffer: the layer's (b, t, heads * d) o_proj input is then
-    # a view of it, not a copy
-    out = torch.empty((b, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    # a view of it, not a copy; ``quant``: FP8 bytes there, and their (b t, heads) scales, strides (1, b t)
+    out = torch.empty((b, t, h, d), dtype=q.dtype if quant is None else quant.format.torch_dtype(),
+                      device=q.device).transpose(1, 2)
+    out_s = out if quant is None else torch.empty((h, b * t), dtype=torch.float32, device=q.device).t()
     lse = torch.empty((b, h, t), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
-        return out, lse.fill_(float("-inf"))
+        return _quantized_out(out, out_s, quant), lse.fill_(float("-inf"))
     interp = _interpreting()
     bf16 = q.dtype == torch.bfloat16
     grid = (triton.cdiv(h // hk * t, ATT_BLOCK_M), b * hk)  # a KV head's query heads together
     ks, vs = kv_scales if kv_scales is not None else (q, q)  # unread when unscaled
     _attention_kernel[grid](
-        q, k, v, ks, vs, q_pos, out, lse, h, h // hk, t, w, d, scale * LOG2E,
+        q, k, v, ks, vs, q_pos, out, out_s, lse, h, h // hk, t, w, d, b * t, scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *(ks.stride() if kv_scales is not None else (0, 0, 0)),
         *(vs.stride() if kv_scales is not None else (0, 0, 0)), *q_pos.stride(), *out.stride(), *lse.stride(),
-        SCALED=kv_scales is not None, F32_DOT=interp or not bf16, P_BF16=bf16, OUT_BF16=bf16, INTERPRET=interp,
+        SCALED=kv_scales is not None, F32_DOT=interp or not bf16, P_BF16=bf16, OUT_BF16=bf16,
+        QUANT=quant is not None, FMAX=quant.format.max if quant else 1.0, FLOOR=quant.amax_floor if quant else 0.0,
+        POW2=bool(quant and quant.pow2_scale), INTERPRET=interp,
         BLOCK_M=ATT_BLOCK_M, BLOCK_N=ATT_BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(d)),
         num_warps=ATT_WARPS, num_stages=ATT_STAGES, enable_fp_fusion=FP_FUSION)
-    return out, lse
+    return _quantized_out(out, out_s, quant), lse
+
+
+def _quantized_out(out: torch.Tensor, out_s: torch.Tensor, quant) -> torch.Tensor | QTensor:
+    """The attention's output: (b, heads, t, d), or with ``quant`` o_proj's operand, data (b t, heads d)."""
+    if quant is None:
+        return out
+    b, h, t, d = out.shape
+    return QTensor(out.transpose(1, 2).reshape(b * t, h * d), out_s, quant)
 
 
 class _InvariantAttention(torch.autograd.Function):
@@ -723,7 +740,8 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor | None = None,
                         scale: float | None = None, check_positions: bool = True,
-                        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        quantize_out=None) -> tuple[torch.Tensor | QTensor, torch.Tensor]:
     """Causal GQA attention whose result for a (sequence, query position) does not depend on the batch,
     on t, on the key width, or on which other queries came in the same call.
 
@@ -746,12 +764,22 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos
     log-sum-exp of the scaled scores over the visible keys. Differentiable in q, k, v (backward by
     recomputation: flash attention's for the trainer's causal bf16 forward on a GPU, else plain torch;
     see ``_InvariantAttention``); lse carries no gradient.
+
+    ``quantize_out`` (FP8 1x128; bf16 q, d = 128; forward only): out instead as o_proj's Fprop operand,
+    written by the same kernel (``kernels.attention.decode_attention``'s option): a QTensor of data
+    (b t, heads d) and scales (b t, heads) with strides (1, b t), bit for bit ``kernels.fp8.quantize_act``
+    of the bf16 output seen as (b t, heads d) -- a row's own, so as batch-invariant as the output.
     """
     causal = q_pos is None and q.shape[2] == k.shape[2]  # the trainer's forward: its backward may be flash's
     q_pos, scale = _attention_args(q, k, v, q_pos, scale, check_positions, kv_scales)
-    if kv_scales is None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if quantize_out is not None:
+        why = out_quant_unsupported(quantize_out, q.dtype, q.shape[3])
+        if why is not None or grad:
+            raise ValueError(f"invariant_attention: quantize_out: {why or 'forward only (q, k or v requires grad)'}")
+    if kv_scales is None and grad:
         return _InvariantAttention.apply(q, k, v, q_pos, scale, causal)
-    return _attention_forward(q, k, v, q_pos, scale, kv_scales)
+    return _attention_forward(q, k, v, q_pos, scale, kv_scales, quantize_out)
 
 
 def attention_reference(q, k, v, q_pos=None, scale=None, compute_dtype=torch.float32, kv_scales=None):

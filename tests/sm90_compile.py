@@ -358,6 +358,16 @@ def cases():
         out.append((f"decode_attention bf16 cache w={width}", None, lambda q1=q1, w=width:
                     attention.decode_attention(q1, cache[:, :, :w], cache[:, :, :w], torch.full((b,), w - 1))))
     o_spec = CastSpec(Format.FP8_E4M3, Block(1, 128))  # o_proj's input, written by the attention kernel
+    q1 = torch.zeros(b, 1, heads, d, dtype=bf).transpose(1, 2)
+    for width in (300, 1024, 1):  # a batch-invariant decode step writing o_proj's input, bf16 and FP8 caches
+        out.append((f"invariant_attention decode w={width} fp8 out", "invariant_attention bf16 fp8 out",
+                    lambda w=width: invariant.invariant_attention(q1, cache[:, :, :w], cache[:, :, :w],
+                                                                  torch.full((b, 1), w - 1), check_positions=False,
+                                                                  quantize_out=o_spec)))
+        out.append((f"invariant_attention fp8 cache decode w={width} fp8 out", "invariant_attention fp8 cache fp8 out",
+                    lambda w=width: invariant.invariant_attention(
+                        q1, cache8[:, :, :w], cache8[:, :, :w], torch.full((b, 1), w - 1), check_positions=False,
+                        kv_scales=(scales8[:, :, :w], scales8[:, :, :w]), quantize_out=o_spec)))
     out.append(("decode_attention fp8 cache w=1024 fp8 out", None, lambda q1=q1: attention.decode_attention(
         q1, cache8, cache8, torch.full((b,), 1023), kv_scales=(scales8, scales8), quantize_out=o_spec)))
     kv_spec = CastSpec(Format.FP8_E4M3, Block.parse("row"))
@@ -381,6 +391,23 @@ def cases():
     for m in (1, 32, 4096):
         out.append((f"exact_swiglu M={m}", "exact_swiglu", lambda m=m: invariant.exact_swiglu(
             torch.zeros(m, 2 * inter, dtype=bf))))
+    # the FP8 quantizers a batch-invariant forward takes where a norm, the SwiGLU or attention feeds a GEMM:
+    # decode steps, prefill and training (the norm's training form writes y and the rsqrt as well)
+    res, delta, wn = torch.zeros(4096, hidden), torch.zeros(4096, hidden, dtype=bf), torch.ones(hidden)
+    for m in (1, 7, 64):
+        out.append((f"rms_norm_quantize M={m}", "fp8 rms_norm_quantize", lambda m=m: fp8.rms_norm_quantize(
+            res[:m], delta[:m], wn, 1e-6, torch.float32)))
+    for m in (7, 512, 4096):
+        out.append((f"rms_norm_quantize train M={m}", "fp8 rms_norm_quantize train", lambda m=m: fp8.rms_norm_quantize(
+            res[:m], delta[:m], wn, 1e-6, torch.float32, write_y=True, rsqrt=True)))
+    gu = torch.zeros(4096, 2 * inter, dtype=bf)
+    for m in (1, 32, 4096):
+        out.append((f"swiglu_quantize M={m}", "fp8 swiglu_quantize", lambda m=m: fp8.swiglu_quantize(gu[:m])))
+        out.append((f"quantize_act rows M={m}", "fp8 quantize_act rows", lambda m=m: fp8.quantize_act(
+            delta[:m], cols=False)))
+    for m in (7, 512, 4096):
+        out.append((f"swiglu_quantize save M={m}", "fp8 swiglu_quantize save", lambda m=m: fp8.swiglu_quantize(
+            gu[:m], save=True)))
     # a rollout step's keyed Gumbel-max: 512 rows of a 152K vocabulary
     out.append(("keyed_gumbel_argmax", None, lambda: sampling.keyed_gumbel_argmax(
         torch.zeros(512, vocab), torch.zeros(512, dtype=torch.int64), 12345)))

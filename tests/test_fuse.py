@@ -142,14 +142,14 @@ class _Ops(TorchDispatchMode):
             self.ops.append(name)
         return out
 
-    def fused(self, fn):
-        def run(*args):
-            self.ops.append(fn.__name__)
-            self.inside = True
+    def fused(self, fn, name: str | None = None):
+        def run(*args, **kwargs):
+            self.ops.append(name or fn.__name__)
+            inside, self.inside = self.inside, True
             try:
-                return fn(*args)
+                return fn(*args, **kwargs)
             finally:
-                self.inside = False
+                self.inside = inside
         return run
 
 
@@ -170,13 +170,13 @@ def test_a_bf16_decode_layer_is_eleven_kernels(native, monkeypatch):
     assert len(layer) == 11, layer
 
 
-def _decode_layer_ops(flow, counter: "_Ops", device: str = "cpu") -> list[str]:
+def _decode_layer_ops(flow, counter: "_Ops", device: str = "cpu", hidden: int = 128) -> list[str]:
     """The ops ``counter`` sees in one decoder layer's share of a decode step (models of 2 and 3 layers,
     on ``device``, the difference), after a first step that makes the cached operands and decides how
     attention reads the cache."""
     ops = {}
     for layers in (2, 3):
-        model = random_model(tiny_config("qwen2", hidden=128, layers=layers, vocab=256), seed=1, std=0.05).to(device)
+        model = random_model(tiny_config("qwen2", hidden=hidden, layers=layers, vocab=256), seed=1, std=0.05).to(device)
         eng = EmbeddedEngine(model, flow, 32, max_batch=4, cuda_graphs=False)
         eng.load_weights(make_payload(model, flow))
         m = eng.model
@@ -240,6 +240,39 @@ def test_an_int8_decode_layer_is_twelve_kernels(native, monkeypatch):
     assert len(layer) == 12 and layer.count("_rms_norm_rows_kernel") == 2, layer
     assert layer.count("_swiglu_rows_kernel") == 1 and layer.count("_row_quant_kernel") == 1, layer
     assert layer.count("_int8_mm_kernel") + layer.count("_int8_split_sum_kernel") == 4 and "add" not in layer, layer
+
+
+@pytest.mark.skipif(not triton_runs(), reason="needs Triton (and a GPU or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified"])
+def test_a_batch_invariant_decode_layer_is_as_many_kernels_as_the_fast_one(native, flow_name, monkeypatch):
+    """``precision.batch_invariant``'s decode layer (natively; here in Triton's interpreter), a model whose
+    q/k/v and gate/up weights are whole 128-row blocks (one GEMM a group), whose SwiGLU halves are whole
+    128-wide groups and whose heads are 128 wide (one group of o_proj's input each). bf16: the fast path's eleven -- the residual add with its norm, q/k/v's GEMM (its bias
+    in the epilogue: no add after it), RoPE, two cache writes, attention, o_proj, add + norm, gate/up,
+    SwiGLU, down, each the invariant kernel. FP8 (unified): the same with each norm and the SwiGLU the
+    fused quantizer's kernel the fast path runs (one launch configuration whatever the rows), and
+    attention writing o_proj's FP8 input itself: 11 (16 when the norms, the SwiGLU and attention wrote
+    their outputs for a quantizer of their own, and q/k/v's bias was added after its GEMM)."""
+    from jetrl_cli.kernels import fp8, invariant
+
+    counter = _Ops()
+    monkeypatch.setattr(fuse, "_force_exact", True)  # the GPU's elementwise kernels for CPU tensors too
+    for name in ("invariant_mm", "invariant_blockwise_mm", "invariant_attention", "invariant_rms_norm",
+                 "invariant_add_rms_norm", "exact_rope", "exact_swiglu"):
+        monkeypatch.setattr(invariant, name, counter.fused(getattr(invariant, name), name))
+    for name in ("rms_norm_quantize", "swiglu_quantize", "quantize_act"):
+        monkeypatch.setattr(fp8, name, counter.fused(getattr(fp8, name), name))
+    from .triton_interp_fix import fixed_fp8_conversion
+
+    with fixed_fp8_conversion():
+        layer = sorted(_decode_layer_ops(parse_flow({"base": flow_name, "batch_invariant": True}, source="<test>"),
+                                         counter, hidden=512))
+    common = ["exact_rope", "index_copy_", "index_copy_", "invariant_attention"]
+    if flow_name == "bf16":
+        want = common + ["exact_swiglu"] + ["invariant_add_rms_norm"] * 2 + ["invariant_mm"] * 4
+    else:
+        want = common + ["invariant_blockwise_mm"] * 4 + ["rms_norm_quantize"] * 2 + ["swiglu_quantize"]
+    assert layer == sorted(want), layer
 
 
 def test_a_failed_compilation_runs_op_by_op_and_says_why(native):

@@ -2123,10 +2123,13 @@ def test_native_training_step_on_gpu_matches_cpu_emulation(flow):
 @pytest.mark.parametrize("flow_name,kv", [("bf16", None), ("fp8-unified", None), ("fp8-unified", "fp8_e4m3 row")])
 def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernels(flow_name, kv, forced_native, monkeypatch):
     """``precision.batch_invariant`` on the native (GPU) path, run here with Triton's interpreter:
-    GEMMs, attention, RMSNorm (with its residual add), the log-softmax, RoPE and SwiGLU (bf16) go
-    through kernels/invariant.py, and the rollout (prefill, then decode steps of a few rows) gives the
-    trainer's logprobs bit for bit. With an FP8 KV cache the decode steps' attention reads the FP8
-    bytes and scales as stored (``kv_scales``)."""
+    GEMMs (q/k/v's bias in their epilogue), attention, RMSNorm (with its residual add), the
+    log-softmax, RoPE and SwiGLU (bf16) go through kernels/invariant.py -- in FP8 flows a norm or a
+    SwiGLU that feeds a GEMM is the fused quantizer's kernel (``rms_norm_quantize``,
+    ``swiglu_quantize``: one launch configuration whatever the rows), as in the fast path -- and the
+    rollout (prefill, then decode steps of a few rows) gives the trainer's logprobs bit for bit. With
+    an FP8 KV cache the decode steps' attention reads the FP8 bytes and scales as stored
+    (``kv_scales``)."""
     import os
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -2162,8 +2165,19 @@ def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernel
             return _fn(*a, **k)
 
         monkeypatch.setattr(invariant, name, counted)
+    from jetrl_cli.kernels import fp8
+
+    for name in ("rms_norm_quantize", "swiglu_quantize"):
+        fn = getattr(fp8, name)
+        monkeypatch.setattr(fp8, name, lambda *a, _fn=fn, _n=name, **k: (calls.update({_n: calls.get(_n, 0) + 1}),
+                                                                           _fn(*a, **k))[1])
+    added = []  # adds after a GEMM (its bias): none, the kernels' epilogue adds it
+    real_add = gemm.add_bias
+    monkeypatch.setattr(gemm, "add_bias", lambda acc, bias: (added.append(bias is not None), real_add(acc, bias))[1])
     with fixed_fp8_conversion():
-        m = _model(seed=9, hidden=128, layers=1, vocab=128).to(TRITON_DEV)
+        # 256 wide: q/k/v 256 + 128 + 128 and gate/up 2 x 384 rows, whole 128-row blocks, so each group is one
+        # GEMM and the SwiGLU's halves whole 128-wide groups (the fused quantizer's case)
+        m = _model(seed=9, hidden=256, layers=1, vocab=128).to(TRITON_DEV)
         sp = SamplingParams(max_new_tokens=6, temperature=1.0, n=2)
         eng = EmbeddedEngine(m, flow, 32, max_batch=4, cuda_graphs=False)
         eng.load_weights(make_payload(m, flow))
@@ -2178,15 +2192,16 @@ def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernel
         stats = tr.update(b, torch.randn(len(flat)), old, None, step=0)  # the backward need not be invariant
     assert torch.equal(old[b.mask], b.rollout_logp[b.mask])
     assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0 and not torch.equal(before, tr.model.lm_head.weight)
-    want = {"invariant_mm", "invariant_attention", "invariant_rms_norm", "invariant_log_softmax",
-            "invariant_add_rms_norm", "exact_rope"}
-    if flow_name == "fp8-unified":
-        want.add("invariant_blockwise_mm")
-    else:  # FP8 flows' SwiGLU is their quantizer's kernel
-        want.add("exact_swiglu")
+    want = {"invariant_mm", "invariant_attention", "invariant_log_softmax", "exact_rope"}
+    if flow_name == "fp8-unified":  # the norms and the SwiGLU that feed GEMMs: the fused quantizers
+        want |= {"invariant_blockwise_mm", "rms_norm_quantize", "swiglu_quantize"}
+        assert "exact_swiglu" not in calls and "invariant_add_rms_norm" not in calls, calls
+    else:
+        want |= {"exact_swiglu", "invariant_add_rms_norm", "invariant_rms_norm"}
     if kv is not None:
         want.add("fp8 cache read as stored")
     assert want <= set(calls), calls
+    assert not any(added), "a GEMM's bias is added in its kernel's epilogue"
 
 
 def _kernel_reads_the_cache(monkeypatch, llama) -> list:

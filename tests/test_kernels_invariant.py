@@ -437,6 +437,47 @@ def test_attention_decode_prefill_and_training_give_the_same_bits(inv, dtype):
     assert same_bits(alone, full[1:])
 
 
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("t", [1, 9])
+def test_attention_writes_o_projs_fp8_input_bit_for_bit(inv, t, cache):
+    """``quantize_out``: the output as o_proj's FP8 1x128 operand (a head's 128 outputs one group of its
+    (sequence, query) row), written by the kernel: bit for bit the reference quantizer on the kernel's
+    own bf16 output seen as (b t, heads d), scales (b t, heads) with strides (1, b t) -- for decode steps
+    (t = 1, over a cache, bf16 or FP8 read as stored) and a prefill; a head of zeros (its scale at the
+    amax floor) included. Forward only; a spec or dtype it cannot write is refused."""
+    from jetrl_cli.kernels.layouts import is_gemm_layout
+
+    from .test_kernels_attention import fp8_cache
+    from .triton_interp_fix import fixed_fp8_conversion
+
+    g = gen(torch.seed() % 2**31)
+    b, h, hk, d, w = 3, 4, 2, 128, 40
+    pow2 = bool(torch.randint(0, 2, (), generator=g))
+    q, k, v = randn(b, h, t, d, g=g, dtype=BF16), randn(b, hk, w, d, g=g, dtype=BF16), randn(b, hk, w, d, g=g, dtype=BF16)
+    v[1, 0] = 0  # sequence 1's first KV head: its query heads' outputs are zero
+    q_pos = torch.randint(t - 1, w, (b, 1), generator=g).to(DEV) + torch.arange(t, device=DEV) - (t - 1)
+    scales = None
+    if cache == "fp8":
+        (k, ks), (v, vs) = fp8_cache(k), fp8_cache(v)
+        scales = (ks, vs)
+    spec = CastSpec(Format.FP8_E4M3, Block(1, 128), pow2)
+    with fixed_fp8_conversion():  # the interpreter's fp32 -> fp8 cast is wrong (tests/triton_interp_fix.py)
+        got, lse_q = inv.invariant_attention(q, k, v, q_pos, kv_scales=scales, quantize_out=spec)
+    out, lse = inv.invariant_attention(q, k, v, q_pos, kv_scales=scales)
+    want = quantize(out.transpose(1, 2).reshape(b * t, h * d).float(), spec)
+    assert got.spec == spec and is_gemm_layout(got) and got.scale.stride() == (1, b * t)
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(got.scale, want.scale) and torch.equal(lse_q, lse)
+    zero_rows = got.scale[t:2 * t, :h // hk]  # sequence 1's rows, the zero KV head's query heads
+    assert zero_rows.eq(spec.amax_floor / Format.FP8_E4M3.max).all() or pow2
+    with pytest.raises(ValueError, match="quantize_out: needs bf16 queries with head_dim 128"):
+        inv.invariant_attention(q.float(), k.float() if cache == "bf16" else k, v.float() if cache == "bf16" else v,
+                                q_pos, kv_scales=scales, quantize_out=spec)
+    if cache == "bf16":
+        with pytest.raises(ValueError, match="quantize_out: forward only"):
+            inv.invariant_attention(q.requires_grad_(), k, v, q_pos, quantize_out=spec)
+
+
 def test_attention_gradient_matches_float64(inv):
     g = gen(8)
     q = randn(2, 4, 20, 16, g=g).requires_grad_()

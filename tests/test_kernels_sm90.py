@@ -274,7 +274,9 @@ def test_the_norm_quantizer_stores_its_chunks_scales_once(report):
                                    "invariant_mm bf16 whole", "invariant_blockwise_mm whole",
                                    "invariant_attention bf16", "invariant_attention fp32", "invariant_rms_norm",
                                    "invariant_log_softmax", "invariant_attention fp8 cache", "exact_rope", "invariant_add_rms_norm",
-                                   "exact_swiglu"])
+                                   "exact_swiglu", "fp8 rms_norm_quantize", "fp8 rms_norm_quantize train",
+                                   "fp8 swiglu_quantize", "fp8 swiglu_quantize save", "fp8 quantize_act rows",
+                                   "invariant_attention bf16 fp8 out", "invariant_attention fp8 cache fp8 out"])
 def test_invariant_kernels_compile_to_one_arithmetic(report, group):
     """Decode (M = 1, 7; one query over a key width of 1, 300 or 1024), prefill and training calls:
     the same floating-point instructions in the same program order in the PTX, and the same ones in
@@ -282,7 +284,9 @@ def test_invariant_kernels_compile_to_one_arithmetic(report, group):
     reassociate them). The GEMMs in each launch mode (split mode: its two kernels, each compared
     with itself; split fused: the chunks' sum in the GEMM's last program of a tile, one kernel; whole: a
     weight whose K is one chunk); the log-softmax's two kernels (a row's chunk
-    pairs, and their combination with x - lse), each compared with itself."""
+    pairs, and their combination with x - lse), each compared with itself. The FP8 quantizers the
+    batch-invariant forward shares with the fast path (the norm's, the SwiGLU's, o_proj's input):
+    each form at every row count."""
     by_kernel = collections.defaultdict(list)
     for k in _by_group(report)[group]:
         by_kernel[k["kernel"]].append(k)
@@ -295,6 +299,37 @@ def test_invariant_kernels_compile_to_one_arithmetic(report, group):
         for k in kernels[1:]:
             assert k["ptx_fp"] == first["ptx_fp"], f"{k['case']} vs {first['case']}"
             assert k["sass_fp"] == first["sass_fp"], f"{k['case']} vs {first['case']}"
+
+
+def _in_order(part: list, whole: list) -> bool:
+    """Whether ``part`` is a subsequence of ``whole`` (its items in ``whole``, in order)."""
+    it = iter(whole)
+    return all(any(x == y for y in it) for x in part)
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp8 cache"])
+def test_invariant_attention_writing_o_projs_input_keeps_the_attention_arithmetic(report, cache):
+    """A batch-invariant decode step whose attention kernel writes o_proj's FP8 input (``quantize_out``)
+    must compute the output the trainer's attention (the kernel without it) computes, then quantize it as
+    the trainer's quantizer does: its floating-point instructions hold the plain kernel's, in program
+    order, the quantizer's (a group's amax, scale, reciprocal and products) added after them -- none of the
+    attention's left out, reordered, or contracted otherwise. (The plain kernel rounds its output to bf16
+    two values an instruction, ``cvt.rn.bf16x2.f32``; the other one value each, then widens it back,
+    exactly, for the quantizer: the same roundings, so both are compared one value a rounding.)"""
+    groups = _by_group(report)
+
+    def one_by_one(ops):  # a packed bf16 rounding as two, and no widening (exact)
+        return [c for op in ops if op != "cvt.f32.bf16"
+                for c in (["cvt.rn.bf16.f32"] * 2 if op == "cvt.rn.bf16x2.f32" else [op])]
+
+    plain = one_by_one(groups[f"invariant_attention {cache}"][0]["ptx_fp"])
+    quant = one_by_one(groups[f"invariant_attention {cache} fp8 out"][0]["ptx_fp"])
+    assert _in_order(plain, quant), cache
+    assert not collections.Counter(plain) - collections.Counter(quant)
+    added = collections.Counter(quant) - collections.Counter(plain)
+    assert added["cvt.rn.satfinite.e4m3x2.f32"] > 0 and added["mul.rn.f32"] > 0, added  # the quantizer's products
+    assert set(added) <= {"cvt.rn.satfinite.e4m3x2.f32", "mul.rn.f32", "mul.f32", "fma.rn.f32", "neg.f32",
+                          "rcp.approx.ftz.f32", "max.f32"}, added
 
 
 def test_the_exact_chains_round_each_operation_as_torch(report):

@@ -236,14 +236,16 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, mods
     (``fused_input_quantizer``), the norm's own kernel writes that operand
     (``kernels.fp8.rms_norm_quantize``): in a rollout's forward the norm's output never reaches
     memory (one kernel in place of two), and the trainer's forward takes the same kernel, writing
-    the output too (the Wgrad operand is made from it), so the two agree bit for bit. Not in the
-    batch-invariant mode, whose norm is ``kernels.invariant``'s."""
+    the output too (the Wgrad operand is made from it), so the two agree bit for bit. In the
+    batch-invariant mode too: the kernel runs one launch configuration whatever the rows (a row's sum
+    of squares in one fixed order), so a row's bits do not depend on the batch; a norm whose output
+    is not quantized there is ``kernels.invariant``'s."""
     def linears(h, x_op=None, x_dtype=None, x_values=None):
         if down is None:
             return linear_group(mods, h, owner, x_op=x_op, x_dtype=x_dtype, x_values=x_values)
         return gated_mlp(mods, h, owner, down, x_op=x_op, x_dtype=x_dtype, x_values=x_values)
 
-    quant = None if norm.invariant else fused_input_quantizer(mods, x)
+    quant = fused_input_quantizer(mods, x)
     if quant is None:
         s, h = norm.add_forward(x, delta, input_dtype(mods, x))
         return s, linears(h)
@@ -880,8 +882,9 @@ class Attention(nn.Module):
         """o_proj's FP8 1x128 input spec where the decode attention kernel can write that operand
         itself (``kernels.attention.decode_attention(quantize_out=)``: a head of 128 is one group),
         bit for bit what o_proj's quantizer makes of the kernel's bf16 output; else None. Rollout
-        decode steps only (no autograd), not in the batch-invariant mode (its own kernel)."""
-        if mask.invariant or torch.is_grad_enabled():
+        decode steps only (no autograd); in the batch-invariant mode its kernel's option (a row's
+        own: the trainer's quantizer makes the same bytes of the same output)."""
+        if torch.is_grad_enabled():
             return None
         fused = fused_input_quantizer((self.o_proj,), q)
         if fused is None:
@@ -963,13 +966,13 @@ def _reads_cache_as_stored(x: torch.Tensor, cache: KVCache, mask: Masking, heads
     """Whether a decode step's attention reads the cache in ``kernels.attention``'s Triton kernel
     (an FP8 cache as stored: its bytes and scales) instead of through SDPA (an FP8 cache dequantized
     first): natively, where the kernel runs, and where it is the faster of the two -- except that the
-    batch-invariant mode reads an FP8 cache in its kernel whenever it runs (the same bits either way;
-    a bf16 cache it reads through its own kernel already). Decided once per device and cache format,
-    at the first decode step, and reported."""
+    batch-invariant mode reads the cache in its own kernel whenever that runs (the same bits either way,
+    and o_proj's FP8 input written by it: ``Attention._o_proj_operand``). Decided once per device and
+    cache format, at the first decode step, and reported."""
     if not (not mask.causal and mask.key_keep is None and mask.q_index.shape[1] == 1 and native(x)):
         return False
     fp8 = cache.spec is not None and cache.kv.dtype in _FP8
-    if not fp8 and (cache.kv.dtype is not torch.bfloat16 or mask.invariant):
+    if not fp8 and cache.kv.dtype is not torch.bfloat16:
         return False
     if fp8:
         from ..kernels.fp8 import unsupported
@@ -1068,13 +1071,14 @@ def _cache_attention(q, cache: KVCache, layer: int, width: int, mask: Masking, f
     if mask.invariant:
         from ..kernels.invariant import invariant_attention
 
-        out, _ = invariant_attention(qn, k, v, mask.q_index, check_positions=False, kv_scales=scales)
+        out, _ = invariant_attention(qn, k, v, mask.q_index, check_positions=False, kv_scales=scales,
+                                     quantize_out=out_spec)
     else:
         from ..kernels.attention import decode_attention
 
         out = decode_attention(qn, k, v, mask.q_index, kv_scales=scales, quantize_out=out_spec)
-        if out_spec is not None:
-            return out
+    if out_spec is not None:
+        return out
     return out.transpose(1, 2).reshape(b, t, h * d)
 
 

@@ -718,10 +718,14 @@ def cast_pair(x: torch.Tensor, rows: CastSpec | None, cols: CastSpec | None, bac
     operand x^T (``cols``: groups along tokens), either may be None. When one of ``backends`` is a
     kernel backend and jetrl's Triton quantizer can run on ``x`` for this pair of FP8 casts, both
     come from one read of ``x``, already in the GEMM layouts, x^T's token dim zero-padded to a
-    multiple of 128 (what blockwise ``scaled_mm`` needs; the product is unchanged). Otherwise each
-    is cast on its own by its backend. Bit-identical either way."""
+    multiple of 128 (what blockwise ``scaled_mm`` needs; the product is unchanged) -- so x^T comes from
+    that kernel only where its own GEMM's backend is a kernel backend (the emulated one takes no
+    padded tokens: a batch-invariant forward on the interpreter beside an emulated Wgrad). Otherwise
+    each is cast on its own by its backend. Bit-identical either way."""
     be_rows, be_cols = backends
-    tri = kernel_quantizers(x, backends, rows or cols) if x.dim() == 2 and one_read_pair(rows, cols) else None
+    padded_ok = cols is None or kernel_quantizers(x, (be_cols,), cols) is not None
+    tri = (kernel_quantizers(x, backends, rows or cols) if x.dim() == 2 and one_read_pair(rows, cols) and padded_ok
+           else None)
     if tri is not None:
         c = rows or cols
         return tri.quantize_act(x, c.format, c.pow2_scale, c.amax_floor, rows=rows is not None,
@@ -759,9 +763,12 @@ def cast_weight_pair(w: torch.Tensor, spec: CastSpec, backends) -> tuple | None:
 
 def kernel_quantizers(x: torch.Tensor, backends, spec: CastSpec):
     """``jetrl_cli.kernels.fp8`` where its Triton quantizers cast ``x`` for a GEMM under ``spec``: one of
-    ``backends`` is a kernel backend (``scaled_mm``, ``triton``: the ones that read their layouts)
-    and ``fp8_kernels_for`` has them; else None (the reference quantizes, to the same bits)."""
-    if not any(getattr(b, "name", "") in ("scaled_mm", "triton") for b in backends):
+    ``backends`` is a kernel backend (``scaled_mm``, ``triton``, ``invariant``: the ones that read
+    their layouts) and ``fp8_kernels_for`` has them; else None (the reference quantizes, to the same
+    bits). The batch-invariant mode takes them too: each quantizer's bits are the reference's, and the
+    forward's fused ones (``rms_norm_quantize``, ``swiglu_quantize``) run one launch configuration
+    whatever the rows, a row's result its own."""
+    if not any(getattr(b, "name", "") in ("scaled_mm", "triton", "invariant") for b in backends):
         return None
     return fp8_kernels_for(x, spec)
 
@@ -908,19 +915,26 @@ class InvariantBackend(TritonBackend):
     runs = "runs dense bf16/fp32 operands, or FP8 operands with 1x128 or 128x128 scales along the reduction dim"
     dense = True
     int8 = False
-    mm_bias = None  # its kernels add no bias: the caller does
 
     def shape_unsupported(self, a, b):
         return None
 
     def mm(self, a, b, out=Format.FP32):
+        return self.mm_bias(a, b, out, None)
+
+    def mm_bias(self, a, b, out, bias):
+        """``a @ b.T (+ bias)``, the bias added in the kernels' epilogue, to the fp32 sum before the
+        output is rounded: one launch fewer per layer (q/k/v's bias) than an add after the GEMM, and a
+        row's bits still its own whatever the batch (the rollout's and the trainer's forward both
+        come here)."""
         from ..kernels import invariant
 
         ref = a.data if isinstance(a, QTensor) else a
         out_dtype = out.torch_dtype() if native(ref) else torch.float32
+        bias = None if bias is None else bias.contiguous()
         if isinstance(a, QTensor):  # unsupported() admits 8-bit specs only with both operands FP8
-            return invariant.invariant_blockwise_mm(a, b, out_dtype=out_dtype)
-        return invariant.invariant_mm(a, b, out_dtype=out_dtype)
+            return invariant.invariant_blockwise_mm(a, b, bias, out_dtype=out_dtype)
+        return invariant.invariant_mm(a, b, bias, out_dtype=out_dtype)
 
 
 class UnavailableBackend:
