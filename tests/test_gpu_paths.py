@@ -10,6 +10,7 @@ and a native training step against the CPU emulation.
 
 import collections
 import contextlib
+import functools
 import copy
 import math
 
@@ -2167,10 +2168,15 @@ def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernel
         monkeypatch.setattr(invariant, name, counted)
     from jetrl_cli.kernels import fp8
 
+    forms = set()  # each fused kernel's form (its compile-time flags): one each, whoever calls
+
+    def fused_call(*a, _fn, _n, **k):
+        calls[_n] = calls.get(_n, 0) + 1
+        forms.add((_n, tuple(sorted((key, bool(k.get(key))) for key in ("write_y", "rsqrt", "save")))))
+        return _fn(*a, **k)
+
     for name in ("rms_norm_quantize", "swiglu_quantize"):
-        fn = getattr(fp8, name)
-        monkeypatch.setattr(fp8, name, lambda *a, _fn=fn, _n=name, **k: (calls.update({_n: calls.get(_n, 0) + 1}),
-                                                                           _fn(*a, **k))[1])
+        monkeypatch.setattr(fp8, name, functools.partial(fused_call, _fn=getattr(fp8, name), _n=name))
     added = []  # adds after a GEMM (its bias): none, the kernels' epilogue adds it
     real_add = gemm.add_bias
     monkeypatch.setattr(gemm, "add_bias", lambda acc, bias: (added.append(bias is not None), real_add(acc, bias))[1])
@@ -2188,9 +2194,13 @@ def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernel
                         [0.0] * len(flat), [i // 2 for i in range(len(flat))])
         tr = Trainer(copy.deepcopy(m), flow, TrainConfig(micro_batch=6), CorrectionConfig(), sp, 32)
         old = tr.score(b)
+        with torch.enable_grad():  # the trainer's forward with autograd: the same bits too
+            graded = token_logprobs(tr.model, b, sp)
         before = tr.model.lm_head.weight.detach().clone()
         stats = tr.update(b, torch.randn(len(flat)), old, None, step=0)  # the backward need not be invariant
     assert torch.equal(old[b.mask], b.rollout_logp[b.mask])
+    assert graded.requires_grad and torch.equal(graded.detach()[b.mask], b.rollout_logp[b.mask])
+    assert len({n for n, _ in forms}) == len(forms), forms  # rollout, scoring, forward with grad: one form
     assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0 and not torch.equal(before, tr.model.lm_head.weight)
     want = {"invariant_mm", "invariant_attention", "invariant_log_softmax", "exact_rope"}
     if flow_name == "fp8-unified":  # the norms and the SwiGLU that feed GEMMs: the fused quantizers

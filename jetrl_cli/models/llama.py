@@ -253,8 +253,11 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, mods
     x2, d2 = x.reshape(-1, n), None if delta is None else delta.reshape(-1, n)
     if not norm.tracks(x, delta):
         fp8, spec = quant
+        # batch-invariant: the trainer's form of the kernel (y and the rsqrt written too, unread), so the
+        # rollout, the trainer's scoring and its forward with autograd run one compiled kernel
         s, _, _, rows = fp8.rms_norm_quantize(x2, d2, norm.weight, norm.eps, x.dtype, spec.format,
-                                              spec.pow2_scale, spec.amax_floor)
+                                              spec.pow2_scale, spec.amax_floor, write_y=norm.invariant,
+                                              rsqrt=norm.invariant)
         y = linears(None, x_op=rows, x_dtype=x.dtype)
     else:  # the norm's output h, and a port for its gradient in the GEMMs' Dgrad dtype (bf16)
         port = gradient_port(mods, x)

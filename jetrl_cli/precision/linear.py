@@ -1258,7 +1258,10 @@ def _swiglu_down_forward(st, gu2: torch.Tensor, group: _Group, save: CastSpec | 
     prec: LinearPrecision = group.mods[0].precision
     kept = None  # gu's FP8 copy for the backward, when the kernel made it
     if kernel is not None:  # ``_swiglu_kernel``'s choice, the rollout's too
-        y, kept = _swiglu_down_by_kernel(kernel, gu2, group, save == prec.fprop.a)
+        # batch-invariant: the rollout's form of the kernel (no copy: it is cast on its own below), so
+        # the rollout, the trainer's scoring and this forward run one compiled kernel
+        keep = save == prec.fprop.a and prec.fprop.backend != "invariant"
+        y, kept = _swiglu_down_by_kernel(kernel, gu2, group, keep)
     else:
         y = linear_forward(_swiglu_math(gu2, torch.float32), group.weight, group.bias, prec.fprop)
     if save is None:
