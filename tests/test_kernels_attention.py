@@ -37,6 +37,15 @@ def fp8_cache(x: torch.Tensor, dtype=torch.float8_e4m3fn, g=None):
     return q.data.reshape(x.shape), q.scale.reshape(x.shape[:-1]).float()
 
 
+def cached_kv(cache: str, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """``(k, v, kv_scales)`` as a cache of kind ``cache`` holds them: "bf16" as given (no scales), "fp8"
+    stored as the engine stores them (``fp8_cache``)."""
+    if cache != "fp8":
+        return k, v, None
+    (k, ks), (v, vs) = fp8_cache(k), fp8_cache(v)
+    return k, v, (ks, vs)
+
+
 def dequantized(data, scale, dtype):
     """What the engine's fallback and the trainer read: ``_kv_values``, op by op."""
     from jetrl_cli.models.llama import _kv_values
@@ -105,10 +114,7 @@ def test_decode_attention_writes_o_projs_fp8_input_bit_for_bit(att, cache, pow2)
     k, v = randn(b, hk, w, d, g=g, dtype=BF16), randn(b, hk, w, d, g=g, dtype=BF16, scale=4.0)
     v[1, 0] = 0  # sequence 1's first KV head: every value zero, so its query heads' outputs are zero
     pos = torch.randint(0, w, (b,), generator=g).to(DEV)
-    scales = None
-    if cache == "fp8":
-        (k, ks), (v, vs) = fp8_cache(k), fp8_cache(v)
-        scales = (ks, vs)
+    k, v, scales = cached_kv(cache, k, v)
     spec = CastSpec(Format.FP8_E4M3, Block(1, 128), pow2)
     with fixed_fp8_conversion():  # the interpreter's fp32 -> fp8 cast is wrong (tests/triton_interp_fix.py)
         got = att.decode_attention(q, k, v, pos, kv_scales=scales, quantize_out=spec)

@@ -447,7 +447,7 @@ def test_attention_writes_o_projs_fp8_input_bit_for_bit(inv, t, cache):
     amax floor) included. Forward only; a spec or dtype it cannot write is refused."""
     from jetrl_cli.kernels.layouts import is_gemm_layout
 
-    from .test_kernels_attention import fp8_cache
+    from .test_kernels_attention import cached_kv
     from .triton_interp_fix import fixed_fp8_conversion
 
     g = gen(torch.seed() % 2**31)
@@ -456,10 +456,7 @@ def test_attention_writes_o_projs_fp8_input_bit_for_bit(inv, t, cache):
     q, k, v = randn(b, h, t, d, g=g, dtype=BF16), randn(b, hk, w, d, g=g, dtype=BF16), randn(b, hk, w, d, g=g, dtype=BF16)
     v[1, 0] = 0  # sequence 1's first KV head: its query heads' outputs are zero
     q_pos = torch.randint(t - 1, w, (b, 1), generator=g).to(DEV) + torch.arange(t, device=DEV) - (t - 1)
-    scales = None
-    if cache == "fp8":
-        (k, ks), (v, vs) = fp8_cache(k), fp8_cache(v)
-        scales = (ks, vs)
+    k, v, scales = cached_kv(cache, k, v)
     spec = CastSpec(Format.FP8_E4M3, Block(1, 128), pow2)
     with fixed_fp8_conversion():  # the interpreter's fp32 -> fp8 cast is wrong (tests/triton_interp_fix.py)
         got, lse_q = inv.invariant_attention(q, k, v, q_pos, kv_scales=scales, quantize_out=spec)
