@@ -264,9 +264,9 @@ def test_a_batch_invariant_decode_layer_is_as_many_kernels_as_the_fast_one(nativ
         monkeypatch.setattr(fp8, name, counter.fused(getattr(fp8, name), name))
     from .triton_interp_fix import fixed_fp8_conversion
 
-    with fixed_fp8_conversion():
+    with fixed_fp8_conversion():  # on a GPU machine CUDA tensors (the interpreter is not on there)
         layer = sorted(_decode_layer_ops(parse_flow({"base": flow_name, "batch_invariant": True}, source="<test>"),
-                                         counter, hidden=512))
+                                         counter, device="cuda" if torch.cuda.is_available() else "cpu", hidden=512))
     common = ["exact_rope", "index_copy_", "index_copy_", "invariant_attention"]
     if flow_name == "bf16":
         want = common + ["exact_swiglu"] + ["invariant_add_rms_norm"] * 2 + ["invariant_mm"] * 4
