@@ -61,9 +61,11 @@ class Shapes:
     kv_heads: int = 2
     head_dim: int = 128
     width: int = 512  # keys per sequence in the attention cases
+    vocab: int = 151936
 
 
-SMALL = Shapes(tokens=256, hidden=256, inter=384, decode=32, wide=128, heads=4, kv_heads=2, head_dim=128, width=64)
+SMALL = Shapes(tokens=256, hidden=256, inter=384, decode=32, wide=128, heads=4, kv_heads=2, head_dim=128, width=64,
+               vocab=4096)
 
 
 @dataclass
@@ -91,7 +93,7 @@ def _specs():
 
     e4 = Format.FP8_E4M3
     return {"1x128": CastSpec(e4, Block(1, 128)), "128x1": CastSpec(e4, Block(128, 1)),
-            "int8 row": CastSpec(Format.INT8, Block(1, 0))}
+            "int8 row": CastSpec(Format.INT8, Block(1, 0)), "row": CastSpec(e4, Block.parse("row"))}
 
 
 def _nbytes(*ts) -> int:
@@ -291,6 +293,33 @@ def _attention(invariant: bool):
     return build
 
 
+def _attention_fp8_cache(s, dev):
+    from jetrl_cli.kernels.attention import decode_attention
+    from jetrl_cli.precision.quant import quantize
+
+    spec = _specs()["row"]
+    b = s.decode
+    q = _randn(b, s.heads, 1, s.head_dim, device=dev)
+    kv = [quantize(_randn(b * s.kv_heads * s.width, s.head_dim, device=dev, dtype=torch.float32), spec)
+          for _ in range(2)]
+    (kd, ks), (vd, vs) = ((t.data.reshape(b, s.kv_heads, s.width, s.head_dim), t.scale.reshape(b, s.kv_heads, s.width))
+                          for t in kv)
+    pos = torch.full((b,), s.width - 1, device=dev, dtype=torch.int64)
+
+    def run():
+        return decode_attention(q, kd, vd, pos, kv_scales=(ks, vs), quantize_out=_specs()["1x128"])
+    out = run()
+    return run, _nbytes(q, kd, vd, ks, vs, out)
+
+
+def _sampling(s, dev):
+    from jetrl_cli.kernels.sampling import keyed_gumbel_argmax
+
+    logp = torch.log_softmax(torch.randn(s.wide, s.vocab, device=dev), dim=-1)
+    keys = torch.randint(0, 2**32, (s.wide,), device=dev, dtype=torch.int64)
+    return (lambda: keyed_gumbel_argmax(logp, keys, 12345)), _nbytes(logp, keys)
+
+
 def _invariant_mm(which: str):
     def build(s, dev):
         from jetrl_cli.kernels.invariant import invariant_mm
@@ -330,6 +359,8 @@ CASES = [
     Case("INT8 Triton, wide decode gate/up, default mid tiles", "decode", _int8_mm("gate/up")),
     Case("INT8 torch._int_mm, wide decode gate/up", "decode", _int_mm("gate/up"), cuda_only=_CUDA),
     Case("attention, decode (fast path)", "decode", _attention(False)),
+    Case("attention, decode, FP8 cache read as stored, writing o_proj's FP8 input", "decode", _attention_fp8_cache),
+    Case("keyed Gumbel-max sampling, wide decode (rows x vocab)", "decode", _sampling),
     Case("attention, decode (batch-invariant)", "invariant", _attention(True)),
     Case("invariant GEMM bf16, decode gate/up", "invariant", _invariant_mm("gate/up")),
     Case("invariant GEMM bf16, decode down (split K, two kernels)", "invariant", _invariant_mm("down")),
