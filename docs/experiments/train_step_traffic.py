@@ -159,10 +159,16 @@ class Traffic(TorchDispatchMode):
         super().__init__()
         self.ops: dict[str, list] = {}  # name -> [launches, bytes read, bytes written, flops]
         self.inside = 0  # > 0 within a fused chain (counted as one kernel by ``fused_call``)
+        self.by_shape = False  # --quantizers-by-shape
 
     def kernel(self, label: str | None, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` as one kernel ``label`` (its tensor arguments read, its results
-        written; None: free), the ops inside it not counted; inside another such call, not counted."""
+        written; None: free), the ops inside it not counted; inside another such call, not counted.
+        With ``by_shape`` an 8-bit quantizer's label also names its first tensor's shape and dtype."""
+        if self.by_shape and label is not None and "(Triton)" in label:
+            t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if t is not None:
+                label = f"{label} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
         self.inside += 1
         try:
             out = fn(*args, **kwargs)
@@ -396,11 +402,14 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers row")
     ap.add_argument("--no-fuse", action="store_true", help="count jetrl's fused chains op by op")
     ap.add_argument("--top", type=int, default=15, help="ops listed per row, by bytes moved")
+    ap.add_argument("--quantizers-by-shape", action="store_true",
+                    help="an 8-bit quantizer's launches counted apart per input shape and dtype")
     ap.add_argument("--decode", action="store_true",
                     help="count one rollout decode step instead (--batch sequences, --seq cache width)")
     args = ap.parse_args()
     make, label, batch, adv, mode = tsm.counted_setup(args, fake=True)
     traffic = Traffic()
+    traffic.by_shape = args.quantizers_by_shape
     out = {"model": label, "batch": args.batch, "seq": args.seq, "micro_batch": args.micro_batch or args.batch,
            "rows": {}}
     with mode, tsm._hopper_scaled_mm():
