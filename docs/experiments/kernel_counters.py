@@ -34,7 +34,7 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -74,7 +74,6 @@ class Case:
     group: str  # "train", "decode", "invariant", "baseline"
     build: object  # build(shapes, device) -> (run, bytes it must move at least)
     cuda_only: str | None = None  # why it cannot run in Triton's interpreter
-    min_bytes: int = field(default=0)
 
 
 def _randn(*shape, device, dtype=torch.bfloat16, scale=1.0):
@@ -388,13 +387,19 @@ def run_cases(shapes: Shapes, device: torch.device, only: str | None, manifest: 
     sync()
     if device.type == "cuda":
         torch.cuda.profiler.start()
+    failed = set()
     for i, c, run, _ in built:
         _case_marker[(i + 1,)](marker)
-        run()
-        sync()
+        try:
+            run()
+            sync()
+        except Exception as e:  # noqa: BLE001 - ran in the warm-up, not here: said, and the others still run
+            failed.add(i)
+            skipped.append({"index": i, "case": c.name, "skipped": f"profiled run: {type(e).__name__}: {e}"})
     if device.type == "cuda":
         torch.cuda.profiler.stop()
-    rows = [{"index": i, "case": c.name, "group": c.group, "min_bytes": moved} for i, c, _, moved in built]
+    rows = [{"index": i, "case": c.name, "group": c.group, "min_bytes": moved} for i, c, _, moved in built
+            if i not in failed]
     out = {"shapes": shapes.__dict__, "device": str(device), "cases": rows, "skipped": skipped,
            "torch": torch.__version__, "triton": triton.__version__}
     if manifest:
@@ -421,6 +426,9 @@ COLUMNS = {  # what the table shows: (heading, metric)
     "smem_ld_conflicts": "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
     "smem_st_conflicts": "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
     "issued": "smsp__inst_executed.sum",
+    "l2_hit": "lts__t_sector_hit_rate.pct",
+    "ld_use": "smsp__sass_average_data_bytes_per_sector_mem_global_op_ld.pct",  # of each 32-byte sector fetched
+    "st_use": "smsp__sass_average_data_bytes_per_sector_mem_global_op_st.pct",
 }
 
 
@@ -493,7 +501,8 @@ def table(entries: list[dict]) -> str:
             rate = dram / e["time"] if e["time"] else None  # bytes per ns: GB/s
             lines.append(f"  {e['kernel']:<40} grid {e['grid']:<14} {f(us, '8.1f')} us  DRAM {dram / 1e6:8.1f} MB "
                          f"{f(rate, '6.0f')} GB/s {f(e['dram_pct'], '5.1f')}%  SM {f(e['sm_pct'], '5.1f')}%  "
-                         f"occ {f(e['occupancy'], '5.1f')}%  "
+                         f"occ {f(e['occupancy'], '5.1f')}%  L2 hit {f(e['l2_hit'], '.0f')}%  "
+                         f"sector use ld/st {f(e['ld_use'], '.0f')}/{f(e['st_use'], '.0f')}%  "
                          f"regs {f(e['registers'], '.0f')}  smem conflicts ld/st {f(e['smem_ld_conflicts'], '.0f')}/"
                          f"{f(e['smem_st_conflicts'], '.0f')}  stalls (cycles/issue): {stalls or '?'}")
     return "\n".join(lines)
