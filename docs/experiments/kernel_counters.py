@@ -243,15 +243,16 @@ def _scaled_mm(which: str, wide: bool = False):
     return build
 
 
-def _int8_mm(which: str, wide: bool = True):
+def _int8_mm(which: str, wide: bool = True, tiles: int = 0, split: int = 1):
+    """``int8_mm`` on ``MID_TILES["int8"][tiles]`` (wide) or the decode tiles, at ``split``."""
     def build(s, dev):
         from jetrl_cli.kernels import int8
 
         fp8 = _fp8()
         m, n, k = _shape(s, which, s.wide if wide else s.decode)
         _, _, a, b = _gemm_operands(m, n, k, dev, "int8")
-        tiles = fp8.MID_TILES["int8"][0] if wide else fp8.decode_tiles(m, n)
-        return (lambda: int8.int8_mm(a, b, torch.bfloat16, split=1, tiles=tiles, swap=False)), \
+        t = fp8.MID_TILES["int8"][tiles] if wide else fp8.decode_tiles(m, n)
+        return (lambda: int8.int8_mm(a, b, torch.bfloat16, split=split, tiles=t, swap=False)), \
             _nbytes(a, b) + m * n * 2
     return build
 
@@ -357,6 +358,10 @@ CASES = [
     Case("FP8 _scaled_mm blockwise, wide decode gate/up", "decode", _scaled_mm("gate/up", wide=True), cuda_only=_CUDA),
     Case("INT8 Triton, wide decode gate/up, default mid tiles", "decode", _int8_mm("gate/up")),
     Case("INT8 torch._int_mm, wide decode gate/up", "decode", _int_mm("gate/up"), cuda_only=_CUDA),
+    # a 1.5B model's down_proj at 256 rows on the default 128 x 128 INT8 tiles: 24 programs, each over 70 K blocks
+    Case("INT8 Triton, wide decode down, default mid tiles", "decode", _int8_mm("down")),
+    Case("INT8 Triton, wide decode down, 64 x 64 tiles, 4 splits", "decode", _int8_mm("down", tiles=2, split=4)),
+    Case("INT8 torch._int_mm, wide decode down", "decode", _int_mm("down"), cuda_only=_CUDA),
     Case("attention, decode (fast path)", "decode", _attention(False)),
     Case("attention, decode, FP8 cache read as stored, writing o_proj's FP8 input", "decode", _attention_fp8_cache),
     Case("keyed Gumbel-max sampling, wide decode (rows x vocab)", "decode", _sampling),
