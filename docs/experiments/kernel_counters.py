@@ -97,15 +97,8 @@ def _specs():
 
 
 def _nbytes(*ts) -> int:
-    out = 0
-    for t in ts:
-        if t is None:
-            continue
-        if hasattr(t, "scale"):
-            out += t.data.numel() * t.data.element_size() + t.scale.numel() * t.scale.element_size()
-        else:
-            out += t.numel() * t.element_size()
-    return out
+    """Bytes of tensors and QTensors (data and scales); None counts nothing."""
+    return sum(t.nbytes() if hasattr(t, "scale") else t.numel() * t.element_size() for t in ts if t is not None)
 
 
 def _forced(ctx_fn, fn):
