@@ -427,7 +427,6 @@ COLUMNS = {  # what the table shows: (heading, metric)
     "registers": "launch__registers_per_thread",
     "smem_ld_conflicts": "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
     "smem_st_conflicts": "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
-    "issued": "smsp__inst_executed.sum",
     "l2_hit": "lts__t_sector_hit_rate.pct",
     "ld_use": "smsp__sass_average_data_bytes_per_sector_mem_global_op_ld.pct",  # of each 32-byte sector fetched
     "st_use": "smsp__sass_average_data_bytes_per_sector_mem_global_op_st.pct",
