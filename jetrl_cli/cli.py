@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import functools
 import json
+import math
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -111,17 +113,20 @@ def flow_cmd(
     as_json: Annotated[bool, typer.Option("--json", metavar="", help="Print the flow as JSON.")] = False,
 ):
     """Check a preset's precision flow and show which format every GEMM, the KV cache and the sync use."""
-    from .precision.flow import NAMED_FLOWS, named_flow
-    from .presets_io import load_preset, resolve_preset_path
+    from .precision.flow import NAMED_FLOWS
+    from .presets_io import apply_overrides, load_preset, resolve_preset_path
 
     try:
         resolve_preset_path(preset)
+    except JetrlError as e:
+        if preset not in NAMED_FLOWS:
+            raise JetrlError(f"{e}; flows by name: {', '.join(NAMED_FLOWS)}") from None
+        from .config import build_job_config  # a flow by name: the preset {precision: {base: NAME}}
+
+        flow = build_job_config(apply_overrides({"precision": {"base": preset}}, override or [], preset), preset,
+                                preset).flow
+    else:
         flow = load_preset(preset, override or []).flow
-    except JetrlError:
-        if preset in NAMED_FLOWS and not override:
-            flow = named_flow(preset)
-        else:
-            raise
     if as_json:
         print(json.dumps({"name": flow.name, "on_policy": flow.is_on_policy, "short": flow.short_str(),
                           **flow.to_dict()}, indent=2))
@@ -201,6 +206,18 @@ SetOpt = Annotated[
 ]
 
 
+def _check_output(path: Path, flag: str, kind: str) -> None:
+    """Before any work: ``path`` (``kind``: "file" or "directory") can be written, as far as its type and
+    its parents' go -- an existing one of the other kind, or a parent that is a file, is refused."""
+    if kind == "file" and path.is_dir():
+        raise JetrlError(f"{flag} {path}: is a directory; {flag} takes the file to write")
+    if kind == "directory" and path.exists() and not path.is_dir():
+        raise JetrlError(f"{flag} {path}: is a file; {flag} takes the directory to write into")
+    parent = next((q for q in path.parents if q.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise JetrlError(f"{flag} {path}: {parent} is a file, not a directory")
+
+
 def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
     import os
 
@@ -213,6 +230,8 @@ def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
         os.replace(tmp, path)
+    except OSError as e:  # the user's path, not the temporary file's
+        raise JetrlError(f"{path}: cannot write ({e.strerror or e})") from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -243,6 +262,7 @@ def rollout_cmd(
         raise JetrlError(f"--seed must be >= 0, got {seed}")
     cfg = load_job_config(preset, _overrides(override))
     out = output or cfg.out_dir.with_name(f"{cfg.out_dir.name}-rollout.jsonl")
+    _check_output(out, "-o", "file")
     if out.exists() and not force:
         raise JetrlError(f"{out}: exists (a run's samples, or an earlier rollout); --force replaces it, -o writes "
                          "another file")
@@ -273,27 +293,73 @@ def rollout_cmd(
     print_summary(console, f"rollout {cfg.name}", summary)
 
 
-def _read_rollouts(path: Path, vocab: int) -> list[dict]:
+def _ids(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _read_rollouts(path: Path, vocab: int, max_len: int | None = None, n: int | None = None,
+                   step: int | None = None) -> list[dict]:
+    """A rollout file's rows (``step``: only that step's), each checked field by field (no longer than
+    ``max_len`` tokens, in groups of ``n``, where given). A
+    run's file holds every step's groups under the same group numbers: the rows' groups are renumbered by
+    (step, group)."""
     from .tasks import read_jsonl
 
-    rows = []
+    rows, groups = [], {}
     need = ("prompt_ids", "tokens", "logprobs", "reward", "group")
+    steps = set()
     for i, r in read_jsonl(path, "rollout file"):
         if not isinstance(r, dict):
             raise JetrlError(f"{path}:{i}: expected a JSON object per line")
         miss = [k for k in need if k not in r]
         if miss:
             raise JetrlError(f"{path}:{i}: missing field {miss[0]!r} (written by jetrl rollout?)")
-        if len(r["tokens"]) != len(r["logprobs"]) or not r["tokens"]:
-            raise JetrlError(f"{path}:{i}: tokens and logprobs must be non-empty and of equal length")
-        bad = [t for t in r["prompt_ids"] + r["tokens"] if not isinstance(t, int) or not 0 <= t < vocab]
+        for key in ("prompt_ids", "tokens"):
+            if not _ids(r[key]):
+                raise JetrlError(f"{path}:{i}: {key} must be a non-empty list of token ids (integers)")
+        lp = r["logprobs"]
+        if not isinstance(lp, list) or len(lp) != len(r["tokens"]):
+            raise JetrlError(f"{path}:{i}: logprobs must be a list with one number per token ({len(r['tokens'])})")
+        bad = next((x for x in lp if not _number(x) or x > 0), None)
+        if bad is not None:
+            raise JetrlError(f"{path}:{i}: logprobs holds {bad!r}; a token's log-probability is a finite number <= 0")
+        if not _number(r["reward"]):
+            raise JetrlError(f"{path}:{i}: reward is {r['reward']!r}; it must be a finite number")
+        for key in ("group", "step"):
+            if key in r and not (isinstance(r[key], int) and not isinstance(r[key], bool) and r[key] >= 0):
+                raise JetrlError(f"{path}:{i}: {key} is {r[key]!r}; it must be an integer >= 0")
+        bad = [t for t in r["prompt_ids"] + r["tokens"] if not 0 <= t < vocab]
         if bad:
             raise JetrlError(f"{path}:{i}: token id {bad[0]} is out of range for this model (vocab {vocab}); "
                              "was the file written with another model?")
-        rows.append(r)
+        if max_len is not None and len(r["prompt_ids"]) + len(r["tokens"]) > max_len:
+            raise JetrlError(f"{path}:{i}: prompt and completion are {len(r['prompt_ids']) + len(r['tokens'])} "
+                             f"tokens, longer than rollout.max_len ({max_len}); set rollout.max_len to the file's")
+        steps.add(r.get("step", 0))
+        if step is not None and r.get("step", 0) != step:
+            continue
+        key = (r.get("step", 0), r["group"])
+        rows.append({**r, "group": groups.setdefault(key, len(groups))})
+    if not rows and step is not None:
+        raise JetrlError(f"{path}: no samples of step {step} (steps in the file: "
+                         f"{', '.join(map(str, sorted(steps)))})")
     if not rows:
         raise JetrlError(f"{path}: empty rollout file")
+    sizes = collections.Counter(r["group"] for r in rows)
+    odd = next((key for key, g in groups.items() if n is not None and sizes[g] != n), None)
+    if odd is not None:
+        raise JetrlError(f"{path}: step {odd[0]}'s group {odd[1]} has {sizes[groups[odd]]} samples, rollout.n is {n} "
+                         "(set rollout.n to the n the file was sampled with)")
     return rows
+
+
+def _run_directory(out: Path) -> bool:
+    """Whether ``out`` holds a run of ``jetrl run`` (its metrics or its preset)."""
+    return (out / "metrics.jsonl").exists() or (out / "preset.yaml").exists()
 
 
 @app.command("train")
@@ -303,11 +369,14 @@ def train_cmd(
     rollouts: Annotated[Path, typer.Option("--rollouts", help="JSONL written by jetrl rollout / jetrl run.")],
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Directory for the checkpoint (default OUT_DIR-train, beside the run's).")] = None,
     updates: Annotated[int, typer.Option("--updates", help="Policy updates to make on these rollouts.")] = 1,
+    step: Annotated[Optional[int], typer.Option("--step", help="Only the samples of this step of a run's rollouts.jsonl (default: all, each step's groups apart).")] = None,
     override: SetOpt = None,
     as_json: Annotated[bool, typer.Option("--json", metavar="", help="Print the metrics as JSON.")] = False,
     force: Annotated[bool, typer.Option("--force", metavar="", help="Replace the checkpoints of an earlier train in the output directory.")] = False,
 ):
     """Update the policy from saved rollouts (training precision, the preset's correction); save a checkpoint."""
+    import shutil
+
     from .config import load_job_config
     from .rl.checkpoint import save_checkpoint
     from .rl.loop import setup, train_on_samples
@@ -316,29 +385,41 @@ def train_cmd(
         raise JetrlError(f"--updates must be > 0, got {updates}")
     cfg = load_job_config(preset, _overrides(override))
     out = output or cfg.out_dir.with_name(f"{cfg.out_dir.name}-train")
+    if _run_directory(out):  # --force too: a train's checkpoint among a run's would be resumed as the run's
+        raise JetrlError(f"{out}: holds a run of jetrl run (metrics.jsonl); jetrl train writes its checkpoint "
+                         "elsewhere (default OUT_DIR-train): -o names another directory")
+    if out.exists() and not out.is_dir():
+        raise JetrlError(f"{out}: is a file; -o names the directory for the checkpoint")
     if (out / "checkpoints").exists() and not force:
         raise JetrlError(f"{out}: holds checkpoints of an earlier train; --force replaces them, -o writes elsewhere")
+    if out.is_dir() and not (out / "checkpoints").exists() and any(out.iterdir()):
+        raise JetrlError(f"{out}: a directory with other files in it (not a train's output); -o names a new or "
+                         "empty directory")
     if rollouts.is_dir():
         raise JetrlError(f"--rollouts {rollouts}: is a directory; give the JSONL file (a run's rollouts.jsonl)")
     job = setup(cfg, with_trainer=True)
-    rows = _read_rollouts(rollouts, job.trainer.model.config.vocab_size)
-    sizes = collections.Counter(r["group"] for r in rows)
-    odd = next((g for g, k in sizes.items() if k != cfg.rollout.n), None)
-    if odd is not None:
-        raise JetrlError(f"{rollouts}: group {odd} has {sizes[odd]} samples, rollout.n is {cfg.rollout.n} (set "
-                         "rollout.n to the n the file was sampled with)")
+    rows = _read_rollouts(rollouts, job.trainer.model.config.vocab_size, cfg.rollout.max_len, cfg.rollout.n, step)
     metrics = []
     for k in range(1, updates + 1):
         with err_console.status(f"update {k}/{updates}", spinner="dots"):
             m = {"update": k, **train_on_samples(job, rows, k)}
         metrics.append(m)
-    if force and (out / "checkpoints").exists():
-        import shutil
-
-        shutil.rmtree(out / "checkpoints")
+    aside = None
+    if force and (out / "checkpoints").exists():  # kept until the new checkpoint is written
+        aside = out / f".checkpoints.replaced-{os.getpid()}"
+        (out / "checkpoints").rename(aside)
         (out / "latest").unlink(missing_ok=True)
-    ck = save_checkpoint(out, updates, job.trainer.model, job.trainer.opt, job.model_dir,
-                         {"preset": cfg.name, "invariant_scale": cfg.train.invariant_scale}, cfg.run.keep_checkpoints)
+    try:
+        ck = save_checkpoint(out, updates, job.trainer.model, job.trainer.opt, job.model_dir,
+                             {"preset": cfg.name, "invariant_scale": cfg.train.invariant_scale},
+                             cfg.run.keep_checkpoints)
+    except BaseException:
+        if aside is not None:
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
+            aside.rename(out / "checkpoints")
+        raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
     if as_json:
         print(json.dumps({"checkpoint": str(ck), "updates": metrics}, indent=2))
         return
@@ -399,6 +480,11 @@ def mismatch_report_cmd(
         raise JetrlError("--rollouts reports on saved samples with the preset's flow; drop --flows / --lengths")
     if step is not None and rollouts is None:
         raise JetrlError("--step selects samples of a --rollouts file; give --rollouts too")
+    if out is not None:
+        _check_output(out, "--out", "directory")
+    if rollouts is not None and "greedy_diverged_frac" in gates:
+        raise JetrlError("--fail-above greedy_diverged_frac: greedy decoding is not measured on saved samples "
+                         "(--rollouts); gate it on a report that samples")
     cfg = load_job_config(preset, _overrides(override))
     model_dir = resolve_model_dir(cfg.model.path)
     if model is not None and not model.is_dir():
@@ -440,11 +526,7 @@ def mismatch_report_cmd(
 
     with bar:
         if rollouts is not None:
-            rows = _read_rollouts(rollouts, vocab)
-            if step is not None:
-                rows = [r for r in rows if r.get("step") == step]
-                if not rows:
-                    raise JetrlError(f"{rollouts}: no samples with step {step}")
+            rows = _read_rollouts(rollouts, vocab, step=step)
             inp = mm.ReportInputs(base, functools.partial(tok.decode, skip_special=False), [r["prompt_ids"] for r in rows], sampling, cfg.train,
                                   correction_config(cfg), cfg.rollout.max_batch, seed,
                                   attribution_layers=attribution_layers, on_pass=on_pass)
@@ -457,9 +539,15 @@ def mismatch_report_cmd(
             names = flows.split(",") if flows is not None else ["preset", *mm.DEFAULT_FLOWS]
             chosen = mm.resolve_flows(names, cfg.flow, cfg.name)
             lens = lens or [cfg.rollout.max_new_tokens]
-            source = PromptSource(build_task(cfg.task, cfg.run.seed), cfg.run.seed)
+            source = PromptSource(build_task(cfg.task, cfg.run.seed, source=cfg.source), cfg.run.seed)
             n = prompts or cfg.rollout.prompts_per_step
-            inp = mm.ReportInputs(base, functools.partial(tok.decode, skip_special=False), [tok.encode(p.prompt) for p in source.batch(0, n)], sampling,
+            prompt_ids = [tok.encode(p.prompt) for p in source.batch(0, n)]
+            longest = max(map(len, prompt_ids))
+            if longest + max(lens) > limit:
+                raise JetrlError(f"--lengths {max(lens)}: after prompts of up to {longest} tokens, "
+                                 f"{longest + max(lens)} positions; the model takes at most {limit} "
+                                 f"(max_position_embeddings in {model or model_dir}/config.json)")
+            inp = mm.ReportInputs(base, functools.partial(tok.decode, skip_special=False), prompt_ids, sampling,
                                   cfg.train, correction_config(cfg), cfg.rollout.max_batch, seed,
                                   attribution_layers=attribution_layers, on_pass=on_pass)
             if cfg.rollout.backend != "embedded":
@@ -485,6 +573,9 @@ def mismatch_report_cmd(
         mm.render(report, console)
         for p in written:
             console.print(f"wrote {p}", markup=False, highlight=False)
+    if written and not any(p.suffix == ".png" for p in written):
+        err_console.print("no plots: they need matplotlib (pip install 'jetrl[plot]')", markup=False,
+                          highlight=False)
     if failures:
         raise GateFailed("--fail-above: " + "; ".join(failures))
 
@@ -509,6 +600,7 @@ def run_cmd(
         raise JetrlError("--force and --resume contradict each other")
     cfg = load_job_config(preset, _overrides(override))
     out = output or cfg.out_dir
+    _check_output(out, "-o", "directory")
     if nproc is not None:
         if nproc <= 0:
             raise JetrlError(f"--nproc must be > 0, got {nproc}")
@@ -582,6 +674,10 @@ def bench_cmd(
     if seq < 2:
         raise JetrlError(f"--seq must be >= 2 (prompt and completion halves), got {seq}")
     bench.check_device(device)
+    if out is not None:
+        _check_output(out, "--out", "file")
+    if not no_history:
+        _check_output(history, "--history", "file")
     if layers is not None and layers <= 0:
         raise JetrlError(f"--layers must be > 0, got {layers}")
     s = bench.Settings(device=device, repeats=repeats, warmup=warmup, model=model, layers=layers, batch=batch,

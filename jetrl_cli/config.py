@@ -8,6 +8,7 @@ one-line ``PresetError`` naming the file and the dotted key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import string
 import types
 import typing
@@ -217,10 +218,27 @@ def _check_type(src: str, key: str, value, tp):
             raise PresetError(src, key, f"expected a number, got {value!r}")
         return float(value)
     if tp is str:
+        if isinstance(value, (dict, list)):
+            kind = "a mapping" if isinstance(value, dict) else "a list"
+            raise PresetError(src, key, f"expected a string, got {kind} {value!r} (YAML reads {{...}} as a mapping "
+                              "and [...] as a list: put the value in quotes)")
         if not isinstance(value, str):
             raise PresetError(src, key, f"expected a string, got {value!r}")
         return value
     raise TypeError(tp)
+
+
+def _check_finite(src: str, key: str, value, where: tuple[str, str]) -> None:
+    """NaN and infinity pass every ``<``/``>`` range check (NaN compares false with everything), so a float
+    field is checked for them first (no preset key takes inf to mean "off" or "unbounded")."""
+    if isinstance(value, list):
+        for i, x in enumerate(value):
+            _check_finite(src, f"{key}[{i}]", x, where)
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        positive = where in POSITIVE or where == ("rollout", "temperature")  # 0 is refused in build_job_config
+        bound = " > 0" if positive else " >= 0" if where in NON_NEGATIVE else ""
+        raise PresetError(src, key, f"must be a finite number{bound}, got {value}")
 
 
 def _section(src: str, name: str, cls, data) -> object:
@@ -236,6 +254,7 @@ def _section(src: str, name: str, cls, data) -> object:
             raise PresetError(src, f"{name}.{k}", f"unknown key (allowed: {', '.join(sorted(fields))})")
         key = f"{name}.{k}"
         v = _check_type(src, key, v, hints[k])
+        _check_finite(src, key, v, (name, k))
         if (name, k) in CHOICES and v is not None and v not in CHOICES[(name, k)]:
             raise PresetError(src, key, f"{v!r} is not allowed (allowed: {', '.join(CHOICES[(name, k)])})")
         if (name, k) in POSITIVE and v is not None and not v > 0:
@@ -285,12 +304,26 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
     if not fields:
         raise PresetError(source, "task.prompt_template", f"{tk.prompt_template!r} uses no field of the row "
                           "(every prompt would be the same); write e.g. \"Q: {prompt}\"")
+    if tk.name == "jsonl":
+        from .tasks import check_prompt_template
+
+        if not tk.file:
+            raise PresetError(source, "task.file", "required for task.name: jsonl (the training data: one JSON "
+                              "object per line)")
+        try:
+            check_prompt_template(tk.prompt_template, tk.answer_key)
+        except ValueError as e:
+            raise PresetError(source, "task.prompt_template", str(e)) from None
     if tk.overlong_buffer > r.max_new_tokens:
         raise PresetError(source, "task.overlong_buffer", f"must be at most rollout.max_new_tokens ({r.max_new_tokens}), "
                           f"got {tk.overlong_buffer}")
     if ev.n > 1 and r.temperature == 0:
         raise PresetError(source, "eval.n", f"{ev.n} samples per prompt need rollout.temperature > 0 (it is 0: "
                           "every sample would be the greedy one)")
+    if r.temperature == 0:
+        raise PresetError(source, "rollout.temperature", "must be > 0, got 0: greedy rollouts make every sample of "
+                          "a GRPO group the same, so every advantage is 0 and nothing is learned (use e.g. 1.0; "
+                          "evaluation is greedy already with eval.n: 1)")
     if ev.max_new_tokens is not None and ev.max_new_tokens <= 0:
         raise PresetError(source, "eval.max_new_tokens", f"must be > 0, got {ev.max_new_tokens}")
     if not 0 <= t.min_lr_ratio <= 1:

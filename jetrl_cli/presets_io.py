@@ -8,6 +8,9 @@ named without a path: ``fp8-unified`` finds ``presets/fp8-unified.yaml``.
 
 from __future__ import annotations
 
+import json
+import shlex
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +50,7 @@ def load_yaml(path: str | Path) -> dict:
     except UnicodeDecodeError as e:
         raise PresetError(str(path), "", f"not a UTF-8 text file (byte {e.start}: {e.object[e.start]:#04x})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_strict_loader(str(path)))
     except yaml.YAMLError as e:
         line = yaml_error_line(text, e)
         where = f"line {line}" if line else ""
@@ -59,6 +62,46 @@ def load_yaml(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise PresetError(str(path), "", f"expected a mapping at the top level, got {type(data).__name__}")
     return data
+
+
+def _strict_loader(source: str):
+    """PyYAML's SafeLoader, except that a key given twice in one mapping (at any depth) is a
+    ``PresetError`` naming the dotted key and both lines: YAML itself keeps the last silently, so a
+    second ``train:`` section would drop the whole first one."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_document(self, node):
+            _refuse_duplicate_keys(source, node, "", set())
+            return super().construct_document(node)
+
+    return StrictLoader
+
+
+def _refuse_duplicate_keys(source: str, node, path: str, seen: set) -> None:
+    import yaml
+
+    if id(node) in seen:  # an alias of a node already walked
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(source, item, f"{path}[{i}]", seen)
+    elif isinstance(node, yaml.MappingNode):
+        first: dict = {}
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                dotted = f"{path}.{key_node.value}" if path else str(key_node.value)
+                line = key_node.start_mark.line + 1
+                ident = (key_node.tag, key_node.value)
+                if ident in first:
+                    lines = f"on line {line}" if line == first[ident] else f"on lines {first[ident]} and {line}"
+                    raise PresetError(source, dotted, f"set twice, {lines} (YAML would silently keep only the "
+                                      "last; remove one)")
+                first[ident] = line
+                _refuse_duplicate_keys(source, value_node, dotted, seen)
+            else:
+                _refuse_duplicate_keys(source, value_node, path, seen)
 
 
 def yaml_error_line(text: str, e) -> int | None:
@@ -116,10 +159,26 @@ def apply_overrides(data: dict, overrides: list[str], source: str) -> dict:
             node[k] = child
             node = child
         try:
-            node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else raw
+            value = yaml.safe_load(raw) if raw.strip() else raw
         except yaml.YAMLError:
-            node[keys[-1]] = raw
+            value = raw
+        if value is not None and not isinstance(value, str) and _takes_a_string(keys):
+            kind = {dict: "a mapping", list: "a list"}.get(type(value), "")
+            quoted = shlex.quote(f"{dotted.strip()}={json.dumps(raw, ensure_ascii=False)}")
+            raise PresetError(source, dotted.strip(), f"expected a string, got {kind + ' ' if kind else ''}{value!r}: "
+                              f"--set reads the value as YAML; quote it: --set {quoted}")
+        node[keys[-1]] = value
     return data
+
+
+def _takes_a_string(keys: list[str]) -> bool:
+    """Whether ``section.key`` is a string-typed preset key (``task.prompt_template``, ``model.path``, ...)."""
+    from .config import SECTIONS
+
+    if len(keys) != 2 or keys[0] not in SECTIONS:
+        return False
+    tp = typing.get_type_hints(SECTIONS[keys[0]]).get(keys[1])
+    return tp is str or (str in typing.get_args(tp) and set(typing.get_args(tp)) <= {str, type(None)})
 
 
 @dataclass(frozen=True)

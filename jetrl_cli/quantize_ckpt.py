@@ -144,6 +144,15 @@ def checkpoint_tensors(name: str, t: torch.Tensor, fmt: str, skip: tuple[str, ..
     return [(name, q.data.contiguous()), (scale_name, scale)], q
 
 
+def _quantized_output(d: Path) -> bool:
+    """Whether directory ``d`` is an earlier output of ``jetrl quantize`` (what ``--force`` may replace)."""
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and isinstance(cfg.get("quantization_config"), dict)
+
+
 def quantize_checkpoint(
     src: str | Path,
     dst: str | Path,
@@ -171,6 +180,10 @@ def quantize_checkpoint(
         raise JetrlError(f"{dst}: exists and is not a directory; -o takes the directory to write")
     if dst.exists() and not force:
         raise JetrlError(f"{dst}: already exists (pass --force to replace it)")
+    if dst.exists() and any(dst.iterdir()) and not _quantized_output(dst):
+        what = "a run of jetrl run" if (dst / "metrics.jsonl").exists() else "files that jetrl quantize did not write"
+        raise JetrlError(f"{dst}: holds {what}; --force replaces only an earlier output of jetrl quantize "
+                         "(config.json with a quantization_config): -o names a new directory")
     here = Path.cwd().resolve()
     if dst.resolve() == here or dst.resolve() in here.parents:
         raise JetrlError(f"{dst}: is the current directory or holds it; name a new directory to write")

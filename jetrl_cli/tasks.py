@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import abc
 import importlib
+import inspect
 import json
+import math
 import random
 import re
+import string
 import zlib
 from dataclasses import dataclass
 from fractions import Fraction
@@ -134,11 +137,21 @@ def answers_match(predicted: str | None, reference: str) -> bool:
         return " ".join(predicted.split()) == " ".join(reference.split())
 
 
-def read_jsonl(path: Path, what: str):
-    """``(line number, object)`` for each non-blank line; a one-line error for a bad file or line."""
+def read_jsonl(path: Path, what: str, key: str | None = None):
+    """``(line number, object)`` for each non-blank line; a one-line error for a bad file or line
+    (``key``: the preset key that named the file, e.g. ``task.file``, put in front of it)."""
+    where = f"{key}: {path}" if key else str(path)
     if not path.exists():
-        raise JetrlError(f"{path}: no such {what}")
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+        raise JetrlError(f"{where}: no such {what}")
+    if path.is_dir():
+        raise JetrlError(f"{where}: is a directory, not a {what} (one JSON object per line)")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise JetrlError(f"{where}: not a UTF-8 text file (byte {e.start}: {e.object[e.start]:#04x})") from None
+    except OSError as e:
+        raise JetrlError(f"{where}: cannot read: {e.strerror or e}") from None
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -238,6 +251,43 @@ class Mix(_Synthetic):
         return rng.choice(self.tasks).make(rng)
 
 
+def _shown(value, width: int = 60) -> str:
+    """A value as its JSON spelling (``null``, ``[4]``, ``true``), cut to ``width`` characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def check_prompt_template(template: str, answer_key: str = "answer") -> list[str]:
+    """The row fields ``task.prompt_template`` reads; ValueError (the reason, one line) for a template
+    that is not a format string, has a positional field (``{}``), reads an attribute or item of a field
+    (``{prompt.upper}``, ``{meta[0]}``) or reads the answer (``{answer}``: the prompt would give it away)."""
+    fields = []
+    try:
+        parsed = list(string.Formatter().parse(template))
+        for _, f, spec, _ in parsed:  # a format spec may hold fields too: {prompt:>{width}}
+            if f is not None:
+                fields.append(f)
+                fields += [g for _, g, _, _ in string.Formatter().parse(spec or "") if g is not None]
+    except ValueError as e:
+        raise ValueError(f"{template!r} is not a format string ({e})") from None
+    for f in fields:
+        if f == "" or f.isdigit():
+            raise ValueError(f"{{{f}}} is a positional field; name a field of the row, e.g. {{prompt}}")
+        if "." in f or "[" in f:
+            raise ValueError(f"{{{f}}} reads an attribute or item of a field; only plain fields of the row are "
+                             "allowed, e.g. {prompt}")
+        if f == answer_key and f != "prompt":
+            raise ValueError(f"{{{f}}} is the answer (task.answer_key): the prompt would give it away")
+    return fields
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 class JsonlTask(Task):
     """Prompt/answer pairs from JSONL. GSM8K-style answers (``... #### 72``) are reduced to the part
     after ``####``; completions are read by ``task.answer_format`` (default ``auto``: ``\\boxed{}``,
@@ -247,10 +297,15 @@ class JsonlTask(Task):
     answer_format = "auto"
 
     def __init__(self, file: str, eval_file: str | None, eval_fraction: float, prompt_key: str,
-                 answer_key: str, template: str, seed: int):
-        rows = self._read(file, prompt_key, answer_key, template)
+                 answer_key: str, template: str, seed: int, source: str | None = None):
+        try:
+            check_prompt_template(template, answer_key)
+        except ValueError as e:
+            raise JetrlError(f"{source + ': ' if source else ''}task.prompt_template: {e}") from None
+        rows = self._read(file, prompt_key, answer_key, template, "task.file", source)
         if eval_file:
-            self.split = {"train": rows, "eval": self._read(eval_file, prompt_key, answer_key, template)}
+            self.split = {"train": rows,
+                          "eval": self._read(eval_file, prompt_key, answer_key, template, "task.eval_file", source)}
         else:
             order = list(range(len(rows)))
             random.Random(seed).shuffle(order)
@@ -261,21 +316,40 @@ class JsonlTask(Task):
                 raise JetrlError(f"{file}: no {s} problems after the split (add rows or set task.eval_file)")
 
     @staticmethod
-    def _read(file: str, pk: str, ak: str, template: str) -> list[Problem]:
+    def _read(file: str, pk: str, ak: str, template: str, key: str = "task.file",
+              source: str | None = None) -> list[Problem]:
+        fields = check_prompt_template(template, ak)
         rows = []
-        for i, d in read_jsonl(Path(file), "dataset file"):
-            if not isinstance(d, dict) or pk not in d:
+        for i, d in read_jsonl(Path(file), "dataset file", f"{source}: {key}" if source else key):
+            if not isinstance(d, dict):
+                raise JetrlError(f"{file}:{i}: expected a JSON object per line, got {_shown(d)}")
+            if pk not in d:
                 raise JetrlError(f"{file}:{i}: no {pk!r} field (set task.prompt_key)")
+            if not isinstance(d[pk], str):
+                raise JetrlError(f"{file}:{i}: {pk!r} must be a string, got {_shown(d[pk])} (task.prompt_key)")
             ans = d.get(ak)
-            if ans is None or str(ans).strip() == "":
+            if ans is None or (isinstance(ans, str) and ans.strip() == ""):
                 raise JetrlError(f"{file}:{i}: no answer in field {ak!r} (every row needs one; set task.answer_key)")
+            if not (isinstance(ans, str) or _is_number(ans)):
+                raise JetrlError(f"{file}:{i}: {ak!r} must be a string or a finite number, got {_shown(ans)} "
+                                 "(task.answer_key)")
             ans = str(ans)
             if "####" in ans:
                 ans = ans.rsplit("####", 1)[1].strip()
+            values = {k: v for k, v in d.items() if k != "prompt"}
+            values["prompt"] = d[pk]
+            for f in fields:
+                if f not in values:
+                    raise JetrlError(f"task.prompt_template: field {{{f}}} is not in {file}:{i} (its fields: "
+                                     f"{', '.join(map(repr, d))})")
+                if not (isinstance(values[f], str) or _is_number(values[f])):
+                    raise JetrlError(f"task.prompt_template: field {{{f}}} of {file}:{i} must be a string or a "
+                                     f"number, got {_shown(values[f])}")
             try:
-                prompt = template.format(prompt=d[pk], **{k: v for k, v in d.items() if k != "prompt"})
-            except (KeyError, IndexError) as e:
-                raise JetrlError(f"task.prompt_template: unknown field {e} for {file}:{i}") from None
+                prompt = template.format(**values)
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+                raise JetrlError(f"task.prompt_template: {template!r} cannot format {file}:{i}: "
+                                 f"{type(e).__name__}: {e}") from None
             rows.append(Problem(prompt, ans))
         if not rows:
             raise JetrlError(f"{file}: empty dataset")
@@ -297,34 +371,82 @@ class JsonlTask(Task):
         return out
 
 
-class UserReward(Task):
-    """Wraps a task with a user reward ``fn(prompt, completion, answer) -> float`` from ``module:fn``."""
+def _short(text: str, width: int = 40) -> str:
+    """``text`` as a one-line Python literal, cut to about ``width`` characters."""
+    return repr(text if len(text) <= width else text[:width - 3] + "...")
 
-    def __init__(self, inner: Task, fn: Callable):
+
+class UserReward(Task):
+    """Wraps a task with a user reward ``fn(prompt, completion, answer) -> float`` from ``module:fn``.
+
+    Whatever the function does wrong (raises, returns None, text, NaN or infinity) is a one-line error
+    naming ``task.reward``, the function and the prompt it was scoring: never a traceback, never a NaN loss."""
+
+    def __init__(self, inner: Task, fn: Callable, spec: str | None = None):
         self.inner, self.fn, self.name = inner, fn, inner.name
+        self.spec = spec or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
         self.answer_format = inner.answer_format
 
     def problems(self, rng, n, split):
         return self.inner.problems(rng, n, split)
 
     def reward(self, problem, completion):
-        return float(self.fn(problem.prompt, completion, problem.answer))
+        where = f"task.reward {self.spec}"
+        try:
+            value = self.fn(problem.prompt, completion, problem.answer)
+        except Exception as e:  # the user's code: any error it raises is theirs to fix, in one line
+            msg = (str(e).strip().splitlines() or [""])[0]
+            msg = msg if len(msg) <= 200 else msg[:197] + "..."
+            raise JetrlError(f"{where} raised {type(e).__name__}{': ' + msg if msg else ''} for prompt "
+                             f"{_short(problem.prompt)}") from None
+        number = None
+        if not isinstance(value, (str, bytes)) and value is not None:
+            try:
+                number = float(value)
+            except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of more than one element
+                pass
+        if number is None or not math.isfinite(number):
+            shown = repr(value)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise JetrlError(f"{where} returned {shown} for prompt {_short(problem.prompt)} "
+                             "(must return a finite float)")
+        return number
 
     def correct(self, problem, completion):
         return self.inner.correct(problem, completion)
 
 
 def load_reward_fn(spec: str) -> Callable:
+    """The function ``task.reward`` names (``package.module:function``), checked to take
+    ``(prompt, completion, answer)``."""
     if ":" not in spec:
         raise JetrlError(f"task.reward: {spec!r} must look like 'package.module:function'")
     mod_name, fn_name = spec.split(":", 1)
     try:
         mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise JetrlError(f"task.reward: cannot import {mod_name!r} ({e})") from None
+    except ModuleNotFoundError as e:
+        top = mod_name.split(".")[0]
+        hint = ""
+        if e.name == top and (Path(f"{top}.py").is_file() or Path(top).is_dir()):
+            found = f"{top}.py" if Path(f"{top}.py").is_file() else f"{top}/"
+            hint = (f"; {found} is in the current directory, which Python does not search: put it on "
+                    "PYTHONPATH, e.g. PYTHONPATH=. jetrl run ...")
+        raise JetrlError(f"task.reward: cannot import {mod_name!r} ({e}){hint}") from None
+    except Exception as e:  # the module itself fails: a syntax error, an import inside it, ...
+        msg = (str(e).strip().splitlines() or [""])[0]
+        raise JetrlError(f"task.reward: cannot import {mod_name!r}: {type(e).__name__}: {msg}") from None
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
         raise JetrlError(f"task.reward: {mod_name} has no function {fn_name!r}")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: checked when called
+        return fn
+    try:
+        sig.bind("prompt", "completion", "answer")
+    except TypeError:
+        raise JetrlError(f"task.reward {spec}: takes {sig}, but is called as {fn_name}(prompt, completion, answer) "
+                         "and must return a float") from None
     return fn
 
 
@@ -347,8 +469,9 @@ class PromptSource:
         return self.task.problems(random.Random(f"{self.seed}/eval"), n, "eval")
 
 
-def build_task(cfg, seed: int) -> Task:
-    """``cfg``: the preset's ``task`` section (``config.TaskConfig``)."""
+def build_task(cfg, seed: int, source: str | None = None) -> Task:
+    """``cfg``: the preset's ``task`` section (``config.TaskConfig``); ``source``: the preset file, named
+    in the errors about ``task.file``."""
     if cfg.name == "arith":
         task: Task = Arith(cfg.digits)
     elif cfg.name == "sort":
@@ -359,12 +482,12 @@ def build_task(cfg, seed: int) -> Task:
         task = Mix([Arith(cfg.digits), Sort(cfg.length), Count(cfg.length)])
     elif cfg.name == "jsonl":
         if not cfg.file:
-            raise JetrlError("task.file: required for task jsonl")
+            raise JetrlError(f"{source + ': ' if source else ''}task.file: required for task.name: jsonl")
         task = JsonlTask(cfg.file, cfg.eval_file, cfg.eval_fraction, cfg.prompt_key, cfg.answer_key,
-                         cfg.prompt_template, seed)
+                         cfg.prompt_template, seed, source)
     else:
         raise JetrlError(f"task.name: unknown task {cfg.name!r} (allowed: {', '.join(TASKS)})")
     task.answer_format = answer_format_of(cfg)
     if cfg.reward:
-        task = UserReward(task, load_reward_fn(cfg.reward))
+        task = UserReward(task, load_reward_fn(cfg.reward), cfg.reward)
     return task

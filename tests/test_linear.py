@@ -254,10 +254,18 @@ def test_backend_that_cannot_run_a_spec_is_a_clear_error():
         JetLinear(nn.Parameter(torch.randn(8, 128)), None,
                   LinearPrecision.forward_only(GemmSpec(CastSpec("fp8_e4m3", "row"), CastSpec("fp8_e4m3", "128x128"),
                                                         Format.BF16, "triton")))
-    with pytest.raises(JetrlError, match="backend te no Transformer Engine integration"):
+    with pytest.raises(JetrlError, match="backend te is not available: no Transformer Engine integration"):
         JetLinear(nn.Parameter(torch.randn(8, 128)), None,
                   LinearPrecision.forward_only(GemmSpec(CastSpec("fp8_e4m3", "1x128"), CastSpec("fp8_e4m3", "128x128"),
                                                         Format.BF16, "te")))
+    bf16 = CastSpec(Format.BF16)
+    for backend in ("triton", "scaled_mm", "emulated"):  # ignored before: torch's matmul runs a bf16 GEMM
+        with pytest.raises(JetrlError, match=f"backend {backend} runs 8-bit GEMMs only"):
+            JetLinear(nn.Parameter(torch.randn(8, 128)), None,
+                      LinearPrecision.forward_only(GemmSpec(bf16, bf16, Format.BF16, backend)))
+    with pytest.raises(JetrlError, match="backend te is not available"):
+        JetLinear(nn.Parameter(torch.randn(8, 128)), None, LinearPrecision.forward_only(GemmSpec(bf16, bf16,
+                                                                                                  Format.BF16, "te")))
 
 
 def test_blockwise_scaled_mm_is_refused_on_cpu_at_first_use():

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from jetrl_cli.cli import app
 from jetrl_cli.config import load_job_config
+from jetrl_cli.errors import JetrlError
 from jetrl_cli.precision.flow import parse_flow
 from jetrl_cli.rl import mismatch as mm
 from jetrl_cli.rl.algos import CorrectionConfig, mismatch_metrics
@@ -271,10 +272,34 @@ def test_bad_rollout_files_are_one_line_errors(tmp_path):
     assert res.exit_code == 2 and "token id 50000 is out of range" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     res = invoke("mismatch-report", "fp8-rollout", "--rollouts", good, "--step", 7)
-    assert res.exit_code == 2 and "no samples with step 7" in res.stderr
+    assert res.exit_code == 2 and "no samples of step 7" in res.stderr
     res = invoke("mismatch-report", "fp8-rollout", "--rollouts", good, "--no-attribution", "--json")
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["flows"][0]["summary"]["mismatch_kl"] > 0
+    res = invoke("mismatch-report", "fp8-rollout", "--rollouts", good, "--fail-above", "greedy_diverged_frac=0.5")
+    assert res.exit_code == 2 and "greedy decoding is not measured on saved samples" in res.stderr
+
+
+def test_a_gate_passes_only_on_a_measured_number_within_its_limit(tmp_path, monkeypatch):
+    """``--fail-above``: a NaN metric, or one the report did not measure, fails its gate (it used to pass),
+    and a limit that is not a finite number is refused."""
+    flows = [{"flow": "f", "summary": {"mismatch_kl": float("nan"), "chi2": 0.5, "prob_err": 1e-3}}]
+    assert mm.gate_failures(flows, {"mismatch_kl": 1e-6, "chi2": 1.0, "prob_err": 1e-4, "abs_dp_max": 1.0}) == [
+        "f: mismatch_kl is nan", "f: prob_err = 0.001 > 0.0001", "f: abs_dp_max was not measured"]
+    for limit in ("nan", "inf"):
+        with pytest.raises(JetrlError, match="the limit must be a finite number"):
+            mm.parse_gates([f"mismatch_kl={limit}"])
+
+    def no_matplotlib(report, out):
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(mm, "_plots", no_matplotlib)  # as without matplotlib: the report says so
+    good = _rollout_file(tmp_path)
+    res = invoke("mismatch-report", "fp8-rollout", "--rollouts", good, "--no-attribution", "--out", tmp_path / "rep",
+                 "--fail-above", "mismatch_kl=1e-12")
+    assert res.exit_code == 4, res.output
+    assert "no plots: they need matplotlib (pip install 'jetrl[plot]')" in res.stderr
+    assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == ["report.json", "report.md"]
 
 
 def test_decode_steps_are_compared_with_the_trainer_forward_stage_by_stage():

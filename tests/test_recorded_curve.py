@@ -13,9 +13,13 @@ one element. So the continuous values (loss, gradient norm, clip fraction, respo
 entropy) must agree within 1e-3 relative (1e-6 absolute, for values near 0): loose for rounding noise, tight for
 a real change -- a wrong scale, rounding mode, mask, advantage or learning rate moves them by far
 more, as does a single different sampled token. Rewards and accuracies count whole samples, and the
-unified flow's mismatch KL is exactly 0: they must match exactly. (The tolerance has not been tried
-on a second CPU type; if the test fails there by a hair while the numerics did not change,
-re-record on that machine and say so in the commit.)
+unified flow's mismatch KL is exactly 0: they must match exactly. That holds for step 1, whose
+forward passes are exact by construction on any CPU. From step 2 on the weights carry the first
+updates, whose backward GEMMs BLAS sums in an order of its own: recorded on an AVX-512 CPU and rerun on an
+AVX2-only one (2026-11-29), step 3's entropy moved by 2.5e-3 relative (the same samples, rewards and
+zero mismatch; an ulp in a weight flips an FP8 rounding in the next forward). So later steps get 1e-2:
+a real change to the numerics moves step 1 already, by far more than 1e-3. If the test fails on another
+CPU by a hair while the numerics did not change, say so in the commit and widen no further than needed.
 
 Re-record (after an intended change to the numerics), from the repository root:
 
@@ -42,6 +46,7 @@ OVERRIDES = ["train.steps=3", "rollout.prompts_per_step=4", "rollout.n=4", "eval
 CONTINUOUS = ("response_len", "loss", "grad_norm", "clip_frac", "entropy")
 EXACT = ("reward_mean", "accuracy", "mismatch_kl", "eval_accuracy")
 REL, ABS = 1e-3, 1e-6
+REL_LATER = 1e-2  # steps after the first (see the module's docstring)
 
 
 def command(out: Path) -> list[str]:
@@ -76,5 +81,6 @@ def test_fp8_unified_reproduces_its_recorded_curve(tmp_path, monkeypatch):
             if k in w:
                 assert g[k] == w[k], (g["step"], k, g[k], w[k])
         for k in CONTINUOUS:
-            assert g[k] == pytest.approx(w[k], rel=REL, abs=ABS), (g["step"], k, g[k], w[k])
+            rel = REL if g["step"] == 1 else REL_LATER
+            assert g[k] == pytest.approx(w[k], rel=rel, abs=ABS), (g["step"], k, g[k], w[k])
     assert all(m["mismatch_kl"] == 0.0 for m in got)  # the unified flow, whatever was recorded

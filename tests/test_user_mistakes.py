@@ -121,10 +121,10 @@ def test_paths_that_cannot_be_written_are_one_line(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")
     msg = one_line_error(invoke("run", "bf16", "-o", afile, *sets(TINY + ["train.steps=1"])))
-    assert msg.startswith(f"error: {afile}: ")
+    assert msg == f"error: -o {afile}: is a file; -o takes the directory to write into"
     assert afile.read_text() == "x"
     msg = one_line_error(invoke("run", "bf16", "-o", afile / "sub", *sets(TINY + ["train.steps=1"])))
-    assert msg.startswith(f"error: {afile / 'sub'}: ") and "Not a directory" in msg
+    assert msg == f"error: -o {afile / 'sub'}: {afile} is a file, not a directory"
 
 
 @pytest.mark.parametrize("key_value, message", [
@@ -192,12 +192,15 @@ def test_train_names_the_rollout_file_whose_groups_do_not_match_rollout_n(tmp_pa
     samples = tmp_path / "s.jsonl"
     assert invoke("rollout", "bf16", "-o", samples, "--prompts", 1, *sets(TINY)).exit_code == 0
     msg = one_line_error(invoke("train", "bf16", "--rollouts", samples, "-o", tmp_path / "t", *sets(TINY[:1])))
-    assert f"{samples}: group 0 has 2 samples, rollout.n is 8 (set rollout.n to the n the file was sampled with)" in msg
+    assert f"{samples}: step 0's group 0 has 2 samples, rollout.n is 8 (set rollout.n to the n the file was sampled with)" in msg
 
 
 def test_mismatch_report_lengths_beyond_the_models_positions_are_refused():
     msg = one_line_error(invoke("mismatch-report", "bf16", "--prompts", 1, "--lengths", "100000"))
     assert "--lengths 100000: the model takes at most 512 positions (max_position_embeddings in" in msg
+    msg = one_line_error(invoke("mismatch-report", "bf16", "--prompts", 1, "--lengths", "508"))  # prompt too
+    assert re.search(r"--lengths 508: after prompts of up to \d+ tokens, \d+ positions; the model takes at most 512",
+                     msg), msg
 
 
 def test_a_run_does_not_write_into_a_directory_of_other_files(tmp_path):
@@ -237,3 +240,135 @@ def test_bench_checks_its_task_batch_settings_before_timing_anything(tmp_path):
     msg = one_line_error(invoke("bench", "rollout", "--task-preset", "none", "--task-set", "rollout.n=8",
                                 "--no-history"))
     assert "--task-set applies to the rollout mode's task batch" in msg
+
+
+def test_train_never_writes_into_a_run_and_a_run_does_not_resume_a_trains_checkpoints(tmp_path):
+    """``jetrl train -o RUN --force`` deleted a run's checkpoints and wrote its own, which ``--resume`` then
+    continued as the run's; now train refuses a run's directory, with --force too, and a resume needs the
+    run's metrics."""
+    old = fake_run(tmp_path / "r")
+    for force in ([], ["--force"]):
+        msg = one_line_error(invoke("train", "bf16", "--rollouts", tmp_path / "none.jsonl", "-o", old, *force))
+        assert f"{old}: holds a run of jetrl run (metrics.jsonl); jetrl train writes its checkpoint elsewhere" in msg
+    assert (old / "checkpoints" / "step_000002" / "weights").read_text() == "precious"
+    trained = tmp_path / "t"  # what jetrl train leaves: checkpoints and latest, no metrics
+    (trained / "checkpoints" / "step_000001").mkdir(parents=True)
+    (trained / "checkpoints" / "step_000001" / "trainer_state.pt").write_text("x")
+    (trained / "latest").write_text("step_000001\n")
+    msg = one_line_error(invoke("run", "bf16", "-o", trained, "--resume", *sets(TINY)))
+    assert f"{trained}: holds checkpoints but no metrics.jsonl: not a run of jetrl run" in msg
+    assert f"--set model.path={trained / 'checkpoints' / 'step_000001'}" in msg
+
+
+def test_force_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path, monkeypatch):
+    """``--force`` deleted the old run once the new one had set up; a new run that then failed (a NaN loss
+    at step 1, a crash) left no checkpoint at all. The old run now waits aside until the new run's first
+    checkpoint, and comes back if the new run fails before it."""
+    from jetrl_cli.rl.trainer import NonFiniteError
+
+    old = fake_run(tmp_path / "r")
+    cfg = load_job_config("bf16", TINY + ["train.steps=1", "eval.prompts=2"])
+
+    def nan_loss(*a, **k):
+        raise NonFiniteError("step 1: the loss is nan; stopped before the update")
+
+    monkeypatch.setattr(loop, "train_on_samples", nan_loss)
+    with pytest.raises(NonFiniteError, match=f"the previous run in {re.escape(str(old))} is kept"):
+        run(cfg, old, replace=True)
+    assert (old / "checkpoints" / "step_000002" / "weights").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]  # nothing left aside
+    monkeypatch.undo()
+    run(cfg, old, replace=True)
+    assert sorted(p.name for p in (old / "checkpoints").iterdir()) == ["step_000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+
+
+def test_quantize_force_replaces_only_an_earlier_quantize_output(tmp_path):
+    """``jetrl quantize -o DIR --force`` deleted whatever DIR held: a run, a folder of notes."""
+    run_dir = fake_run(tmp_path / "r")
+    msg = one_line_error(invoke("quantize", loop.tiny_policy_dir(), "-o", run_dir, "--format", "fp8-block", "--force"))
+    assert f"{run_dir}: holds a run of jetrl run; --force replaces only an earlier output of jetrl quantize" in msg
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "thesis.txt").write_text("mine")
+    msg = one_line_error(invoke("quantize", loop.tiny_policy_dir(), "-o", notes, "--format", "fp8-block", "--force"))
+    assert "holds files that jetrl quantize did not write" in msg
+    assert (notes / "thesis.txt").read_text() == "mine"
+    assert (run_dir / "checkpoints" / "step_000002" / "weights").read_text() == "precious"
+    q = tmp_path / "q"
+    for force in ([], ["--force"]):  # an earlier output of its own is replaced
+        assert invoke("quantize", loop.tiny_policy_dir(), "-o", q, "--format", "fp8-block", *force).exit_code == 0
+    assert "quantization_config" in json.loads((q / "config.json").read_text())
+
+
+def _rows(tmp_path, rows) -> "Path":
+    f = tmp_path / "s.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f
+
+
+def _row(step=0, group=0, **kw):
+    return {"step": step, "group": group, "prompt_ids": [1, 2], "tokens": [3, 4], "logprobs": [-0.5, -1.0],
+            "reward": 1.0, **kw}
+
+
+def test_train_reads_a_runs_rollouts_with_each_steps_groups_apart(tmp_path):
+    """A run's rollouts.jsonl holds every step's groups under the same numbers: train counted step 1's
+    group 0 and step 2's group 0 as one group of 2n and refused the file."""
+    from jetrl_cli.cli import _read_rollouts
+
+    f = _rows(tmp_path, [_row(s, g) for s in (1, 2) for g in (0, 1) for _ in range(2)])
+    rows = _read_rollouts(f, vocab=16, max_len=8, n=2)
+    assert [r["group"] for r in rows] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [(r["step"], r["group"]) for r in _read_rollouts(f, vocab=16, max_len=8, n=2, step=2)] == [
+        (2, 0), (2, 0), (2, 1), (2, 1)]
+    with pytest.raises(JetrlError, match=r"no samples of step 3 \(steps in the file: 1, 2\)"):
+        _read_rollouts(f, vocab=16, step=3)
+    with pytest.raises(JetrlError, match="step 1's group 0 has 2 samples, rollout.n is 4"):
+        _read_rollouts(f, vocab=16, n=4)
+
+
+@pytest.mark.parametrize("change, msg", [
+    ({"logprobs": ["x", -1.0]}, r"logprobs holds 'x'; a token's log-probability is a finite number <= 0"),
+    ({"logprobs": [float("nan"), -1.0]}, "logprobs holds nan"),
+    ({"logprobs": [5.0, -1.0]}, "logprobs holds 5.0"),
+    ({"logprobs": [-1.0]}, r"logprobs must be a list with one number per token \(2\)"),
+    ({"reward": "good"}, "reward is 'good'; it must be a finite number"),
+    ({"reward": None}, "reward is None"),
+    ({"reward": float("inf")}, "reward is inf"),
+    ({"group": [1]}, r"group is \[1\]; it must be an integer >= 0"),
+    ({"step": -1}, "step is -1"),
+    ({"tokens": "abc"}, "tokens must be a non-empty list of token ids"),
+    ({"tokens": [True, 3]}, "tokens must be a non-empty list of token ids"),
+    ({"prompt_ids": []}, "prompt_ids must be a non-empty list of token ids"),
+    ({"prompt_ids": [1] * 7}, r"prompt and completion are 9 tokens, longer than rollout.max_len \(8\)"),
+])
+def test_rollout_files_are_checked_field_by_field(tmp_path, change, msg):
+    """Each of these gave a traceback or trained on nonsense."""
+    from jetrl_cli.cli import _read_rollouts
+
+    f = _rows(tmp_path, [_row(), _row(**change)])
+    with pytest.raises(JetrlError, match=f"{re.escape(str(f))}:2: {msg}"):
+        _read_rollouts(f, vocab=16, max_len=8, n=2)
+
+
+def test_a_flow_by_name_takes_overrides_and_a_typo_lists_the_flows():
+    res = invoke("flow", "int8-rollout", "--set", "precision.rollout.kv_cache=fp8_e4m3", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["rollout"]["kv_cache"] == "fp8_e4m3 row"
+    msg = one_line_error(invoke("flow", "int8-rolout"))
+    assert "flows by name: bf16, fp8-rollout, int8-rollout, fp8-unified" in msg
+
+
+def test_output_paths_of_the_wrong_kind_are_refused_before_any_work(tmp_path):
+    """These failed only once the work was done (a rollout sampled, a report scored, a bench timed)."""
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    cases = [(("rollout", "bf16", "-o", tmp_path, "--force"), f"-o {tmp_path}: is a directory"),
+             (("rollout", "bf16", "-o", a_file / "x.jsonl"), f"{a_file} is a file, not a directory"),
+             (("mismatch-report", "bf16", "--out", a_file), f"--out {a_file}: is a file"),
+             (("bench", "gemm", "--out", tmp_path), f"--out {tmp_path}: is a directory"),
+             (("bench", "gemm", "--history", tmp_path), f"--history {tmp_path}: is a directory"),
+             (("run", "bf16", "-o", a_file), f"-o {a_file}: is a file")]
+    for args, want in cases:
+        assert want in one_line_error(invoke(*args)), args

@@ -17,9 +17,42 @@ def _read_json(path: Path) -> dict:
     if not path.exists():
         return {}
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise JetrlError(f"{path}: invalid JSON ({e.msg}, line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise JetrlError(f"{path}: not a UTF-8 text file") from None
+    if not isinstance(raw, dict):
+        raise JetrlError(f"{path}: must be a JSON object, got a {type(raw).__name__}")
+    return raw
+
+
+def _eos_ids(path: Path, src: dict) -> list[int]:
+    """``eos_token_id`` of one file: null, an id or a list of ids."""
+    v = src.get("eos_token_id")
+    ids = [] if v is None else v if isinstance(v, list) else [v]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise JetrlError(f"{path}: eos_token_id is {json.dumps(v)[:60]}; must be a token id (an integer >= 0), "
+                         "a list of them, or null")
+    return ids
+
+
+def _check_ids_fit(p: Path, tk, vocab_size, eos_sources: list[tuple[Path, list[int]]]) -> None:
+    """Every token id of the tokenizer and every eos id below config.json's ``vocab_size`` (the model's
+    embedding rows): a larger one would index past the embedding in the middle of a run."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        return  # no config.json, or a bad vocab_size that reading the model reports
+    vocab = tk.get_vocab(with_added_tokens=True)
+    if vocab:
+        token, top = max(vocab.items(), key=lambda kv: kv[1])
+        if top >= vocab_size:
+            raise JetrlError(f"{p / 'tokenizer.json'}: token {token!r} has id {top}, but config.json's vocab_size is "
+                             f"{vocab_size} (ids must be below it; tokenizer and model do not match)")
+    for f, ids in eos_sources:
+        bad = [i for i in ids if i >= vocab_size]
+        if bad:
+            raise JetrlError(f"{f}: eos_token_id {bad[0]} is outside the vocabulary (config.json's vocab_size is "
+                             f"{vocab_size}: ids 0..{vocab_size - 1})")
 
 
 def _token_text(v) -> str | None:
@@ -49,11 +82,14 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises plain Exceptions for malformed files
             raise JetrlError(f"{f}: cannot read tokenizer ({str(e).splitlines()[0]})") from None
         tcfg = _read_json(p / "tokenizer_config.json")
+        gcfg, mcfg = _read_json(p / "generation_config.json"), _read_json(p / "config.json")
+        eos_sources = [(p / "generation_config.json", _eos_ids(p / "generation_config.json", gcfg)),
+                       (p / "config.json", _eos_ids(p / "config.json", mcfg))]
+        _check_ids_fit(p, tk, mcfg.get("vocab_size"), eos_sources)
         eos: list[int] = []
-        for src in (_read_json(p / "generation_config.json"), _read_json(p / "config.json")):
-            v = src.get("eos_token_id")
-            for i in v if isinstance(v, list) else [v]:
-                if isinstance(i, int) and i not in eos:
+        for _, ids in eos_sources:
+            for i in ids:
+                if i not in eos:
                     eos.append(i)
         text = _token_text(tcfg.get("eos_token"))
         if text is not None and tk.token_to_id(text) is not None and tk.token_to_id(text) not in eos:

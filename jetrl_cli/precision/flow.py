@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -287,8 +288,8 @@ def _parse_cast(ctx: _Ctx, value, key: str, default_block: str = "tensor") -> Ca
     pow2 = fields.get("pow2_scale", False)
     ctx.boolean(pow2, f"{key}.pow2_scale")
     floor = fields.get("amax_floor", DEFAULT_AMAX_FLOOR)
-    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not floor > 0:
-        ctx.fail(f"{key}.amax_floor", f"expected a positive number, got {floor!r}")
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 < floor < math.inf:
+        ctx.fail(f"{key}.amax_floor", f"expected a finite positive number, got {floor!r}")
     return CastSpec(fmt, block, pow2, float(floor))
 
 

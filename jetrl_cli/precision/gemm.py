@@ -947,13 +947,13 @@ class UnavailableBackend:
         return self.why
 
     def cast(self, x, spec):
-        raise JetrlError(f"GEMM backend {self.name!r} is not available: {self.why}")
+        raise JetrlError(f"GEMM backend {self.name!r} {self.why}")
 
     def shape_unsupported(self, a, b):
         return self.why
 
     def mm(self, a, b, out=Format.FP32):
-        raise JetrlError(f"GEMM backend {self.name!r} is not available: {self.why}")
+        raise JetrlError(f"GEMM backend {self.name!r} {self.why}")
 
 
 _BACKENDS: dict[str, GemmBackend] = {
@@ -961,7 +961,8 @@ _BACKENDS: dict[str, GemmBackend] = {
     "scaled_mm": ScaledMMBackend(),
     "triton": TritonBackend(),
     "invariant": InvariantBackend(),
-    "te": UnavailableBackend("te", "no Transformer Engine integration is in this release; use 'auto' or 'emulated'"),
+    "te": UnavailableBackend("te", "is not available: no Transformer Engine integration is in this "
+                                    "release; use 'auto' or 'emulated'"),
 }
 AUTO_ORDER = ("scaled_mm", "triton", "emulated")
 assert ("auto", *_BACKENDS) == GEMM_BACKENDS, "jetrl_cli/choices.py and the backend registry disagree"
@@ -981,8 +982,11 @@ def get_backend(name: str) -> GemmBackend:
 
 def static_unsupported(backend: str, spec, gemm: str) -> str | None:
     """What a preset can be told before any device is known: can ``backend`` run ``spec`` at all?"""
-    if backend == "auto" or not spec.is_quantized:
+    if backend == "auto" or (backend == "invariant" and not spec.is_quantized):
         return None
+    if not spec.is_quantized and backend != "te":  # would be ignored: torch's matmul runs it
+        return ("runs 8-bit GEMMs only, and this one has no 8-bit operand (torch's matmul runs it; "
+                "leave its backend auto, or invariant for a batch-invariant GEMM)")
     return get_backend(backend).unsupported(spec, gemm, None)
 
 
@@ -1150,7 +1154,8 @@ def resolve(spec, gemm: str, device: torch.device | str) -> Resolution:
     elif asked != "auto":
         why = get_backend(asked).unsupported(spec, gemm, device)
         if why is not None:
-            raise JetrlError(f"precision.{gemm}: backend {asked} cannot run {spec.short_str()} on {dev_str}: {why}")
+            raise JetrlError(f"the {gemm} GEMM {spec.short_str()}: backend {asked} cannot run it on {dev_str}: {why} "
+                             "(the preset's precision names the backend: set it to auto)")
         order = [asked] + ([] if asked == "emulated" else ["emulated"])
         res = Resolution(gemm, spec.short_str(), dev_str, asked, asked, order)
     elif device.type != "cuda":

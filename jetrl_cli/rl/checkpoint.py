@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 from pathlib import Path
 
@@ -84,17 +83,36 @@ def latest_checkpoint(out: Path) -> Path | None:
     f = out / "latest"
     if not f.exists():
         return None
-    p = out / "checkpoints" / f.read_text().strip()
+    ckdir = out / "checkpoints"
+    fix = f"write the name of a complete checkpoint in {ckdir} into it, e.g. step_000002"
+    try:
+        name = f.read_text().strip()
+    except UnicodeDecodeError:
+        raise JetrlError(f"{f}: not a text file; the file is damaged ({fix})") from None
+    except OSError as e:
+        raise JetrlError(f"{f}: cannot read ({e.strerror or e})") from None
+    if not name:
+        raise JetrlError(f"{f}: empty; the file is damaged ({fix})")
+    if "\n" in name or Path(name).name != name or name in (".", ".."):
+        raise JetrlError(f"{f}: holds {name[:60]!r}, not a checkpoint name; the file is damaged ({fix})")
+    p = ckdir / name
     if not (p / "trainer_state.pt").exists():
         raise JetrlError(f"{f} names {p.name}, which is missing or incomplete")
     return p
 
 
 def load_trainer_state(ckpt: Path) -> dict:
+    """``trainer_state.pt`` of a checkpoint: a dict with at least ``step``; a damaged file is one line."""
     path = ckpt / "trainer_state.pt"
+    damaged = (f"the file is damaged (resume from an earlier checkpoint: point "
+               f"{ckpt.parent.parent / 'latest'} at it)")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except OSError as e:
+        raise JetrlError(f"{path}: cannot read ({e.strerror or e})") from None
+    except Exception as e:  # noqa: BLE001 - unpickling garbage raises anything (ValueError, KeyError, zip errors)
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise JetrlError(f"{path}: unreadable ({first[:100]}); the file is damaged (resume from an earlier "
-                         f"checkpoint: point {ckpt.parent.parent / 'latest'} at it)") from None
+        raise JetrlError(f"{path}: unreadable ({first[:100]}); {damaged}") from None
+    if not isinstance(state, dict) or isinstance(state.get("step"), bool) or not isinstance(state.get("step"), int):
+        raise JetrlError(f"{path}: not a jetrl trainer state (no integer 'step'); {damaged}")
+    return state

@@ -122,7 +122,7 @@ def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None, worl
     model = load_model(init_dir or model_dir).to(dev)
     if tok.vocab_size > model.config.vocab_size:
         raise JetrlError(f"{model_dir}: tokenizer has {tok.vocab_size} tokens, the model only {model.config.vocab_size}")
-    task = build_task(cfg.task, cfg.run.seed)
+    task = build_task(cfg.task, cfg.run.seed, source=cfg.source)
     source = PromptSource(task, cfg.run.seed)
     s = cfg.train.invariant_scale
     ref = None
@@ -326,6 +326,9 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
     if resume and ckpt is None:
         raise JetrlError(f"{out}: --resume, but there is no run here to resume (no checkpoint); "
                          "drop --resume to start a new run")
+    if resume and not metrics_file.exists():
+        raise JetrlError(f"{out}: holds checkpoints but no metrics.jsonl: not a run of jetrl run (jetrl train's "
+                         f"output?); to start a run from its checkpoint: --set model.path={ckpt}")
     if resume:
         _check_resumable(cfg, out)
     loggers = open_loggers(cfg.run.loggers, cfg.run.wandb_project)  # a missing optional package fails before any work
@@ -340,12 +343,11 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
     reset_resolutions()  # the backends recorded in metrics.jsonl are this run's
     world.barrier()  # every rank has checked the directory before rank 0 writes to it
     job = setup(cfg, with_trainer=True, init_dir=ckpt, world=world)
+    replaced = None
     if replace and out.exists():
-        world.barrier()  # every rank has set up before rank 0 deletes the old run
+        world.barrier()  # every rank has set up before rank 0 moves the old run aside
         if writer:
-            import shutil
-
-            shutil.rmtree(out)
+            replaced = _Replaced(out)
         world.barrier()
     tr = job.trainer
     transport = world.transport()
@@ -374,19 +376,61 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
         (out / "preset.yaml").write_text(yaml.safe_dump(cfg.raw, sort_keys=False))
         loggers.start(out, start, {**cfg.raw, "flow": cfg.flow.name})
     try:
-        return _steps(job, cfg, out, start, ckpt, lines, loggers, transport, on_step, on_eval, stop_after, world)
-    except JetrlError:
-        if made and not metrics_file.exists():  # failed before its first line (the first eval's rollout):
-            import shutil  # a run that cannot start leaves no directory
+        lines = _steps(job, cfg, out, start, ckpt, lines, loggers, transport, on_step, on_eval, stop_after, world,
+                       replaced)
+    except BaseException as e:
+        if replaced is not None:
+            loggers.close()
+        if replaced is not None and replaced.restore():  # the new run wrote no checkpoint: the old one is back
+            if isinstance(e, JetrlError) and e.args:
+                e.args = (f"{e.args[0]}; the previous run in {out} is kept (--force replaces it only once the "
+                          "new run has written a checkpoint)",)
+        elif isinstance(e, JetrlError) and made and not metrics_file.exists():  # failed before its first line
+            import shutil  # (the first eval's rollout): a run that cannot start leaves no directory
 
             loggers.close()
             shutil.rmtree(out, ignore_errors=True)
         raise
+    if replaced is not None:
+        replaced.settle()
+    return lines
+
+
+class _Replaced:
+    """``--force``'s previous run, moved aside (beside ``out``, hidden) until the new run has written a
+    checkpoint of its own; put back if it fails before that."""
+
+    def __init__(self, out: Path):
+        import os
+
+        self.out, self.aside = out, out.with_name(f".{out.name}.replaced-{os.getpid()}")
+        out.rename(self.aside)
+
+    def settle(self) -> None:
+        """The new run has a checkpoint: the old run is deleted."""
+        if self.aside is not None:
+            import shutil
+
+            shutil.rmtree(self.aside, ignore_errors=True)
+            self.aside = None
+
+    def restore(self) -> bool:
+        """The new run failed before its first checkpoint: its directory is deleted and the old run put back
+        (False where the old run was deleted already)."""
+        if self.aside is None:
+            return False
+        import shutil
+
+        shutil.rmtree(self.out, ignore_errors=True)
+        self.aside.rename(self.out)
+        self.aside = None
+        return True
 
 
 def _steps(job: Job, cfg: JobConfig, out: Path, start: int, ckpt: Path | None, lines: list[dict], loggers, transport,
-           on_step, on_eval, stop_after: int | None, world: World) -> list[dict]:
-    """``run``'s steps from ``start`` on, in the directory it has set up."""
+           on_step, on_eval, stop_after: int | None, world: World, replaced: _Replaced | None = None) -> list[dict]:
+    """``run``'s steps from ``start`` on, in the directory it has set up (``replaced``: the run ``--force``
+    replaces, deleted once the first checkpoint is written)."""
     writer = world.is_writer
     tr = job.trainer
     metrics_file = out / "metrics.jsonl"
@@ -493,6 +537,8 @@ def _steps(job: Job, cfg: JobConfig, out: Path, start: int, ckpt: Path | None, l
             else:
                 last_good = save_checkpoint(out, step, tr.model, tr.opt, job.model_dir, extra,
                                             cfg.run.keep_checkpoints)
+            if replaced is not None:
+                replaced.settle()
         if stop_after is not None and step >= stop_after:
             break
     if writer:

@@ -125,6 +125,8 @@ def parse_gates(items: list[str]) -> dict[str, float]:
             gates[key] = float(val)
         except ValueError:
             raise JetrlError(f"--fail-above {it!r}: {val!r} is not a number") from None
+        if not math.isfinite(gates[key]):
+            raise JetrlError(f"--fail-above {it!r}: the limit must be a finite number")
     return gates
 
 
@@ -509,7 +511,8 @@ def offline_report(label: str, flow: PrecisionFlow, inp: ReportInputs, rows: lis
 
 
 def gate_failures(flows: list[dict], gates: dict[str, float]) -> list[str]:
-    """``METRIC=VALUE`` gates -> one message per (flow, metric) above its limit."""
+    """``METRIC=VALUE`` gates -> one message per (flow, metric) above its limit, NaN, or not measured (a gate
+    passes only on a number at most its limit)."""
     bad = []
     for f in flows:
         vals = dict(f["summary"])
@@ -517,7 +520,11 @@ def gate_failures(flows: list[dict], gates: dict[str, float]) -> list[str]:
             vals["greedy_diverged_frac"] = f["greedy"]["vs_train"]["diverged_frac"]
         for k, limit in gates.items():
             v = vals.get(k)
-            if v is not None and not (isinstance(v, float) and math.isnan(v)) and v > limit:
+            if v is None:
+                bad.append(f"{f['flow']}: {k} was not measured")
+            elif math.isnan(v):
+                bad.append(f"{f['flow']}: {k} is nan")
+            elif v > limit:
                 bad.append(f"{f['flow']}: {k} = {v:.4g} > {limit:g}")
     return bad
 
@@ -669,7 +676,7 @@ def write_outputs(report: dict, out: Path) -> list[Path]:
     try:
         plots = _plots(report, out)
         written += plots
-    except ImportError:
+    except ImportError:  # said by the CLI (no .png among the files written)
         pass
     atomic(out / "report.md", markdown(report, [p.name for p in plots]))
     return written

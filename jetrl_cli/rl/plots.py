@@ -28,7 +28,8 @@ def curves_figure(runs: list[tuple[str, list[dict]]], title: str = ""):
         if key == "mismatch_kl":
             ax.set_yscale("symlog", linthresh=1e-6)
             ax.set_ylim(bottom=0)
-    axes[0].legend(fontsize=8)
+    if axes[0].get_legend_handles_labels()[1]:  # no legend without a curve (train.steps=0: nothing to plot)
+        axes[0].legend(fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

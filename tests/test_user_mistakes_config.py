@@ -1,0 +1,274 @@
+"""A preset's values, its YAML, a user's reward function and JSONL data: each mistake is one line naming
+the file, key or function -- never a traceback, never NaN numbers or a silently different prompt."""
+
+import json
+import random
+import sys
+
+import pytest
+
+from jetrl_cli.config import TaskConfig, load_job_config
+from jetrl_cli.errors import JetrlError, PresetError
+from jetrl_cli.presets_io import load_yaml, resolve_preset_path
+from jetrl_cli.tasks import build_task
+
+from .test_run_output import invoke, sets
+from .test_user_mistakes import one_line_error
+
+P = str(resolve_preset_path("bf16"))
+SMALL = ["train.steps=1", "rollout.prompts_per_step=2", "rollout.n=2", "eval.prompts=2", "eval.every=0",
+         "rollout.max_new_tokens=8", "rollout.max_len=24"]
+
+
+def refused(overrides, preset="bf16") -> str:
+    with pytest.raises(PresetError) as e:
+        load_job_config(preset, overrides)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+# ----------------------------------------------------------------------------- 1. NaN and infinity
+
+
+@pytest.mark.parametrize("key_value, message", [
+    ("train.lr=inf", "train.lr: must be a finite number > 0, got inf"),
+    ("rollout.temperature=nan", "rollout.temperature: must be a finite number > 0, got nan"),
+    ("train.clip_low=nan", "train.clip_low: must be a finite number >= 0, got nan"),
+    ("train.kl_coef=.inf", "train.kl_coef: must be a finite number >= 0, got inf"),
+    ("task.overlong_penalty=nan", "task.overlong_penalty: must be a finite number >= 0, got nan"),
+    ("train.weight_decay=nan", "train.weight_decay: must be a finite number >= 0, got nan"),
+    ("train.clip_high=.inf", "train.clip_high: must be a finite number >= 0, got inf"),
+    ("train.dual_clip=inf", "train.dual_clip: must be a finite number, got inf"),
+    ("correction.tis_cap=.inf", "correction.tis_cap: must be a finite number > 0, got inf"),
+    ("correction.mis_high=inf", "correction.mis_high: must be a finite number > 0, got inf"),
+    ("train.grad_clip=-inf", "train.grad_clip: must be a finite number > 0, got -inf"),
+    ("train.betas=[0.9, .nan]", "train.betas[1]: must be a finite number, got nan"),
+])
+def test_nan_and_infinity_are_refused(key_value, message):
+    assert refused([key_value]) == f"{P}: {message}"
+
+
+def test_nan_in_a_preset_file_and_through_jetrl_flow(tmp_path):
+    p = tmp_path / "p.yaml"
+    p.write_text("precision: bf16\ntrain:\n  lr: .nan\n")
+    assert refused([], str(p)) == f"{p}: train.lr: must be a finite number > 0, got nan"
+    msg = one_line_error(invoke("flow", "bf16", "--set", "rollout.temperature=inf"))
+    assert f"{P}: rollout.temperature: must be a finite number > 0, got inf" in msg
+
+
+# ----------------------------------------------------------------------------- 2. temperature 0
+
+
+def test_a_greedy_rollout_is_refused_saying_why():
+    msg = refused(["rollout.temperature=0"])
+    assert msg.startswith(f"{P}: rollout.temperature: must be > 0, got 0")
+    assert "every advantage is 0" in msg and "eval.n: 1" in msg
+    assert load_job_config("bf16", ["rollout.temperature=0.6"]).rollout.temperature == 0.6
+
+
+# ----------------------------------------------------------------------------- 3. duplicate YAML keys
+
+
+@pytest.mark.parametrize("text, message", [
+    ("precision: bf16\ntrain:\n  lr: 1.0e-5\nrollout:\n  n: 4\ntrain:\n  steps: 2\n",
+     "train: set twice, on lines 2 and 6"),
+    ("precision: bf16\ntrain:\n  lr: 1.0e-5\n  steps: 2\n  lr: 2.0e-5\n", "train.lr: set twice, on lines 3 and 5"),
+    ("precision:\n  base: bf16\n  train:\n    wgrad: fp8\n    wgrad: bf16\n",
+     "precision.train.wgrad: set twice, on lines 4 and 5"),
+    ("precision: bf16\ntrain: {lr: 1.0e-5, lr: 2.0e-5}\n", "train.lr: set twice, on line 2"),
+])
+def test_duplicate_yaml_keys_are_refused_with_their_lines(tmp_path, text, message):
+    p = tmp_path / "dup.yaml"
+    p.write_text(text)
+    with pytest.raises(PresetError) as e:
+        load_yaml(p)
+    assert str(e.value).startswith(f"{p}: {message} (YAML would silently keep only the last; remove one)")
+
+
+def test_a_yaml_merge_key_is_not_a_duplicate(tmp_path):
+    p = tmp_path / "merge.yaml"
+    p.write_text("precision: bf16\nrollout:\n  <<: {n: 4, max_new_tokens: 8}\n  n: 6\n")
+    assert load_yaml(p)["rollout"] == {"n": 6, "max_new_tokens": 8}
+
+
+# ----------------------------------------------------------------------------- 4. --set values read as YAML
+
+
+def test_an_unquoted_set_value_for_a_string_key_says_how_to_quote_it():
+    msg = refused(["task.prompt_template=Q: {prompt}"])
+    assert msg == (f"{P}: task.prompt_template: expected a string, got a mapping {{'Q': {{'prompt': None}}}}: "
+                   "--set reads the value as YAML; quote it: --set 'task.prompt_template=\"Q: {prompt}\"'")
+    cfg = load_job_config("bf16", ['task.prompt_template="Q: {prompt}"'])  # the suggestion works
+    assert cfg.task.prompt_template == "Q: {prompt}"
+    assert "quote it: --set 'task.prompt_key=\"[q]\"'" in refused(["task.prompt_key=[q]"])
+
+
+def test_a_mapping_for_a_string_key_in_a_preset_file_says_to_quote_it(tmp_path):
+    p = tmp_path / "p.yaml"
+    p.write_text("precision: bf16\ntask:\n  prompt_template: {prompt}\n")
+    assert refused([], str(p)) == (f"{p}: task.prompt_template: expected a string, got a mapping {{'prompt': None}} "
+                                   "(YAML reads {...} as a mapping and [...] as a list: put the value in quotes)")
+
+
+# ----------------------------------------------------------------------------- 5. the user's reward function
+
+REWARDS = """\
+import math
+def raises(prompt, completion, answer):
+    raise KeyError("no such field")
+def none(prompt, completion, answer):
+    return None
+def high(prompt, completion, answer):
+    return "high"
+def nan(prompt, completion, answer):
+    return math.nan
+def inf(prompt, completion, answer):
+    return -math.inf
+def two(prompt, completion):
+    return 1.0
+def anything(*args):
+    return 0.5
+def flag(prompt, completion, answer, scale=1):
+    return completion.strip() == answer
+"""
+
+
+@pytest.fixture
+def myreward(tmp_path, monkeypatch):
+    (tmp_path / "myreward.py").write_text(REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("myreward", None)
+    yield
+    sys.modules.pop("myreward", None)
+
+
+def _score(fn, completion="x"):
+    task = build_task(TaskConfig(name="arith", digits=2, reward=f"myreward:{fn}"), 0)
+    p = task.problems(random.Random(0), 1, "train")[0]
+    return p, task.reward(p, completion)
+
+
+@pytest.mark.parametrize("fn, what", [
+    ("raises", "raised KeyError: 'no such field' for prompt '{p}'"),
+    ("none", "returned None for prompt '{p}' (must return a finite float)"),
+    ("high", "returned 'high' for prompt '{p}' (must return a finite float)"),
+    ("nan", "returned nan for prompt '{p}' (must return a finite float)"),
+    ("inf", "returned -inf for prompt '{p}' (must return a finite float)"),
+])
+def test_a_reward_function_that_fails_or_returns_no_number_is_one_line(myreward, fn, what):
+    task = build_task(TaskConfig(name="arith", digits=2, reward=f"myreward:{fn}"), 0)
+    p = task.problems(random.Random(0), 1, "train")[0]
+    with pytest.raises(JetrlError) as e:
+        task.reward(p, "x")
+    assert str(e.value) == f"task.reward myreward:{fn} " + what.format(p=p.prompt)
+
+
+def test_a_long_prompt_is_cut_in_the_reward_error(myreward, tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps({"prompt": "line one\n" + "x" * 200 + str(i), "answer": "1"}) + "\n"
+                         for i in range(4)))
+    task = build_task(TaskConfig(name="jsonl", file=str(f), reward="myreward:none"), 0)
+    with pytest.raises(JetrlError) as e:
+        task.reward(task.problems(random.Random(0), 1, "train")[0], "1")
+    assert "for prompt 'line one\\nxxxxxxxxxxxxxxxxxxxxxxxxxxxx...' (must return" in str(e.value)
+
+
+def test_a_reward_function_with_the_wrong_signature_is_refused_at_load(myreward):
+    with pytest.raises(JetrlError) as e:
+        build_task(TaskConfig(reward="myreward:two"), 0)
+    assert str(e.value) == ("task.reward myreward:two: takes (prompt, completion), but is called as "
+                            "two(prompt, completion, answer) and must return a float")
+    assert _score("anything")[1] == 0.5  # *args takes the three
+    p, r = _score("flag", completion="no")
+    assert r == 0.0 and _score("flag", completion=p.answer)[1] == 1.0  # a bool counts as 1 / 0
+
+
+def test_a_reward_module_in_the_current_directory_hints_at_pythonpath(tmp_path, monkeypatch):
+    (tmp_path / "localreward.py").write_text("def f(prompt, completion, answer):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    with pytest.raises(JetrlError) as e:
+        build_task(TaskConfig(reward="localreward:f"), 0)
+    assert str(e.value) == ("task.reward: cannot import 'localreward' (No module named 'localreward'); "
+                            "localreward.py is in the current directory, which Python does not search: put it "
+                            "on PYTHONPATH, e.g. PYTHONPATH=. jetrl run ...")
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(JetrlError, match=r"^task.reward: cannot import 'broken': SyntaxError: "):
+        build_task(TaskConfig(reward="broken:f"), 0)
+
+
+def test_a_run_whose_reward_returns_none_stops_with_one_line(myreward, tmp_path):
+    msg = one_line_error(invoke("run", "bf16", "-o", tmp_path / "o", *sets(SMALL + ["task.reward=myreward:none"])))
+    assert "task.reward myreward:none returned None for prompt '" in msg and "(must return a finite float)" in msg
+
+
+# ----------------------------------------------------------------------------- 6. JSONL data and its template
+
+
+def _data(tmp_path, rows, name="d.jsonl"):
+    f = tmp_path / name
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(f)
+
+
+GOOD = [{"prompt": f"{i}+1=", "answer": i + 1, "hint": "add"} for i in range(6)]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"prompt": "2+2=", "answer": [4]},
+     "{f}:3: 'answer' must be a string or a finite number, got [4] (task.answer_key)"),
+    ({"prompt": "2+2=", "answer": True}, "{f}:3: 'answer' must be a string or a finite number, got true"),
+    ({"prompt": "2+2=", "answer": {"v": 4}}, "{f}:3: 'answer' must be a string or a finite number, got {\"v\": 4}"),
+    ({"prompt": None, "answer": "4"}, "{f}:3: 'prompt' must be a string, got null (task.prompt_key)"),
+    ({"prompt": ["2+2="], "answer": "4"}, "{f}:3: 'prompt' must be a string, got [\"2+2=\"] (task.prompt_key)"),
+    (7, "{f}:3: expected a JSON object per line, got 7"),
+])
+def test_jsonl_rows_of_the_wrong_type_are_refused_with_file_line_and_key(tmp_path, bad, message):
+    f = _data(tmp_path, GOOD[:2] + [bad] + GOOD[2:])
+    with pytest.raises(JetrlError) as e:
+        build_task(TaskConfig(name="jsonl", file=f), 0)
+    assert str(e.value).startswith(message.replace("{f}", f))
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{prompt.upper}", "{prompt.upper} reads an attribute or item of a field"),
+    ("{hint[0]}: {prompt}", "{hint[0]} reads an attribute or item of a field"),
+    ("Q: {prompt} (it is {answer})", "{answer} is the answer (task.answer_key): the prompt would give it away"),
+    ("Q: {}", "{} is a positional field; name a field of the row, e.g. {prompt}"),
+])
+def test_a_prompt_template_is_checked_once_at_load(tmp_path, template, message):
+    f = _data(tmp_path, GOOD)
+    msg = refused(["task.name=jsonl", f"task.file={f}", f"task.prompt_template={json.dumps(template)}"])
+    assert msg.startswith(f"{P}: task.prompt_template: {message}")
+    with pytest.raises(JetrlError) as e:
+        build_task(TaskConfig(name="jsonl", file=f, prompt_template=template), 0)
+    assert str(e.value).startswith(f"task.prompt_template: {message}")
+
+
+def test_a_prompt_template_that_cannot_format_a_row_names_the_key_and_the_row(tmp_path):
+    f = _data(tmp_path, GOOD)
+    with pytest.raises(JetrlError) as e:
+        build_task(TaskConfig(name="jsonl", file=f, prompt_template="{prompt:d}"), 0)
+    assert str(e.value) == (f"task.prompt_template: '{{prompt:d}}' cannot format {f}:1: ValueError: "
+                            "Unknown format code 'd' for object of type 'str'")
+    with pytest.raises(JetrlError, match=r"task.prompt_template: field \{level\} is not in .*:1 \(its fields: "
+                                         r"'prompt', 'answer', 'hint'\)"):
+        build_task(TaskConfig(name="jsonl", file=f, prompt_template="{level}: {prompt}"), 0)
+    task = build_task(TaskConfig(name="jsonl", file=f, prompt_template="{hint}: {prompt} {{ok}}"), 0)
+    assert task.split["train"][0].prompt.startswith("add: ") and task.split["train"][0].prompt.endswith(" {ok}")
+
+
+def test_task_file_that_is_a_directory_or_missing_names_the_key_and_the_preset(tmp_path):
+    with pytest.raises(JetrlError) as e:
+        build_task(TaskConfig(name="jsonl", file=str(tmp_path)), 0)
+    assert str(e.value) == f"task.file: {tmp_path}: is a directory, not a dataset file (one JSON object per line)"
+    with pytest.raises(JetrlError) as e:
+        build_task(TaskConfig(name="jsonl", file=str(tmp_path / "no.jsonl")), 0, source=P)
+    assert str(e.value) == f"{P}: task.file: {tmp_path / 'no.jsonl'}: no such dataset file"
+    with pytest.raises(JetrlError) as e:
+        build_task(TaskConfig(name="jsonl", file=_data(tmp_path, GOOD), eval_file=str(tmp_path)), 0)
+    assert str(e.value).startswith(f"task.eval_file: {tmp_path}: is a directory")
+    assert refused(["task.name=jsonl"]) == (f"{P}: task.file: required for task.name: jsonl (the training data: "
+                                            "one JSON object per line)")
