@@ -661,7 +661,7 @@ def bench_cmd(
     warps: Annotated[Optional[str], typer.Option("--warps", help="quantize: time the 128x128-tile Triton quantizers at each of these warp counts, e.g. 8,16 (allowed 4, 8, 16, 32; default: as timed and chosen on this device).")] = None,
     no_transformers: Annotated[bool, typer.Option("--no-transformers", metavar="", help="rollout/train: skip the transformers baseline rows (on an H100, static-cache generate() in the same process as two or more embedded engines once ended in a CUDA illegal memory access; see docs/benchmarks.md).")] = False,
 ):
-    """Throughput per flow next to BF16: GEMMs, quantizers, rollout (vs generate()), training step, end to end."""
+    """Throughput per flow next to BF16: GEMMs, quantizers, attention, rollout (vs generate()), training step, end to end."""
     from . import bench
 
     modes = bench.parse_modes(mode)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,7 +179,10 @@ def _takes_a_string(keys: list[str]) -> bool:
     if len(keys) != 2 or keys[0] not in SECTIONS:
         return False
     tp = typing.get_type_hints(SECTIONS[keys[0]]).get(keys[1])
-    return tp is str or (str in typing.get_args(tp) and set(typing.get_args(tp)) <= {str, type(None)})
+    if tp is str:
+        return True
+    optional = typing.get_origin(tp) in (typing.Union, types.UnionType)  # str | None, not list[str]
+    return optional and str in typing.get_args(tp) and set(typing.get_args(tp)) <= {str, type(None)}
 
 
 @dataclass(frozen=True)

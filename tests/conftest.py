@@ -18,6 +18,9 @@ if not torch.cuda.is_available():
         importlib.import_module("triton.language")  # so a test that unsets the variable cannot be the first
     except ImportError:
         pass
+from .triton_interp_fix import install_row_independent_dot  # noqa: E402
+
+install_row_independent_dot()  # a tile's rows multiplied apart, as on a GPU (the batch-invariant tests)
 
 # Property tests draw the same examples on every run (a failure is not a one-off) and print the
 # failing example; a seed per test keeps their coverage different from each other.

@@ -2305,7 +2305,9 @@ def test_decode_steps_read_an_fp8_kv_cache_as_stored(forced_native, monkeypatch)
     stack.close()
     assert calls["kv_values"] > 0
     rollout, trainer, tokens = logps[True]
-    assert (rollout - trainer).abs().max() < 2e-2  # bf16 attention, summed in another order
+    # bf16 attention summed in another order: within two bf16 ulps of each logprob (a fixed 2e-2 held on
+    # the AVX-512 machine; on an AVX2-only one a logprob of -5.84 moved by 0.021, 0.4% of it)
+    assert ((rollout - trainer).abs() <= 2**-7 * trainer.abs() + 2e-3).all()
     assert len(set(map(tuple, tokens))) > 1
     (choice,) = gemm.backend_report()["kernels"]
     assert {k: choice[k] for k in ("op", "device", "kernel", "runs")} == {

@@ -90,6 +90,7 @@ def test_rollout_and_train_write_when_forced_and_train_keeps_out_of_the_run(tmp_
                    *sets(TINY + [f"run.out_dir={cfg.out_dir}"]))
     assert again.exit_code == 0, again.output
     assert sorted(p.name for p in (tmp_path / "runs" / "x-train" / "checkpoints").iterdir()) == ["step_000002"]
+    assert sorted(p.name for p in (tmp_path / "runs" / "x-train").iterdir()) == ["checkpoints", "latest"]
 
 
 def test_resume_keeps_the_runs_settings_and_survives_a_cut_metrics_line(tmp_path):
@@ -372,3 +373,13 @@ def test_output_paths_of_the_wrong_kind_are_refused_before_any_work(tmp_path):
              (("run", "bf16", "-o", a_file), f"-o {a_file}: is a file")]
     for args, want in cases:
         assert want in one_line_error(invoke(*args)), args
+
+
+def test_an_empty_model_path_or_a_file_is_named_as_such(tmp_path):
+    """``model.path=`` read as "." and ``model.path=<a file>`` said "no tokenizer.json"."""
+    with pytest.raises(JetrlError, match=r"^model.path: empty \(a Hugging Face model directory, or 'tiny'\)$"):
+        loop.resolve_model_dir("")
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"")
+    with pytest.raises(JetrlError, match=f"model.path: {re.escape(str(f))}: a file, not a directory"):
+        loop.resolve_model_dir(str(f))

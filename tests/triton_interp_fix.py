@@ -89,3 +89,43 @@ def exact_fma():
         yield
     finally:
         builder.create_fma = original
+
+
+def install_row_independent_dot() -> None:
+    """The interpreter's ``tl.dot`` with each row of the product computed on its own.
+
+    Triton's interpreter computes a tile's ``tl.dot`` as one ``np.matmul`` of the whole tile, and numpy's
+    OpenBLAS does not promise that a row's result is independent of the tile's other rows: on an
+    AVX2-only CPU (Haswell kernels, 2026-11-29) row 12 of a 64-row fp32 tile and the same values as row
+    1 of another tile differed in the last bit of one K block's partial sum (they agreed on the AVX-512
+    machine before). A GPU's MMA computes each output from its row and column alone, which is what the
+    batch-invariant kernels rely on (a rollout's row in a 2-row tile must give the trainer's in a
+    36-row one). So every row is its own ``(1, K) x (K, N)`` product here: the same call, and the same
+    bits, whatever the other rows hold or where the row sits. Idempotent; only under
+    ``TRITON_INTERPRET=1``."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+    if getattr(original, "row_independent", False):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a_data, b_data = a.data, b.data
+        if (a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating()) or \
+           (b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()):
+            a_data = interpreter._convert_float(a_data, a.dtype, interpreter.tl.float16, None).view(np.float16)
+            b_data = interpreter._convert_float(b_data, b.dtype, interpreter.tl.float16, None).view(np.float16)
+        if a_data.ndim != 2:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        dt = d.data.dtype
+        b_data = np.ascontiguousarray(b_data)
+        rows = [np.matmul(np.array(a_data[i:i + 1], copy=True), b_data, dtype=dt) for i in range(a_data.shape[0])]
+        return interpreter.TensorHandle(np.concatenate(rows, axis=0) + d.data, d.dtype.scalar)
+
+    create_dot.row_independent = True
+    builder.create_dot = create_dot

@@ -49,9 +49,13 @@ def tiny_policy_dir() -> Path:
 
 
 def resolve_model_dir(path: str) -> Path:
+    if not str(path).strip():
+        raise JetrlError("model.path: empty (a Hugging Face model directory, or 'tiny')")
     p = tiny_policy_dir() if path == "tiny" else Path(path).expanduser()
     if not p.exists():
         raise JetrlError(f"model.path: {path}: no such directory (a Hugging Face model directory, or 'tiny')")
+    if not p.is_dir():
+        raise JetrlError(f"model.path: {path}: a file, not a directory (a Hugging Face model directory, or 'tiny')")
     return p
 
 
