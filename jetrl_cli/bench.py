@@ -115,6 +115,7 @@ class Settings:
     transformers: bool = True  # rollout/train: also time the transformers baseline rows (when installed)
     cuda_graphs: bool = True  # rollout: the embedded engines replay decode steps as CUDA graphs (GPU)
     quant_warps: tuple[int, ...] = ()  # quantize: time the 128x128-tile Triton kernels at each (default: theirs)
+    not_run: dict[str, str] = field(default_factory=dict)  # mode -> why ``all`` left it out
     progress: object = None
     partial_out: Path | None = None  # --out: rows written there as each finishes (a run cut short keeps them)
     rows_done: object = None  # set by run_bench: (mode, rows so far) -> None
@@ -1530,18 +1531,35 @@ def _transformers_row(s: Settings, make, batch, adv, dev, common: dict) -> dict:
 # --------------------------------------------------------------------------- e2e
 
 
+def e2e_unsupported(model: str, flows, layers: int | None) -> str | None:
+    """Why ``bench e2e`` cannot run these settings (None: it can). It runs ``jetrl run`` on the named
+    flows' presets: a model directory or the tiny policy, whole, never a random-weight shape."""
+    from .models.shapes import SHAPES
+    from .precision.flow import NAMED_FLOWS
+
+    if model in SHAPES:
+        return (f"it runs `jetrl run` on a model directory or 'tiny', not on a shape with random weights "
+                f"(--model {model})")
+    if layers is not None:
+        return "it runs whole models (--layers applies to the rollout and train modes)"
+    bad = [f for f in flows if f not in NAMED_FLOWS]
+    if bad:
+        return f"it runs the named flows only ({', '.join(NAMED_FLOWS)}), not {', '.join(bad)}"
+    return None
+
+
 def bench_e2e(s: Settings) -> list[dict]:
     import tempfile
 
     from .config import load_job_config
-    from .precision.flow import NAMED_FLOWS
     from .rl.loop import run
 
+    why = e2e_unsupported(s.model, s.flows, s.layers)
+    if why is not None:
+        raise JetrlError(f"bench e2e: {why}")
     rows = []
     keys = ("rollout_s", "score_s", "train_s", "sync_s", "step_s")
     for name in s.flows:
-        if name not in NAMED_FLOWS:
-            raise JetrlError(f"--flows: unknown flow {name!r} (allowed: {', '.join(NAMED_FLOWS)})")
         preset = name if name != "int8-rollout" else "int8-rollout-tis"
         s.say(f"e2e: {s.e2e_steps} steps of {preset}")
         cfg = load_job_config(preset, [f"train.steps={s.e2e_steps}", "eval.every=0", "eval.prompts=1",
@@ -1567,7 +1585,7 @@ RUNNERS = {"gemm": bench_gemm, "quantize": bench_quantize, "attention": bench_at
            "train": bench_train, "e2e": bench_e2e}
 
 
-_NOT_SETTINGS = ("progress", "partial_out", "rows_done")
+_NOT_SETTINGS = ("progress", "partial_out", "rows_done", "not_run")
 
 
 def run_bench(modes: list[str], s: Settings) -> dict:
@@ -1579,6 +1597,8 @@ def run_bench(modes: list[str], s: Settings) -> dict:
             write_json({**res, "results": {**res["results"], mode: rows}, "partial": True}, s.partial_out)
 
     s.rows_done = partial
+    if s.not_run:
+        res["not_run"] = dict(s.not_run)
     for m in modes:
         res["results"][m] = RUNNERS[m](s)
     res["targets"] = targets(res["results"], s.device)
@@ -1884,6 +1904,8 @@ def render(res: dict, console) -> None:
                       f"{x['score_s']:.2f}", f"{x['train_s']:.2f}", f"{x['sync_s']:.3f}", f"{x['step_s']:.2f}",
                       f"{100 * x['rollout_frac']:.0f}%", f"{x['rollout_tokens_per_s']:.0f}")
         print_table(console, t, keep=1)
+    for mode, why in res.get("not_run", {}).items():
+        console.print(escape(f"not run: {mode}: {why}"), highlight=False)
     for tg in res["targets"]:
         style = "green" if tg["met"] else "yellow"
         measured = "" if tg["value"] is None else f": measured {tg['value']:.2f}"

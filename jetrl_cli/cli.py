@@ -636,10 +636,10 @@ def run_cmd(
 @user_errors
 def bench_cmd(
     mode: Annotated[str, typer.Argument(help="gemm, quantize, attention, rollout, train, e2e or all.")] = "all",
-    flows: Annotated[Optional[str], typer.Option("--flows", help="Comma-separated flows for rollout/train/e2e (default bf16,fp8-rollout,fp8-unified); NAME+invariant for a flow's batch-invariant mode, NAME+fp8kv for it with an FP8 KV cache; train rows: NAME+graphs for its decoder layers as CUDA graphs (train.cuda_graphs).")] = None,
+    flows: Annotated[Optional[str], typer.Option("--flows", help="Comma-separated flows for rollout/train/e2e (default bf16,fp8-rollout,fp8-unified); NAME+invariant for a flow's batch-invariant mode, NAME+fp8kv for it with an FP8 KV cache; train rows: NAME+graphs for its decoder layers as CUDA graphs (train.cuda_graphs); e2e takes the plain names.")] = None,
     shapes: Annotated[Optional[str], typer.Option("--shapes", help="gemm: MxNxK,... ; quantize: MxK,... (default: Llama-3-8B and Qwen2.5-7B layers); attention: BATCHxWIDTH,... (sequences x key width).")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
-    model: Annotated[str, typer.Option("--model", help="attention/rollout/train/e2e model: 'tiny', a local HF directory, or a shape with random weights: qwen2.5-1.5b, qwen2.5-7b, llama-3-8b.")] = "tiny",
+    model: Annotated[str, typer.Option("--model", help="attention/rollout/train/e2e model: 'tiny', a local HF directory, or a shape with random weights: qwen2.5-1.5b, qwen2.5-7b, llama-3-8b (not e2e: it runs jetrl run).")] = "tiny",
     layers: Annotated[Optional[int], typer.Option("--layers", help="rollout/train: keep the first N decoder layers (7-8B layer shapes on one GPU).")] = None,
     batch: Annotated[int, typer.Option("--batch", help="rollout: sequences decoded together.")] = 64,
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="rollout: new tokens per sequence (stop tokens off).")] = 64,
@@ -689,6 +689,9 @@ def bench_cmd(
         if "quantize" not in modes:
             raise JetrlError("--warps applies to the quantize mode")
         s.quant_warps = bench.parse_warps(warps)
+        why = bench._triton_unavailable(device)
+        if why is not None:  # only the Triton quantizers take a warp count
+            raise JetrlError(f"--warps times the Triton quantizers, which do not run here: {why}")
     if profile is not None and not set(modes) & {"rollout", "train"}:
         raise JetrlError("--profile applies to the rollout and train modes")
     if no_fuse:
@@ -703,6 +706,14 @@ def bench_cmd(
             raise JetrlError("--flows: no flow given")
         for f in s.flows:  # unknown names fail before anything runs
             bench.check_flow(f, modes)
+    why = bench.e2e_unsupported(model, s.flows, layers) if "e2e" in modes else None
+    if why is not None:  # found before any mode runs: `all` leaves e2e out and says so, `e2e` is an error
+        if modes != ["e2e"]:
+            modes.remove("e2e")
+            s.not_run["e2e"] = why
+            err_console.print(Text(f"not run: e2e: {why}", style="yellow"))
+        else:
+            raise JetrlError(f"bench e2e: {why}")
     if task_set and ("rollout" not in modes or s.task_preset is None):
         raise JetrlError("--task-set applies to the rollout mode's task batch (--task-preset; with --model, "
                          "give --task-preset NAME)")

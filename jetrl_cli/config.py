@@ -291,6 +291,9 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
     if t.policy_loss == "gspo" and c.type == "acr":
         raise PresetError(source, "train.policy_loss", "gspo clips whole sequences; correction.type acr's per-token "
                           "clip bound does not apply to it (use tis or mis)")
+    if t.policy_loss == "gspo" and t.loss_agg != "seq-mean-token-mean":
+        raise PresetError(source, "train.loss_agg", f"gspo's objective is a mean over sequences: set "
+                          f"train.loss_agg=seq-mean-token-mean (verl's GSPO loss forces it), got {t.loss_agg}")
     tk, ev = secs["task"], secs["eval"]
     for key in ("file", "eval_file"):
         if getattr(tk, key) is not None and tk.name != "jsonl":

@@ -499,10 +499,10 @@ def _run_loop(preset: str, *overrides: str) -> dict:
 
 
 def _gpu_preset(preset: str) -> dict:
-    """A ``gpu-*`` preset (a Hugging Face model directory, GSM8K-style JSONL, the preset's own batch
-    settings) through ``_run_loop``, on a model built here with the real model's traits that matter
-    to the code: Qwen2 with tied embeddings, GQA, head_dim 128, an MLP width of an odd number of
-    128-blocks. Needs transformers (to write the directory)."""
+    """A ``gpu-*`` preset (a Hugging Face model directory, GSM8K-style JSONL, the preset's training
+    settings at 2 prompts x 4 samples x 16 new tokens) through ``_run_loop``, on a model built here
+    with the real model's traits that matter to the code: Qwen2 with tied embeddings, GQA, head_dim
+    128, an MLP width of an odd number of 128-blocks. Needs transformers (to write the directory)."""
     import shutil
     import tempfile
 

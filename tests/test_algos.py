@@ -721,7 +721,11 @@ def test_gspo_with_the_acr_correction_is_refused_in_a_preset():
 
     with pytest.raises(PresetError, match=r"train.policy_loss: gspo clips whole sequences; correction.type acr"):
         load_job_config("qurl", ["train.policy_loss=gspo"])
-    assert load_job_config("fp8-rollout-tis", ["train.policy_loss=gspo"]).train.policy_loss == "gspo"
+    with pytest.raises(PresetError, match=r"train.loss_agg: gspo's objective is a mean over sequences: set "
+                       r"train.loss_agg=seq-mean-token-mean \(verl's GSPO loss forces it\), got token-mean"):
+        load_job_config("fp8-rollout-tis", ["train.policy_loss=gspo"])
+    gspo = ["train.policy_loss=gspo", "train.loss_agg=seq-mean-token-mean"]
+    assert load_job_config("fp8-rollout-tis", gspo).train.policy_loss == "gspo"
 
 
 def test_overlong_penalty_by_hand():
@@ -815,3 +819,81 @@ def test_an_update_with_an_entropy_bonus_raises_the_entropy_and_splits_into_micr
     before = [p.detach().clone() for p in tr.model.parameters()]
     tr.update(b, zero, tr.score(b), None, step=0)
     assert all(torch.equal(p, q) for p, q in zip(tr.model.parameters(), before))
+
+
+def _random_logps(seed, shape=(5, 7)):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(shape, generator=g) < 0.8
+    old = -torch.rand(shape, generator=g, dtype=torch.float64) * 3
+    roll = old + torch.randn(shape, generator=g, dtype=torch.float64) * 0.6
+    roll[0], roll[1] = old[0] - 1.0, old[1]  # ratios e (out of any band here) and 1 (in it)
+    mask[:2, 0] = True
+    logp = (old + torch.randn(shape, generator=g, dtype=torch.float64) * 0.1).requires_grad_()
+    ref = old + torch.randn(shape, generator=g, dtype=torch.float64) * 0.2
+    ent = torch.rand(shape, generator=g, dtype=torch.float64, requires_grad=True)
+    adv = torch.randn(shape[0], generator=g, dtype=torch.float64)
+    return mask, old, roll, logp, ref, ent, adv
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_mis_drops_tokens_from_every_term_and_denominator_as_verls_rejection_sampling(level, agg):
+    """MIS's rejected tokens leave the loss altogether, as verl's rejection sampling drops them from
+    its response mask: the loss (policy, KL and entropy terms, each denominator) equals the uncorrected
+    loss on the kept tokens' mask; it used to keep them in the denominators and the KL and entropy."""
+    from jetrl_cli.rl.algos import loss_tokens
+
+    seed = int(torch.randint(0, 2**31, ()))
+    mask, old, roll, logp, ref, ent, adv = _random_logps(seed)
+    cfg = CorrectionConfig("mis", mis_low=0.7, mis_high=1.4, mis_level=level)
+    imp = importance(old, roll, mask, cfg, EPS_H)
+    keep = loss_tokens(mask, old, roll, cfg)
+    assert torch.equal(keep, imp.keep) and 0 < int(keep.sum()) < int(mask.sum()), seed
+    kw = dict(logp_ref=ref, kl_coef=0.1, agg=agg, entropy=ent, entropy_coef=0.01)
+    got, st = policy_loss(logp, old, adv, mask, imp, EPS_L, EPS_H, loss_denominator(keep, agg, 7), **kw)
+    plain = importance(old, roll, keep, CorrectionConfig(), EPS_H)
+    want, _ = policy_loss(logp, old, adv, keep, plain, EPS_L, EPS_H, loss_denominator(keep, agg, 7), **kw)
+    assert float(got) == float(want) and int(st["loss_tokens"]) == int(keep.sum())
+    ga = torch.autograd.grad(got, (logp, ent))
+    gb = torch.autograd.grad(want, (logp, ent))
+    for a, b in zip(ga, gb):
+        assert torch.equal(a, b) and not a[~keep].any()
+
+
+def test_a_mis_update_divides_by_its_kept_tokens():
+    """The trainer's denominator is the mini-batch's kept tokens (``Trainer.loss_tokens``)."""
+    b, adv = _update_batch()
+    tr = _trainer(6)
+    tr.ccfg = CorrectionConfig("mis", mis_low=0.9, mis_high=1.1)
+    lp = tr.score(b)
+    old = b.rollout_logp + 0.2 * torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(3)) * b.mask
+    idx = torch.arange(len(b.rewards))
+    keep = tr.loss_tokens(b, idx, old)
+    assert 0 < int(keep.sum()) < int(b.mask.sum())
+    imp = importance(old, b.rollout_logp, b.mask, tr.ccfg, tr.cfg.clip_high)
+    want, _ = policy_loss(lp, old, adv, b.mask, imp, tr.cfg.clip_low, tr.cfg.clip_high,
+                          loss_denominator(keep, "token-mean", 0))
+    assert tr.update(b, adv, old, None, step=0)["pg_loss"] == pytest.approx(float(want), rel=1e-5)
+
+
+def test_k3_and_the_ppo_ratio_are_bounded_as_verls():
+    """k3 takes verl's clamps (log-ratio to [-20, 20], the estimate to at most 10, no gradient past
+    them) and the PPO ratio a log-ratio clamped to [-20, 20]: a runaway token gives a finite loss and
+    gradient (it gave 1.8e8, or inf and NaN). Inside the bounds nothing changes."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    logp = -torch.rand(50, generator=g, dtype=torch.float64) * 3
+    ref = logp + torch.randn(50, generator=g, dtype=torch.float64)
+    dl = ref - logp
+    assert torch.equal(kl_penalty(logp, ref, "k3"), (torch.exp(dl) - dl - 1).clamp(max=10.0))
+    far = torch.tensor([-5.0, -20.0, -1.0], dtype=torch.float64, requires_grad=True)
+    k3 = kl_penalty(far, torch.tensor([-1.0, -1.0, -1.0], dtype=torch.float64), "k3")
+    assert k3.tolist() == [10.0, 10.0, 0.0]
+    assert torch.autograd.grad(k3.sum(), far)[0].tolist() == [0.0, 0.0, 0.0]
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    old = torch.tensor([[-100.0, -1.0]], dtype=torch.float64)
+    none = importance(old, old, mask, CorrectionConfig(), EPS_H)
+    for a in (1.0, -1.0):
+        lp = torch.tensor([[-0.01, -1.0]], dtype=torch.float64, requires_grad=True)
+        loss, _ = policy_loss(lp, old, torch.tensor([a], dtype=torch.float64), mask, none, EPS_L, EPS_H, 2.0)
+        grad = torch.autograd.grad(loss, lp)[0]
+        assert math.isfinite(float(loss)) and torch.isfinite(grad).all(), (a, float(loss), grad)

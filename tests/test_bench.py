@@ -528,11 +528,25 @@ def test_task_shaped_rollout_batch_is_opt_in_for_a_users_model(given, model, wan
     (["gemm", "--profile", "p"], "--profile applies to the rollout and train modes"),
     (["quantize", "--warps", "8,7"], "--warps: '7' is not a warp count (allowed 4, 8, 16, 32, comma-separated)"),
     (["gemm", "--warps", "8"], "--warps applies to the quantize mode"),
+    (["e2e", "--model", "qwen2.5-1.5b"],
+     "bench e2e: it runs `jetrl run` on a model directory or 'tiny', not on a shape"),
+    (["e2e", "--flows", "bf16,bf16+invariant"], "bench e2e: it runs the named flows only (bf16, fp8-rollout, "
+                                                "int8-rollout, fp8-unified), not bf16+invariant"),
+    (["e2e", "--layers", "1"], "bench e2e: it runs whole models (--layers applies to the rollout and train modes)"),
 ])
 def test_bad_input_is_one_line(args, msg):
     res = runner.invoke(app, ["bench", *args, "--no-history"])
     assert res.exit_code == 2
     assert msg in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_warps_without_the_triton_quantizers_is_an_error(monkeypatch):
+    """``--warps`` on a CPU without Triton's interpreter: the Triton quantizers, the only ones that take a
+    warp count, cannot run; one line says so (it used to time the torch reference and ignore --warps)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    res = runner.invoke(app, ["bench", "quantize", "--warps", "8,16", "--shapes", "256x256", *FAST])
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert "--warps times the Triton quantizers, which do not run here: they run on CUDA tensors" in res.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
@@ -839,3 +853,24 @@ def test_a_profile_finds_where_the_device_waited_and_keeps_the_timeline(tmp_path
     with gzip.open(path) as f:
         assert "traceEvents" in json.load(f)
     assert [p.name for p in tmp_path.iterdir()] == ["run-trace.json.gz"]
+
+
+@pytest.mark.parametrize("args", [["--model", "qwen2.5-1.5b"], ["--flows", "bf16,fp8-unified+fp8kv"],
+                                  ["--layers", "2"]])
+def test_bench_all_leaves_out_e2e_where_it_cannot_run_before_any_mode_runs(monkeypatch, args):
+    """``bench`` (all modes) with settings e2e cannot take -- a random-weight shape, a flow variant,
+    ``--layers`` -- leaves e2e out with a line saying why, found before the first mode runs (a GPU
+    bench of every mode ended only at e2e, with an error); the JSON says it too."""
+    from jetrl_cli import bench as jbench
+
+    ran = []
+    monkeypatch.setattr(jbench, "RUNNERS", {m: (lambda s, m=m: ran.append(m) or []) for m in jbench.MODES})
+    res = runner.invoke(app, ["bench", *args, *FAST])
+    assert res.exit_code == 0, res.output
+    assert ran == [m for m in jbench.MODES if m != "e2e"]
+    out = json.loads(res.stdout)
+    assert set(out["not_run"]) == {"e2e"} and "e2e" not in out["results"]
+    assert "not run: e2e: it runs" in res.stderr
+    ran.clear()
+    res = runner.invoke(app, ["bench", "--flows", "bf16", *FAST])  # settings e2e takes: every mode
+    assert res.exit_code == 0 and ran == list(jbench.MODES) and "not_run" not in json.loads(res.stdout)

@@ -272,3 +272,20 @@ def test_task_file_that_is_a_directory_or_missing_names_the_key_and_the_preset(t
     assert str(e.value).startswith(f"task.eval_file: {tmp_path}: is a directory")
     assert refused(["task.name=jsonl"]) == (f"{P}: task.file: required for task.name: jsonl (the training data: "
                                             "one JSON object per line)")
+
+
+@pytest.mark.parametrize("cmd, key, backend, allowed", [
+    ("rollout", "precision.rollout.linear", "triton", "auto, emulated"),
+    ("run", "precision.train.wgrad", "scaled_mm", "auto, emulated"),
+])
+def test_a_backend_that_cannot_run_a_gemm_here_names_its_key_before_the_run(tmp_path, monkeypatch, cmd, key,
+                                                                           backend, allowed):
+    """A preset naming a GEMM backend this device lacks (Triton's kernels or blockwise ``scaled_mm`` on
+    a CPU) is refused before anything runs, with the preset key and the backends that can run it here:
+    it used to surface at the GEMM's first call as "the fprop GEMM ...", without the key."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    preset = "fp8-rollout" if cmd == "rollout" else "fp8-unified"
+    out = tmp_path / ("r.jsonl" if cmd == "rollout" else "run")
+    msg = one_line_error(invoke(cmd, preset, "-o", out, *sets(SMALL + [f"{key}.backend={backend}"])))
+    assert msg.startswith(f"error: {key}.backend: {backend} cannot run ") and f"(allowed here: {allowed})" in msg
+    assert not out.exists()

@@ -102,7 +102,7 @@ class ShardedTrainer(Trainer):
         for _ in range(cfg.ppo_epochs):
             for gs in gsplit:
                 idx = torch.isin(b.group, gs).nonzero()[:, 0]
-                denom = loss_denominator(b.mask[idx], cfg.loss_agg, self.sampling.max_new_tokens)
+                denom = loss_denominator(self.loss_tokens(b, idx, old), cfg.loss_agg, self.sampling.max_new_tokens)
                 plans = [_micro_batches(torch.isin(b.group, gs[r.start:r.stop]).nonzero()[:, 0], cfg.micro_batch)
                          for r in world.shards(len(gs))]
                 mine, rounds = plans[world.rank], max(len(p) for p in plans)

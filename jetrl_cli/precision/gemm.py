@@ -980,6 +980,25 @@ def get_backend(name: str) -> GemmBackend:
         raise JetrlError(f"unknown GEMM backend {name!r} (allowed: auto, {', '.join(_BACKENDS)})") from None
 
 
+def check_backends(flow, device: torch.device | str) -> None:
+    """A one-line error naming the preset key of each of ``flow``'s GEMMs whose preset names a backend
+    that cannot run it on ``device`` (``resolve``'s rule, checked before a run starts rather than at
+    the GEMM's first call), with the backends that can."""
+    device = torch.device(device)
+    t = flow.train.linear
+    for key, spec, gemm in (("precision.rollout.linear", flow.rollout.linear, "fprop"),
+                            ("precision.train.fprop", t.fprop, "fprop"), ("precision.train.dgrad", t.dgrad, "dgrad"),
+                            ("precision.train.wgrad", t.wgrad, "wgrad")):
+        asked = spec.backend
+        if asked == "auto" or not spec.is_quantized or (asked == "invariant" and device.type != "cuda"):
+            continue
+        why = get_backend(asked).unsupported(spec, gemm, device)
+        if why is not None:
+            ok = [n for n, be in _BACKENDS.items() if n != asked and be.unsupported(spec, gemm, device) is None]
+            raise JetrlError(f"{key}.backend: {asked} cannot run {spec.short_str()} on {device}: {why} (allowed "
+                             f"here: {', '.join(['auto', *ok])})")
+
+
 def static_unsupported(backend: str, spec, gemm: str) -> str | None:
     """What a preset can be told before any device is known: can ``backend`` run ``spec`` at all?"""
     if backend == "auto" or (backend == "invariant" and not spec.is_quantized):

@@ -16,7 +16,9 @@ Corrections (``CorrectionConfig.type``):
   tokens' ratios capped (the unbiased sequence-level estimator), ``geometric`` their geometric mean
   capped (verl's levels; ``acr``'s TIS weight follows ``tis_level`` too).
 - ``mis``  masked IS: tokens (``mis_level: token``) or whole sequences (``sequence``: geometric
-  mean ratio) whose ratio leaves ``[mis_low, mis_high]`` drop out of the loss.
+  mean ratio; verl's ``seq_mean_k1``) whose ratio leaves ``[mis_low, mis_high]`` drop out of the loss
+  altogether, as verl's rejection sampling drops them from its response mask: from the policy term,
+  the KL and entropy terms and the loss denominators (``loss_tokens``). Kept tokens are unweighted.
 - ``acr``  (QuRL): TIS weight, and the upper clip bound per token becomes ``(1+eps_high)/r`` with
   ``r = pi_old/pi_rollout``.
 
@@ -29,6 +31,8 @@ Loss aggregation (``TrainConfig.loss_agg``, verl's names; ``loss_denominator``):
   completion weighs more than one of a long completion.
 - ``seq-mean-token-sum-norm`` (Dr. GRPO, with ``adv_norm: none``): the token terms summed and
   divided by sequences x ``max_new_tokens``: one constant weight per token, whatever the lengths.
+  That is Dr. GRPO's ``1 / (G * L_max)``; verl's ``agg_loss`` of that name divides by the length only,
+  a loss (and gradient) as many times larger as the mini-batch has sequences.
 
 Policy losses (``TrainConfig.policy_loss``, ``policy_loss(mode=...)``):
 
@@ -38,7 +42,11 @@ Policy losses (``TrainConfig.policy_loss``, ``policy_loss(mode=...)``):
   per token as ``sg[s] * pi_t / sg[pi_t]`` (GSPO-token), whose value is ``s`` at every token and
   whose gradient, summed over a sequence's tokens and divided by its length
   (``seq-mean-token-mean``, GSPO's aggregation), is ``grad s``. Sequence ratios stay close to 1:
-  GSPO clips at ``clip_low: 3e-4``, ``clip_high: 4e-4``.
+  GSPO clips at ``clip_low: 3e-4``, ``clip_high: 4e-4``; a preset with ``gspo`` must aggregate
+  with ``seq-mean-token-mean`` (verl's GSPO loss forces it).
+
+Ratios are exponentiated from log-ratios clamped to [-20, 20] (verl's bound): a token whose logprob
+moved by more cannot overflow the loss to inf or its gradient to NaN.
 
 ``dual_clip: c`` (> 1; dual-clip PPO, verl's ``clip_ratio_c``) bounds a negative advantage's term
 at ``c * A``: a token whose ratio grew far beyond the clip range cannot push the loss without end.
@@ -51,6 +59,9 @@ from dataclasses import dataclass
 import torch
 
 from ..choices import ADV_ESTIMATORS, CORRECTIONS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, TIS_LEVELS  # noqa: E402
+
+RATIO_CLAMP = 20.0  # |log-ratio| bound before an exp (the PPO ratio, k3's): verl's
+K3_MAX = 10.0  # k3's per-token bound: verl's
 
 
 @dataclass(frozen=True)
@@ -75,7 +86,9 @@ class Importance:
 def group_advantages(rewards: torch.Tensor, norm: str = "std", eps: float = 1e-6) -> torch.Tensor:
     """GRPO: ``(r - mean(group)) / (std(group) + eps)``; ``norm="none"``: mean-centred only (Dr. GRPO).
 
-    ``rewards``: ``(groups, n)``. std is the population std (all n samples are the group)."""
+    ``rewards``: ``(groups, n)``. std is the population std (all n samples are the group; verl and
+    TRL take Bessel's correction, so their advantages are ``sqrt((n - 1) / n)`` of these: 0.94x at
+    n = 8)."""
     r = rewards.double()
     centred = r - r.mean(-1, keepdim=True)
     if norm == "std":
@@ -115,14 +128,16 @@ def advantages(rewards: torch.Tensor, lengths: torch.Tensor, estimator: str = "g
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) on tokens sampled from pi: ``k1 = log(pi/pi_ref)``
     (unbiased, can be negative; verl's ``kl``), ``k2 = (log(pi/pi_ref))^2 / 2`` (verl's ``mse``),
-    ``k3 = pi_ref/pi - 1 - log(pi_ref/pi)`` (unbiased, never negative; verl's ``low_var_kl``)."""
+    ``k3 = pi_ref/pi - 1 - log(pi_ref/pi)`` (unbiased, never negative; verl's ``low_var_kl``, with its
+    clamps: the log-ratio to [-20, 20], the estimate to at most 10 -- one token far from the reference
+    would otherwise dominate the term, up to inf)."""
     if estimator == "k1":
         return logp - logp_ref
     if estimator == "k2":
         return 0.5 * (logp - logp_ref) ** 2
     if estimator == "k3":
-        dl = logp_ref - logp
-        return torch.exp(dl) - dl - 1
+        dl = (logp_ref - logp).clamp(-RATIO_CLAMP, RATIO_CLAMP)
+        return (torch.exp(dl) - dl - 1).clamp(max=K3_MAX)
     raise ValueError(f"unknown KL estimator {estimator!r} (allowed: {', '.join(KL_ESTIMATORS)})")
 
 
@@ -192,11 +207,7 @@ def importance(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.T
     if cfg.type in ("tis", "acr"):
         weight = _tis_weight(log_r, r, m, cfg)
     elif cfg.type == "mis":
-        if cfg.mis_level == "token":
-            keep = m & (r >= cfg.mis_low) & (r <= cfg.mis_high)
-        else:
-            seq = (log_r.sum(-1) / m.sum(-1).clamp_min(1)).exp()[:, None]
-            keep = m & (seq >= cfg.mis_low) & (seq <= cfg.mis_high)
+        keep = _mis_keep(log_r, r, m, cfg)
     elif cfg.type != "none":
         raise ValueError(f"unknown correction {cfg.type!r} (allowed: {', '.join(CORRECTIONS)})")
     if cfg.type == "acr":
@@ -206,6 +217,26 @@ def importance(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.T
         metrics = mismatch_metrics(logp_old, logp_rollout, m, cfg)
         metrics["frac_masked"] = float(1 - keep.sum() / m.sum().clamp_min(1))
     return Importance(log_r, weight, keep, clip_high, metrics)
+
+
+def _mis_keep(log_r: torch.Tensor, r: torch.Tensor, m: torch.Tensor, cfg: CorrectionConfig) -> torch.Tensor:
+    """MIS's tokens kept: those whose ratio (``token``) or whose sequence's geometric-mean ratio
+    (``sequence``) lies in ``[mis_low, mis_high]``."""
+    if cfg.mis_level == "token":
+        return m & (r >= cfg.mis_low) & (r <= cfg.mis_high)
+    seq = (log_r.sum(-1) / m.sum(-1).clamp_min(1)).exp()[:, None]
+    return m & (seq >= cfg.mis_low) & (seq <= cfg.mis_high)
+
+
+def loss_tokens(mask: torch.Tensor, logp_old: torch.Tensor, logp_rollout: torch.Tensor,
+                cfg: CorrectionConfig) -> torch.Tensor:
+    """The tokens a mini-batch's loss counts (``loss_denominator``'s ``mask``): its completion tokens,
+    less those MIS drops (``importance``'s ``keep``)."""
+    m = mask.bool()
+    if cfg.type != "mis":
+        return m
+    log_r = torch.where(m, logp_old - logp_rollout, 0.0)
+    return _mis_keep(log_r, log_r.exp(), m, cfg)
 
 
 def _tis_weight(log_r: torch.Tensor, r: torch.Tensor, m: torch.Tensor, cfg: CorrectionConfig) -> torch.Tensor:
@@ -263,7 +294,7 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
     if mode == "gspo" and imp.clip_high is not None:
         raise ValueError("the gspo policy loss clips whole sequences; the acr correction's per-token "
                          "clip bound does not apply (use tis or mis)")
-    m = mask.bool()
+    m = mask.bool() & imp.keep  # tokens MIS drops leave every term and every length
     per_seq = agg == "seq-mean-token-mean"
     lengths = m.sum(-1).clamp_min(1)
 
@@ -276,19 +307,18 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
         log_ratio = logp - logp.detach() + seq.detach()[:, None]  # value log s, gradient that of log pi_t
         ratio = torch.exp(log_ratio.clamp(max=10.0))  # as verl: a runaway sequence cannot overflow
     else:
-        ratio = torch.exp(logp - logp_old)
+        ratio = torch.exp((logp - logp_old).clamp(-RATIO_CLAMP, RATIO_CLAMP))  # as verl: no inf, no NaN gradient
     upper = imp.clip_high if imp.clip_high is not None else torch.full_like(ratio, 1 + clip_high)
     clipped = torch.minimum(torch.clamp(ratio, min=1 - clip_low), upper)
     surr = torch.minimum(ratio * a, clipped * a)
     if dual_clip > 0:
         surr = torch.where(a < 0, torch.maximum(surr, dual_clip * a), surr)
-    keep = imp.keep & m
-    pg = -total(surr * imp.weight * keep) / denom
+    pg = -total(surr * imp.weight * m) / denom
     loss = pg
     stats = {"pg_loss": pg.detach()}
     with torch.no_grad():
-        stats["clipped_tokens"] = ((surr != ratio * a) & keep).sum()
-        stats["loss_tokens"] = keep.sum()
+        stats["clipped_tokens"] = ((surr != ratio * a) & m).sum()
+        stats["loss_tokens"] = m.sum()
     if logp_ref is not None and kl_coef > 0:
         kl = torch.where(m, kl_penalty(logp, logp_ref, kl_estimator), 0.0)
         kl_term = total(kl) / denom

@@ -31,7 +31,7 @@ from ..errors import JetrlError
 from ..models.hf import load_model
 from ..models.tokenizer import Tokenizer
 from ..precision import fuse
-from ..precision.gemm import backend_report, reset_resolutions
+from ..precision.gemm import backend_report, check_backends, reset_resolutions
 from ..tasks import PromptSource, build_task
 from .algos import CorrectionConfig, advantages, importance, overlong_penalty
 from .checkpoint import latest_checkpoint, save_checkpoint
@@ -64,6 +64,7 @@ def _device(cfg: JobConfig) -> torch.device:
     if cfg.model.device == "cuda" and not torch.cuda.is_available():
         raise JetrlError("model.device: cuda, but torch sees no CUDA device (use model.device=cpu)")
     fuse.set_enabled(cfg.model.fuse)
+    check_backends(cfg.flow, cfg.model.device)
     return torch.device(cfg.model.device)
 
 

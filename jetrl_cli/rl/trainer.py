@@ -38,7 +38,7 @@ from .head_grad import head_logprobs, sliced_backward_applies
 # 933 MB for Qwen2.5-1.5B), so chunks are few and large (1 << 25 made it 220 rows and 38 chunks).
 LOGPROB_CHUNK_ELEMENTS = 1 << 27
 _OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
-from .algos import CorrectionConfig, importance, loss_denominator, policy_loss
+from .algos import CorrectionConfig, importance, loss_denominator, loss_tokens, policy_loss
 
 
 class NonFiniteError(JetrlError):
@@ -284,7 +284,7 @@ class Trainer:
         for _ in range(cfg.ppo_epochs):
             for gs in gsplit:
                 idx = torch.isin(b.group, gs).nonzero()[:, 0]
-                denom = loss_denominator(b.mask[idx], cfg.loss_agg, self.sampling.max_new_tokens)
+                denom = loss_denominator(self.loss_tokens(b, idx, old), cfg.loss_agg, self.sampling.max_new_tokens)
                 if self.graphs is None:
                     self.opt.zero_grad(set_to_none=True)
                 else:  # the layers' gradients stay where the graphs add into them; the first backward writes them
@@ -306,6 +306,15 @@ class Trainer:
                 count += 1
         self.updates += count
         return {k: v / count for k, v in agg.items()}
+
+    def loss_tokens(self, b: Batch, idx: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """The tokens of sequences ``idx`` that their mini-batch's loss counts (``algos.loss_tokens``:
+        less those the MIS correction drops)."""
+        mask = b.mask[idx]
+        if self.ccfg.type != "mis":
+            return mask
+        t, dev = mask.shape[1], mask.device
+        return loss_tokens(mask, old[idx, :t].to(dev), b.rollout_logp[idx, :t].to(dev), self.ccfg)
 
     def _micro_step(self, b: Batch, sub: torch.Tensor, adv: torch.Tensor, old: torch.Tensor,
                     ref_logp: torch.Tensor | None, denom: float, last: bool = False) -> tuple:
