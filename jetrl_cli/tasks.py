@@ -52,19 +52,28 @@ def _is_eval(prompt: str) -> bool:
 # ----------------------------------------------------------------------------- answer checking
 
 _NUM = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?$")
+_MAX_EXPONENT = 1000  # a number written with a larger power of ten is compared as text (10^1e9 would take minutes)
+_BOX = re.compile(r"\\(?:boxed|fbox)\b")
 
 
 def extract_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` (braces balanced), or None."""
-    i = text.rfind("\\boxed{")
-    if i < 0:
+    """The content of the last ``\\boxed{...}`` or ``\\fbox{...}`` (braces balanced; ``\\boxed 18``: the
+    token after it), or None: also for an empty or unclosed box (a completion cut off inside it)."""
+    found = list(_BOX.finditer(text))
+    if not found:
         return None
-    depth, j = 1, i + len("\\boxed{")
+    j = found[-1].end()
+    while j < len(text) and text[j] == " ":
+        j += 1
+    if j < len(text) and text[j] != "{":  # \boxed 18: the next token
+        token = text[j:].split(maxsplit=1)[0].rstrip(".,;$") if text[j:].strip() else ""
+        return token or None
+    depth, j = 1, j + 1
     start = j
     while j < len(text) and depth:
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         j += 1
-    return text[start:j - 1].strip() if depth == 0 else None
+    return (text[start:j - 1].strip() or None) if depth == 0 else None
 
 
 def extract_gsm8k(text: str) -> str | None:
@@ -73,27 +82,32 @@ def extract_gsm8k(text: str) -> str | None:
     return text[i + 4:].strip().split("\n")[0].strip() if i >= 0 else None
 
 
-# A number as people write it: 42, -3, 1,000, 2.5, .5, 3/4 (not the minus of "12-3").
+# A number as people write it: 42, -3, 1,000, 2.5, .5, 3/4 (not the minus of "12-3"; a Unicode minus too).
 _LAST_NUMBER = re.compile(r"(?<![\w.])-?(?:\d[\d,]*(?:\.\d+)?(?:/\d+)?|\.\d+)")
 
 
 def extract_last_number(text: str) -> str | None:
     """The last number in the completion (``The answer is 1,234.`` -> ``1,234``), or None."""
-    found = _LAST_NUMBER.findall(text)
+    found = _LAST_NUMBER.findall(text.replace("\u2212", "-"))
     return found[-1].rstrip(",") if found else None
 
 
 def _boxed_or_gsm8k(text: str) -> str | None:
-    return extract_boxed(text) or extract_gsm8k(text)
+    """The box's answer where the completion has one (an empty or unclosed box: none), else ``####``'s."""
+    return extract_boxed(text) if _BOX.search(text) else extract_gsm8k(text)
 
 
 def _auto(text: str) -> str | None:
-    return _boxed_or_gsm8k(text) or extract_last_number(text)
+    """``_boxed_or_gsm8k``, and only where the completion has neither a box nor ``####``, its last number:
+    a box left empty or cut off is no answer, whatever number came before it."""
+    if _BOX.search(text) or "####" in text:
+        return _boxed_or_gsm8k(text)
+    return extract_last_number(text)
 
 
 # task.answer_format -> how the final answer is read from a completion.
 ANSWER_FORMATS = {
-    "auto": _auto,  # \boxed{}, else ####, else the last number
+    "auto": _auto,  # \boxed{}, else ####, else (neither written) the last number
     "boxed_or_gsm8k": _boxed_or_gsm8k,  # \boxed{}, else ####; nothing else counts
     "boxed": extract_boxed,
     "gsm8k": extract_gsm8k,
@@ -111,30 +125,86 @@ def answer_format_of(task_cfg) -> str:
 
 def extract_answer(text: str, answer_format: str = "boxed_or_gsm8k") -> str | None:
     """The final answer of a completion as ``answer_format`` reads it (see ``ANSWER_FORMATS``), or
-    None (an empty ``\\boxed{}`` or a bare ``####`` is no answer)."""
+    None (an empty or unclosed ``\\boxed{}`` or a bare ``####`` is no answer)."""
     return ANSWER_FORMATS[answer_format](text) or None
 
 
+# LaTeX that dresses an answer without changing it, removed before comparing (as verl's math reward's
+# strip_string does): money and percent signs, thin spaces, degrees, \left / \right, \dfrac
+_LATEX_NOISE = (("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\ ", " "), ("{,}", ","), ("\\$", ""), ("$", ""),
+                ("\\%", "%"), ("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
+                ("\u2212", "-"))
+_WRAPPER = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+_THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:([, ])\d{3})(?:\1\d{3})*(?:\.\d+)?")
+_FRAC = re.compile(r"(-?)(\d+)?\s*\\frac\{(-?\d+)\}\{(-?\d+)\}")
+_TIMES_TEN = re.compile(r"(.+?)\s*(?:\\times|\\cdot|\*|x)\s*10\^\{?(-?\d+)\}?")
+_POWER_OF_TEN = re.compile(r"10\^\{?(-?\d+)\}?")
+
+
+def _clean(ans: str) -> str:
+    """An answer without the LaTeX that only dresses it: the wrappers' text kept, a trailing unit word
+    (``18 dollars``, ``18\\text{ cm}``) and a leading ``x =`` dropped, ``\\frac12`` braced, trailing dots
+    and degree marks removed."""
+    s = ans.strip()
+    for a, b in _LATEX_NOISE:
+        s = s.replace(a, b)
+    s = re.sub(r"\^\s*\{?\\circ\}?", "", s)
+    s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\\frac\{([^{}]*)\}(\d)", r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)
+    s = _WRAPPER.sub(r"\1", s).strip()
+    m = re.fullmatch(r"[A-Za-z]\s*=\s*(.+)", s)  # x = 18
+    if m:
+        s = m.group(1)
+    m = re.fullmatch(r"([-+]?[\d.,/ ]*\d)\s+[A-Za-z]{2,}\.?", s)  # a number and one unit word
+    if m:
+        s = m.group(1)
+    return s.strip().rstrip(".").strip()
+
+
+def _number(s: str) -> Fraction | None:
+    """``s`` as an exact number, or None: plain and scientific notation (``1e3``, ``1.8 \\times
+    10^{1}``, ``10^6``), thousands grouped by commas or spaces (``1,234``, ``1 234``: not ``3,5``), a
+    trailing ``%`` (``50%`` = 50), fractions ``3/4``, ``\\frac{3}{4}``, ``-\\frac{1}{2}``, ``2\\frac{1}{2}``."""
+    s = s.rstrip("%").strip()
+    if _THOUSANDS.fullmatch(s):
+        s = s.replace(",", "").replace(" ", "")
+    m = _FRAC.fullmatch(s) or re.fullmatch(r"(-?)()(\d+)\s*/\s*(\d+)", s)
+    if m:
+        sign, whole, a, b = m.groups()
+        if int(b) == 0:
+            return None
+        v = int(whole or 0) + Fraction(int(a), int(b))
+        return -v if sign else v
+    m = _TIMES_TEN.fullmatch(s)
+    if m:
+        base, e = _number(m.group(1)), int(m.group(2))
+        return None if base is None or abs(e) > _MAX_EXPONENT else base * Fraction(10) ** e
+    m = _POWER_OF_TEN.fullmatch(s)
+    if m:
+        e = int(m.group(1))
+        return None if abs(e) > _MAX_EXPONENT else Fraction(10) ** e
+    m = _NUM.match(s)
+    if m:
+        e = int(m.group(3)[1:]) if m.group(3) else 0
+        return Fraction(s) if abs(e) <= _MAX_EXPONENT else None
+    return None
+
+
 def normalize(ans: str) -> str | Fraction:
-    """Numbers become exact fractions (``1,000`` / ``$1000.00`` / ``1e3`` / ``2000/2`` agree); other text
-    is compared with whitespace collapsed."""
-    s = ans.strip().strip(".").replace(",", "").replace("$", "").replace("\\%", "").rstrip("%").strip()
-    s = re.sub(r"^\\text\{(.*)\}$", r"\1", s)
-    m = re.fullmatch(r"\\[dt]?frac\{(-?\d+)\}\{(-?\d+)\}", s) or re.fullmatch(r"(-?\d+)\s*/\s*(-?\d+)", s)
-    if m and int(m.group(2)) != 0:
-        return Fraction(int(m.group(1)), int(m.group(2)))
-    if _NUM.match(s):
-        return Fraction(s)
-    return " ".join(ans.split())
+    """An answer as compared: a number as an exact fraction (``1,000`` / ``$1000.00`` / ``\\$1{,}000`` /
+    ``1e3`` / ``2000/2`` / ``1000 dollars`` agree; ``_number``), other text without LaTeX dressing
+    (``_clean``) and without whitespace (``(1, 2)`` = ``(1,2)``, ``\\frac12`` = ``\\frac{1}{2}``), as verl's
+    math reward compares it."""
+    s = _clean(ans)
+    v = _number(s)
+    return v if v is not None else "".join(s.split())
 
 
 def answers_match(predicted: str | None, reference: str) -> bool:
     if predicted is None:
         return False
-    try:
-        return normalize(predicted) == normalize(reference)
-    except (ValueError, ZeroDivisionError):
-        return " ".join(predicted.split()) == " ".join(reference.split())
+    return normalize(predicted) == normalize(reference)
 
 
 def read_jsonl(path: Path, what: str, key: str | None = None):

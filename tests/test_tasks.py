@@ -26,7 +26,13 @@ def test_extract_answer(text, ans):
     ("auto", "\\boxed{12} or 13", "12"), ("auto", "#### 8 then 9", "8 then 9"),
     ("last_number", "#### 8 then 9", "9"), ("boxed", "#### 8", None), ("boxed", "so \\boxed{8}", "8"),
     ("gsm8k", "\\boxed{8}", None), ("gsm8k", "#### 8", "8"), ("boxed_or_gsm8k", "the answer is 8", None),
-    ("auto", "\\boxed{} 5", "5"), ("boxed_or_gsm8k", "####", None),
+    ("auto", "\\boxed{} 5", None), ("boxed_or_gsm8k", "####", None),
+    # a box left empty or cut off is no answer, whatever number came before it; a completion with
+    # neither a box nor #### falls back to its last number (auto)
+    ("auto", "We get 18. \\boxed{}", None), ("auto", "6*3 = 18, so \\boxed{18", None),
+    ("auto", "6*3 = 18. Then we", "18"), ("boxed_or_gsm8k", "\\boxed{18 #### 18", None),
+    ("boxed", "\\boxed 18.", "18"), ("boxed", "\\boxed {18}", "18"), ("boxed", "\\fbox{18}", "18"),
+    ("last_number", "The answer is \u22125.", "-5"),
 ])
 def test_answer_formats(fmt, text, ans):
     assert extract_answer(text, fmt) == ans
@@ -53,9 +59,34 @@ def test_answer_format_defaults_and_what_a_plain_number_answer_scores(tmp_path):
     ("1,000", "1000", True), ("$1000.00", "1000", True), ("0.5", "\\frac{1}{2}", True), ("1/2", "0.5", True),
     ("72", "72.0", True), ("1e3", "1000", True), ("71", "72", False), ("1 2 3", "1  2 3", True), ("abc", "abd", False),
     (None, "1", False), ("50%", "50", True),
+    # LaTeX that dresses a number (verl's math reward strips it too)
+    ("\\$18", "18", True), ("\\$18.00", "18", True), ("\\$1,234.50", "1234.5", True), ("1{,}234", "1234", True),
+    ("1\\,234", "1234", True), ("1 234", "1234", True), ("18 \\text{ dollars}", "18", True),
+    ("18\\text{ apples}", "18", True), ("18 dollars", "18", True), ("x = 18", "18", True), ("\\textbf{18}", "18", True),
+    ("18^\\circ", "18", True), ("10", "10^{\\circ}", True), ("\u22125", "-5", True), ("-\\frac{1}{2}", "-0.5", True),
+    ("\\dfrac{1}{2}", "0.5", True), ("\\frac12", "\\frac{1}{2}", True), ("2\\frac{1}{2}", "2.5", True),
+    ("1.8 \\times 10^{1}", "18", True), ("10^6", "1,000,000", True), (".5", "0.5", True), ("0.5", ".5", True),
+    # text answers compared without whitespace and dressing
+    ("(1, 2)", "(1,2)", True), ("x^2 + 1", "x^2+1", True), ("\\frac{\\sqrt3}{2}", "\\frac{\\sqrt{3}}{2}", True),
+    ("\\left( 3, \\frac{\\pi}{2}\\right)", "\\left( 3, \\frac{\\pi}{2} \\right)", True),
+    ("\\text{Evelyn}", "Evelyn", True), ("Evelyn.", "Evelyn", True), ("3, 5", "3,5", True),
+    # never a wrong answer graded right: a comma is a thousands separator only in groups of three, a
+    # leading dot is a decimal point, an exponent beyond 10^1000 is text (10^1e9 took minutes to build)
+    (".5", "5", False), ("1,2", "12", False), ("35", "3,5", False), ("...18", "18", False), ("1,2,34", "1234", False),
+    ("180", "18", False), ("1.8", "18", False), ("-18", "18", False), ("18x", "18", False), ("1e10000000", "18", False),
 ])
 def test_answers_match(pred, ref, ok):
     assert answers_match(pred, ref) is ok
+    assert pred is None or answers_match(ref, pred) is ok  # symmetric
+
+
+def test_a_huge_exponent_is_text_not_a_number():
+    from fractions import Fraction
+
+    from jetrl_cli.tasks import normalize
+
+    assert normalize("1e1000") == Fraction(10) ** 1000 and normalize("1e1001") == "1e1001"
+    assert normalize("10^{1001}") == "10^{1001}" and normalize("2 \\times 10^{999999999}") == "2\\times10^{999999999}"
 
 
 @pytest.mark.parametrize("task", [Arith(1), Arith(5), Sort(7), Count(9)])
