@@ -70,6 +70,7 @@ def test_a_broken_backend_is_caught(monkeypatch):
     assert all(r["accuracy_ok"] for r in rows if r["backend"] != "scaled_mm")
 
 
+@pytest.mark.slow  # 11 s on 2 AVX2 cores (the default suite's 15-minute budget); CI runs it with -m slow
 def test_quantize_rows_against_copy():
     from .triton_interp_fix import fixed_fp8_conversion
 
@@ -99,6 +100,7 @@ def test_quantize_rows_against_copy():
         assert all(r["matches_reference"] for r in tri if r["matches_reference"] is not None)
 
 
+@pytest.mark.slow  # 25 s on 2 AVX2 cores (the default suite's 15-minute budget); CI runs it with -m slow
 def test_quantize_times_the_tile_kernels_at_each_warp_count():
     """``--warps 8,16``: every 128x128-tile Triton row once per warp count (the same bits), the table
     naming them; the target takes each kernel at its faster setting."""
@@ -225,6 +227,7 @@ def test_no_transformers_leaves_out_the_baseline_rows():
     assert [r["flow"] for r in rows] == ["bf16"]
 
 
+@pytest.mark.slow  # 12 s on 2 AVX2 cores (the default suite's 15-minute budget); CI runs it with -m slow
 def test_no_cuda_graphs_reaches_every_engine_the_rollout_bench_builds(monkeypatch):
     """``--no-cuda-graphs``: every embedded engine of ``bench rollout`` (the fixed workload's and the
     task's) is built to decode eagerly; by default with graphs (which only a GPU captures)."""
@@ -244,6 +247,7 @@ def test_no_cuda_graphs_reaches_every_engine_the_rollout_bench_builds(monkeypatc
         assert len(built) == 4 and set(built) == {want}, built  # fp32 and bf16, fixed and task workloads
 
 
+@pytest.mark.slow  # 15 s on 2 AVX2 cores (the default suite's 15-minute budget); CI runs it with -m slow
 def test_rollout_train_and_e2e_modes():
     out_r = bench("rollout", "--batch", 2, "--new-tokens", 4, "--flows", "bf16", *FAST)
     rows = out_r["results"]["rollout"]

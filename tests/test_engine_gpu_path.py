@@ -275,6 +275,7 @@ def _cached_bytes(mod) -> int:
     return sum(seen.values())
 
 
+@pytest.mark.slow  # 11 s on 2 AVX2 cores (the default suite's 15-minute budget); CI runs it with -m slow
 def test_an_fp8_engine_holds_its_weights_once(model):
     """The GPU engine keeps only the FP8 weights of its quantized layers (master copies freed, fused
     layers viewing their group's stacked operand): about half of a bf16 engine's weight bytes. The

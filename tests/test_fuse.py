@@ -195,6 +195,7 @@ def _decode_layer_ops(flow, counter: "_Ops", device: str = "cpu", hidden: int = 
     return layer
 
 
+@pytest.mark.slow  # 60 s on 2 AVX2 cores (the default suite's 15-minute budget); CI runs it with -m slow
 @pytest.mark.skipif(not triton_runs(), reason="needs Triton (and a GPU or TRITON_INTERPRET=1)")
 def test_an_int8_decode_layer_is_twelve_kernels(native, monkeypatch):
     """An INT8 rollout's decode layer on the triton backend: bf16's eleven with the norms, the SwiGLU
@@ -243,6 +244,7 @@ def test_an_int8_decode_layer_is_twelve_kernels(native, monkeypatch):
 
 
 @pytest.mark.skipif(not triton_runs(), reason="needs Triton (and a GPU or TRITON_INTERPRET=1)")
+@pytest.mark.slow  # 40-50 s each on 2 AVX2 cores (the default suite's 15-minute budget); CI runs it with -m slow
 @pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified"])
 def test_a_batch_invariant_decode_layer_is_as_many_kernels_as_the_fast_one(native, flow_name, monkeypatch):
     """``precision.batch_invariant``'s decode layer (natively; here in Triton's interpreter), a model whose

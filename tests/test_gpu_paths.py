@@ -1832,7 +1832,7 @@ def test_the_mlp_backward_writes_the_gate_up_operands_from_the_swiglu_gradient(x
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("save", [False, True])
+@pytest.mark.parametrize("save", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_norm_writes_its_gemms_fp8_input_in_rollout_and_training(save, forced_native, monkeypatch):
     """On a kernel backend each decoder layer's two norms write the FP8 1x128 operand of the q/k/v and
     gate/up GEMMs themselves (``rms_norm_quantize``, with the residual add before the second): in
@@ -2121,7 +2121,8 @@ def test_native_training_step_on_gpu_matches_cpu_emulation(flow):
 # --------------------------------------------------------------------------- batch-invariant mode
 
 
-@pytest.mark.parametrize("flow_name,kv", [("bf16", None), ("fp8-unified", None), ("fp8-unified", "fp8_e4m3 row")])
+@pytest.mark.parametrize("flow_name,kv", [pytest.param("bf16", None, marks=pytest.mark.slow), ("fp8-unified", None),
+                                          pytest.param("fp8-unified", "fp8_e4m3 row", marks=pytest.mark.slow)])
 def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernels(flow_name, kv, forced_native, monkeypatch):
     """``precision.batch_invariant`` on the native (GPU) path, run here with Triton's interpreter:
     GEMMs (q/k/v's bias in their epilogue), attention, RMSNorm (with its residual add), the
@@ -2356,6 +2357,7 @@ def test_the_trainers_fp8_kv_rounding_is_the_caches_store_and_read(forced_native
     assert got_in.grad.dtype == torch.float32 and torch.equal(got_in.grad, ref_in.grad)
 
 
+@pytest.mark.slow  # 40 s on 2 AVX2 cores (the default suite's 15-minute budget); CI runs it with -m slow
 def test_decode_attention_writes_o_projs_fp8_input_in_the_rollout(forced_native, monkeypatch):
     """An FP8 flow's decode step over the cache (``kernels.attention``, here over an FP8 cache) writes
     o_proj's FP8 1x128 input in the attention kernel (head_dim 128: a head is one group), so no
@@ -2443,8 +2445,8 @@ def test_a_kernel_that_cannot_read_the_fp8_cache_falls_back_and_says_why(forced_
                                                         "then SDPA (the kernel failed: RuntimeError: PassManager::run failed)")
 
 
-@pytest.mark.parametrize("kv", ["fp8_e4m3 row", "bf16"])
-@pytest.mark.parametrize("faster", ["triton", "sdpa"])
+@pytest.mark.parametrize("kv", ["fp8_e4m3 row", pytest.param("bf16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("faster", ["triton", pytest.param("sdpa", marks=pytest.mark.slow)])
 def test_the_faster_way_to_read_the_kv_cache_is_timed_once_and_kept(kv, faster, forced_native, monkeypatch):
     """On a GPU the first decode step times the Triton kernel against SDPA (an FP8 cache dequantized
     first) at the cache's full width and keeps the faster, saying so; the batch-invariant mode reads
@@ -2772,6 +2774,7 @@ def test_a_frozen_reference_model_holds_its_forward_weights_only(forced_native, 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
                     reason="needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.slow  # 100 s on 2 AVX2 cores (the default suite's 15-minute budget); CI runs it with -m slow
 def test_a_trainers_weights_are_quantized_together_after_an_update(forced_native, monkeypatch):
     """``batch_weight_casts``: after an optimizer step the first group to need its weights quantizes every
     FP8 group of the model whose weights changed, in one batched call (two launches), and the others

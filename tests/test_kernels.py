@@ -393,6 +393,7 @@ def test_the_decode_split_is_timed_once_per_shape_and_reported(monkeypatch):
     assert gemm.kernel_choice(op, torch.device("cuda")) is None
 
 
+@pytest.mark.slow  # 20 s on 2 AVX2 cores (the default suite's 15-minute budget); CI runs it with -m slow
 def test_a_wide_decode_steps_gemm_tiles_are_timed_once_per_shape_and_reported(monkeypatch):
     """Past a decode step's rows (65-512: a rollout's wide decode step, a short prefill), on a GPU the
     first GEMM of a shape times each of ``MID_TILES`` at 1, 2 and 4 splits (those its K blocks allow),

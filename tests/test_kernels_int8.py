@@ -321,6 +321,7 @@ def test_triton_backend_casts_and_multiplies_as_scaled_mm_does(forced_native, se
     assert "could overflow" in smm.shape_unsupported(long_k, long_k)
 
 
+@pytest.mark.slow  # 20 s on 2 AVX2 cores (the default suite's 15-minute budget); CI runs it with -m slow
 def test_int8_rollout_through_triton_samples_what_scaled_mm_samples(forced_native, int8, monkeypatch):
     """The embedded engine's native INT8 rollout (bf16 activations, weights held as INT8 once per
     sync): the same tokens and logprobs through the Triton kernels as through ``_int_mm``. On either

@@ -1109,7 +1109,9 @@ def test_the_pair_as_two_kernels_or_at_other_warps_writes_the_same_bits(fp8, war
 
 
 @needs_triton
-@pytest.mark.parametrize("warps,one", [(8, True), (16, True), (4, False), (8, False), (16, False)])
+@pytest.mark.parametrize("warps,one", [(8, True), pytest.param(16, True, marks=pytest.mark.slow),
+                                       pytest.param(4, False, marks=pytest.mark.slow), (8, False),
+                                       pytest.param(16, False, marks=pytest.mark.slow)])
 def test_the_swiglu_backward_at_other_warps_writes_the_same_bits(fp8, warps, one, monkeypatch):
     """The SwiGLU backward at 4, 8 or 16 warps, as its one 128x128-tile kernel or as two kernels of small
     tiles (``swiglu_config``: timed on a GPU), writes the same d[g, u] copies and h^T -- NaN and inf

@@ -52,7 +52,7 @@ def test_rollout_then_train_commands(tmp_path):
     assert json.loads(res.stdout)["updates"][0]["mismatch_kl"] == 0.0
 
 
-@pytest.mark.parametrize("preset", ["bf16", "fp8-unified"])
+@pytest.mark.parametrize("preset", [pytest.param("bf16", marks=pytest.mark.slow), "fp8-unified"])
 def test_resume_after_a_kill_reproduces_the_uninterrupted_run(tmp_path, preset):
     cfg = load_job_config(preset, SMALL + ["train.steps=4"])
     full = run(cfg, tmp_path / "full")
@@ -210,6 +210,7 @@ def test_a_run_records_which_backend_ran_each_fp8_gemm(tmp_path):
     assert all("gemm_backends" not in m for m in bf)  # no 8-bit GEMM, nothing to record
 
 
+@pytest.mark.slow  # 12 s on 2 AVX2 cores (the default suite's 15-minute budget); CI runs it with -m slow
 def test_a_run_records_what_its_training_cuda_graphs_did(tmp_path):
     """``train.cuda_graphs`` on CPU changes nothing (graphs are a GPU's) and says so, once, in
     ``metrics.jsonl``: the run's numbers are the eager run's."""

@@ -133,6 +133,7 @@ def test_missing_wandb_is_a_one_line_hint(tmp_path, monkeypatch):
     assert not out.exists()
 
 
+@pytest.mark.slow  # 10 s on 2 AVX2 cores (the default suite's 15-minute budget); CI runs it with -m slow
 def test_wandb_gets_the_metrics_jsonl_scalars_offline_one_run_per_start(tmp_path, monkeypatch):
     """``run.loggers: [jsonl, wandb]`` with the real wandb package, offline: each step's numbers
     (those of its ``metrics.jsonl`` line) go to ``Run.log`` at the line's step, in the project
