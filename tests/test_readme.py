@@ -14,6 +14,7 @@ tested without touching this file. A command jetrl refuses fails:
 """
 
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -73,7 +74,10 @@ def readme_commands(text: str | None = None) -> list[list[str]]:
 
 
 def needs_gpu(argv: list[str]) -> bool:
-    return "cuda" in argv or any(a.startswith("model.device=cuda") for a in argv)
+    """A command that runs on a GPU: ``--device cuda``, ``model.device=cuda``, or a ``presets/gpu-*`` preset
+    (which sets ``model.device: cuda``)."""
+    return ("cuda" in argv or any(a.startswith("model.device=cuda") for a in argv)
+            or any(Path(a).name.startswith("gpu-") and a.endswith(".yaml") for a in argv))
 
 
 def needs_vllm(argv: list[str]) -> bool:
@@ -109,10 +113,19 @@ def in_scratch_dir(tmp_path, monkeypatch):
 
 
 def _substitute(argv: list[str], tmp: Path, model_dir: Path) -> list[str]:
-    """README placeholders -> real paths: MODEL_DIR / OUT_DIR of `quantize`, `/models/...` of `bench`."""
+    """README placeholders -> real paths: MODEL_DIR / OUT_DIR of `quantize`, `/models/...` of `bench`,
+    `--set model.path=/models/...` -> the tiny policy, `/data/...` of `--set task.file=` -> a GSM8K-style row
+    written here."""
     out = []
     for a in argv:
         a = {"MODEL_DIR": str(model_dir), "OUT_DIR": str(tmp / "quantized")}.get(a, a)
+        key, eq, value = a.partition("=")
+        if eq and value.startswith("/data/"):
+            data = tmp / "gsm8k.jsonl"
+            data.write_text(json.dumps({"question": "What is 1 plus 1?", "answer": "1 + 1 = 2\n#### 2"}) + "\n")
+            a = f"{key}={data}"
+        elif eq and value.startswith("/models/"):  # a model of a run: the shipped policy (tokenizer included)
+            a = f"{key}=tiny"
         out.append(str(model_dir) if a.startswith("/models/") else a)
     return out
 
