@@ -100,9 +100,7 @@ def _boxed_or_gsm8k(text: str) -> str | None:
 def _auto(text: str) -> str | None:
     """``_boxed_or_gsm8k``, and only where the completion has neither a box nor ``####``, its last number:
     a box left empty or cut off is no answer, whatever number came before it."""
-    if _BOX.search(text) or "####" in text:
-        return _boxed_or_gsm8k(text)
-    return extract_last_number(text)
+    return _boxed_or_gsm8k(text) if _BOX.search(text) or "####" in text else extract_last_number(text)
 
 
 # task.answer_format -> how the final answer is read from a completion.
@@ -137,8 +135,7 @@ _LATEX_NOISE = (("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\ ", " "), ("{,}", ","
 _WRAPPER = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:([, ])\d{3})(?:\1\d{3})*(?:\.\d+)?")
 _FRAC = re.compile(r"(-?)(\d+)?\s*\\frac\{(-?\d+)\}\{(-?\d+)\}")
-_TIMES_TEN = re.compile(r"(.+?)\s*(?:\\times|\\cdot|\*|x)\s*10\^\{?(-?\d+)\}?")
-_POWER_OF_TEN = re.compile(r"10\^\{?(-?\d+)\}?")
+_POWER_OF_TEN = re.compile(r"(?:(.+?)\s*(?:\\times|\\cdot|\*|x)\s*)?10\^\{?(-?\d+)\}?")  # [a \times] 10^e
 
 
 def _clean(ans: str) -> str:
@@ -176,14 +173,10 @@ def _number(s: str) -> Fraction | None:
             return None
         v = int(whole or 0) + Fraction(int(a), int(b))
         return -v if sign else v
-    m = _TIMES_TEN.fullmatch(s)
-    if m:
-        base, e = _number(m.group(1)), int(m.group(2))
-        return None if base is None or abs(e) > _MAX_EXPONENT else base * Fraction(10) ** e
     m = _POWER_OF_TEN.fullmatch(s)
     if m:
-        e = int(m.group(1))
-        return None if abs(e) > _MAX_EXPONENT else Fraction(10) ** e
+        base, e = (1 if m.group(1) is None else _number(m.group(1))), int(m.group(2))
+        return None if base is None or abs(e) > _MAX_EXPONENT else base * Fraction(10) ** e
     m = _NUM.match(s)
     if m:
         e = int(m.group(3)[1:]) if m.group(3) else 0
