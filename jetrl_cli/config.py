@@ -85,12 +85,13 @@ class TrainConfig:
     clip_high: float = 0.28
     policy_loss: str = "ppo"  # ppo (a ratio per token) | gspo (a ratio per sequence; clip at 3e-4 / 4e-4)
     dual_clip: float = 0.0  # > 1: dual-clip PPO, a negative advantage's term bounded at dual_clip * A (0: off)
-    adv_estimator: str = "grpo"  # grpo | rloo | reinforce_plus_plus_baseline
+    adv_estimator: str = "grpo"  # grpo | rloo | reinforce_plus_plus (per-token returns) | reinforce_plus_plus_baseline
     adv_norm: str = "std"  # grpo: std (GRPO) | none (Dr. GRPO)
     loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm (Dr. GRPO)
     kl_coef: float = 0.0
     entropy_coef: float = 0.0  # entropy bonus: the loss minus entropy_coef x the policy's entropy (0: off)
     kl_estimator: str = "k3"  # of KL(pi || pi_ref) per token: k1 | k2 | k3 (verl: kl, mse, low_var_kl)
+    kl_in_reward: bool = False  # the kl_coef penalty in the reward, per token, not in the loss (verl's use_kl_in_reward)
     dynamic_sampling: bool = False
     dynamic_sampling_rounds: int = 3  # extra rollout rounds to refill dropped groups
     ppo_epochs: int = 1
@@ -277,8 +278,12 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
     r, t, c = secs["rollout"], secs["train"], secs["correction"]
     if not 0 < r.top_p <= 1:
         raise PresetError(source, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
-    if r.n < 2:
-        raise PresetError(source, "rollout.n", f"GRPO needs at least 2 samples per prompt, got {r.n}")
+    if r.n < 2 and t.adv_estimator != "reinforce_plus_plus":
+        raise PresetError(source, "rollout.n", f"adv_estimator {t.adv_estimator} compares a prompt's samples: it needs "
+                          f"at least 2 per prompt, got {r.n} (reinforce_plus_plus alone takes 1)")
+    if r.n < 2 and t.dynamic_sampling:
+        raise PresetError(source, "train.dynamic_sampling", "drops the prompts whose samples all scored the same: "
+                          "with rollout.n = 1 it would drop every prompt (set rollout.n >= 2)")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         raise PresetError(source, "train.betas", f"expected two numbers in [0, 1), got {t.betas}")
     if t.clip_low >= 1:
@@ -286,6 +291,9 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
     if t.adv_estimator != "grpo" and "adv_norm" in (data.get("train") or {}):
         raise PresetError(source, "train.adv_norm", f"applies to adv_estimator grpo only ({t.adv_estimator} "
                           "normalises its own way)")
+    if t.kl_in_reward and not t.kl_coef > 0:
+        raise PresetError(source, "train.kl_in_reward", "puts the kl_coef penalty in the reward: set train.kl_coef > 0 "
+                          "(it is 0: the option would do nothing)")
     if t.dual_clip and not t.dual_clip > 1:
         raise PresetError(source, "train.dual_clip", f"must be 0 (off) or > 1 (verl uses 3), got {t.dual_clip}")
     if t.policy_loss == "gspo" and c.type == "acr":

@@ -897,3 +897,123 @@ def test_k3_and_the_ppo_ratio_are_bounded_as_verls():
         loss, _ = policy_loss(lp, old, torch.tensor([a], dtype=torch.float64), mask, none, EPS_L, EPS_H, 2.0)
         grad = torch.autograd.grad(loss, lp)[0]
         assert math.isfinite(float(loss)) and torch.isfinite(grad).all(), (a, float(loss), grad)
+
+
+def _verl_reinforce_pp(rewards, mask, token_rewards):
+    """verl's REINFORCE++ written out with Python floats: the reward added at each completion's last
+    token, returns summed backwards with gamma 1 (reset where the mask is off), whitened over the
+    mask's tokens with the Bessel-corrected variance (``masked_whiten``)."""
+    n, t = mask.shape
+    returns = [[0.0] * t for _ in range(n)]
+    for i in range(n):
+        ends = [j for j in range(t) if mask[i, j]]
+        running = 0.0
+        for j in reversed(range(t)):
+            r = float(token_rewards[i, j]) if mask[i, j] else 0.0
+            if ends and j == ends[-1]:
+                r += float(rewards[i])
+            running = r + running
+            returns[i][j] = running
+            running *= float(mask[i, j])
+    values = [returns[i][j] for i in range(n) for j in range(t) if mask[i, j]]
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return torch.tensor([[(returns[i][j] - mean) / math.sqrt(var + 1e-8) if mask[i, j] else 0.0 for j in range(t)]
+                         for i in range(n)], dtype=torch.float64)
+
+
+def test_reinforce_plus_plus_advantages_are_verls_whitened_returns():
+    from jetrl_cli.rl.algos import token_advantages
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for _ in range(5):
+        n, t = 6, 12
+        starts = torch.randint(0, 5, (n,), generator=g)  # the prompt's positions come first
+        lengths = torch.randint(1, 8, (n,), generator=g)
+        pos = torch.arange(t)[None, :]
+        mask = (pos >= starts[:, None]) & (pos < (starts + lengths)[:, None])
+        rewards = torch.randn(n, generator=g)
+        rewards[0] = 0.0  # an edge among the draws
+        token_rewards = torch.randn(n, t, generator=g) * 0.1
+        got = token_advantages(rewards, mask, token_rewards)
+        want = _verl_reinforce_pp(rewards, mask, token_rewards)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(got[~mask], torch.zeros(int((~mask).sum())))
+        # without token rewards, each token's return is its sequence's reward: one advantage a sequence
+        plain = token_advantages(rewards, mask)
+        torch.testing.assert_close(plain.double(), _verl_reinforce_pp(rewards, mask, torch.zeros(n, t)), rtol=1e-5,
+                                   atol=1e-6)
+        for i in range(n):
+            assert len(set(plain[i][mask[i]].tolist())) == 1
+    with pytest.raises(ValueError, match="call token_advantages"):
+        advantages(torch.zeros(2, 2), torch.ones(2, 2), "reinforce_plus_plus")
+
+
+def test_an_update_takes_one_advantage_per_token_as_one_per_sequence_when_they_agree():
+    """Per-token advantages ``(N, T)`` (``reinforce_plus_plus``) reach each micro-batch's loss sliced as
+    its logprobs are: equal per-token values give the update per-sequence values give, bit for bit
+    (values off the mask, drawn at random, change nothing)."""
+    b, adv = _update_batch()
+    noise = torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(torch.seed() % 2**31))
+    per_token = torch.where(b.mask, adv[:, None].expand(b.mask.shape), noise)
+    runs = []
+    for a in (adv, per_token):
+        tr = _trainer(2)
+        old = tr.score(b)
+        st = tr.update(b, a, old, None, step=1)
+        runs.append((st, [p.detach().clone() for p in tr.model.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(p, q) for p, q in zip(runs[0][1], runs[1][1]))
+    assert runs[0][0]["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("estimator, n", [("grpo", 4), ("reinforce_plus_plus", 1)])
+def test_kl_in_reward_shapes_the_advantages_and_leaves_the_loss(monkeypatch, estimator, n):
+    """``train.kl_in_reward``: the reference KL (from the trainer's scores, as verl's from its old
+    logprobs) is a per-token reward -- summed into a sequence's reward for ``grpo``, a return term for
+    ``reinforce_plus_plus`` -- and the loss gets no KL term (the update receives no reference logprobs)."""
+    from jetrl_cli.config import load_job_config
+    from jetrl_cli.rl import loop
+    from jetrl_cli.rl.algos import token_advantages
+    from jetrl_cli.rl.trainer import Trainer
+
+    got = []
+    monkeypatch.setattr(Trainer, "update", lambda self, b, adv, old, ref, step: got.append((b, adv, old, ref)) or {})
+    cfg = load_job_config("bf16", ["rollout.prompts_per_step=3", f"rollout.n={n}", f"train.adv_estimator={estimator}",
+                                   "train.kl_coef=0.5", "train.kl_in_reward=true", "train.kl_estimator=k1"])
+    job = loop.setup(cfg, with_trainer=True)
+    with torch.no_grad():  # the policy moved away from its reference
+        for p in job.trainer.model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.02)
+    samples = loop.rollout_samples(job, job.source.batch(1, 3), seed=1, step=1)
+    stats = loop.train_on_samples(job, samples, step=1)
+    b, adv, old, ref = got[0]
+    assert ref is None
+    ref_logp = job.trainer.score(b, ref=True)
+    kl = torch.where(b.mask, old - ref_logp, 0.0)
+    assert float(kl.abs().sum()) > 0
+    assert stats["kl_reward"] == pytest.approx(float((kl.sum(-1) / b.mask.sum(-1)).mean()), rel=1e-5)
+    if estimator == "grpo":
+        shaped = (b.rewards - 0.5 * kl.sum(-1)).reshape(3, n)
+        assert torch.equal(adv, advantages(shaped, b.mask.sum(-1).reshape(3, n), "grpo").reshape(-1))
+        assert not torch.equal(adv, advantages(b.rewards.reshape(3, n), b.mask.sum(-1).reshape(3, n)).reshape(-1))
+    else:
+        assert adv.shape == b.mask.shape
+        torch.testing.assert_close(adv.double(), _verl_reinforce_pp(b.rewards, b.mask, -0.5 * kl), rtol=1e-5, atol=1e-6)
+        assert not torch.equal(adv, token_advantages(b.rewards, b.mask))
+
+
+def test_sample_counts_and_kl_in_reward_are_checked_against_the_estimator():
+    from jetrl_cli.config import load_job_config
+    from jetrl_cli.errors import PresetError
+
+    with pytest.raises(PresetError, match=r"rollout.n: adv_estimator grpo compares a prompt's samples: it needs at "
+                       r"least 2 per prompt, got 1 \(reinforce_plus_plus alone takes 1\)"):
+        load_job_config("bf16", ["rollout.n=1"])
+    assert load_job_config("bf16", ["rollout.n=1", "train.adv_estimator=reinforce_plus_plus"]).rollout.n == 1
+    with pytest.raises(PresetError, match=r"train.dynamic_sampling: .* with rollout.n = 1 it would drop every prompt"):
+        load_job_config("bf16", ["rollout.n=1", "train.adv_estimator=reinforce_plus_plus",
+                                 "train.dynamic_sampling=true"])
+    with pytest.raises(PresetError, match=r"train.kl_in_reward: puts the kl_coef penalty in the reward: set "
+                       r"train.kl_coef > 0"):
+        load_job_config("bf16", ["train.kl_in_reward=true"])

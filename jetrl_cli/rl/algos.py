@@ -109,6 +109,8 @@ def advantages(rewards: torch.Tensor, lengths: torch.Tensor, estimator: str = "g
       minus its group's mean, then whitened over the whole batch's completion tokens (mean and
       unbiased variance with each sample counted once per token, ``lengths`` ``(groups, n)``).
     """
+    if estimator == "reinforce_plus_plus":
+        raise ValueError("reinforce_plus_plus gives each token its own advantage: call token_advantages")
     if estimator == "grpo":
         return group_advantages(rewards, norm, eps)
     r = rewards.double()
@@ -123,6 +125,32 @@ def advantages(rewards: torch.Tensor, lengths: torch.Tensor, estimator: str = "g
         var = (w * (centred - mean) ** 2).sum() / (tokens - 1).clamp_min(1)
         return ((centred - mean) * torch.rsqrt(var + 1e-8)).float()
     raise ValueError(f"unknown advantage estimator {estimator!r} (allowed: {', '.join(ADV_ESTIMATORS)})")
+
+
+def token_advantages(rewards: torch.Tensor, mask: torch.Tensor,
+                     token_rewards: torch.Tensor | None = None) -> torch.Tensor:
+    """REINFORCE++ (verl's ``reinforce_plus_plus``): each completion token's return -- the sum of the
+    rewards from that token to the completion's end (no discount: verl's default gamma of 1) -- whitened
+    over all the batch's completion tokens (their mean, and their variance with Bessel's correction, as
+    verl's ``masked_whiten``); 0 outside the completions.
+
+    ``rewards`` ``(N,)``: each completion's reward, given at its last token. ``mask`` ``(N, T)``: the
+    completion tokens. ``token_rewards`` ``(N, T)``: rewards at every token besides (``kl_in_reward``'s
+    ``-kl_coef * KL``), or None."""
+    m = mask.bool()
+    r = torch.zeros(m.shape, dtype=torch.float64)
+    if token_rewards is not None:
+        r = torch.where(m, token_rewards.double(), 0.0)
+    counts = m.long().cumsum(-1)
+    last = m & (counts == counts[:, -1:])  # each completion's last token
+    r = r + torch.where(last, rewards.double()[:, None], 0.0)
+    returns = r.flip(-1).cumsum(-1).flip(-1)
+    values = returns[m]
+    if values.numel() == 0:
+        return torch.zeros(m.shape)
+    mean = values.mean()
+    var = values.var(correction=1) if values.numel() > 1 else values.new_zeros(())
+    return torch.where(m, (returns - mean) * torch.rsqrt(var + 1e-8), 0.0).float()
 
 
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str = "k3") -> torch.Tensor:

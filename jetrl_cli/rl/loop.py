@@ -33,7 +33,7 @@ from ..models.tokenizer import Tokenizer
 from ..precision import fuse
 from ..precision.gemm import backend_report, check_backends, reset_resolutions
 from ..tasks import PromptSource, build_task
-from .algos import CorrectionConfig, advantages, importance, overlong_penalty
+from .algos import CorrectionConfig, advantages, importance, kl_penalty, overlong_penalty, token_advantages
 from .checkpoint import latest_checkpoint, save_checkpoint
 from .loggers import open_loggers
 from .trainer import Batch, NonFiniteError, Trainer, fold_invariant_scale
@@ -217,20 +217,42 @@ def train_on_samples(job: Job, samples: list[dict], step: int) -> dict:
     ref = tr.score(b, ref=True) if tr.ref is not None else None
     score_s = time.perf_counter() - t0
     imp = importance(old, b.rollout_logp, b.mask, tr.ccfg, tr.cfg.clip_high)
+    adv, kl_stats = batch_advantages(b, old, ref, tr.cfg, n)
+    t0 = time.perf_counter()
+    stats = tr.update(b, adv, old, None if tr.cfg.kl_in_reward else ref, step)
+    out = {**imp.metrics, **kl_stats, **stats, "entropy": float(entropy[b.mask].mean()) if b.mask.any() else None,
+           "score_s": score_s, "train_s": time.perf_counter() - t0}
+    return out
+
+
+def batch_advantages(b: Batch, old: torch.Tensor, ref: torch.Tensor | None, cfg, n: int) -> tuple[torch.Tensor, dict]:
+    """The batch's advantages under ``cfg.adv_estimator`` -- one per sequence ``(N,)``, or one per token
+    ``(N, T)`` for ``reinforce_plus_plus`` -- and, with ``cfg.kl_in_reward``, the KL statistics.
+
+    ``kl_in_reward`` (verl's ``use_kl_in_reward`` with a fixed coefficient): each completion token's
+    reward is ``-kl_coef * KL`` (``kl_estimator``'s estimate, from the trainer's scores ``old`` and the
+    reference policy's ``ref``, as verl's from its old logprobs), besides the task's reward at the last
+    token; the estimators that take one reward a sequence take the sum, ``reward - kl_coef * sum KL``. The
+    loss then has no KL term."""
+    rewards, token_rewards, stats = b.rewards, None, {}
+    if cfg.kl_in_reward:
+        kl = torch.where(b.mask, kl_penalty(old, ref, cfg.kl_estimator), 0.0)
+        token_rewards = -cfg.kl_coef * kl
+        rewards = rewards + token_rewards.sum(-1)
+        per_seq = kl.sum(-1) / b.mask.sum(-1).clamp_min(1)
+        stats = {"kl_reward": float(per_seq.mean()), "kl_reward_coef": cfg.kl_coef}
+    if cfg.adv_estimator == "reinforce_plus_plus":
+        return token_advantages(b.rewards, b.mask, token_rewards), stats
     groups = b.group.unique()
-    rewards = torch.stack([b.rewards[b.group == g] for g in groups])
-    if rewards.shape[1] != n:
-        raise JetrlError(f"every group needs {n} samples (rollout.n); got groups of {rewards.shape[1]}")
+    grouped = torch.stack([rewards[b.group == g] for g in groups])
+    if grouped.shape[1] != n:
+        raise JetrlError(f"every group needs {n} samples (rollout.n); got groups of {grouped.shape[1]}")
     lengths = torch.stack([b.mask[b.group == g].sum(-1) for g in groups])
-    adv_g = advantages(rewards, lengths, tr.cfg.adv_estimator, tr.cfg.adv_norm)
+    adv_g = advantages(grouped, lengths, cfg.adv_estimator, cfg.adv_norm)
     adv = torch.empty(len(b))
     for i, g in enumerate(groups):
         adv[b.group == g] = adv_g[i]
-    t0 = time.perf_counter()
-    stats = tr.update(b, adv, old, ref, step)
-    out = {**imp.metrics, **stats, "entropy": float(entropy[b.mask].mean()) if b.mask.any() else None,
-           "score_s": score_s, "train_s": time.perf_counter() - t0}
-    return out
+    return adv, stats
 
 
 def _drop_flat_groups(samples: list[dict]) -> list[list[dict]]:

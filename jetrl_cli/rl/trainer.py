@@ -334,7 +334,7 @@ class Trainer:
         # host -> device copies without waiting for the device (a blocking one from pageable memory
         # waits for all queued work: the previous micro-batch's backward, or this one's forward)
         o, r = _to(old[sub, :t1], dev), _to(mb.rollout_logp, dev)
-        m, a = _to(mb.mask, dev), _to(adv[sub], dev)
+        m, a = _to(mb.mask, dev), _to(adv[sub] if adv.dim() == 1 else adv[sub, :t1], dev)  # per token: (N, T)
         rl = _to(ref_logp[sub, :t1], dev) if ref_logp is not None else None
         imp = importance(o, r, m, self.ccfg, cfg.clip_high, with_metrics=False)
         try:
