@@ -296,3 +296,53 @@ def test_dynamic_sampling_judges_groups_by_the_task_reward_before_overlong_shapi
     mixed = [sample(1, r, 0.0) for r in (1.0, 0.0, 0.0)]
     unshaped = [{"group": 2, "reward": r} for r in (0.5, 0.5, 0.5)]
     assert _drop_flat_groups(solved + mixed + unshaped) == [mixed]
+
+
+def test_dynamic_sampling_refills_for_its_rounds_then_trains_on_what_it_has(tmp_path, monkeypatch):
+    """DAPO's dynamic sampling: a step whose rollout left fewer than ``prompts_per_step`` groups with
+    mixed rewards rolls out again, at most ``dynamic_sampling_rounds`` more rounds (each a fresh batch
+    of prompts, its groups numbered after the previous round's), and trains on the first
+    ``prompts_per_step`` mixed groups; with fewer once the rounds are spent it trains on those it has
+    (``groups_trained``), and with none the step is skipped."""
+    from jetrl_cli.rl import loop
+
+    # per step: how many of a round's 4 groups score mixed, round after round
+    plan = {1: [1, 2, 3], 2: [0, 1, 0, 0], 3: [0, 0, 0, 0], 4: [4]}
+    calls, trained = [], {}
+
+    def fake_rollout(job, probs, seed, sampling=None, step=0, group_offset=0):
+        if sampling is not None:  # evaluation
+            return [{"correct": True, "reward": 1.0, "tokens": [1], "extracted": "1", "finish_reason": "stop",
+                     "group": i} for i in range(len(probs))]
+        calls.append((step, group_offset))
+        mixed = plan[step][sum(s == step for s, _ in calls) - 1]
+        out = []
+        for gi in range(len(probs)):
+            for k in range(4):
+                r = float(gi < mixed and k == 0)
+                out.append({"group": group_offset + gi, "reward": r, "task_reward": r, "correct": r == 1.0,
+                            "extracted": "1", "tokens": [1, 2], "finish_reason": "stop"})
+        return out
+
+    def fake_train(job, samples, step):
+        trained[step] = sorted({s["group"] for s in samples})
+        return {"mismatch_kl": 0.0}
+
+    monkeypatch.setattr(loop, "rollout_samples", fake_rollout)
+    monkeypatch.setattr(loop, "train_on_samples", fake_train)
+    cfg = load_job_config("bf16", SMALL + ["train.steps=4", "train.dynamic_sampling=true",
+                                           "train.dynamic_sampling_rounds=3", "run.save_rollouts=false",
+                                           "run.checkpoint_every=0", "eval.every=0"])
+    lines = run(cfg, tmp_path / "ds")
+    by_step = {m["step"]: m for m in lines}
+    # step 1: 1 + 2 + 3 mixed groups over three rounds; the first four trained (round 0's group 0, round 1's
+    # groups 4 and 5, round 2's group 8)
+    assert [c for c in calls if c[0] == 1] == [(1, 0), (1, 4), (1, 8)]
+    assert trained[1] == [0, 4, 5, 8] and by_step[1]["groups_trained"] == 4
+    # step 2: the rounds spent (1 + 3) with one mixed group: trained on it alone
+    assert [c for c in calls if c[0] == 2] == [(2, 0), (2, 4), (2, 8), (2, 12)]
+    assert trained[2] == [4] and by_step[2]["groups_trained"] == 1
+    # step 3: none mixed after every round: skipped, nothing trained
+    assert 3 not in trained and by_step[3]["skipped"] is True and by_step[3]["groups_trained"] == 0
+    # step 4: enough at once, no other round
+    assert [c for c in calls if c[0] == 4] == [(4, 0)] and trained[4] == [0, 1, 2, 3]
