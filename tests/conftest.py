@@ -1,6 +1,8 @@
-"""Test set-up: Triton kernels run in Triton's interpreter on machines without a GPU; every test
-starts from seeded random generators, so a failure reproduces when the test is run again. Shared
-helpers: ``triton_runs`` and the ``forced_native`` fixture (the GPU code path on CPU tensors)."""
+"""Test set-up: Triton kernels run in Triton's interpreter on machines without a GPU. Random inputs
+are drawn fresh in every session, and reproducibly: one seed a session (``JETRL_TEST_SEED``, printed
+in the header and beside each failure; set it to draw the same inputs again) and the test's id seed
+the global generators, ``fresh_seed()`` and Hypothesis. Shared helpers: ``triton_runs``,
+``fresh_seed`` and the ``forced_native`` fixture (the GPU code path on CPU tensors)."""
 
 import importlib
 import os
@@ -22,10 +24,43 @@ from .triton_interp_fix import install_row_independent_dot  # noqa: E402
 
 install_row_independent_dot()  # a tile's rows multiplied apart, as on a GPU (the batch-invariant tests)
 
-# Property tests draw the same examples on every run (a failure is not a one-off) and print the
-# failing example; a seed per test keeps their coverage different from each other.
-settings.register_profile("jetrl", derandomize=True, print_blob=True)
+# Property tests draw other examples in each session (Hypothesis seeded with the session's seed, below)
+# and print a failing one.
+settings.register_profile("jetrl", derandomize=False, print_blob=True)
 settings.load_profile("jetrl")
+
+SEED_ENV = "JETRL_TEST_SEED"
+
+
+def session_seed() -> int:
+    return int(os.environ[SEED_ENV])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """The session's seed: ``JETRL_TEST_SEED`` if set, else a fresh one, put in the environment here
+    so that xdist's workers (started after this hook) draw with the same one; Hypothesis takes it too
+    (its ``--hypothesis-seed``, read in its own ``pytest_configure``, after this one)."""
+    value = os.environ.get(SEED_ENV) or str(random.SystemRandom().randrange(2**31))
+    try:
+        seed = int(value)
+    except ValueError:
+        raise pytest.UsageError(f"{SEED_ENV} must be an integer, got {value!r}") from None
+    os.environ[SEED_ENV] = str(seed)
+    if getattr(config.option, "hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = str(seed)
+
+
+def pytest_report_header(config):
+    return f"random inputs: {SEED_ENV}={session_seed()} (set it to draw the same inputs again)"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        report.sections.append(("random inputs", f"drawn with {SEED_ENV}={session_seed()}"))
 
 
 def pytest_runtest_logreport(report):
@@ -35,18 +70,26 @@ def pytest_runtest_logreport(report):
     path = os.environ.get("JETRL_TEST_FAILURES")
     if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
         with open(path, "a") as f:
-            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+            f.write(f"=== {report.nodeid} ({report.when}, {SEED_ENV}={session_seed()})\n{report.longreprtext}\n")
 
 
 @pytest.fixture(autouse=True)
 def seeded_generators(request):
-    """torch's, numpy's and Python's global generators seeded from the test's id: a test that draws
-    from them (``torch.randn(...)`` with no generator) draws the same numbers on every run."""
-    seed = zlib.crc32(request.node.nodeid.encode()) % 2**31
+    """torch's, numpy's and Python's global generators seeded from the session's seed and the test's
+    id: a test that draws from them (``torch.randn(...)`` with no generator, ``fresh_seed()``) draws
+    other numbers in each session, the same again under the same ``JETRL_TEST_SEED``, whatever ran
+    before it."""
+    seed = zlib.crc32(f"{session_seed()}:{request.node.nodeid}".encode()) % 2**31
     torch.manual_seed(seed)
     np.random.seed(seed)
     random.seed(seed)
     yield
+
+
+def fresh_seed() -> int:
+    """A seed for a test's own generator, drawn from the global one (``seeded_generators``): fresh in
+    each session, reproduced by ``JETRL_TEST_SEED``."""
+    return int(torch.randint(0, 2**31 - 1, ()))
 
 
 def triton_runs(*also: str) -> bool:

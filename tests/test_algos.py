@@ -10,6 +10,8 @@ import torch
 from jetrl_cli.rl.algos import (CorrectionConfig, advantages, group_advantages, importance, kl_penalty,
                                 loss_denominator, mismatch_metrics, policy_loss)
 
+from .conftest import fresh_seed
+
 
 def test_group_advantages_by_hand():
     r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [3.0, 0.0, 0.0, 0.0]])
@@ -82,7 +84,7 @@ def test_each_correction_loss_by_hand(kind):
 
 @pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
 def test_tis_weights_of_each_level_on_random_batches(level):
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     for _, old, _, mask in _random_batches(g):
         roll = old + torch.randn(old.shape, generator=g, dtype=torch.float64) * 0.3
         roll[~mask] = float("nan")  # off the mask: never read
@@ -124,7 +126,7 @@ def test_each_kl_estimator_by_hand(estimator):
     policy loss's KL term is the chosen one's, averaged over the completion tokens."""
     by_hand = {"k1": lambda lp, rf: lp - rf, "k2": lambda lp, rf: 0.5 * (lp - rf) ** 2,
                "k3": lambda lp, rf: math.exp(rf - lp) - (rf - lp) - 1}[estimator]
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     for logp, old, _, mask in _random_batches(g):
         ref = logp + torch.randn(logp.shape, generator=g, dtype=torch.float64) * 0.5
         ref[~mask] = float("inf")  # padding may hold anything: it must not reach the loss
@@ -141,7 +143,7 @@ def test_each_kl_estimator_by_hand(estimator):
 
 
 def test_each_advantage_estimator_by_hand():
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     rewards = torch.randint(0, 3, (4, 5), generator=g).float() / 2
     rewards[1] = 1.0  # a flat group
     lengths = torch.randint(1, 30, (4, 5), generator=g)
@@ -194,7 +196,7 @@ def _aggregated_by_hand(terms, agg, max_new_tokens):
 def test_each_loss_aggregation_by_hand(agg):
     # the fixed batch (lengths 3 and 2), then fresh random ones with a sequence of no completion token
     cases = [(LOGP, OLD, ADV, MASK, 4)]
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     for _ in range(3):
         n, t = 5, 7
         lengths = torch.randint(1, t + 1, (n,), generator=g)
@@ -248,7 +250,7 @@ def test_gspo_loss_is_the_sequence_ratio_objective_in_value_and_gradient(agg):
     gradient (no correction) is that of the sequence-level objective ``sum_i c_i min(s_i A_i,
     clip(s_i) A_i)`` with ``c_i`` the aggregation's weight of a sequence's tokens, computed directly."""
     lo, hi, max_new, moved = 3e-3, 4e-3, 10, 0
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     # a sequence's gradient flows where min() takes its unclipped term (about half of them here): with 7
     # non-empty sequences a batch, fewer than 2 of 4 batches move about once in 5e5 draws (with 4 non-empty
     # sequences in 3 batches, about once in 100: CI failed on it)
@@ -283,7 +285,7 @@ def test_gspo_loss_is_the_sequence_ratio_objective_in_value_and_gradient(agg):
 
 
 def test_gspo_on_one_token_sequences_is_ppo():
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     logp, old, adv = (-torch.rand(6, 1, generator=g), -torch.rand(6, 1, generator=g), torch.randn(6, generator=g))
     mask = torch.ones(6, 1, dtype=torch.bool)
     imp = importance(old, old, mask, CorrectionConfig(), EPS_H)
@@ -297,7 +299,7 @@ def test_dual_clip_bounds_negative_advantages_by_hand():
     ratio has grown beyond ``c`` its term is ``c * A`` and gives no gradient; positive advantages
     and the other tokens are plain PPO-clip."""
     c, bounded = 3.0, 0
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     for logp, old, adv, mask in _random_batches(g, count=6):
         logp = logp + torch.randn(logp.shape, generator=g, dtype=torch.float64) * 1.5  # some ratios far above c
         imp = importance(old, old, mask, CorrectionConfig(), EPS_H)
@@ -783,7 +785,7 @@ def test_an_update_penalises_with_the_chosen_kl_estimator():
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_the_entropy_bonus_by_hand(agg):
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     for logp, old, adv, mask in _random_batches(g):
         ent = torch.rand(logp.shape, generator=g, dtype=torch.float64) * 3
         ent[~mask] = float("nan")  # off the mask: never read
@@ -885,18 +887,20 @@ def test_k3_and_the_ppo_ratio_are_bounded_as_verls():
     ref = logp + torch.randn(50, generator=g, dtype=torch.float64)
     dl = ref - logp
     assert torch.equal(kl_penalty(logp, ref, "k3"), (torch.exp(dl) - dl - 1).clamp(max=10.0))
-    far = torch.tensor([-5.0, -20.0, -1.0], dtype=torch.float64, requires_grad=True)
-    k3 = kl_penalty(far, torch.tensor([-1.0, -1.0, -1.0], dtype=torch.float64), "k3")
-    assert k3.tolist() == [10.0, 10.0, 0.0]
-    assert torch.autograd.grad(k3.sum(), far)[0].tolist() == [0.0, 0.0, 0.0]
-    mask = torch.ones(1, 2, dtype=torch.bool)
-    old = torch.tensor([[-100.0, -1.0]], dtype=torch.float64)
-    none = importance(old, old, mask, CorrectionConfig(), EPS_H)
+    # in fp32, as the trainer computes them: exp(99) overflows there, and 0 x inf is a NaN gradient
+    far = torch.tensor([-5.0, -20.0, -100.0, -1.0, -1.0], requires_grad=True)
+    k3 = kl_penalty(far, torch.tensor([-1.0, -1.0, -1.0, -1.0, -100.0]), "k3")
+    assert k3.tolist() == [10.0, 10.0, 10.0, 0.0, 10.0]
+    assert torch.autograd.grad(k3.sum(), far)[0].tolist() == [0.0] * 5
+    old = torch.tensor([[-100.0, -1.0]])
     for a in (1.0, -1.0):
-        lp = torch.tensor([[-0.01, -1.0]], dtype=torch.float64, requires_grad=True)
-        loss, _ = policy_loss(lp, old, torch.tensor([a], dtype=torch.float64), mask, none, EPS_L, EPS_H, 2.0)
-        grad = torch.autograd.grad(loss, lp)[0]
-        assert math.isfinite(float(loss)) and torch.isfinite(grad).all(), (a, float(loss), grad)
+        for mask, mode, agg in (([[True, True]], "ppo", "token-mean"), ([[True, False]], "gspo", "seq-mean-token-mean")):
+            mask = torch.tensor(mask)
+            none = importance(old, old, mask, CorrectionConfig(), EPS_H)
+            lp = torch.tensor([[-0.01, -1.0]], requires_grad=True)  # a token's log-ratio of about 100: gspo's too
+            loss, _ = policy_loss(lp, old, torch.tensor([a]), mask, none, EPS_L, EPS_H, 2.0, mode=mode, agg=agg)
+            grad = torch.autograd.grad(loss, lp)[0]
+            assert math.isfinite(float(loss)) and torch.isfinite(grad).all(), (a, mode, float(loss), grad)
 
 
 def _verl_reinforce_pp(rewards, mask, token_rewards):
@@ -925,7 +929,7 @@ def _verl_reinforce_pp(rewards, mask, token_rewards):
 def test_reinforce_plus_plus_advantages_are_verls_whitened_returns():
     from jetrl_cli.rl.algos import token_advantages
 
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     for _ in range(5):
         n, t = 6, 12
         starts = torch.randint(0, 5, (n,), generator=g)  # the prompt's positions come first
@@ -954,7 +958,7 @@ def test_an_update_takes_one_advantage_per_token_as_one_per_sequence_when_they_a
     its logprobs are: equal per-token values give the update per-sequence values give, bit for bit
     (values off the mask, drawn at random, change nothing)."""
     b, adv = _update_batch()
-    noise = torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(torch.seed() % 2**31))
+    noise = torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(fresh_seed()))
     per_token = torch.where(b.mask, adv[:, None].expand(b.mask.shape), noise)
     runs = []
     for a in (adv, per_token):

@@ -13,6 +13,8 @@ from jetrl_cli.precision import gemm as gemm_mod
 from jetrl_cli.precision.flow import GemmSpec
 from jetrl_cli.precision.quant import CastSpec
 
+from .conftest import fresh_seed
+
 runner = CliRunner()
 FAST = ["--repeats", "1", "--warmup", "0", "--json", "--no-history"]
 # Where the Triton kernels run: a GPU machine's GPU, else CPU tensors in Triton's interpreter
@@ -781,7 +783,7 @@ def test_measuring_saved_activations_leaves_no_graph_behind():
 
     from jetrl_cli.bench import _saved_bytes
 
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     x = torch.randn(4, 8, generator=g)
     w = torch.randn(8, 16, generator=g, requires_grad=True)
 

@@ -9,6 +9,8 @@ import torch
 from jetrl_cli import cuda_memory
 from jetrl_cli.cuda_memory import peak_composition, site_of
 
+from .conftest import fresh_seed
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SITES = [  # innermost frame first, as the allocator's snapshot lists them
     [{"filename": "/usr/lib/python3/site-packages/torch/nn/functional.py", "line": 10, "name": "linear"},
@@ -48,7 +50,7 @@ def _brute_force(events, held):
 
 @pytest.mark.parametrize("seed", range(5))
 def test_peak_composition_matches_a_replay_of_every_prefix(seed):
-    rng = random.Random(torch.seed() + seed)  # fresh traces each run
+    rng = random.Random(fresh_seed() + seed)  # fresh traces each session
     held_addrs = {10_000 + i: rng.randrange(1, 64) * 512 for i in range(5)}  # allocated before the trace
     held = sum(held_addrs.values())
     events, live, nxt = [], {}, 0

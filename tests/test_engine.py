@@ -1,6 +1,7 @@
 """The embedded rollout engine: batch invariance, rollout-vs-trainer logprobs, sampling, sync."""
 
 import copy
+import itertools
 import json
 import math
 
@@ -19,6 +20,8 @@ from jetrl_cli.precision.linear import JetLinear
 from jetrl_cli.rl.trainer import Batch, Trainer
 from jetrl_cli.rl.algos import CorrectionConfig
 from jetrl_cli.config import TrainConfig
+
+from .conftest import fresh_seed
 
 WIDTH = 64
 SEED = 20261123  # generators drawn in the tests below; a failure reproduces with the same draws
@@ -198,7 +201,7 @@ def test_entropy_with_autograd_has_the_same_bits_and_the_float64_gradient(params
     float64 autograd's over the kept tokens (0 at the dropped ones), for fresh random logits and
     upstream gradients, with a one-hot and a flat row."""
     n, v = 29, 500
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     logits = torch.randn(n, v, generator=g) * 3
     logits[0] = 0.0
     logits[1] = -1e4
@@ -254,6 +257,54 @@ def test_sampling_logprobs_masks_top_k_and_top_p():
     draws = torch.stack([sample(torch.log(torch.tensor([[0.7, 0.2, 0.1]])).expand(4000, 3), SamplingParams(), g)])
     freq = torch.bincount(draws.flatten(), minlength=3).float() / 4000
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def _sampling_distribution64(row, temperature, top_k, top_p):
+    """The sampling distribution of one row of logits, in float64 with Python's sort: the logits over
+    the temperature; top-k keeps the k highest (ties with the k-th too); of those, top-p keeps the
+    highest whose mass before them, renormalised over top-k's tokens, is below top_p. Returns the
+    log-probabilities (-inf where dropped) and the smallest distance of a mass to top_p (a row that
+    close to the boundary is decided by rounding)."""
+    x = [float(v) / temperature for v in row]
+    order = sorted(range(len(x)), key=lambda i: -x[i])
+    kept = order if not top_k or top_k >= len(x) else [i for i in order if x[i] >= x[order[top_k - 1]]]
+    top = max(x[i] for i in kept)
+    z = sum(math.exp(x[i] - top) for i in kept)
+    margin, mass, chosen = math.inf, 0.0, []
+    for i in kept:
+        if top_p < 1.0:
+            margin = min(margin, abs(mass - top_p))
+            if mass >= top_p:
+                break
+        chosen.append(i)
+        mass += math.exp(x[i] - top) / z
+    top = max(x[i] for i in chosen)
+    lse = top + math.log(sum(math.exp(x[i] - top) for i in chosen))
+    out = [-math.inf] * len(x)
+    for i in chosen:
+        out[i] = x[i] - lse
+    return torch.tensor(out, dtype=torch.float64), margin
+
+
+def test_sampling_logprobs_are_the_float64_distribution_with_temperature_top_k_and_top_p():
+    """Temperature, then top-k, then top-p on what top-k kept, renormalised: against a float64
+    reference on fresh random rows, every combination (``sampling_logprobs`` is what the engine samples
+    from and the trainer scores with)."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    checked = 0
+    for temperature, top_k, top_p in itertools.product((0.6, 1.0, 1.7), (0, 5, 20), (0.3, 0.9, 1.0)):
+        logits = torch.randn(16, 50, generator=g) * torch.rand(16, 1, generator=g) * 6
+        logits[0, 1] = logits[0, 0]  # a tie among the draws
+        got = sampling_logprobs(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)).double()
+        for r in range(logits.shape[0]):
+            want, margin = _sampling_distribution64(logits[r].tolist(), temperature, top_k, top_p)
+            if margin < 1e-4:  # a mass within rounding of top_p: either choice is right
+                continue
+            assert torch.equal(got[r].isinf(), want.isinf()), (temperature, top_k, top_p, r)
+            kept = ~want.isinf()
+            torch.testing.assert_close(got[r][kept], want[kept], rtol=0, atol=1e-5)
+            checked += 1
+    assert checked >= 0.9 * 27 * 16
 
 
 def test_keyed_sampling_draws_from_the_distribution():
@@ -582,7 +633,7 @@ def test_stop_sequences_cut_each_row_where_its_tokens_first_spell_one(model, eve
     tokens depend on its own key and position only), with every row compacted out of the batch once
     stopped. The sequences are taken from the unstopped samples, so they occur."""
     flow = named_flow("bf16")
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     prompts = [torch.randint(1, 512, (int(k),), generator=g).tolist() for k in torch.randint(2, 14, (5,), generator=g)]
     free = SamplingParams(max_new_tokens=20, temperature=1.0, n=3)
     eng = EmbeddedEngine(model, flow, WIDTH, max_batch=16)

@@ -23,7 +23,7 @@ from jetrl_cli.precision import apply_flow, fuse, named_flow, parse_flow
 from jetrl_cli.rl.mismatch import reference_flow
 from jetrl_cli.rl.trainer import Batch, token_logprobs
 
-from .conftest import triton_runs
+from .conftest import fresh_seed, triton_runs
 
 ALL = ["add_rms_norm", "add_rms_norm_grads", "rms_norm", "rms_norm_grads", "rope", "split_rope_grad", "swiglu_grad",
        "swiglu_math", "vocab_slice_grad"]
@@ -64,7 +64,7 @@ def _step(flow_name, seed, entropy=False):
 
 @pytest.mark.parametrize("flow, entropy", [("bf16", False), ("fp8-unified", False), ("bf16", True)])
 def test_fused_training_step_is_the_op_by_op_one(native, flow, entropy):
-    seed = torch.seed() % 2**31
+    seed = fresh_seed()
     lp, grads = _step(flow, seed, entropy)
     assert fuse.report() is None  # CPU tensors: op by op unless forced
     fuse.set_force(True, "aot_eager")
@@ -92,7 +92,7 @@ def test_no_fused_function_runs_under_autograd(native, flow, monkeypatch):
 
     monkeypatch.setattr(torch, "compile", compile_)
     fuse.set_force(True, "eager")
-    _step(flow, torch.seed() % 2**31)
+    _step(flow, fresh_seed())
     assert {name.lstrip("_") for name, _ in calls} == set(fused_in_a_step(flow))
     assert [name for name, grad in calls if grad] == []
     x = torch.randn(1, 2, 3, 8, requires_grad=True)  # the check sees one that does
@@ -281,7 +281,7 @@ def test_a_failed_compilation_runs_op_by_op_and_says_why(native):
     def broken(gm, example_inputs):
         raise RuntimeError("no C compiler here")
 
-    seed = torch.seed() % 2**31
+    seed = fresh_seed()
     lp, _ = _step("bf16", seed)
     fuse.set_force(True, broken)
     lp_f, _ = _step("bf16", seed)
@@ -387,7 +387,7 @@ def test_inductor_compiles_every_fused_function(native):
     FMA, and a last-bit difference can move a value across a rounding boundary of the flow's
     formats (bf16: 2^-8 relative, E4M3: 2^-3), which the next layers carry on; so agreement is
     checked at the scale of each flow's coarsest format. A wrong kernel would be off by O(1)."""
-    seed = torch.seed() % 2**31
+    seed = fresh_seed()
     for flow, tol in (("fp32", 1e-3), ("bf16", 2**-4), ("fp8-unified", 0.25)):
         fuse.set_force(False)
         lp, grads = _step(flow, seed)
@@ -403,7 +403,7 @@ def test_inductor_compiles_every_fused_function(native):
 def test_inductor_compiles_the_decoding_functions(native):
     """The rollout's fused functions (residual + norm + cast, RoPE writing bf16) through Inductor:
     a no-grad forward agrees with the op-by-op one at bf16's scale."""
-    seed = torch.seed() % 2**31
+    seed = fresh_seed()
     ids = torch.randint(1, 256, (3, 20), generator=torch.Generator().manual_seed(seed))
     outs = []
     for force in (False, True):
@@ -431,7 +431,7 @@ def test_only_the_sizes_that_change_are_symbols_in_a_fused_kernel(native):
         return gm.forward
 
     fuse.set_force(True, recording)
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     h, hk, d = 4, 2, 16
     cos = torch.randn(1, 1, 64, d, generator=g)
     outs = []

@@ -29,6 +29,8 @@ from jetrl_cli.precision.quant import QTensor, dequantize, error_stats, quantize
 from jetrl_cli.rl import trainer as trainer_mod
 from jetrl_cli.rl.trainer import Batch, token_logprobs
 
+from .conftest import fresh_seed
+
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -251,7 +253,7 @@ def test_scaled_mm_adds_a_bias_in_its_epilogue_where_it_takes_one(refused, force
         return (y if bias is None else y + bias.double()).to(output_dtype)
 
     monkeypatch.setattr(gemm, "_scaled_mm_v2", lambda: (scaled_mm, st[1]))
-    g = gen(torch.seed() % 2**31)
+    g = gen(fresh_seed())
     t, k, n = 5, 384, 640
     a, b = _blockwise_operands("fprop", torch.randn(t, k, generator=g), torch.randn(n, k, generator=g), None)
     bias = (torch.randn(n, generator=g) * 4).bfloat16()
@@ -294,7 +296,7 @@ def test_an_fp8_wgrad_writes_its_product_straight_into_the_gradient(how, forced_
 
     monkeypatch.setattr(gemm, "_scaled_mm_v2", lambda: (plain, st[1]))
     monkeypatch.setattr(gemm, "_scaled_mm_into", scaled_mm_into)
-    g = gen(torch.seed() % 2**31)
+    g = gen(fresh_seed())
     t, k, n = 256, 384, 512
     a, b = _blockwise_operands("wgrad", torch.randn(t, k, generator=g), None, torch.randn(t, n, generator=g))
     be = gemm.ScaledMMBackend()
@@ -1036,7 +1038,7 @@ def test_a_native_gemm_overwrites_rows_of_a_buffer_in_place(forced_native, dtype
     spec = GemmSpec(CastSpec(Format.BF16 if dtype is torch.bfloat16 else Format.FP32),
                     CastSpec(Format.BF16 if dtype is torch.bfloat16 else Format.FP32), Format.FP32)
     dev = torch.device("cpu")
-    g = gen(torch.seed() % 2**31)
+    g = gen(fresh_seed())
     a, b = torch.randn(48, 40, generator=g).to(dtype), torch.randn(32, 40, generator=g).to(dtype)
     buf = torch.full((100, 32), float("nan"))
     out = gemm.accumulate_gemm(buf[20:68], a, b, spec, "wgrad", dev, torch.float32, overwrite=True)
@@ -1113,7 +1115,7 @@ def test_split_rope_backward_is_the_rotation_by_the_negative_angle_in_the_gemm_l
     calls = []
     grad_fn = llama._split_rope_grad
     monkeypatch.setattr(llama, "_split_rope_grad", lambda *a: calls.append(a) or grad_fn(*a))
-    g = gen(torch.seed() % 2**31)
+    g = gen(fresh_seed())
     b, h, hk, t, d = 2, 4, 2, 7, 16
     ang = torch.rand(b, 1, t, d // 2, generator=g) * 6
     cos = torch.cat([ang.cos(), ang.cos()], -1)
@@ -1153,7 +1155,7 @@ def test_residual_add_and_norm_train_as_one_function_each_way(out, monkeypatch):
     from jetrl_cli.models import llama
     from jetrl_cli.models.llama import _RMSNormFn
 
-    g = gen(torch.seed() % 2**31)
+    g = gen(fresh_seed())
     norm = RMSNorm(64, 1e-6)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(64, generator=g) + 0.5)
@@ -1182,7 +1184,7 @@ def test_a_norm_writes_its_consumers_dtype_where_the_gradient_comes_back_in_it(f
     from jetrl_cli.precision import parse_flow
     from jetrl_cli.precision.linear import input_dtype
 
-    g = gen(torch.seed() % 2**31)
+    g = gen(fresh_seed())
     x = torch.randn(6, 128, generator=g).requires_grad_(True)
     layer = JetLinear(torch.nn.Parameter(torch.randn(64, 128, generator=g)), None, named_flow("bf16").train.linear)
     wide = parse_flow({"base": "bf16", "train": {"dgrad": {"grad_output": "bf16", "weight": "bf16", "out": "fp32"}}},
@@ -1228,7 +1230,7 @@ def test_a_group_dgrad_is_one_gemm_over_its_stacked_weights(backend, forced_nati
     dev = TRITON_DEV if backend == "triton" else "cpu"
     sizes = (256, 128, 128)
     mods = _fp8_group(backend, sizes, dev)
-    seed = torch.seed() % 2**31
+    seed = fresh_seed()
     g = gen(seed)
     x = torch.randn(40, 128, generator=g).to(dev).bfloat16().requires_grad_(True)
     gy = torch.randn(40, sum(sizes), generator=g).to(dev).bfloat16()
@@ -1267,7 +1269,7 @@ def test_side_by_side_operands_are_the_operand_of_the_concatenation():
     (None): a block would span two layers, or a scale would cover a layer's whole width."""
     from jetrl_cli.precision.linear import side_by_side
 
-    g = gen(torch.seed() % 2**31)
+    g = gen(fresh_seed())
     parts = [torch.randn(64, k, generator=g) * s for k, s in ((256, 1.0), (128, 30.0), (96, 0.01))]
     whole = torch.cat(parts, dim=1)
     for block in ("128x128", "1x128"):
@@ -1334,7 +1336,7 @@ def test_a_trainers_fp8_group_is_quantized_into_its_stacked_operands(sizes, k, f
 
     from .triton_interp_fix import fixed_fp8_conversion
 
-    g = gen(torch.seed() % 2**31)
+    g = gen(fresh_seed())
     mods = _fp8_group("triton", sizes, TRITON_DEV)
     for m in mods:  # k wide, values of every magnitude; one block all zeros
         m.weight = torch.nn.Parameter((torch.randn(m.out_features, k, generator=g) * torch.rand(m.out_features, 1, generator=g) * 3
@@ -1703,7 +1705,7 @@ def test_fp8_mlp_input_is_made_from_gu_by_one_kernel_in_rollout_and_training(sav
     prec = parse_flow({"base": "fp8-unified", "rollout": {"linear": {"backend": "triton"}},
                        "train": {**gemms, "save_fp8_activations": save}}, source="<test>").train.linear
     dev = TRITON_DEV
-    g = gen(torch.seed() % 2**31)
+    g = gen(fresh_seed())
     rows, inter = 40, 256
     down = JetLinear(torch.nn.Parameter(torch.randn(128, inter, generator=g).to(dev) / 16), None, prec)
     gu = (torch.randn(2, rows // 2, 2 * inter, generator=g) * 2).to(dev).bfloat16().requires_grad_(True)
@@ -1765,7 +1767,7 @@ def test_the_mlp_backward_writes_the_gate_up_operands_from_the_swiglu_gradient(x
     prec = parse_flow({"base": "fp8-unified", "rollout": {"linear": {"backend": "triton"}},
                        "train": {**gemms, "save_fp8_activations": True}}, source="<test>").train.linear
     dev = TRITON_DEV
-    g = gen(torch.seed() % 2**31)
+    g = gen(fresh_seed())
     rows, hidden, inter = 150, 128, 256
     owner = torch.nn.Module()
 
@@ -1850,7 +1852,7 @@ def test_a_norm_writes_its_gemms_fp8_input_in_rollout_and_training(save, forced_
     gemms = {g: {"backend": "triton"} for g in ("fprop", "dgrad", "wgrad")}
     flow = parse_flow({"base": "fp8-unified", "rollout": {"linear": {"backend": "triton"}},
                        "train": {**gemms, "save_fp8_activations": save}}, source="<test>")
-    seed = torch.seed() % 2**31
+    seed = fresh_seed()
     base = _model(seed=seed, hidden=256, layers=2).to(TRITON_DEV)  # the triton backend runs where Triton does
     ids = torch.randint(0, 256, (2, 9), generator=gen(seed)).to(TRITON_DEV)
     fp8 = gemm.triton_fp8_kernels()
@@ -2332,7 +2334,7 @@ def test_the_trainers_fp8_kv_rounding_is_the_caches_store_and_read(forced_native
     from .triton_interp_fix import fixed_fp8_conversion
 
     spec = CastSpec(fmt, Block.parse("row"))
-    g = gen(torch.seed() % 2**31)
+    g = gen(fresh_seed())
     t = (torch.randn(2, 3, 5, 64, generator=g) * torch.rand(2, 3, 5, 1, generator=g) * 8).to(TRITON_DEV)
     t[0, 0, 0] = 0.0
     t[1, 2, 3, 7] = float("nan")
@@ -2377,7 +2379,7 @@ def test_decode_attention_writes_o_projs_fp8_input_in_the_rollout(forced_native,
 
     flow = parse_flow({"base": "fp8-unified", "rollout": {"kv_cache": "fp8_e4m3 row", "linear": {"backend": "triton"}},
                        "train": {g: {"backend": "triton"} for g in ("fprop", "dgrad", "wgrad")}}, source="<test>")
-    seed = torch.seed() % 2**31
+    seed = fresh_seed()
     m = _model(seed=seed, hidden=512, layers=1, vocab=128).to(TRITON_DEV)
     assert m.config.head_dim == 128
     fused = []
@@ -2543,7 +2545,7 @@ def test_masked_gqa_attention_folds_query_heads_onto_their_kv_head(t, left_pad):
     from jetrl_cli.models.llama import Masking, _native_attention
     from jetrl_cli.precision.formats import Format
 
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     b, hk, rep, d, width = 3, 2, 3, 16, 12
     h = hk * rep
     q = torch.randn(b, h, t, d, generator=g)
@@ -2593,7 +2595,7 @@ def test_native_group_weight_is_cast_straight_into_the_stack(forced_native, held
 
     from jetrl_cli.precision.linear import group_weight
 
-    g = gen(torch.seed() % 2**31)
+    g = gen(fresh_seed())
     prec = named_flow("bf16").train.linear
     mods = tuple(JetLinear(torch.nn.Parameter(torch.randn(n, 64, generator=g) / 8), None, prec) for n in (128, 32, 32))
     owner = torch.nn.Module()
@@ -2665,7 +2667,7 @@ def test_fp8_trainer_groups_hold_each_weight_once(forced_native):
     gemms = {g: {"backend": "triton"} for g in ("fprop", "dgrad", "wgrad")}
     prec = parse_flow({"base": "fp8-unified", "rollout": {"linear": {"backend": "triton"}}, "train": gemms},
                       source="<test>").train.linear
-    g = gen(torch.seed() % 2**31)
+    g = gen(fresh_seed())
     owner = torch.nn.Module()
     mods = tuple(JetLinear(torch.nn.Parameter(torch.randn(n, 256, generator=g).to(TRITON_DEV) / 16), None, prec)
                  for n in (256, 128, 128))
@@ -2695,7 +2697,7 @@ def test_native_bf16_group_input_gradient_is_one_gemm(forced_native, monkeypatch
     real = linear.run_gemm
     monkeypatch.setattr(linear, "run_gemm", lambda a, b, spec, gemm, *r, **k: calls.append(gemm) or real(
         a, b, spec, gemm, *r, **k))
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     prec = named_flow("bf16").train.linear
     mods = [JetLinear(torch.nn.Parameter(torch.randn(n, 64, generator=g) * 0.05), None, prec) for n in (128, 32, 32)]
     owner = torch.nn.Module()
@@ -2788,7 +2790,7 @@ def test_a_trainers_weights_are_quantized_together_after_an_update(forced_native
     gemms = {g: {"backend": "triton"} for g in ("fprop", "dgrad", "wgrad")}
     flow = parse_flow({"base": "fp8-unified", "rollout": {"linear": {"backend": "triton"}}, "train": gemms},
                       source="<test>")
-    seed = torch.seed() % 2**31
+    seed = fresh_seed()
     base = _model(seed=seed, hidden=256, layers=2).to(TRITON_DEV)  # q/k/v and gate/up: whole 128-row blocks
     batch = _batch(256, n=2, t=20, seed=seed)
     fp8 = gemm.triton_fp8_kernels()
@@ -2865,7 +2867,7 @@ def test_a_weight_sync_quantizes_its_fp8_weights_in_one_launch(forced_native, mo
     flow = parse_flow({"base": "fp8-unified", "rollout": {"linear": {"backend": "triton"}}, "train": gemms},
                       source="<test>")
     assert flow.weight_sync.payload == "quantized"
-    model = _model(seed=torch.seed() % 2**31, hidden=256, layers=2).to(TRITON_DEV)
+    model = _model(seed=fresh_seed(), hidden=256, layers=2).to(TRITON_DEV)
     fp8 = gemm.triton_fp8_kernels()
     calls = collections.Counter()
     for name in ("quantize_weight", "quantize_weight_stacks"):

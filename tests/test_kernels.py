@@ -22,6 +22,7 @@ from jetrl_cli.precision.gemm import EmulatedBackend, get_backend  # noqa: E402
 from jetrl_cli.precision.linear import JetLinear  # noqa: E402
 from jetrl_cli.precision.quant import CastSpec, QTensor, error_stats, quantize  # noqa: E402
 
+from .conftest import fresh_seed  # noqa: E402
 from .triton_interp_fix import fixed_fp8_conversion  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
@@ -159,7 +160,7 @@ def test_blockwise_gemm_decode_tiles_against_reference(m, b_block):
     from jetrl_cli.kernels import fp8
 
     n, k = 200, 384
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     x, w = torch.randn(m, k, generator=g).to(dev()), (torch.randn(n, k, generator=g) * 0.02).to(dev())
     a, b = quantize(x, CastSpec(E4, Block(1, 128))), quantize(w, CastSpec(E4, b_block))
     tiles = fp8._mm_config(m, n)
@@ -180,7 +181,7 @@ def test_a_swapped_decode_gemm_takes_the_same_products_and_scales(m, n, k, split
     bf16 output, partial tiles and a NaN block's scale, as the plain tiles."""
     from jetrl_cli.kernels import fp8
 
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     x, w = torch.randn(m, k, generator=g).to(dev()), (torch.randn(n, k, generator=g) * 0.02).to(dev())
     x[0, :128] = 0  # an all-zero group
     if n > 128:
@@ -245,7 +246,7 @@ def test_split_k_gemm_adds_its_splits_partial_sums_in_order(m, n, k, split):
     last, rounded once: bit for bit that, whatever the tiles; within the emulation's tolerance."""
     from jetrl_cli.kernels import fp8
 
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     x, w = torch.randn(m, k, generator=g).to(dev()), (torch.randn(n, k, generator=g) * 0.02).to(dev())
     x[0, :128] = 0  # an all-zero group
     a, b = quantize(x, CastSpec(E4, Block(1, 128))), quantize(w, CastSpec(E4, Block(128, 128)))

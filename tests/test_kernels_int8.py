@@ -20,7 +20,7 @@ from jetrl_cli.precision import gemm, parse_flow
 from jetrl_cli.precision.formats import Block, Format
 from jetrl_cli.precision.quant import CastSpec, QTensor, dequantize, error_stats, quantize
 
-from .conftest import triton_runs
+from .conftest import fresh_seed, triton_runs
 
 ROW, TENSOR = Block(1, 0), Block(0, 0)
 
@@ -37,7 +37,7 @@ def int8():
 
 @pytest.fixture
 def seed():
-    return torch.seed() % 2**31
+    return fresh_seed()
 
 
 def dev():

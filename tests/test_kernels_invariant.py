@@ -25,6 +25,8 @@ pytest.importorskip("triton")
 from jetrl_cli.precision.formats import Block, Format  # noqa: E402
 from jetrl_cli.precision.quant import CastSpec, quantize  # noqa: E402
 
+from .conftest import fresh_seed  # noqa: E402
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs a GPU or TRITON_INTERPRET=1")
 U32, U16 = 2.0**-24, 2.0**-8
@@ -450,7 +452,7 @@ def test_attention_writes_o_projs_fp8_input_bit_for_bit(inv, t, cache):
     from .test_kernels_attention import cached_kv
     from .triton_interp_fix import fixed_fp8_conversion
 
-    g = gen(torch.seed() % 2**31)
+    g = gen(fresh_seed())
     b, h, hk, d, w = 3, 4, 2, 128, 40
     pow2 = bool(torch.randint(0, 2, (), generator=g))
     q, k, v = randn(b, h, t, d, g=g, dtype=BF16), randn(b, hk, w, d, g=g, dtype=BF16), randn(b, hk, w, d, g=g, dtype=BF16)
@@ -575,7 +577,7 @@ def test_log_softmax_within_bound(inv, dtype, rows, n):
 def test_log_softmax_gradient_is_log_softmaxs(inv, dtype):
     """The trainer differentiates the batch-invariant logprobs: log-softmax's own backward, on the
     kernel's outputs, against torch's on the same input (masked entries included)."""
-    g = gen(torch.seed() % 2**31)
+    g = gen(fresh_seed())
     x = randn(5, 300, g=g, scale=3.0, dtype=dtype)
     x[1, ::5] = -math.inf
     up = randn(5, 300, g=g)

@@ -19,7 +19,7 @@ from jetrl_cli.kernels.fp8 import RCP_NORMAL, _divisor, _over, _quotient, _rcp, 
 from jetrl_cli.precision.formats import Block, Format
 from jetrl_cli.precision.quant import CastSpec, QTensor, dequantize, quantize
 
-from .conftest import triton_runs
+from .conftest import fresh_seed, triton_runs
 
 E4, E5 = Format.FP8_E4M3, Format.FP8_E5M2
 B1x128, B128x1, B128 = Block(1, 128), Block(128, 1), Block(128, 128)
@@ -801,8 +801,8 @@ def test_quantizers_are_bit_exact_on_the_gpu(pow2):
 
 
 def fresh_gen():
-    """A generator seeded from the OS (a different draw every run); its seed is in the failure message."""
-    seed = torch.seed()
+    """A generator seeded fresh in each session (``fresh_seed``); its seed is in the failure message."""
+    seed = fresh_seed()
     return torch.Generator().manual_seed(seed), seed
 
 

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from jetrl_cli.precision import Block, CastSpec, Format, dequantize, error_stats, quantize
 from tests.slow_reference import NP_DTYPE, reference_quantize
 
+from .conftest import fresh_seed
+
 FORMATS = ["fp8_e4m3", "fp8_e5m2", "int8"]
 BLOCKS = ["tensor", "row", "col", "1x128", "128x1", "128x128", "1x32", "16x16"]
 
@@ -203,7 +205,7 @@ def test_scales_are_the_correctly_rounded_quotient_on_every_device(device, fmt):
         pytest.skip("needs a GPU")
     from jetrl_cli.precision.quant import compute_scale
 
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     x = (torch.randn(256, 1024, generator=g) * torch.rand(256, 1, generator=g) * 10).to(device)
     spec = CastSpec(fmt, Block.parse("1x128" if fmt.value.startswith("fp8") else "row"))
     amax = x.abs().reshape(256, -1, spec.block.resolve(256, 1024)[1]).amax(-1)
@@ -222,7 +224,7 @@ def test_quantize_multiplies_by_the_correctly_rounded_reciprocal_on_every_device
     that product, bit for bit what the Triton kernels compute (``kernels.fp8._scaled``)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     x = (torch.randn(512, 1024, generator=g) * torch.exp2(torch.randint(-40, 40, (512, 1), generator=g).float()))
     x = x.to(device)
     for fmt in (Format.FP8_E4M3, Format.INT8):
