@@ -117,7 +117,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     (["--set", "train.stpes=3"], "train.stpes: unknown key"),
     (["--set", "model.path=/no/such/model"], "model.path: /no/such/model: no such directory"),
     (["--set", "train.lr=-1"], "train.lr: must be > 0"),
-    (["--set", "rollout.n=1"], "rollout.n: GRPO needs at least 2"),
+    (["--set", "rollout.n=1"], "rollout.n: adv_estimator grpo compares a prompt's samples: it needs at least 2 per prompt"),
     (["--set", "correction.type=magic"], "correction.type: 'magic' is not allowed"),
     (["--set", "rollout.max_len=8"], "exceeds the engine width 8"),
 ])

@@ -152,7 +152,7 @@ def torch_saved(obj) -> bytes:
 
 
 @pytest.mark.parametrize("content, message", [
-    (b"garbage\n", "unreadable (invalid literal for int()"),
+    (b"garbage\n", "unreadable (Unsupported operand 103)"),
     (b"PK\x03\x04" + b"\x00" * 64, "unreadable ("),
     (torch_saved([1, 2]), "not a jetrl trainer state (no integer 'step')"),
     (torch_saved({"step": "2"}), "not a jetrl trainer state (no integer 'step')"),

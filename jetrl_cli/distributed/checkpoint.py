@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..rl.checkpoint import checkpoint_dirs, fresh_dir, load_trainer_state, publish_checkpoint, write_model_files
+from ..errors import JetrlError
 from .world import World
 
 DCP_DIR = "dcp"
@@ -77,11 +78,22 @@ def restore_trainer(trainer, ckpt: Path, world: World) -> int:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(sd, checkpoint_id=ckpt / state["sharded_state"])
         set_state_dict(trainer.model, trainer.opt, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
-    elif world.distributed:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        return state["step"]
+    path = ckpt / "trainer_state.pt"
+    saved = state.get("optimizer")
+    if not isinstance(saved, dict) or not {"state", "param_groups"} <= saved.keys():
+        raise JetrlError(f"{path}: holds no optimizer state (a trainer state of another program, or damaged); "
+                         f"resume from an earlier checkpoint: point {ckpt.parent.parent / 'latest'} at it")
+    try:
+        if world.distributed:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(trainer.model, trainer.opt, _named_optimizer_state(state["optimizer"], trainer.model),
-                                 options=StateDictOptions(full_state_dict=True))
-    else:
-        trainer.opt.load_state_dict(state["optimizer"])
+            set_optimizer_state_dict(trainer.model, trainer.opt, _named_optimizer_state(saved, trainer.model),
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            trainer.opt.load_state_dict(saved)
+    except (KeyError, IndexError, ValueError, TypeError, RuntimeError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise JetrlError(f"{path}: its optimizer state does not fit this model's parameters ({first[:120]}); "
+                         "the file is damaged or from another model") from None
     return state["step"]

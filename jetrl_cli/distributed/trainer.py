@@ -31,8 +31,8 @@ from torch.distributed.tensor import DTensor
 from ..errors import JetrlError
 from ..precision.linear import releasing_weights
 from ..rl.algos import loss_denominator
-from ..rl.trainer import (Batch, NonFiniteError, Trainer, add_minibatch, clip_factor, host_values, nonfinite_parameters,
-                          score_logprobs)
+from ..rl.trainer import (Batch, NonFiniteError, Trainer, add_minibatch, clip_factor, host_values, minibatch_groups,
+                          nonfinite_parameters, score_logprobs)
 from .sharding import quiet_fsdp_view_warning, set_gradient_sync, shard_model
 from .world import World
 
@@ -95,7 +95,7 @@ class ShardedTrainer(Trainer):
         cfg, world = self.cfg, self.world
         for g in self.opt.param_groups:
             g["lr"] = self.lr_at(step)
-        gsplit = torch.tensor_split(b.group.unique(), cfg.minibatches)
+        gsplit = minibatch_groups(b.group, cfg.minibatches)
         agg: dict[str, float] = {}
         count = 0
         dev = self._device

@@ -17,13 +17,34 @@ import torch
 
 from ..errors import JetrlError
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+# What a model directory holds beside its weights and config.json, copied into each checkpoint: the
+# tokenizer in every form transformers and vLLM read (fast tokenizer.json; slow vocab/merges or a
+# sentencepiece model), its added tokens and chat template, and the generation defaults.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+                   "chat_template.json")
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file, or a directory's entries) to the disk: a rename makes a checkpoint
+    complete for a killed process, an fsync for a machine that loses power."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """``path`` replaced by ``text`` all at once: written beside it, flushed, renamed over it. A process
+    killed meanwhile leaves the old file whole (and a hidden temporary file, replaced next time)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync(path.parent)
 
 
 def write_model_files(dst: Path, state: dict, source_dir: Path, tie_word_embeddings: bool) -> None:
@@ -37,6 +58,8 @@ def write_model_files(dst: Path, state: dict, source_dir: Path, tie_word_embeddi
     save_safetensors(state, dst / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((source_dir / "config.json").read_text())
     cfg["torch_dtype"] = "float32"
+    if "dtype" in cfg:  # transformers 5's name: it reads it first, and would load the fp32 weights as the source's
+        cfg["dtype"] = "float32"
     cfg.pop("quantization_config", None)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for f in TOKENIZER_FILES:
@@ -66,16 +89,33 @@ def save_checkpoint(out: Path, step: int, model, optimizer, source_dir: Path, ex
     return publish_checkpoint(out, tmp, final, keep)
 
 
+def _step_of(p: Path) -> int | None:
+    """The step of a checkpoint directory ``step_NNNNNN`` (any number of digits), or None."""
+    digits = p.name[len("step_"):]
+    return int(digits) if p.name.startswith("step_") and digits.isdigit() else None
+
+
 def publish_checkpoint(out: Path, tmp: Path, final: Path, keep: int) -> Path:
-    """Rename the complete ``tmp`` directory to ``final``, point ``OUT/latest`` at it, and delete
-    all but the newest ``keep`` checkpoints."""
+    """Flush the complete ``tmp`` directory, rename it to ``final``, point ``OUT/latest`` at it, and
+    delete all but the newest ``keep`` checkpoints up to its step, by step number. Checkpoints of later
+    steps (left by a run that was resumed from an earlier one) are not counted, and are replaced when
+    this run reaches their steps; staging directories left by a killed save are removed."""
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            _fsync(f)
+    _fsync(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _atomic_write_text(out / "latest", final.name + "\n")
-    done = sorted(p for p in final.parent.glob("step_*") if p.is_dir())
-    for old in done[:-keep]:
+    _fsync(final.parent)
+    atomic_write_text(out / "latest", final.name + "\n")
+    step = _step_of(final)
+    done = sorted((s, p) for p in final.parent.iterdir() if p.is_dir() and (s := _step_of(p)) is not None
+                  and s <= step)
+    for _, old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    for stale in final.parent.glob(".tmp-step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
@@ -101,17 +141,27 @@ def latest_checkpoint(out: Path) -> Path | None:
     return p
 
 
+def _load_failure(e: Exception) -> str:
+    """Why ``torch.load`` failed, in a few words: the safe unpickler's own reason where it gave one (its
+    message opens with advice to load unsafely, which a damaged file does not need), else the first line."""
+    text = str(e)
+    if "WeightsUnpickler error:" in text:
+        why = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation", 1)[0]
+        return " ".join(why.split()) or type(e).__name__
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def load_trainer_state(ckpt: Path) -> dict:
     """``trainer_state.pt`` of a checkpoint: a dict with at least ``step``; a damaged file is one line."""
     path = ckpt / "trainer_state.pt"
     damaged = (f"the file is damaged (resume from an earlier checkpoint: point "
                f"{ckpt.parent.parent / 'latest'} at it)")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data: nothing to run
     except OSError as e:
         raise JetrlError(f"{path}: cannot read ({e.strerror or e})") from None
     except Exception as e:  # noqa: BLE001 - unpickling garbage raises anything (ValueError, KeyError, zip errors)
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        first = _load_failure(e)
         raise JetrlError(f"{path}: unreadable ({first[:100]}); {damaged}") from None
     if not isinstance(state, dict) or isinstance(state.get("step"), bool) or not isinstance(state.get("step"), int):
         raise JetrlError(f"{path}: not a jetrl trainer state (no integer 'step'); {damaged}")

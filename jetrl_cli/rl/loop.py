@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from ..precision import fuse
 from ..precision.gemm import backend_report, check_backends, reset_resolutions
 from ..tasks import PromptSource, build_task
 from .algos import CorrectionConfig, advantages, importance, kl_penalty, overlong_penalty, token_advantages
-from .checkpoint import latest_checkpoint, save_checkpoint
+from .checkpoint import atomic_write_text, latest_checkpoint, save_checkpoint
 from .loggers import open_loggers
 from .trainer import Batch, NonFiniteError, Trainer, fold_invariant_scale
 
@@ -125,6 +126,10 @@ def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None, worl
     tok = Tokenizer.from_dir(model_dir)
     dev = _device(cfg)
     model = load_model(init_dir or model_dir).to(dev)
+    limit = model.config.max_position_embeddings
+    if cfg.rollout.max_len > limit:  # vLLM refuses it too: positions past the table were never trained
+        raise JetrlError(f"rollout.max_len: {cfg.rollout.max_len} is longer than the model's {limit} positions "
+                         f"(max_position_embeddings in {model_dir}/config.json); set rollout.max_len <= {limit}")
     if tok.vocab_size > model.config.vocab_size:
         raise JetrlError(f"{model_dir}: tokenizer has {tok.vocab_size} tokens, the model only {model.config.vocab_size}")
     task = build_task(cfg.task, cfg.run.seed, source=cfg.source)
@@ -294,6 +299,10 @@ def _check_resumable(cfg: JobConfig, out: Path) -> None:
     if not saved_file.exists():
         return
     saved = build_job_config(load_yaml(saved_file), str(saved_file), cfg.name)
+    if cfg.train.steps != saved.train.steps and "cosine" in (cfg.train.lr_schedule, saved.train.lr_schedule):
+        raise JetrlError(f"train.steps: {saved.train.steps} -> {cfg.train.steps} would stretch this run's cosine "
+                         "learning-rate schedule mid-run (the rate jumps at the next step); keep train.steps, or start "
+                         "a new run from the checkpoint (--set model.path=OUT/checkpoints/step_N, -o NEW)")
     diff = resume_differences(saved, cfg)
     if diff:
         raise JetrlError(f"{out}: --resume continues this run with its own settings ({saved_file}), but "
@@ -301,21 +310,68 @@ def _check_resumable(cfg: JobConfig, out: Path) -> None:
                          f"{', '.join(RESUMABLE)} may change (start a new run with -o or --force)")
 
 
-def _read_metrics(path: Path) -> list[dict]:
-    """``metrics.jsonl``'s lines. A last line cut short (a run killed while writing it) is dropped:
-    its step had no checkpoint yet, and the resumed run writes it again."""
-    rows = path.read_text().splitlines()
+def _read_steps(path: Path) -> list[tuple[int, str]]:
+    """``(step, line)`` of each line of a run's ``metrics.jsonl`` or ``rollouts.jsonl``. A last line cut
+    short (a run killed while writing it) is dropped: its step had no checkpoint yet, and the resumed
+    run writes it again. Any other line that is not a JSON object with an integer ``step`` is damage
+    the resumed run would carry on: a one-line error names it."""
+    try:
+        rows = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise JetrlError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
     out = []
     for i, x in enumerate(rows, 1):
         if not x.strip():
             continue
         try:
-            out.append(json.loads(x))
+            row = json.loads(x)
         except json.JSONDecodeError as e:
             if i == len(rows):
                 break
             raise JetrlError(f"{path}:{i}: not a JSON line ({e.msg}); the file is damaged") from None
+        step = row.get("step") if isinstance(row, dict) else None
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise JetrlError(f"{path}:{i}: a line without an integer \"step\"; the file is damaged")
+        out.append((step, x))
     return out
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    """``metrics.jsonl``'s lines (``_read_steps``' rules)."""
+    return [json.loads(x) for _, x in _read_steps(path)]
+
+
+def _orphaned_runs(out: Path) -> list[Path]:
+    """Runs that ``--force`` moved aside from ``out`` (``_Replaced``) and that no live process holds: the
+    process was killed before its new run's first checkpoint, so nothing put them back."""
+    found = []
+    for p in out.parent.glob(f".{out.name}.replaced-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            found.append(p)
+        except PermissionError:  # alive, another user's
+            pass
+    return sorted(found)
+
+
+def _settle_orphans(out: Path, delete: bool = True) -> None:
+    """Before a run starts in ``out``: a run ``--force`` moved aside is deleted if the run that replaced it
+    wrote a checkpoint (as ``--force`` would have, had it not been killed in between); otherwise it is the
+    only copy of the old run's checkpoints, and the user decides (a one-line error says how)."""
+    import shutil
+
+    for p in _orphaned_runs(out):
+        if (out / "latest").exists():
+            if delete:
+                shutil.rmtree(p, ignore_errors=True)
+        else:
+            raise JetrlError(f"{p}: the run that --force replaced in {out}, kept because the new run was stopped "
+                             f"before its first checkpoint; put it back (rm -r {out} && mv {p} {out}) or delete it, "
+                             "then run again")
 
 
 def _check_replaceable(cfg: JobConfig, out: Path) -> None:
@@ -347,6 +403,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
     rollouts_file = out / "rollouts.jsonl"
     if replace and resume:
         raise JetrlError("--force and --resume contradict each other")
+    _settle_orphans(out, delete=writer)
     ckpt = latest_checkpoint(out) if resume else None
     if resume and ckpt is None and metrics_file.exists():
         raise JetrlError(f"{out}: --resume, but there is no complete checkpoint to resume from")
@@ -358,6 +415,9 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
                          f"output?); to start a run from its checkpoint: --set model.path={ckpt}")
     if resume:
         _check_resumable(cfg, out)
+    if replace and cfg.train.steps == 0 and out.exists():
+        raise JetrlError(f"{out}: --force with train.steps: 0 would replace this run with one that writes no "
+                         "checkpoint; write the evaluation elsewhere (-o)")
     loggers = open_loggers(cfg.run.loggers, cfg.run.wandb_project)  # a missing optional package fails before any work
     if replace:
         _check_replaceable(cfg, out)
@@ -389,18 +449,18 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
         if start > cfg.train.steps:  # complete: nothing to run, nothing rewritten (on_resume said so)
             return _read_metrics(metrics_file)
         lines = [m for m in _read_metrics(metrics_file) if m["step"] < start]
+        kept = [x for step, x in _read_steps(rollouts_file) if step < start] if rollouts_file.exists() else None
         world.barrier()  # every rank has read the metrics before rank 0 rewrites them
-        if writer:
-            metrics_file.write_text("".join(json.dumps(m) + "\n" for m in lines))
-        if writer and rollouts_file.exists():
-            kept = [x for x in rollouts_file.read_text().splitlines() if x.strip() and json.loads(x)["step"] < start]
-            rollouts_file.write_text("".join(x + "\n" for x in kept))
+        if writer:  # each file replaced whole: a kill meanwhile leaves the old one, which the next resume cuts
+            atomic_write_text(metrics_file, "".join(json.dumps(m) + "\n" for m in lines))
+        if writer and kept is not None:
+            atomic_write_text(rollouts_file, "".join(x + "\n" for x in kept))
     import yaml
 
     made = writer and not out.exists()
     if writer:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "preset.yaml").write_text(yaml.safe_dump(cfg.raw, sort_keys=False))
+        atomic_write_text(out / "preset.yaml", yaml.safe_dump(cfg.raw, sort_keys=False))
         loggers.start(out, start, {**cfg.raw, "flow": cfg.flow.name})
     try:
         lines = _steps(job, cfg, out, start, ckpt, lines, loggers, transport, on_step, on_eval, stop_after, world,

@@ -278,7 +278,7 @@ class Trainer:
         cfg = self.cfg
         for g in self.opt.param_groups:
             g["lr"] = self.lr_at(step)
-        gsplit = torch.tensor_split(b.group.unique(), cfg.minibatches)
+        gsplit = minibatch_groups(b.group, cfg.minibatches)
         agg: dict[str, float] = {}
         count = 0
         for _ in range(cfg.ppo_epochs):
@@ -347,6 +347,13 @@ class Trainer:
         except _OOM as e:
             raise _oom(e, "a micro-batch of", len(sub), mb.ids.shape[1]) from None
         return loss.detach(), st
+
+
+def minibatch_groups(group: torch.Tensor, minibatches: int) -> list[torch.Tensor]:
+    """The batch's groups in ``minibatches`` runs, one optimizer step each: a batch with fewer groups
+    (dynamic sampling kept few; a small rollouts file) takes one step per group rather than empty
+    steps."""
+    return [g for g in torch.tensor_split(group.unique(), minibatches) if len(g)]
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
