@@ -78,7 +78,9 @@ def test_off_policy_flows_differ(model, flow):
     b, old, _ = _rollout_and_score(model, flow)
     diff = (old - b.rollout_logp)[b.mask].abs()
     assert (diff > 0).float().mean() > 0.5
-    assert diff.max() < 0.5  # quantization noise, not a bug
+    # quantization noise: about 1e-3 nats a token on average and 4e-3 at most for FP8 (a quarter of that for
+    # INT8's per-channel weights) on this model; a wrong scale or block moves logprobs by O(1)
+    assert diff.mean() < 0.01 and diff.max() < 0.05
 
 
 def test_decode_logits_match_full_forward_in_fp32(model):

@@ -4,7 +4,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -261,9 +260,7 @@ def test_version_and_help_do_not_import_torch():
             "assert 'quantize' in r.output and 'flow' in r.output; "
             "assert 'torch' not in sys.modules, 'torch imported at start-up'; "
             "r = CliRunner().invoke(app, ['--version']); assert r.output.startswith('jetrl ')")
-    t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", code], check=True)
-    assert time.perf_counter() - t0 < 30  # a sanity bound, not a speed test
 
 
 @pytest.mark.parametrize("fmt", ["fp8-block", "fp8-tensor"])

@@ -63,13 +63,14 @@ def test_a_run_that_cannot_start_leaves_no_directory(tmp_path, break_model):
 def test_checkpoints_follow_the_umask_and_step_time_leaves_out_the_eval(tmp_path, monkeypatch):
     import time
 
-    evaluate = loop.evaluate
+    evaluate, real, skipped = loop.evaluate, time.perf_counter, [0.0]
 
-    def slow_evaluate(job, n):  # an eval that takes a known 0.5 s
-        time.sleep(0.5)
+    def slow_evaluate(job, n):  # an eval that takes 1000 s more on the loop's clock
+        skipped[0] += 1000.0
         return evaluate(job, n)
 
     monkeypatch.setattr(loop, "evaluate", slow_evaluate)
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: real() + skipped[0])
     old = os.umask(0o027)
     try:
         lines = run(load_job_config("bf16", TINY + ["train.steps=2"]), tmp_path / "run")
@@ -79,9 +80,9 @@ def test_checkpoints_follow_the_umask_and_step_time_leaves_out_the_eval(tmp_path
     modes = {p.name: p.stat().st_mode & 0o777 for p in ck.iterdir()}
     assert modes["model.safetensors"] == 0o640 and set(modes.values()) == {0o640}, modes  # safetensors made 0600
     last = lines[-1]  # the last step always evaluates
-    assert last["eval_s"] >= 0.5
+    assert last["eval_s"] >= 1000.0
     parts = sum(last[k] for k in ("rollout_s", "score_s", "train_s", "sync_s"))
-    assert parts <= last["step_s"] < parts + 0.5  # the eval's 0.5 s (or more) is not in step_s
+    assert parts <= last["step_s"] < parts + 500.0  # the eval's 1000 s are not in step_s
 
 
 def test_a_first_step_with_no_readable_answer_is_said_at_once(tmp_path):
