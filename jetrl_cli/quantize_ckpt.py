@@ -14,6 +14,9 @@ int8-channel   compressed-tensors ``int-quantized``: ``weight`` int8, ``weight_s
                dynamic per-token symmetric INT8 activations (W8A8-INT8).
 ============== ============================================================================
 
+fp8-block takes only models whose q_proj, k_proj and gate_proj have whole 128-row blocks: vLLM fuses
+them with the next projection (qkv_proj, gate_up_proj) and refuses a partial block inside a fused layer.
+
 Modules on the skip list keep their original weights and are listed in the config
 (``ignored_layers`` / ``modules_to_not_convert`` for fp8, ``ignore`` for compressed-tensors).
 The output is written to a temporary directory beside the target and renamed at the end.
@@ -34,8 +37,8 @@ import torch
 from .choices import CHECKPOINT_FORMATS
 from .errors import JetrlError
 from .fileio import apply_umask
-from .models.hf import (FLOAT_DTYPES, INDEX_FILE, check_model_dir, check_weights, read_config, read_tensors,
-                        tensor_files)
+from .models.hf import (FLOAT_DTYPES, INDEX_FILE, check_model_dir, check_weights, expected_shapes, read_config,
+                        read_tensors, tensor_files)
 from .precision import CastSpec, error_stats, quantize
 from .precision.flow import DEFAULT_SKIP, PrecisionFlow
 from .precision.linear import matches_skip
@@ -144,6 +147,24 @@ def checkpoint_tensors(name: str, t: torch.Tensor, fmt: str, skip: tuple[str, ..
     return [(name, q.data.contiguous()), (scale_name, scale)], q
 
 
+# vLLM fuses q/k/v into qkv_proj and gate/up into gate_up_proj, and loads a block-FP8 fused layer only
+# when every part but the last is whole 128-row blocks (its validate_fp8_block_shape): these parts.
+FUSED_NOT_LAST = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
+
+
+def _check_vllm_block_rows(src: Path, shapes: dict[str, torch.Size], skip: tuple[str, ...]) -> None:
+    """fp8-block: refuse, before anything is written, a model whose checkpoint vLLM would refuse
+    to load (jetrl itself reads partial blocks; vLLM's fused layers do not)."""
+    bn = FORMATS["fp8-block"].block.rows
+    for name, shape in shapes.items():
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        fused = module and FUSED_NOT_LAST.get(module.rsplit(".", 1)[-1])
+        if fused and shape[0] % bn and not matches_skip(module, skip):
+            raise JetrlError(f"{src}: format fp8-block: {module} has {shape[0]} rows, not a multiple of {bn}; "
+                             f"vLLM fuses it into {fused} and refuses its {bn}x{bn} blocks "
+                             "(use --format fp8-channel or fp8-tensor)")
+
+
 def _quantized_output(d: Path) -> bool:
     """Whether directory ``d`` is an earlier output of ``jetrl quantize`` (what ``--force`` may replace)."""
     try:
@@ -190,6 +211,8 @@ def quantize_checkpoint(
     where = tensor_files(src)
     check_weights(src, model_cfg, {k: shape for k, (_, shape) in where.items()},
                   lambda name: _read_one(where[name][0], name))
+    if fmt == "fp8-block":
+        _check_vllm_block_rows(src, expected_shapes(model_cfg), skip)
     files = list(dict.fromkeys(f for f, _ in where.values()))
     spec = FORMATS[fmt]
     result = QuantizeResult(str(src), str(dst), fmt)

@@ -1,7 +1,7 @@
 """The edges of reading a checkpoint, for model loading and ``jetrl quantize`` alike: scale grids of
 the wrong shape, which safetensors files make the checkpoint (the index, a stale or foreign file
-beside the shards, a tensor in two files) and a checkpoint that does not match its config.json.
-Every bad input is one line naming the file and the tensor; nothing
+beside the shards, a tensor in two files), a checkpoint that does not match its config.json, and
+what vLLM's block FP8 refuses. Every bad input is one line naming the file and the tensor; nothing
 loads or is written silently wrong."""
 
 import json
@@ -247,7 +247,8 @@ def _tied_with_own_head(d):
     (_drop("model.layers.1.mlp.down_proj.weight"), "checkpoint lacks 1 tensor(s), e.g. model.layers.1.mlp.down_proj"),
     (_layers(3), "config.json has num_hidden_layers 3, but the checkpoint holds 2 layers (model.layers.0-1)"),
     (_layers(1), "config.json has num_hidden_layers 1, but the checkpoint holds 2 layers (model.layers.0-1)"),
-    (_tied_with_own_head, "config.json has tie_word_embeddings: true, but the checkpoint's lm_head.weight is not model.embed_tokens"),
+    (_tied_with_own_head,
+     "config.json has tie_word_embeddings: true, but the checkpoint's lm_head.weight is not model.embed_tokens"),
     (lambda d: edit(d, lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.ones(2, 2)})),
      "checkpoint has 1 unexpected tensor(s), e.g. model.layers.0.mlp.extra.weight"),
 ])
@@ -257,7 +258,7 @@ def test_quantize_refuses_what_model_loading_refuses(src, tmp_path, change, mess
     change(src)
     with pytest.raises(JetrlError) as e:
         load_model(src)
-    assert str(e.value) == f"{src}: {message}" or str(e.value).startswith(f"{src}: {message}"), str(e.value)
+    assert str(e.value).startswith(f"{src}: {message}"), str(e.value)
     assert one_line_error(invoke("quantize", src, "-o", tmp_path / "q", "--format", "fp8-tensor")) == str(e.value)
     assert not (tmp_path / "q").exists() and not list(tmp_path.glob(".q.tmp-*"))
 
@@ -280,6 +281,25 @@ def test_rotary_inv_freq_of_older_conversions_is_ignored(src, tmp_path):
         assert torch.equal(load_model(src)(ids), ref)
     assert invoke("quantize", src, "-o", tmp_path / "q", "--format", "fp8-tensor").exit_code == 0
     assert name not in load_file(str(tmp_path / "q" / "model.safetensors"))
+
+
+# --- vLLM's block FP8 -----------------------------------------------------------------------------
+
+def test_fp8_block_refuses_fused_parts_vllm_refuses(tmp_path):
+    """vLLM fuses q/k/v and gate/up and needs every part but the last in whole 128-row blocks: the
+    tiny policy's k_proj (64 rows) was written with exit 0 and then refused by vLLM."""
+    q = tmp_path / "q"
+    msg = one_line_error(invoke("quantize", "tiny", "-o", q, "--format", "fp8-block"))
+    assert msg == (f"{tiny_policy_dir()}: format fp8-block: model.layers.0.self_attn.k_proj has 64 rows, not a "
+                   "multiple of 128; vLLM fuses it into qkv_proj and refuses its 128x128 blocks "
+                   "(use --format fp8-channel or fp8-tensor)")
+    assert not q.exists() and list(tmp_path.iterdir()) == []
+    wide = write_random_model(tmp_path / "wide", seed=fresh_seed(), hidden=320)  # q_proj 320 rows
+    assert "model.layers.0.self_attn.q_proj has 320 rows" in one_line_error(
+        invoke("quantize", wide, "-o", q, "--format", "fp8-block"))
+    res = invoke("quantize", wide, "-o", q, "--format", "fp8-channel")
+    assert res.exit_code == 0, res.output
+    assert invoke("quantize", "tiny", "-o", tmp_path / "t", "--format", "fp8-tensor").exit_code == 0
 
 
 def test_tiny_names_the_shipped_policy_unless_a_directory_is_called_so(tmp_path, monkeypatch):
