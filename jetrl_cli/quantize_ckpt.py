@@ -14,6 +14,9 @@ int8-channel   compressed-tensors ``int-quantized``: ``weight`` int8, ``weight_s
                dynamic per-token symmetric INT8 activations (W8A8-INT8).
 ============== ============================================================================
 
+fp8-block takes only models whose q_proj, k_proj and gate_proj have whole 128-row blocks: vLLM fuses
+them with the next projection (qkv_proj, gate_up_proj) and refuses a partial block inside a fused layer.
+
 Modules on the skip list keep their original weights and are listed in the config
 (``ignored_layers`` / ``modules_to_not_convert`` for fp8, ``ignore`` for compressed-tensors).
 The output is written to a temporary directory beside the target and renamed at the end.
@@ -34,8 +37,8 @@ import torch
 from .choices import CHECKPOINT_FORMATS
 from .errors import JetrlError
 from .fileio import apply_umask
-from .models.hf import (FLOAT_DTYPES, INDEX_FILE, check_model_dir, check_tensor_shape, expected_shapes, read_config,
-                        read_tensors, safetensors_files)
+from .models.hf import (FLOAT_DTYPES, INDEX_FILE, check_model_dir, check_weights, expected_shapes, read_config,
+                        read_tensors, tensor_files)
 from .precision import CastSpec, error_stats, quantize
 from .precision.flow import DEFAULT_SKIP, PrecisionFlow
 from .precision.linear import matches_skip
@@ -144,6 +147,24 @@ def checkpoint_tensors(name: str, t: torch.Tensor, fmt: str, skip: tuple[str, ..
     return [(name, q.data.contiguous()), (scale_name, scale)], q
 
 
+# vLLM fuses q/k/v into qkv_proj and gate/up into gate_up_proj, and loads a block-FP8 fused layer only
+# when every part but the last is whole 128-row blocks (its validate_fp8_block_shape): these parts.
+FUSED_NOT_LAST = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
+
+
+def _check_vllm_block_rows(src: Path, shapes: dict[str, torch.Size], skip: tuple[str, ...]) -> None:
+    """fp8-block: refuse, before anything is written, a model whose checkpoint vLLM would refuse
+    to load (jetrl itself reads partial blocks; vLLM's fused layers do not)."""
+    bn = FORMATS["fp8-block"].block.rows
+    for name, shape in shapes.items():
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        fused = module and FUSED_NOT_LAST.get(module.rsplit(".", 1)[-1])
+        if fused and shape[0] % bn and not matches_skip(module, skip):
+            raise JetrlError(f"{src}: format fp8-block: {module} has {shape[0]} rows, not a multiple of {bn}; "
+                             f"vLLM fuses it into {fused} and refuses its {bn}x{bn} blocks "
+                             "(use --format fp8-channel or fp8-tensor)")
+
+
 def _quantized_output(d: Path) -> bool:
     """Whether directory ``d`` is an earlier output of ``jetrl quantize`` (what ``--force`` may replace)."""
     try:
@@ -169,7 +190,6 @@ def quantize_checkpoint(
     if raw_cfg.get("quantization_config"):
         method = raw_cfg["quantization_config"].get("quant_method")
         raise JetrlError(f"{src}: already quantized (quant_method {method!r}); quantize a BF16/FP32 checkpoint")
-    files = safetensors_files(src)
     dst = Path(dst)
     if dst.resolve() == src.resolve():
         raise JetrlError(f"{dst}: output must differ from the input directory")
@@ -187,34 +207,44 @@ def quantize_checkpoint(
     here = Path.cwd().resolve()
     if dst.resolve() == here or dst.resolve() in here.parents:
         raise JetrlError(f"{dst}: is the current directory or holds it; name a new directory to write")
+    # the input checked as model loading checks it (one code path), before anything is written
+    where = tensor_files(src)
+    check_weights(src, model_cfg, {k: shape for k, (_, shape) in where.items()},
+                  lambda name: _read_one(where[name][0], name))
+    if fmt == "fp8-block":
+        _check_vllm_block_rows(src, expected_shapes(model_cfg), skip)
+    files = list(dict.fromkeys(f for f, _ in where.values()))
     spec = FORMATS[fmt]
-    shapes = expected_shapes(model_cfg)  # a weight of another model than config.json's is refused
     result = QuantizeResult(str(src), str(dst), fmt)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
         if count_tensors:
-            count_tensors(sum(_count_tensors(f) for f in files))
+            count_tensors(len(where))
         weight_map: dict[str, str] = {}
+        total_size = 0  # the tensors' bytes, as Hugging Face writes an index's total_size
         ignored: set[str] = set()
         for f in files:  # one shard in memory at a time
             tensors = read_tensors(f)
             out: dict[str, torch.Tensor] = {}
             for name, t in tensors.items():
+                if name not in where:  # an ignored buffer (rotary_emb.inv_freq)
+                    continue
                 if on_tensor:
                     on_tensor(name)
-                if name in shapes:
-                    check_tensor_shape(src, name, t.shape, shapes[name])
                 if t.dtype not in FLOAT_DTYPES:
-                    raise JetrlError(f"{f.name}: tensor {name} has dtype {t.dtype}; expected fp32, bf16 or fp16 (already quantized?)")
+                    raise JetrlError(f"{f}: tensor {name} has dtype {t.dtype}; expected fp32, bf16 or fp16 "
+                                     "(already quantized?)")
                 if not torch.isfinite(t).all():
-                    raise JetrlError(f"{f.name}: tensor {name} contains NaN or Inf; refusing to quantize a broken checkpoint")
+                    raise JetrlError(f"{f}: tensor {name} contains NaN or Inf; "
+                                     "refusing to quantize a broken checkpoint")
                 module = name[: -len(".weight")] if name.endswith(".weight") else name
                 stored, q = checkpoint_tensors(name, t, fmt, skip)
                 for k, v in stored:
                     out[k] = v
                     weight_map[k] = f.name
+                    total_size += v.numel() * v.element_size()
                 if q is None:
                     if _is_linear_weight(name, t) and "embed" not in module:
                         ignored.add(module)
@@ -238,8 +268,7 @@ def quantize_checkpoint(
         cfg["quantization_config"] = _quantization_config(fmt, result.ignored)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         if len(files) > 1 or (src / INDEX_FILE).exists():
-            total = sum((tmp / f.name).stat().st_size for f in files)
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         for item in src.iterdir():
             if item.name in ("config.json", INDEX_FILE) or item.suffix == ".safetensors":
@@ -256,13 +285,13 @@ def quantize_checkpoint(
     return result
 
 
-def _count_tensors(file: Path) -> int:
+def _read_one(file: Path, name: str) -> torch.Tensor:
     from safetensors import safe_open
 
     try:
         with safe_open(str(file), "pt") as fh:
-            return len(list(fh.keys()))
-    except Exception as e:
+            return fh.get_tensor(name)
+    except Exception as e:  # safetensors raises its own error types for corrupt files
         raise JetrlError(f"{file}: cannot read safetensors ({str(e).splitlines()[0]})") from None
 
 

@@ -15,21 +15,26 @@ from jetrl_cli.models.hf import load_model
 from jetrl_cli.models.tiny import write_random_model
 from jetrl_cli.precision import error_stats
 
+from .conftest import fresh_seed
+
 runner = CliRunner()
 FORMATS = ["fp8-block", "fp8-tensor", "fp8-channel", "int8-channel"]
 
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
-    """A Qwen2 and a Llama (tied embeddings), random weights, saved by transformers itself."""
+    """A Qwen2 and a Llama (tied embeddings), random weights, saved by transformers itself. Partial
+    128x128 blocks (hidden 320) only where vLLM's fused layers allow them: q, k and gate (the parts of
+    qkv_proj and gate_up_proj before the last) are whole blocks of rows (head_dim 64 x 4 and 2 heads,
+    intermediate 384)."""
     transformers = pytest.importorskip("transformers")
     out = {}
     for name, cls, kw in (
         ("qwen2", transformers.Qwen2Config, {}),
         ("llama", transformers.LlamaConfig, {"tie_word_embeddings": True}),
     ):
-        cfg = cls(vocab_size=320, hidden_size=256, intermediate_size=320, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **kw)
+        cfg = cls(vocab_size=320, hidden_size=320, intermediate_size=384, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256, **kw)
         torch.manual_seed(len(out))
         model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
         d = tmp_path_factory.mktemp(name)
@@ -62,7 +67,7 @@ def test_quantize_round_trip(hf_models, tmp_path, fmt, arch):
         assert qc == {**qc, "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                       "weight_block_size": [128, 128]}
         assert w.dtype == torch.float8_e4m3fn
-        assert tensors["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (2, 3)  # 256 x 320
+        assert tensors["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (3, 3)  # 320 x 384
         assert tensors["model.layers.0.mlp.down_proj.weight_scale_inv"].dtype == torch.float32
     elif fmt == "fp8-tensor":
         assert qc["quant_method"] == "fp8" and w.dtype == torch.float8_e4m3fn
@@ -71,7 +76,7 @@ def test_quantize_round_trip(hf_models, tmp_path, fmt, arch):
         assert qc["quant_method"] == "compressed-tensors"
         assert qc["format"] == ("float-quantized" if fmt == "fp8-channel" else "int-quantized")
         assert w.dtype == (torch.float8_e4m3fn if fmt == "fp8-channel" else torch.int8)
-        assert tensors["model.layers.0.mlp.down_proj.weight_scale"].shape == (256, 1)
+        assert tensors["model.layers.0.mlp.down_proj.weight_scale"].shape == (320, 1)
     # skip list: embeddings, norms and lm_head untouched and listed
     assert tensors["model.embed_tokens.weight"].dtype == torch.float32
     assert tensors["model.norm.weight"].dtype == torch.float32
@@ -266,17 +271,16 @@ def test_version_and_help_do_not_import_torch():
 @pytest.mark.parametrize("fmt", ["fp8-block", "fp8-tensor"])
 def test_checkpoint_tensors_of_live_weights_equal_the_written_checkpoint(tmp_path, fmt):
     """The vLLM backend syncs vLLM's own FP8 layers with ``checkpoint_tensors`` of the trainer's
-    weights: the same tensors, bit for bit, as ``jetrl quantize`` writes for those weights."""
+    weights: the same tensors, bit for bit, as ``jetrl quantize`` writes for those weights (on a model
+    whose shapes vLLM's block FP8 takes: the tiny policy's are refused for fp8-block)."""
     from jetrl_cli.models.hf import safetensors_files
     from jetrl_cli.quantize_ckpt import checkpoint_tensors, quantize_checkpoint
-    from jetrl_cli.rl.loop import tiny_policy_dir
 
-    model = load_model(tiny_policy_dir())
+    src = write_random_model(tmp_path / "src", seed=fresh_seed())
+    model = load_model(src)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01)  # live weights, as after an update
-    src = tmp_path / "src"
-    shutil.copytree(tiny_policy_dir(), src)
     save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(src / "model.safetensors"))
     quantize_checkpoint(src, tmp_path / "q", fmt)
     written = {}

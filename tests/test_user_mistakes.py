@@ -298,7 +298,7 @@ def test_quantize_force_replaces_only_an_earlier_quantize_output(tmp_path):
     assert (run_dir / "checkpoints" / "step_000002" / "weights").read_text() == "precious"
     q = tmp_path / "q"
     for force in ([], ["--force"]):  # an earlier output of its own is replaced
-        assert invoke("quantize", loop.tiny_policy_dir(), "-o", q, "--format", "fp8-block", *force).exit_code == 0
+        assert invoke("quantize", loop.tiny_policy_dir(), "-o", q, "--format", "fp8-tensor", *force).exit_code == 0
     assert "quantization_config" in json.loads((q / "config.json").read_text())
 
 

@@ -25,6 +25,7 @@ from jetrl_cli.engine.sampling import SamplingParams  # noqa: E402
 from jetrl_cli.engine.vllm_engine import VLLMEngine, VLLMSettings  # noqa: E402
 from jetrl_cli.errors import JetrlError  # noqa: E402
 from jetrl_cli.models.hf import load_model  # noqa: E402
+from jetrl_cli.models.tiny import write_random_model  # noqa: E402
 from jetrl_cli.models.tokenizer import Tokenizer  # noqa: E402
 from jetrl_cli.precision.flow import named_flow  # noqa: E402
 from jetrl_cli.precision.gemm import ExactOperand  # noqa: E402
@@ -34,6 +35,8 @@ from jetrl_cli.rl.algos import mismatch_metrics  # noqa: E402
 from jetrl_cli.rl.loop import tiny_policy_dir  # noqa: E402
 from jetrl_cli.rl.trainer import Batch, score_logprobs  # noqa: E402
 from jetrl_cli.tasks import PromptSource, build_task  # noqa: E402
+
+from .conftest import fresh_seed  # noqa: E402
 
 WIDTH = 96
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -257,7 +260,7 @@ def test_weight_sync_bad_payload(unified, policy):
         unified.load_weights(WeightPayload({"model.layers.0.self_attn.q_proj.weight": bad}))
 
 
-def test_vllm_own_fp8_needs_hp_sync_and_reports_cpu_failure_in_one_line(policy):
+def test_vllm_own_fp8_needs_hp_sync_and_reports_cpu_failure_in_one_line(policy, tmp_path):
     with pytest.raises(JetrlError, match="weight_sync must be hp"):
         VLLMEngine(tiny_policy_dir(), named_flow("fp8-unified"), WIDTH, VLLMSettings(quantization="fp8"))
     if torch.cuda.is_available():
@@ -268,9 +271,12 @@ def test_vllm_own_fp8_needs_hp_sync_and_reports_cpu_failure_in_one_line(policy):
     import glob
     import tempfile
 
+    # a model whose block-FP8 checkpoint vLLM takes: the tiny policy's k_proj (64 rows, fused into
+    # qkv_proj) is refused by jetrl quantize before vLLM is asked
+    model = write_random_model(tmp_path / "m", seed=fresh_seed())
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "jetrl-vllm-fp8-block-*")))
     with pytest.raises(JetrlError, match=r"vllm_quantization: fp8-block.*could not start") as e:
-        VLLMEngine(tiny_policy_dir(), named_flow("fp8-rollout"), WIDTH, VLLMSettings(quantization="fp8-block"))
+        VLLMEngine(model, named_flow("fp8-rollout"), WIDTH, VLLMSettings(quantization="fp8-block"))
     assert "\n" not in str(e.value)
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "jetrl-vllm-fp8-block-*"))) == before  # cleaned up
 
