@@ -348,7 +348,7 @@ def test_mismatch_metrics_by_hand_and_zero_when_equal():
 
 
 def test_gradient_matches_finite_differences():
-    torch.manual_seed(0)
+    torch.manual_seed(fresh_seed())
     logp = (torch.randn(3, 4) * 0.3 - 1).double().requires_grad_()
     old = logp.detach() + torch.randn(3, 4).double() * 0.1
     mask = torch.rand(3, 4) > 0.2
@@ -422,7 +422,7 @@ def test_an_update_with_fused_adamw_refreshes_the_cached_weights(monkeypatch):
 def test_update_adds_micro_batches_as_one_batch_and_stops_on_a_nan_loss():
     b, adv = _update_batch()
     stats = []
-    noise = 0.4 * torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(2)) * b.mask
+    noise = 0.4 * torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(fresh_seed())) * b.mask
     for mb in (6, 1, 4):
         tr = _trainer(mb)
         old = tr.score(b) + noise  # ratios away from 1: some tokens clip
@@ -451,7 +451,7 @@ def test_each_loss_aggregation_splits_into_micro_batches_as_one_batch(agg):
     as 1 + 1 + ..., or 4 + 2) gives the same loss and weights; and the aggregation is the one asked
     for: its loss differs from token-mean's on the same update."""
     b, adv = _update_batch()
-    noise = 0.4 * torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(2)) * b.mask
+    noise = 0.4 * torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(fresh_seed())) * b.mask
     runs = []
     for mb, mode in ((6, agg), (1, agg), (4, agg), (6, "token-mean")):
         tr = _trainer(mb, loss_agg=mode)
@@ -473,7 +473,7 @@ def test_a_gspo_dual_clip_update_equals_policy_loss_and_splits_into_micro_batche
     ``policy_loss``'s with them at the logprobs before it, splitting the mini-batch into micro-batches
     changes nothing, and it differs from the PPO update of the same batch."""
     b, adv = _update_batch()
-    noise = 0.02 * torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(2)) * b.mask
+    noise = 0.02 * torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(fresh_seed())) * b.mask
     gspo = {"policy_loss": "gspo", "dual_clip": 3.0, "clip_low": 3e-3, "clip_high": 4e-3}
     runs = []
     for mb, train in ((6, gspo), (1, gspo), (4, gspo), (6, {**gspo, "policy_loss": "ppo"})):
@@ -771,7 +771,7 @@ def test_a_run_step_trains_on_the_chosen_advantages(monkeypatch, estimator):
 
 def test_an_update_penalises_with_the_chosen_kl_estimator():
     b, adv = _update_batch()
-    ref_noise = 0.3 * torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(3)) * b.mask
+    ref_noise = 0.3 * torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(fresh_seed())) * b.mask
     kl = {}
     for est in ("k1", "k3"):
         tr = _trainer(6, kl_coef=0.1, kl_estimator=est)
@@ -868,7 +868,7 @@ def test_a_mis_update_divides_by_its_kept_tokens():
     tr = _trainer(6)
     tr.ccfg = CorrectionConfig("mis", mis_low=0.9, mis_high=1.1)
     lp = tr.score(b)
-    old = b.rollout_logp + 0.2 * torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(3)) * b.mask
+    old = b.rollout_logp + 0.2 * torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(fresh_seed())) * b.mask
     idx = torch.arange(len(b.rewards))
     keep = tr.loss_tokens(b, idx, old)
     assert 0 < int(keep.sum()) < int(b.mask.sum())
@@ -988,7 +988,7 @@ def test_kl_in_reward_shapes_the_advantages_and_leaves_the_loss(monkeypatch, est
     job = loop.setup(cfg, with_trainer=True)
     with torch.no_grad():  # the policy moved away from its reference
         for p in job.trainer.model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.02)
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(fresh_seed())) * 0.02)
     samples = loop.rollout_samples(job, job.source.batch(1, 3), seed=1, step=1)
     stats = loop.train_on_samples(job, samples, step=1)
     b, adv, old, ref = got[0]

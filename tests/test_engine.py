@@ -255,7 +255,7 @@ def test_sampling_logprobs_masks_top_k_and_top_p():
     assert torch.allclose(lp.exp(), torch.tensor([[0.5, 0.3, 0.15, 0]]) / 0.95)
     lp = sampling_logprobs(logits, SamplingParams(temperature=0.5))
     assert torch.allclose(lp.exp(), torch.tensor([[0.25, 0.09, 0.0225, 0.0025]]) / 0.3650, atol=1e-4)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(fresh_seed())
     draws = torch.stack([sample(torch.log(torch.tensor([[0.7, 0.2, 0.1]])).expand(4000, 3), SamplingParams(), g)])
     freq = torch.bincount(draws.flatten(), minlength=3).float() / 4000
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
@@ -328,7 +328,7 @@ def test_samples_depend_on_the_prompt_seed_only(model):
     prompt's samples: a data-parallel rank passing its slice of prompt_seeds gets the same ones."""
     flow = named_flow("fp8-unified")
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, n=3, stop_token_ids=(7,))
-    g = torch.Generator().manual_seed(4)
+    g = torch.Generator().manual_seed(fresh_seed())
     prompts = [torch.randint(0, 512, (int(k),), generator=g).tolist() for k in torch.randint(2, 10, (5,), generator=g)]
     small, big = EmbeddedEngine(model, flow, WIDTH, max_batch=4), EmbeddedEngine(model, flow, WIDTH, max_batch=64)
     for eng in (small, big):

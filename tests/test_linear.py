@@ -19,6 +19,8 @@ from jetrl_cli.precision import (
 )
 from jetrl_cli.precision.formats import Block, Format
 
+from .conftest import fresh_seed
+
 # Odd shapes on purpose: K and N not multiples of 128, tokens not a multiple of 128.
 SHAPES = [(37, 200, 72), (130, 256, 384), (5, 96, 40)]
 
@@ -323,7 +325,7 @@ def test_changed_weights_are_copied_into_the_cached_gemm_operand(flow):
     from jetrl_cli.precision.gemm import ExactOperand
     from jetrl_cli.precision.linear import group_weight, linear_group
 
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(fresh_seed())
     prec = named_flow(flow).train.linear
     mods = [JetLinear(nn.Parameter(torch.randn(n, 128, generator=g) / 12), None, prec) for n in (128, 256)]
     owner = nn.Module()

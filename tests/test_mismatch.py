@@ -18,6 +18,8 @@ from jetrl_cli.rl import mismatch as mm
 from jetrl_cli.rl.algos import CorrectionConfig, mismatch_metrics
 from jetrl_cli.rl.loop import run
 
+from .conftest import fresh_seed
+
 runner = CliRunner()
 SMALL = ["rollout.prompts_per_step=4", "rollout.n=2"]
 
@@ -60,7 +62,7 @@ def _by_hand(lt, lr, mask, cfg):
 
 
 def test_every_mismatch_statistic_against_plain_python():
-    g = torch.Generator().manual_seed(20261123)
+    g = torch.Generator().manual_seed(fresh_seed())
     lr = -torch.rand(6, 9, generator=g) * 3
     lt = lr + torch.randn(6, 9, generator=g) * 0.8
     lt[0, :4] = lr[0, :4]  # some bitwise-equal tokens
@@ -87,7 +89,7 @@ def test_chi2_is_never_negative_and_agrees_with_ess():
     assert m["chi2"] == pytest.approx(float(r.var(unbiased=False) / r.mean() ** 2), rel=1e-9) and m["chi2"] > 0
     assert 1 / (1 + m["chi2"]) == pytest.approx(m["ess"], rel=1e-12)
     assert mismatch_metrics(lt.fill_(-0.01), lr, mask)["chi2"] == 0.0  # equal weights: exactly 0
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(fresh_seed())
     for _ in range(20):
         lt = -torch.rand(3, 16, generator=g) * 0.05  # pi_train below pi_rollout everywhere
         assert mismatch_metrics(lt, torch.zeros(3, 16), torch.ones(3, 16, dtype=torch.bool))["chi2"] >= 0
@@ -317,7 +319,7 @@ def test_decode_steps_are_compared_with_the_trainer_forward_stage_by_stage():
     from jetrl_cli.rl.divergence import decode_divergence
 
     base = random_model(tiny_config("qwen2", hidden=128, layers=3, vocab=128), seed=4, std=0.05)
-    g = torch.Generator().manual_seed(11)
+    g = torch.Generator().manual_seed(fresh_seed())
     prompts = [torch.randint(1, 128, (int(k),), generator=g).tolist() for k in (3, 7, 5)]
     comps = [torch.randint(1, 128, (9,), generator=g).tolist() for _ in prompts]
     flow = named_flow("fp8-unified")
