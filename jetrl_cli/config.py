@@ -20,6 +20,12 @@ from .errors import PresetError
 from .precision.flow import PrecisionFlow, parse_flow
 
 LOGGERS = ("jsonl", "tensorboard", "wandb")  # run.loggers; jetrl_cli.rl.loggers writes them
+# rollout.temperature's floor. Below it sampling is greedy in effect: the logits are multiplied by 20 or more, so a
+# 0.25-nat gap between the two likeliest tokens is already 150:1 odds and a GRPO group's samples come out the same
+# (every advantage 0), the case temperature 0 is refused for; the rollout-vs-trainer logit differences of an
+# off-policy flow are multiplied as much. vLLM does not sample that low either (below 0.01 it samples at 0.01,
+# below 1e-5 greedily), and RL recipes sample at 0.6 to 1.2.
+MIN_TEMPERATURE = 0.05
 
 
 @dataclass(frozen=True)
@@ -181,7 +187,7 @@ POSITIVE = {
     ("run", "keep_checkpoints"), ("train", "grad_clip"), ("train", "adam_eps"),
 }
 NON_NEGATIVE = {
-    ("train", "steps"), ("rollout", "temperature"), ("rollout", "top_k"), ("train", "weight_decay"),
+    ("train", "steps"), ("rollout", "top_k"), ("train", "weight_decay"),
     ("train", "warmup_steps"), ("train", "clip_low"), ("train", "clip_high"), ("train", "kl_coef"), ("train", "entropy_coef"),
     ("train", "dynamic_sampling_rounds"), ("correction", "mis_low"), ("task", "overlong_buffer"),
     ("task", "overlong_penalty"), ("eval", "every"),
@@ -237,8 +243,9 @@ def _check_finite(src: str, key: str, value, where: tuple[str, str]) -> None:
             _check_finite(src, f"{key}[{i}]", x, where)
         return
     if isinstance(value, float) and not math.isfinite(value):
-        positive = where in POSITIVE or where == ("rollout", "temperature")  # 0 is refused in build_job_config
-        bound = " > 0" if positive else " >= 0" if where in NON_NEGATIVE else ""
+        bound = " > 0" if where in POSITIVE else " >= 0" if where in NON_NEGATIVE else ""
+        if where == ("rollout", "temperature"):  # its floor is checked in build_job_config
+            bound = f" >= {MIN_TEMPERATURE}"
         raise PresetError(src, key, f"must be a finite number{bound}, got {value}")
 
 
@@ -331,10 +338,12 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
     if ev.n > 1 and r.temperature == 0:
         raise PresetError(source, "eval.n", f"{ev.n} samples per prompt need rollout.temperature > 0 (it is 0: "
                           "every sample would be the greedy one)")
-    if r.temperature == 0:
-        raise PresetError(source, "rollout.temperature", "must be > 0, got 0: greedy rollouts make every sample of "
-                          "a GRPO group the same, so every advantage is 0 and nothing is learned (use e.g. 1.0; "
-                          "evaluation is greedy already with eval.n: 1)")
+    if r.temperature < MIN_TEMPERATURE:
+        greedy = "greedy rollouts make" if r.temperature == 0 else "so low a temperature samples greedily in effect: it makes"
+        why = "" if r.temperature < 0 else (f": {greedy} every sample of a GRPO group the same, so every advantage is 0 "
+                                            "and nothing is learned (use e.g. 1.0; evaluation is greedy already with "
+                                            "eval.n: 1)")
+        raise PresetError(source, "rollout.temperature", f"must be >= {MIN_TEMPERATURE}, got {r.temperature:g}{why}")
     if ev.max_new_tokens is not None and ev.max_new_tokens <= 0:
         raise PresetError(source, "eval.max_new_tokens", f"must be > 0, got {ev.max_new_tokens}")
     if not 0 <= t.min_lr_ratio <= 1:

@@ -33,7 +33,7 @@ def refused(overrides, preset="bf16") -> str:
 
 @pytest.mark.parametrize("key_value, message", [
     ("train.lr=inf", "train.lr: must be a finite number > 0, got inf"),
-    ("rollout.temperature=nan", "rollout.temperature: must be a finite number > 0, got nan"),
+    ("rollout.temperature=nan", "rollout.temperature: must be a finite number >= 0.05, got nan"),
     ("train.clip_low=nan", "train.clip_low: must be a finite number >= 0, got nan"),
     ("train.kl_coef=.inf", "train.kl_coef: must be a finite number >= 0, got inf"),
     ("task.overlong_penalty=nan", "task.overlong_penalty: must be a finite number >= 0, got nan"),
@@ -54,7 +54,7 @@ def test_nan_in_a_preset_file_and_through_jetrl_flow(tmp_path):
     p.write_text("precision: bf16\ntrain:\n  lr: .nan\n")
     assert refused([], str(p)) == f"{p}: train.lr: must be a finite number > 0, got nan"
     msg = one_line_error(invoke("flow", "bf16", "--set", "rollout.temperature=inf"))
-    assert f"{P}: rollout.temperature: must be a finite number > 0, got inf" in msg
+    assert f"{P}: rollout.temperature: must be a finite number >= 0.05, got inf" in msg
 
 
 # ----------------------------------------------------------------------------- 2. temperature 0
@@ -62,9 +62,19 @@ def test_nan_in_a_preset_file_and_through_jetrl_flow(tmp_path):
 
 def test_a_greedy_rollout_is_refused_saying_why():
     msg = refused(["rollout.temperature=0"])
-    assert msg.startswith(f"{P}: rollout.temperature: must be > 0, got 0")
+    assert msg.startswith(f"{P}: rollout.temperature: must be >= 0.05, got 0: greedy rollouts make every sample")
     assert "every advantage is 0" in msg and "eval.n: 1" in msg
     assert load_job_config("bf16", ["rollout.temperature=0.6"]).rollout.temperature == 0.6
+
+
+@pytest.mark.parametrize("t", ["1e-30", "1e-6", "0.01", "0.049"])
+def test_a_temperature_so_low_it_is_greedy_in_effect_is_refused_as_0_is(t):
+    msg = refused([f"rollout.temperature={t}"])
+    assert msg.startswith(f"{P}: rollout.temperature: must be >= 0.05, got {float(t):g}: so low a temperature "
+                          "samples greedily in effect")
+    assert "every advantage is 0" in msg
+    assert refused(["rollout.temperature=-1"]) == f"{P}: rollout.temperature: must be >= 0.05, got -1"
+    assert load_job_config("bf16", ["rollout.temperature=0.05"]).rollout.temperature == 0.05
 
 
 # ----------------------------------------------------------------------------- 3. duplicate YAML keys
