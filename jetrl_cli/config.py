@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import string
 import types
 import typing
@@ -213,16 +214,16 @@ def _check_type(src: str, key: str, value, tp):
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise PresetError(src, key, f"expected an integer, got {value!r}")
+            raise PresetError(src, key, f"expected an integer, got {value!r}{_yaml11_hint(value)}")
         return value
     if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads 3e-5 (no dot) as a string
+        if isinstance(value, str) and not _yaml11_hint(value):  # YAML 1.1 reads 3e-5 (no dot) as a string
             try:
                 return float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise PresetError(src, key, f"expected a number, got {value!r}")
+            raise PresetError(src, key, f"expected a number, got {value!r}{_yaml11_hint(value)}")
         return float(value)
     if tp is str:
         if isinstance(value, (dict, list)):
@@ -233,6 +234,22 @@ def _check_type(src: str, key: str, value, tp):
             raise PresetError(src, key, f"expected a string, got {value!r}")
         return value
     raise TypeError(tp)
+
+
+def _yaml11_hint(value) -> str:
+    """Why a number-like string is refused: ``presets_io`` loads the numbers only YAML 1.1 reads as numbers (base 60,
+    ``1:30`` = 90; a leading-zero octal, ``010`` = 8) as the text written, so that they are refused here."""
+    if not isinstance(value, str):
+        return ""
+    if re.fullmatch(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?", value):
+        total = 0.0
+        for part in value.lstrip("+-").replace("_", "").split(":"):
+            total = total * 60 + float(part or 0)
+        shown = f"{'-' if value.startswith('-') else ''}{total:g}"
+        return f" (YAML 1.1 would read {value} in base 60, as {shown}; write a plain number)"
+    if re.fullmatch(r"[-+]?0[0-9_]+", value):
+        return f" (YAML 1.1 would read a leading 0 as octal; write {int(value.replace('_', ''))})"
+    return ""
 
 
 def _check_finite(src: str, key: str, value, where: tuple[str, str]) -> None:

@@ -121,6 +121,23 @@ def test_a_mapping_for_a_string_key_in_a_preset_file_says_to_quote_it(tmp_path):
                                    "(YAML reads {...} as a mapping and [...] as a list: put the value in quotes)")
 
 
+def test_numbers_only_yaml_1_1_reads_as_numbers_are_refused_not_converted(tmp_path):
+    """``steps: 1:30`` is 90 in YAML 1.1 (base 60) and ``010`` is 8 (octal): the preset loads both as the text
+    written, so a number key refuses them by name and a string key gets what was written."""
+    p = tmp_path / "p.yaml"
+    p.write_text("precision: bf16\ntrain:\n  steps: 1:30\n")
+    assert refused([], str(p)) == (f"{p}: train.steps: expected an integer, got '1:30' (YAML 1.1 would read 1:30 "
+                                   "in base 60, as 90; write a plain number)")
+    assert refused(["train.steps=1:30"]).startswith(f"{P}: train.steps: expected an integer, got '1:30'")
+    assert refused(["train.lr=1:30.5"]) == (f"{P}: train.lr: expected a number, got '1:30.5' (YAML 1.1 would read "
+                                            "1:30.5 in base 60, as 90.5; write a plain number)")
+    assert refused(["train.steps=010"]) == (f"{P}: train.steps: expected an integer, got '010' (YAML 1.1 would read "
+                                            "a leading 0 as octal; write 10)")
+    assert load_job_config("bf16", ["task.prompt_key=1:30"]).task.prompt_key == "1:30"
+    cfg = load_job_config("bf16", ["train.steps=0", "train.lr=3e-5", "rollout.n=0x10", "train.warmup_steps=1_0"])
+    assert (cfg.train.steps, cfg.train.lr, cfg.rollout.n, cfg.train.warmup_steps) == (0, 3e-5, 16, 10)
+
+
 # ----------------------------------------------------------------------------- 5. the user's reward function
 
 REWARDS = """\
