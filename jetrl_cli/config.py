@@ -327,9 +327,6 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
         raise PresetError(source, "train.loss_agg", f"gspo's objective is a mean over sequences: set "
                           f"train.loss_agg=seq-mean-token-mean (verl's GSPO loss forces it), got {t.loss_agg}")
     tk, ev = secs["task"], secs["eval"]
-    for key in ("file", "eval_file"):
-        if getattr(tk, key) is not None and tk.name != "jsonl":
-            raise PresetError(source, f"task.{key}", f"read only by task.name: jsonl (this task is {tk.name!r})")
     if not 0 < tk.eval_fraction < 1:
         raise PresetError(source, "task.eval_fraction", f"must be in (0, 1), got {tk.eval_fraction}")
     try:
@@ -367,8 +364,6 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
         raise PresetError(source, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
     if r.vllm_gpu_memory_utilization > 1:
         raise PresetError(source, "rollout.vllm_gpu_memory_utilization", f"must be in (0, 1], got {r.vllm_gpu_memory_utilization}")
-    if c.tis_level != "token" and c.type not in ("tis", "acr"):
-        raise PresetError(source, "correction.tis_level", f"applies to correction.type tis or acr (this one is {c.type!r})")
     if c.mis_low >= c.mis_high:
         raise PresetError(source, "correction.mis_low", f"must be below mis_high ({c.mis_low} >= {c.mis_high})")
     run = secs["run"]
@@ -380,7 +375,39 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
                           "and the plots read (add tensorboard next to it)")
     if t.minibatches > r.prompts_per_step:
         raise PresetError(source, "train.minibatches", f"more mini-batches ({t.minibatches}) than prompts per step")
+    _refuse_unread_keys(source, data, secs)
     return JobConfig(name, source, flow, raw=data, **secs)
+
+
+JSONL_TASK_KEYS = ("file", "eval_file", "eval_fraction", "prompt_key", "answer_key", "prompt_template")
+VLLM_KEYS = tuple(f.name for f in dataclasses.fields(RolloutConfig) if f.name.startswith("vllm_"))
+
+
+def _refuse_unread_keys(source: str, data: dict, secs: dict) -> None:
+    """A key that the chosen setting does not read is refused, naming the setting that would read it: written
+    in the preset or by ``--set`` (``data``: what the user wrote; the defaults are not in it), it would
+    otherwise do nothing, silently. Checked after every value's own range, so a bad value is named as such.
+    ``tis_cap``, ``mis_low`` and ``mis_high`` are read under every ``correction.type``: they are the
+    thresholds of the ``frac_above_tis_cap`` / ``frac_outside_mis`` metrics (``metrics.jsonl``,
+    ``jetrl mismatch-report``). ``task.digits`` / ``length`` are not checked: every shipped preset writes
+    ``digits``, and ``--set task.name=jsonl`` on one of them is the documented way to bring a dataset."""
+    tk, r, c = secs["task"], secs["rollout"], secs["correction"]
+    rules = (
+        ("task", JSONL_TASK_KEYS, tk.name == "jsonl", f"read only by task.name: jsonl (this task is {tk.name!r})"),
+        ("task", ("eval_fraction",), tk.eval_file is None, "not read when task.eval_file is set (that file is the "
+         "held-out split; eval_fraction splits task.file without one)"),
+        ("rollout", VLLM_KEYS, r.backend == "vllm", f"read only by rollout.backend: vllm (this one is {r.backend!r})"),
+        ("rollout", ("cuda_graphs",), r.backend == "embedded", f"read only by rollout.backend: embedded (this one "
+         f"is {r.backend!r}, whose CUDA graphs rollout.vllm_enforce_eager turns off)"),
+        ("correction", ("tis_level",), c.type in ("tis", "acr"), f"applies to correction.type tis or acr (this one is "
+         f"{c.type!r})"),
+        ("correction", ("mis_level",), c.type == "mis", f"applies to correction.type mis (this one is {c.type!r})"),
+    )
+    for section, keys, read, why in rules:
+        written = data.get(section) or {}
+        for k in keys:
+            if not read and written.get(k) is not None:
+                raise PresetError(source, f"{section}.{k}", why)
 
 
 def load_job_config(preset: str, overrides: list[str] | None = None) -> JobConfig:
