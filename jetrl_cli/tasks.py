@@ -399,6 +399,9 @@ class JsonlTask(Task):
             ans = str(ans)
             if "####" in ans:
                 ans = ans.rsplit("####", 1)[1].strip()
+                if not ans:  # "4 ####": no answer a completion could match
+                    raise JetrlError(f"{file}:{i}: nothing after '####' in field {ak!r} (GSM8K-style answers end "
+                                     "with '#### <answer>'; every row needs one)")
             values = {k: v for k, v in d.items() if k != "prompt"}
             values["prompt"] = d[pk]
             for f in fields:

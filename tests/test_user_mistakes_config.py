@@ -252,6 +252,9 @@ GOOD = [{"prompt": f"{i}+1=", "answer": i + 1, "hint": "add"} for i in range(6)]
     ({"prompt": None, "answer": "4"}, "{f}:3: 'prompt' must be a string, got null (task.prompt_key)"),
     ({"prompt": ["2+2="], "answer": "4"}, "{f}:3: 'prompt' must be a string, got [\"2+2=\"] (task.prompt_key)"),
     (7, "{f}:3: expected a JSON object per line, got 7"),
+    ({"prompt": "2+2=", "answer": "4 ####"}, "{f}:3: nothing after '####' in field 'answer' (GSM8K-style answers "
+     "end with '#### <answer>'; every row needs one)"),
+    ({"prompt": "2+2=", "answer": "Think. ####  "}, "{f}:3: nothing after '####' in field 'answer'"),
 ])
 def test_jsonl_rows_of_the_wrong_type_are_refused_with_file_line_and_key(tmp_path, bad, message):
     f = _data(tmp_path, GOOD[:2] + [bad] + GOOD[2:])
