@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import string
 import types
 import typing
@@ -20,6 +21,12 @@ from .errors import PresetError
 from .precision.flow import PrecisionFlow, parse_flow
 
 LOGGERS = ("jsonl", "tensorboard", "wandb")  # run.loggers; jetrl_cli.rl.loggers writes them
+# rollout.temperature's floor. Below it sampling is greedy in effect: the logits are multiplied by 20 or more, so a
+# 0.25-nat gap between the two likeliest tokens is already 150:1 odds and a GRPO group's samples come out the same
+# (every advantage 0), the case temperature 0 is refused for; the rollout-vs-trainer logit differences of an
+# off-policy flow are multiplied as much. vLLM does not sample that low either (below 0.01 it samples at 0.01,
+# below 1e-5 greedily), and RL recipes sample at 0.6 to 1.2.
+MIN_TEMPERATURE = 0.05
 
 
 @dataclass(frozen=True)
@@ -181,7 +188,7 @@ POSITIVE = {
     ("run", "keep_checkpoints"), ("train", "grad_clip"), ("train", "adam_eps"),
 }
 NON_NEGATIVE = {
-    ("train", "steps"), ("rollout", "temperature"), ("rollout", "top_k"), ("train", "weight_decay"),
+    ("train", "steps"), ("rollout", "top_k"), ("train", "weight_decay"),
     ("train", "warmup_steps"), ("train", "clip_low"), ("train", "clip_high"), ("train", "kl_coef"), ("train", "entropy_coef"),
     ("train", "dynamic_sampling_rounds"), ("correction", "mis_low"), ("task", "overlong_buffer"),
     ("task", "overlong_penalty"), ("eval", "every"),
@@ -207,16 +214,16 @@ def _check_type(src: str, key: str, value, tp):
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise PresetError(src, key, f"expected an integer, got {value!r}")
+            raise PresetError(src, key, f"expected an integer, got {value!r}{_yaml11_hint(value)}")
         return value
     if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads 3e-5 (no dot) as a string
+        if isinstance(value, str) and not _yaml11_hint(value):  # YAML 1.1 reads 3e-5 (no dot) as a string
             try:
                 return float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise PresetError(src, key, f"expected a number, got {value!r}")
+            raise PresetError(src, key, f"expected a number, got {value!r}{_yaml11_hint(value)}")
         return float(value)
     if tp is str:
         if isinstance(value, (dict, list)):
@@ -229,6 +236,22 @@ def _check_type(src: str, key: str, value, tp):
     raise TypeError(tp)
 
 
+def _yaml11_hint(value) -> str:
+    """Why a number-like string is refused: ``presets_io`` loads the numbers only YAML 1.1 reads as numbers (base 60,
+    ``1:30`` = 90; a leading-zero octal, ``010`` = 8) as the text written, so that they are refused here."""
+    if not isinstance(value, str):
+        return ""
+    if re.fullmatch(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?", value):
+        total = 0.0
+        for part in value.lstrip("+-").replace("_", "").split(":"):
+            total = total * 60 + float(part or 0)
+        shown = f"{'-' if value.startswith('-') else ''}{total:g}"
+        return f" (YAML 1.1 would read {value} in base 60, as {shown}; write a plain number)"
+    if re.fullmatch(r"[-+]?0[0-9_]+", value):
+        return f" (YAML 1.1 would read a leading 0 as octal; write {int(value.replace('_', ''))})"
+    return ""
+
+
 def _check_finite(src: str, key: str, value, where: tuple[str, str]) -> None:
     """NaN and infinity pass every ``<``/``>`` range check (NaN compares false with everything), so a float
     field is checked for them first (no preset key takes inf to mean "off" or "unbounded")."""
@@ -237,8 +260,9 @@ def _check_finite(src: str, key: str, value, where: tuple[str, str]) -> None:
             _check_finite(src, f"{key}[{i}]", x, where)
         return
     if isinstance(value, float) and not math.isfinite(value):
-        positive = where in POSITIVE or where == ("rollout", "temperature")  # 0 is refused in build_job_config
-        bound = " > 0" if positive else " >= 0" if where in NON_NEGATIVE else ""
+        bound = " > 0" if where in POSITIVE else " >= 0" if where in NON_NEGATIVE else ""
+        if where == ("rollout", "temperature"):  # its floor is checked in build_job_config
+            bound = f" >= {MIN_TEMPERATURE}"
         raise PresetError(src, key, f"must be a finite number{bound}, got {value}")
 
 
@@ -303,9 +327,6 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
         raise PresetError(source, "train.loss_agg", f"gspo's objective is a mean over sequences: set "
                           f"train.loss_agg=seq-mean-token-mean (verl's GSPO loss forces it), got {t.loss_agg}")
     tk, ev = secs["task"], secs["eval"]
-    for key in ("file", "eval_file"):
-        if getattr(tk, key) is not None and tk.name != "jsonl":
-            raise PresetError(source, f"task.{key}", f"read only by task.name: jsonl (this task is {tk.name!r})")
     if not 0 < tk.eval_fraction < 1:
         raise PresetError(source, "task.eval_fraction", f"must be in (0, 1), got {tk.eval_fraction}")
     try:
@@ -331,18 +352,18 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
     if ev.n > 1 and r.temperature == 0:
         raise PresetError(source, "eval.n", f"{ev.n} samples per prompt need rollout.temperature > 0 (it is 0: "
                           "every sample would be the greedy one)")
-    if r.temperature == 0:
-        raise PresetError(source, "rollout.temperature", "must be > 0, got 0: greedy rollouts make every sample of "
-                          "a GRPO group the same, so every advantage is 0 and nothing is learned (use e.g. 1.0; "
-                          "evaluation is greedy already with eval.n: 1)")
+    if r.temperature < MIN_TEMPERATURE:
+        greedy = "greedy rollouts make" if r.temperature == 0 else "so low a temperature samples greedily in effect: it makes"
+        why = "" if r.temperature < 0 else (f": {greedy} every sample of a GRPO group the same, so every advantage is 0 "
+                                            "and nothing is learned (use e.g. 1.0; evaluation is greedy already with "
+                                            "eval.n: 1)")
+        raise PresetError(source, "rollout.temperature", f"must be >= {MIN_TEMPERATURE}, got {r.temperature:g}{why}")
     if ev.max_new_tokens is not None and ev.max_new_tokens <= 0:
         raise PresetError(source, "eval.max_new_tokens", f"must be > 0, got {ev.max_new_tokens}")
     if not 0 <= t.min_lr_ratio <= 1:
         raise PresetError(source, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
     if r.vllm_gpu_memory_utilization > 1:
         raise PresetError(source, "rollout.vllm_gpu_memory_utilization", f"must be in (0, 1], got {r.vllm_gpu_memory_utilization}")
-    if c.tis_level != "token" and c.type not in ("tis", "acr"):
-        raise PresetError(source, "correction.tis_level", f"applies to correction.type tis or acr (this one is {c.type!r})")
     if c.mis_low >= c.mis_high:
         raise PresetError(source, "correction.mis_low", f"must be below mis_high ({c.mis_low} >= {c.mis_high})")
     run = secs["run"]
@@ -354,7 +375,39 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
                           "and the plots read (add tensorboard next to it)")
     if t.minibatches > r.prompts_per_step:
         raise PresetError(source, "train.minibatches", f"more mini-batches ({t.minibatches}) than prompts per step")
+    _refuse_unread_keys(source, data, secs)
     return JobConfig(name, source, flow, raw=data, **secs)
+
+
+JSONL_TASK_KEYS = ("file", "eval_file", "eval_fraction", "prompt_key", "answer_key", "prompt_template")
+VLLM_KEYS = tuple(f.name for f in dataclasses.fields(RolloutConfig) if f.name.startswith("vllm_"))
+
+
+def _refuse_unread_keys(source: str, data: dict, secs: dict) -> None:
+    """A key that the chosen setting does not read is refused, naming the setting that would read it: written
+    in the preset or by ``--set`` (``data``: what the user wrote; the defaults are not in it), it would
+    otherwise do nothing, silently. Checked after every value's own range, so a bad value is named as such.
+    ``tis_cap``, ``mis_low`` and ``mis_high`` are read under every ``correction.type``: they are the
+    thresholds of the ``frac_above_tis_cap`` / ``frac_outside_mis`` metrics (``metrics.jsonl``,
+    ``jetrl mismatch-report``). ``task.digits`` / ``length`` are not checked: every shipped preset writes
+    ``digits``, and ``--set task.name=jsonl`` on one of them is the documented way to bring a dataset."""
+    tk, r, c = secs["task"], secs["rollout"], secs["correction"]
+    rules = (
+        ("task", JSONL_TASK_KEYS, tk.name == "jsonl", f"read only by task.name: jsonl (this task is {tk.name!r})"),
+        ("task", ("eval_fraction",), tk.eval_file is None, "not read when task.eval_file is set (that file is the "
+         "held-out split; eval_fraction splits task.file without one)"),
+        ("rollout", VLLM_KEYS, r.backend == "vllm", f"read only by rollout.backend: vllm (this one is {r.backend!r})"),
+        ("rollout", ("cuda_graphs",), r.backend == "embedded", f"read only by rollout.backend: embedded (this one "
+         f"is {r.backend!r}, whose CUDA graphs rollout.vllm_enforce_eager turns off)"),
+        ("correction", ("tis_level",), c.type in ("tis", "acr"), f"applies to correction.type tis or acr (this one is "
+         f"{c.type!r})"),
+        ("correction", ("mis_level",), c.type == "mis", f"applies to correction.type mis (this one is {c.type!r})"),
+    )
+    for section, keys, read, why in rules:
+        written = data.get(section) or {}
+        for k in keys:
+            if not read and written.get(k) is not None:
+                raise PresetError(source, f"{section}.{k}", why)
 
 
 def load_job_config(preset: str, overrides: list[str] | None = None) -> JobConfig:

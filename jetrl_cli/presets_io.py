@@ -65,13 +65,41 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
+_LOADERS: dict = {}
+
+
+def _yaml12_numbers_loader():
+    """PyYAML's SafeLoader, except that the integers and floats only YAML 1.1 reads as numbers load as the
+    text written: base 60 (``steps: 1:30`` would be 90, ``1:30.5`` 90.5) and a leading-zero octal
+    (``steps: 010`` would be 8). YAML 1.2, and so every other YAML tool a preset may pass through, reads them
+    as strings; kept as text, the schema's type check refuses them on a number key with the key named
+    (``expected an integer, got '1:30'``) instead of a number the user never wrote running silently, and a
+    string key gets what was written."""
+    if "numbers" not in _LOADERS:
+        import yaml
+
+        class Yaml12Numbers(yaml.SafeLoader):
+            pass
+
+        def scalar_or(construct):
+            def constructor(loader, node):
+                v = node.value.replace("_", "").lstrip("+-")
+                if ":" in v or (len(v) > 1 and v[0] == "0" and v[1:].isdigit()):  # 1:30, 010 (not 0x1f, 0.5)
+                    return loader.construct_scalar(node)
+                return construct(loader, node)
+            return constructor
+
+        Yaml12Numbers.add_constructor("tag:yaml.org,2002:int", scalar_or(yaml.SafeLoader.construct_yaml_int))
+        Yaml12Numbers.add_constructor("tag:yaml.org,2002:float", scalar_or(yaml.SafeLoader.construct_yaml_float))
+        _LOADERS["numbers"] = Yaml12Numbers
+    return _LOADERS["numbers"]
+
+
 def _strict_loader(source: str):
-    """PyYAML's SafeLoader, except that a key given twice in one mapping (at any depth) is a
+    """``_yaml12_numbers_loader``, except that a key given twice in one mapping (at any depth) is a
     ``PresetError`` naming the dotted key and both lines: YAML itself keeps the last silently, so a
     second ``train:`` section would drop the whole first one."""
-    import yaml
-
-    class StrictLoader(yaml.SafeLoader):
+    class StrictLoader(_yaml12_numbers_loader()):
         def construct_document(self, node):
             _refuse_duplicate_keys(source, node, "", set())
             return super().construct_document(node)
@@ -160,7 +188,7 @@ def apply_overrides(data: dict, overrides: list[str], source: str) -> dict:
             node[k] = child
             node = child
         try:
-            value = yaml.safe_load(raw) if raw.strip() else raw
+            value = yaml.load(raw, Loader=_yaml12_numbers_loader()) if raw.strip() else raw
         except yaml.YAMLError:
             value = raw
         if value is not None and not isinstance(value, str) and _takes_a_string(keys):

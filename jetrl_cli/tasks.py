@@ -225,13 +225,22 @@ def read_jsonl(path: Path, what: str, key: str | None = None):
 
 # ----------------------------------------------------------------------------- tasks
 
+class TooFewProblems(JetrlError):
+    """``Task.problems(distinct=True)``: the split has fewer than ``n`` different problems."""
+
+    def __init__(self, have: int, n: int, where: str, hint: str):
+        self.have, self.n, self.where, self.hint = have, n, where, hint
+        super().__init__(f"{n} different problems asked for, but {where} has {'only ' if have else ''}{have}")
+
+
 class Task(abc.ABC):
     name = "task"
     answer_format = "boxed_or_gsm8k"
 
     @abc.abstractmethod
-    def problems(self, rng: random.Random, n: int, split: str) -> list[Problem]:
-        """``n`` problems of ``split`` drawn with ``rng``."""
+    def problems(self, rng: random.Random, n: int, split: str, distinct: bool = False) -> list[Problem]:
+        """``n`` problems of ``split`` drawn with ``rng``; ``distinct``: ``n`` different ones, or
+        ``TooFewProblems``."""
 
     def extract(self, completion: str) -> str | None:
         """The completion's final answer as ``task.answer_format`` reads it; None if it has none."""
@@ -249,14 +258,19 @@ class _Synthetic(Task):
     def make(self, rng: random.Random) -> Problem:
         """One random problem, with its worked solution."""
 
-    def problems(self, rng, n, split):
-        out = []
-        for _ in range(200 * n + 1000):
+    def problems(self, rng, n, split, distinct=False):
+        out, seen = [], set()
+        tries = 200 * n + 1000
+        for _ in range(tries):
             p = self.make(rng)
-            if _is_eval(p.prompt) == (split == "eval"):
+            if _is_eval(p.prompt) == (split == "eval") and not (distinct and p.prompt in seen):
+                seen.add(p.prompt)
                 out.append(p)
                 if len(out) == n:
                     return out
+        if distinct:
+            raise TooFewProblems(len(out), n, f"task {self.name}'s {split} split at this size (found in {tries} draws)",
+                                 "make the task larger (task.digits, task.length)")
         raise JetrlError(f"task {self.name}: cannot draw {n} distinct {split} problems at this size")
 
 
@@ -365,15 +379,18 @@ class JsonlTask(Task):
             check_prompt_template(template, answer_key)
         except ValueError as e:
             raise JetrlError(f"{source + ': ' if source else ''}task.prompt_template: {e}") from None
+        self.file = file
         rows = self._read(file, prompt_key, answer_key, template, "task.file", source)
         if eval_file:
             self.split = {"train": rows,
                           "eval": self._read(eval_file, prompt_key, answer_key, template, "task.eval_file", source)}
+            self.held_out = f"task.eval_file {eval_file}"
         else:
             order = list(range(len(rows)))
             random.Random(seed).shuffle(order)
             n_eval = max(1, int(round(len(rows) * eval_fraction))) if len(rows) > 1 else 0
             self.split = {"eval": [rows[i] for i in order[:n_eval]], "train": [rows[i] for i in order[n_eval:]]}
+            self.held_out = f"the held-out split of {file} (task.eval_fraction {eval_fraction:g} of {len(rows)} rows)"
         for s in SPLITS:
             if not self.split[s]:
                 raise JetrlError(f"{file}: no {s} problems after the split (add rows or set task.eval_file)")
@@ -399,6 +416,9 @@ class JsonlTask(Task):
             ans = str(ans)
             if "####" in ans:
                 ans = ans.rsplit("####", 1)[1].strip()
+                if not ans:  # "4 ####": no answer a completion could match
+                    raise JetrlError(f"{file}:{i}: nothing after '####' in field {ak!r} (GSM8K-style answers end "
+                                     "with '#### <answer>'; every row needs one)")
             values = {k: v for k, v in d.items() if k != "prompt"}
             values["prompt"] = d[pk]
             for f in fields:
@@ -418,9 +438,17 @@ class JsonlTask(Task):
             raise JetrlError(f"{file}: empty dataset")
         return rows
 
-    def problems(self, rng, n, split):
+    def problems(self, rng, n, split, distinct=False):
+        """Drawn without replacement: ``n`` different rows, or (``distinct`` false, more than the split holds) every
+        row once in a shuffled pass before any row comes again."""
         pool = self.split[split]
-        return [pool[rng.randrange(len(pool))] for _ in range(n)]
+        if distinct and n > len(pool):
+            raise TooFewProblems(len(pool), n, self.held_out if split == "eval" else f"the train split of {self.file}",
+                                 "hold out more rows (task.eval_file, or a larger task.eval_fraction)")
+        out: list[Problem] = []
+        while len(out) < n:
+            out += rng.sample(pool, min(len(pool), n - len(out)))
+        return out
 
     def epoch_batch(self, step: int, n: int, seed: int) -> list[Problem]:
         """Walk the train split in a seeded order, epoch after epoch."""
@@ -450,8 +478,8 @@ class UserReward(Task):
         self.spec = spec or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
         self.answer_format = inner.answer_format
 
-    def problems(self, rng, n, split):
-        return self.inner.problems(rng, n, split)
+    def problems(self, rng, n, split, distinct=False):
+        return self.inner.problems(rng, n, split, distinct)
 
     def reward(self, problem, completion):
         where = f"task.reward {self.spec}"
@@ -528,8 +556,16 @@ class PromptSource:
         rng = random.Random(f"{self.seed}/{step}/{rank}/{world}/{round_}")
         return self.task.problems(rng, n, "train")
 
-    def eval_set(self, n: int) -> list[Problem]:
-        return self.task.problems(random.Random(f"{self.seed}/eval"), n, "eval")
+    def eval_set(self, n: int, key: str = "eval.prompts") -> list[Problem]:
+        """``n`` different held-out problems, each evaluated once (``key``: the setting that asked for ``n``).
+        Fewer held-out problems than ``n`` is a one-line error: repeating problems would report an eval of ``n``
+        prompts on fewer problems, with the repeated ones counted twice, and capping silently would report a
+        smaller eval than the one asked for."""
+        try:
+            return self.task.problems(random.Random(f"{self.seed}/eval"), n, "eval", distinct=True)
+        except TooFewProblems as e:
+            raise JetrlError(f"{key} {n}: more than the {e.have} different problems of {e.where}; each eval prompt "
+                             f"is a different problem: set {key} <= {e.have}, or {e.hint}") from None
 
 
 def build_task(cfg, seed: int, source: str | None = None) -> Task:

@@ -108,6 +108,12 @@ def test_tis_level_comes_from_the_preset_and_is_refused_where_it_does_nothing():
     assert correction_config(cfg) == CorrectionConfig("tis", tis_cap=3.0, tis_level="geometric")
     with pytest.raises(PresetError, match=r"correction.tis_level: applies to correction.type tis or acr \(this one is 'mis'\)"):
         load_job_config("bf16", ["correction.type=mis", "correction.tis_level=sequence"])
+    with pytest.raises(PresetError, match=r"correction.tis_level: applies to correction.type tis or acr \(this one is 'none'\)"):
+        load_job_config("bf16", ["correction.tis_level=token"])  # written, even at its default: it does nothing here
+    assert correction_config(load_job_config("bf16", ["correction.type=mis", "correction.mis_level=sequence"])) == \
+        CorrectionConfig("mis", mis_level="sequence")
+    with pytest.raises(PresetError, match=r"correction.mis_level: applies to correction.type mis \(this one is 'acr'\)"):
+        load_job_config("qurl", ["correction.mis_level=sequence"])
 
 
 def test_kl_penalty_by_hand():

@@ -103,6 +103,13 @@ BAD = [
     ("precision: {base: bf16, rollout: {linear: {input: bf16 row, weight: bf16}}}\n",
      "precision.rollout.linear.input", "takes no granularity"),
     ("precision: [1, 2]\n", "precision", "expected a flow name or a mapping"),
+    ("precision: {base: [fp8-unified]}\n", "precision.base",
+     "expected a flow name (bf16, fp8-rollout, int8-rollout, fp8-unified), got ['fp8-unified']"),
+    ("precision: {base: {fp8-unified: 1}, unified: false}\n", "precision.base", "expected a flow name"),
+    ("precision: {base: fp8-rollout, rollout: {linear: {input: {format: fp8_e4m3, block: [1.7, 128]}}}}\n",
+     "precision.rollout.linear.input.block", "expected two whole numbers [rows, cols], got [1.7, 128]"),
+    ("precision: {base: fp8-rollout, rollout: {linear: {input: {format: fp8_e4m3, block: [true, 128]}}}}\n",
+     "precision.rollout.linear.input.block", "expected two whole numbers [rows, cols], got [True, 128]"),
     ("precision: {base: bf16, train: {fprop: {input: {format: fp8_e4m3, block: 1x128, amax_floor: -1}, weight: bf16}}}\n",
      "precision.train.fprop.input.amax_floor", "positive number"),
     ("- just\n- a list\n", "", "expected a mapping at the top level"),
@@ -150,3 +157,8 @@ def test_pow2_and_mapping_cast_specs(tmp_path):
     assert flow.rollout.linear.a.pow2_scale and flow.rollout.linear.b.pow2_scale
     assert not flow.is_on_policy  # the training side kept its non-pow2 scales
     assert "e4m3[1x128]^2" in flow.short_str()
+
+
+def test_a_flow_base_given_by_set_as_a_list_is_one_line():
+    with pytest.raises(PresetError, match=r"fp8-unified.yaml: precision.base: expected a flow name \(bf16, .*got \['a'\]$"):
+        load_preset("fp8-unified", overrides=["precision.base=[a]"])

@@ -110,6 +110,42 @@ def test_train_and_eval_splits_are_disjoint_and_batches_deterministic():
     assert src.batch(3, 8, rank=0, world=2) != src.batch(3, 8, rank=1, world=2)
 
 
+def test_the_eval_draws_different_problems_and_refuses_more_than_are_held_out(tmp_path):
+    """A 20-row file holds out 2 rows: an eval of 64 prompts would be those 2, repeated; it is refused, naming
+    eval.prompts and the held-out size. Up to that size every eval prompt is a different problem, and the
+    built-in tasks' evals too (the shipped presets' 64-prompt eval drew 61 different problems)."""
+    f = _jsonl(tmp_path / "d20.jsonl", [{"prompt": f"What is {i}+1?", "answer": str(i + 1)} for i in range(20)])
+    src = PromptSource(build_task(TaskConfig(name="jsonl", file=f), 0), 0)
+    assert len({p.prompt for p in src.eval_set(2)}) == 2
+    with pytest.raises(JetrlError) as e:
+        src.eval_set(64)
+    assert str(e.value) == (f"eval.prompts 64: more than the 2 different problems of the held-out split of {f} "
+                            "(task.eval_fraction 0.1 of 20 rows); each eval prompt is a different problem: set "
+                            "eval.prompts <= 2, or hold out more rows (task.eval_file, or a larger task.eval_fraction)")
+    big = PromptSource(build_task(TaskConfig(name="jsonl", file=f, eval_fraction=0.5), 0), 0)
+    assert len({p.prompt for p in big.eval_set(10)}) == 10
+    ev = _jsonl(tmp_path / "test.jsonl", [{"prompt": f"What is {i}+2?", "answer": str(i + 2)} for i in range(3)])
+    with pytest.raises(JetrlError, match=r"^eval.prompts 4: more than the 3 different problems of task.eval_file "):
+        PromptSource(build_task(TaskConfig(name="jsonl", file=f, eval_file=ev), 0), 0).eval_set(4)
+    arith = PromptSource(build_task(TaskConfig(name="arith", digits=2), 0), 0)
+    assert len({p.prompt for p in arith.eval_set(64)}) == 64
+    assert arith.eval_set(8) == arith.eval_set(64)[:8]  # the first draws kept: a shorter eval is a prefix
+    with pytest.raises(JetrlError, match=r"^eval.prompts 64: more than the \d+ different problems of task arith's "
+                                         r"eval split at this size .*make the task larger \(task.digits, task.length\)$"):
+        PromptSource(build_task(TaskConfig(name="arith", digits=1), 0), 0).eval_set(64)
+
+
+def test_jsonl_train_draws_beyond_the_epoch_walk_take_every_row_before_repeating_one(tmp_path):
+    """Dynamic sampling's refill rounds draw from the train split: without replacement, so a refill does not
+    repeat a row while others wait, and every row once per pass when more are asked for than the split holds."""
+    f = _jsonl(tmp_path / "d.jsonl", [{"prompt": f"What is {i}+1?", "answer": str(i + 1)} for i in range(11)])
+    src = PromptSource(build_task(TaskConfig(name="jsonl", file=f), 0), 0)  # 10 train rows
+    refill = [p.prompt for p in src.batch(0, 10, round_=1)]
+    assert len(set(refill)) == 10
+    more = [p.prompt for p in src.batch(0, 25, round_=1)]
+    assert len(set(more[:10])) == len(set(more[10:20])) == 10 and len(set(more[20:])) == 5
+
+
 def _jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)

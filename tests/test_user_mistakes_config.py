@@ -33,7 +33,7 @@ def refused(overrides, preset="bf16") -> str:
 
 @pytest.mark.parametrize("key_value, message", [
     ("train.lr=inf", "train.lr: must be a finite number > 0, got inf"),
-    ("rollout.temperature=nan", "rollout.temperature: must be a finite number > 0, got nan"),
+    ("rollout.temperature=nan", "rollout.temperature: must be a finite number >= 0.05, got nan"),
     ("train.clip_low=nan", "train.clip_low: must be a finite number >= 0, got nan"),
     ("train.kl_coef=.inf", "train.kl_coef: must be a finite number >= 0, got inf"),
     ("task.overlong_penalty=nan", "task.overlong_penalty: must be a finite number >= 0, got nan"),
@@ -54,7 +54,7 @@ def test_nan_in_a_preset_file_and_through_jetrl_flow(tmp_path):
     p.write_text("precision: bf16\ntrain:\n  lr: .nan\n")
     assert refused([], str(p)) == f"{p}: train.lr: must be a finite number > 0, got nan"
     msg = one_line_error(invoke("flow", "bf16", "--set", "rollout.temperature=inf"))
-    assert f"{P}: rollout.temperature: must be a finite number > 0, got inf" in msg
+    assert f"{P}: rollout.temperature: must be a finite number >= 0.05, got inf" in msg
 
 
 # ----------------------------------------------------------------------------- 2. temperature 0
@@ -62,9 +62,19 @@ def test_nan_in_a_preset_file_and_through_jetrl_flow(tmp_path):
 
 def test_a_greedy_rollout_is_refused_saying_why():
     msg = refused(["rollout.temperature=0"])
-    assert msg.startswith(f"{P}: rollout.temperature: must be > 0, got 0")
+    assert msg.startswith(f"{P}: rollout.temperature: must be >= 0.05, got 0: greedy rollouts make every sample")
     assert "every advantage is 0" in msg and "eval.n: 1" in msg
     assert load_job_config("bf16", ["rollout.temperature=0.6"]).rollout.temperature == 0.6
+
+
+@pytest.mark.parametrize("t", ["1e-30", "1e-6", "0.01", "0.049"])
+def test_a_temperature_so_low_it_is_greedy_in_effect_is_refused_as_0_is(t):
+    msg = refused([f"rollout.temperature={t}"])
+    assert msg.startswith(f"{P}: rollout.temperature: must be >= 0.05, got {float(t):g}: so low a temperature "
+                          "samples greedily in effect")
+    assert "every advantage is 0" in msg
+    assert refused(["rollout.temperature=-1"]) == f"{P}: rollout.temperature: must be >= 0.05, got -1"
+    assert load_job_config("bf16", ["rollout.temperature=0.05"]).rollout.temperature == 0.05
 
 
 # ----------------------------------------------------------------------------- 3. duplicate YAML keys
@@ -99,7 +109,8 @@ def test_an_unquoted_set_value_for_a_string_key_says_how_to_quote_it():
     msg = refused(["task.prompt_template=Q: {prompt}"])
     assert msg == (f"{P}: task.prompt_template: expected a string, got a mapping {{'Q': {{'prompt': None}}}}: "
                    "--set reads the value as YAML; quote it: --set 'task.prompt_template=\"Q: {prompt}\"'")
-    cfg = load_job_config("bf16", ['task.prompt_template="Q: {prompt}"'])  # the suggestion works
+    cfg = load_job_config("bf16", ["task.name=jsonl", "task.file=d.jsonl",
+                                   'task.prompt_template="Q: {prompt}"'])  # the suggestion works
     assert cfg.task.prompt_template == "Q: {prompt}"
     assert "quote it: --set 'task.prompt_key=\"[q]\"'" in refused(["task.prompt_key=[q]"])
 
@@ -109,6 +120,23 @@ def test_a_mapping_for_a_string_key_in_a_preset_file_says_to_quote_it(tmp_path):
     p.write_text("precision: bf16\ntask:\n  prompt_template: {prompt}\n")
     assert refused([], str(p)) == (f"{p}: task.prompt_template: expected a string, got a mapping {{'prompt': None}} "
                                    "(YAML reads {...} as a mapping and [...] as a list: put the value in quotes)")
+
+
+def test_numbers_only_yaml_1_1_reads_as_numbers_are_refused_not_converted(tmp_path):
+    """``steps: 1:30`` is 90 in YAML 1.1 (base 60) and ``010`` is 8 (octal): the preset loads both as the text
+    written, so a number key refuses them by name and a string key gets what was written."""
+    p = tmp_path / "p.yaml"
+    p.write_text("precision: bf16\ntrain:\n  steps: 1:30\n")
+    assert refused([], str(p)) == (f"{p}: train.steps: expected an integer, got '1:30' (YAML 1.1 would read 1:30 "
+                                   "in base 60, as 90; write a plain number)")
+    assert refused(["train.steps=1:30"]).startswith(f"{P}: train.steps: expected an integer, got '1:30'")
+    assert refused(["train.lr=1:30.5"]) == (f"{P}: train.lr: expected a number, got '1:30.5' (YAML 1.1 would read "
+                                            "1:30.5 in base 60, as 90.5; write a plain number)")
+    assert refused(["train.steps=010"]) == (f"{P}: train.steps: expected an integer, got '010' (YAML 1.1 would read "
+                                            "a leading 0 as octal; write 10)")
+    assert load_job_config("bf16", ["run.out_dir=1:30"]).run.out_dir == "1:30"
+    cfg = load_job_config("bf16", ["train.steps=0", "train.lr=3e-5", "rollout.n=0x10", "train.warmup_steps=1_0"])
+    assert (cfg.train.steps, cfg.train.lr, cfg.rollout.n, cfg.train.warmup_steps) == (0, 3e-5, 16, 10)
 
 
 # ----------------------------------------------------------------------------- 5. the user's reward function
@@ -224,6 +252,9 @@ GOOD = [{"prompt": f"{i}+1=", "answer": i + 1, "hint": "add"} for i in range(6)]
     ({"prompt": None, "answer": "4"}, "{f}:3: 'prompt' must be a string, got null (task.prompt_key)"),
     ({"prompt": ["2+2="], "answer": "4"}, "{f}:3: 'prompt' must be a string, got [\"2+2=\"] (task.prompt_key)"),
     (7, "{f}:3: expected a JSON object per line, got 7"),
+    ({"prompt": "2+2=", "answer": "4 ####"}, "{f}:3: nothing after '####' in field 'answer' (GSM8K-style answers "
+     "end with '#### <answer>'; every row needs one)"),
+    ({"prompt": "2+2=", "answer": "Think. ####  "}, "{f}:3: nothing after '####' in field 'answer'"),
 ])
 def test_jsonl_rows_of_the_wrong_type_are_refused_with_file_line_and_key(tmp_path, bad, message):
     f = _data(tmp_path, GOOD[:2] + [bad] + GOOD[2:])
@@ -289,3 +320,59 @@ def test_a_backend_that_cannot_run_a_gemm_here_names_its_key_before_the_run(tmp_
     msg = one_line_error(invoke(cmd, preset, "-o", out, *sets(SMALL + [f"{key}.backend={backend}"])))
     assert msg.startswith(f"error: {key}.backend: {backend} cannot run ") and f"(allowed here: {allowed})" in msg
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- 7. keys the chosen setting does not read
+
+
+@pytest.mark.parametrize("preset, key_value, message", [
+    ("bf16", 'task.prompt_template="Solve: {prompt}"', "task.prompt_template: read only by task.name: jsonl "
+     "(this task is 'arith')"),
+    ("bf16", "task.prompt_key=question", "task.prompt_key: read only by task.name: jsonl (this task is 'arith')"),
+    ("bf16", "task.answer_key=solution", "task.answer_key: read only by task.name: jsonl (this task is 'arith')"),
+    ("bf16", "task.eval_fraction=0.2", "task.eval_fraction: read only by task.name: jsonl (this task is 'arith')"),
+    ("bf16", "task.eval_file=test.jsonl", "task.eval_file: read only by task.name: jsonl (this task is 'arith')"),
+    ("gpu-qwen2.5-1.5b-gsm8k-fp8-unified", "task.eval_fraction=0.2", "task.eval_fraction: not read when "
+     "task.eval_file is set (that file is the held-out split"),
+    ("bf16", "rollout.vllm_dtype=bfloat16", "rollout.vllm_dtype: read only by rollout.backend: vllm (this one is "
+     "'embedded')"),
+    ("bf16", "rollout.vllm_gpu_memory_utilization=0.5", "rollout.vllm_gpu_memory_utilization: read only by "
+     "rollout.backend: vllm"),
+    ("bf16", "rollout.vllm_enforce_eager=true", "rollout.vllm_enforce_eager: read only by rollout.backend: vllm"),
+    ("fp8-unified-vllm", "rollout.cuda_graphs=false", "rollout.cuda_graphs: read only by rollout.backend: embedded "
+     "(this one is 'vllm', whose CUDA graphs rollout.vllm_enforce_eager turns off)"),
+    ("bf16", "correction.mis_level=sequence", "correction.mis_level: applies to correction.type mis (this one is "
+     "'none')"),
+    ("fp8-rollout-tis", "correction.mis_level=token", "correction.mis_level: applies to correction.type mis (this "
+     "one is 'tis')"),
+    ("bf16", "correction.tis_level=token", "correction.tis_level: applies to correction.type tis or acr (this one "
+     "is 'none')"),
+])
+def test_a_key_the_chosen_setting_does_not_read_is_refused_naming_that_setting(preset, key_value, message):
+    """Written by --set or in the preset, a key that does nothing under the chosen task, backend or correction is
+    refused, as ``task.file`` on a built-in task always was: ``prompt_template`` on ``arith`` left the prompt
+    ``'96+83='``."""
+    msg = refused([key_value], preset)
+    assert msg == f"{resolve_preset_path(preset)}: {message}" or msg.startswith(f"{resolve_preset_path(preset)}: "
+                                                                                  f"{message}"), msg
+
+
+def test_a_key_written_in_the_preset_file_is_refused_too_and_the_defaults_never(tmp_path):
+    p = tmp_path / "p.yaml"
+    p.write_text("precision: bf16\nrollout:\n  vllm_quantization: fp8\n")
+    assert refused([], str(p)) == f"{p}: rollout.vllm_quantization: read only by rollout.backend: vllm (this one is 'embedded')"
+    assert load_job_config(str(p), ["rollout.backend=vllm"]).rollout.vllm_quantization == "fp8"
+    # the shipped vLLM preset's vllm_quantization is its own: with the embedded engine it is refused, not dropped
+    assert refused(["rollout.backend=embedded"], "fp8-unified-vllm").endswith(
+        "rollout.vllm_quantization: read only by rollout.backend: vllm (this one is 'embedded')")
+    # null is no value; the keys each setting reads are accepted with it
+    cfg = load_job_config("bf16", ["task.eval_file=null", "rollout.vllm_enforce_eager=null"])
+    assert cfg.task.eval_file is None and cfg.rollout.vllm_enforce_eager is None
+    cfg = load_job_config("bf16", ["task.name=jsonl", "task.file=d.jsonl", "task.prompt_key=q", "task.eval_fraction=0.2",
+                                   'task.prompt_template="Q: {prompt}"', "rollout.backend=vllm",
+                                   "rollout.vllm_dtype=bfloat16", "correction.type=mis", "correction.mis_level=sequence"])
+    assert (cfg.task.prompt_key, cfg.rollout.vllm_dtype, cfg.correction.mis_level) == ("q", "bfloat16", "sequence")
+    # the TIS cap and the MIS band are read under every correction: the thresholds of frac_above_tis_cap and
+    # frac_outside_mis (metrics.jsonl, mismatch-report)
+    cfg = load_job_config("bf16", ["correction.tis_cap=1.5", "correction.mis_low=0.8", "correction.mis_high=1.2"])
+    assert (cfg.correction.type, cfg.correction.tis_cap, cfg.correction.mis_low) == ("none", 1.5, 0.8)

@@ -446,6 +446,8 @@ def parse_flow(value, source: str = "<flow>", key: str = "precision", name: str 
         ctx.fail(key, f"expected a flow name or a mapping, got {value!r}")
     base_name = value.get("base")
     if base_name is not None:
+        if not isinstance(base_name, str):  # a list or mapping is unhashable: `in NAMED_FLOWS` would raise
+            ctx.fail(f"{key}.base", f"expected a flow name ({', '.join(NAMED_FLOWS)}), got {base_name!r}")
         if base_name not in NAMED_FLOWS:
             ctx.fail(f"{key}.base", f"unknown flow {base_name!r} (allowed: {', '.join(NAMED_FLOWS)})")
         merged = _deep_merge(NAMED_FLOWS[base_name], {k: v for k, v in value.items() if k != "base"})

@@ -120,7 +120,9 @@ class Block:
         if isinstance(value, Block):
             return value
         if isinstance(value, (list, tuple)) and len(value) == 2:
-            return cls(int(value[0]), int(value[1]))
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):  # int(1.7) would be 1
+                raise ValueError(f"expected two whole numbers [rows, cols], got {list(value)!r}")
+            return cls(value[0], value[1])
         key = str(value).strip().lower()
         if key in _NAMED_BLOCKS:
             return _NAMED_BLOCKS[key]
