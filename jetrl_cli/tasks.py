@@ -1,9 +1,11 @@
 """Verifiable-reward tasks: built-in synthetic ones, JSONL math datasets, user reward functions.
 
 A task yields ``Problem`` s (prompt text + reference answer) for a split (``train`` or ``eval``,
-disjoint) and scores a completion with ``reward``. Batches are drawn by ``PromptSource.batch(step,
-rank, world)``: a pure function of the seed, the step and the shard, so a resumed run and every
-data-parallel rank see exactly the problems they would have seen.
+disjoint) and scores a completion with ``reward``. Batches are drawn by ``PromptSource.batch(step, n)``:
+a pure function of the seed and the step, so a resumed run sees exactly the problems it would have
+seen, and every data-parallel rank the whole step's problems (the rollout shards them:
+``distributed.rollout.ShardedEngine`` samples a rank's contiguous block, so a sharded run draws what
+one process draws).
 
 Built-in tasks (the answer length is a knob, for short- vs long-rollout experiments), each
 completion ends with ``#### <answer>``:
@@ -544,16 +546,17 @@ def load_reward_fn(spec: str) -> Callable:
 # ----------------------------------------------------------------------------- prompt source
 
 class PromptSource:
-    """Problems for a step, deterministic in (seed, step, rank): the data-sharding interface."""
+    """A step's problems, deterministic in (seed, step, round): the same on every rank."""
 
     def __init__(self, task: Task, seed: int):
         self.task, self.seed = task, seed
 
-    def batch(self, step: int, n: int, rank: int = 0, world: int = 1, round_: int = 0) -> list[Problem]:
+    def batch(self, step: int, n: int, round_: int = 0) -> list[Problem]:
+        """The ``n`` problems of ``step`` (``round_`` > 0: dynamic sampling's refill rounds)."""
         inner = getattr(self.task, "inner", self.task)
         if isinstance(inner, JsonlTask) and round_ == 0:
-            return inner.epoch_batch(step * world + rank, n, self.seed)
-        rng = random.Random(f"{self.seed}/{step}/{rank}/{world}/{round_}")
+            return inner.epoch_batch(step, n, self.seed)
+        rng = random.Random(f"{self.seed}/{step}/0/1/{round_}")  # "/0/1": the draws of every earlier version
         return self.task.problems(rng, n, "train")
 
     def eval_set(self, n: int, key: str = "eval.prompts") -> list[Problem]:
