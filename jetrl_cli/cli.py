@@ -218,6 +218,16 @@ def _check_output(path: Path, flag: str, kind: str) -> None:
         raise JetrlError(f"{flag} {path}: {parent} is a file, not a directory")
 
 
+def _beside_out_dir(cfg, suffix: str) -> Path:
+    """The default output of ``rollout``/``train``: ``OUT_DIR{suffix}``, beside the run's directory
+    (``run.out_dir``). ``.`` or ``..`` is taken as the directory it names; ``/`` has nothing beside it."""
+    d = cfg.out_dir if cfg.out_dir.name not in ("", "..") else cfg.out_dir.resolve()
+    if not d.name:
+        raise JetrlError(f"run.out_dir {cfg.run.out_dir}: the default output lies beside the run's directory, "
+                         f"and {cfg.run.out_dir} has nothing beside it; give -o")
+    return d.with_name(f"{d.name}{suffix}")
+
+
 def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
     import os
 
@@ -261,7 +271,7 @@ def rollout_cmd(
     if seed < 0:
         raise JetrlError(f"--seed must be >= 0, got {seed}")
     cfg = load_job_config(preset, _overrides(override))
-    out = output or cfg.out_dir.with_name(f"{cfg.out_dir.name}-rollout.jsonl")
+    out = output or _beside_out_dir(cfg, "-rollout.jsonl")
     _check_output(out, "-o", "file")
     if out.exists() and not force:
         raise JetrlError(f"{out}: exists (a run's samples, or an earlier rollout); --force replaces it, -o writes "
@@ -384,7 +394,7 @@ def train_cmd(
     if updates <= 0:
         raise JetrlError(f"--updates must be > 0, got {updates}")
     cfg = load_job_config(preset, _overrides(override))
-    out = output or cfg.out_dir.with_name(f"{cfg.out_dir.name}-train")
+    out = output or _beside_out_dir(cfg, "-train")
     if _run_directory(out):  # --force too: a train's checkpoint among a run's would be resumed as the run's
         raise JetrlError(f"{out}: holds a run of jetrl run (metrics.jsonl); jetrl train writes its checkpoint "
                          "elsewhere (default OUT_DIR-train): -o names another directory")
