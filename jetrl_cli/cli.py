@@ -444,6 +444,28 @@ class GateFailed(JetrlError):
     exit_code = 4
 
 
+def _check_model_fits(model: Path, model_dir: Path, tok) -> None:
+    """``mismatch-report --model``: the weights are scored on text tokenized by model.path's tokenizer,
+    so they must be a model of that tokenizer: model.path's vocabulary size, and its tokenizer where
+    they ship one (a run's checkpoint does). Otherwise ids past the vocabulary fail in the embedding,
+    or another model's ids silently mean other text."""
+    from .models.hf import read_config
+    from .models.tokenizer import Tokenizer
+
+    have, want = read_config(model)[0].vocab_size, read_config(model_dir)[0].vocab_size
+    fix = f"to report on that model, --set model.path={model} instead of --model"
+    if have < tok.vocab_size:
+        raise JetrlError(f"--model {model}: vocab_size {have}, but model.path's tokenizer ({model_dir}) has "
+                         f"{tok.vocab_size} tokens (a different model?); {fix}")
+    if have != want:
+        raise JetrlError(f"--model {model}: vocab_size {have}, but model.path ({model_dir}) has {want}: another "
+                         f"model, whose token ids mean other text than model.path's tokenizer's; {fix}")
+    own = Tokenizer.from_dir(model) if (model / "tokenizer.json").exists() else None
+    if own is not None and own._tk.get_vocab(True) != tok._tk.get_vocab(True):
+        raise JetrlError(f"--model {model}: its tokenizer.json has another vocabulary than model.path's ({model_dir}); "
+                         f"the report tokenizes with model.path's; {fix}")
+
+
 @app.command("mismatch-report")
 @user_errors
 def mismatch_report_cmd(
@@ -500,6 +522,8 @@ def mismatch_report_cmd(
     if model is not None and not model.is_dir():
         raise JetrlError(f"--model {model}: no such directory")
     tok = Tokenizer.from_dir(model_dir)
+    if model is not None:
+        _check_model_fits(model, model_dir, tok)
     base = load_model(model or model_dir).to(_device(cfg)).eval()
     if cfg.train.invariant_scale != 1.0 and model is None:
         fold_invariant_scale(base, cfg.train.invariant_scale)
