@@ -712,6 +712,8 @@ def bench_cmd(
         _check_output(out, "--out", "file")
     if not no_history:
         _check_output(history, "--history", "file")
+    if profile is not None:  # written after every row has run: its path is checked before any
+        _check_output(profile, "--profile", "directory")
     if layers is not None and layers <= 0:
         raise JetrlError(f"--layers must be > 0, got {layers}")
     s = bench.Settings(device=device, repeats=repeats, warmup=warmup, model=model, layers=layers, batch=batch,
