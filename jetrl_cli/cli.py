@@ -95,12 +95,29 @@ def _version(value: bool):
 
 
 @app.callback()
+@user_errors
 def root(
+    ctx: typer.Context,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, metavar="", help="Print the version and exit.")
     ] = False,
 ):
     """Reinforcement learning of language models in low precision, on-policy."""
+    _only_run_is_distributed(ctx.invoked_subcommand)
+
+
+def _only_run_is_distributed(command: str | None) -> None:
+    """Under torchrun with more than one process, every command but ``run`` would run once per rank:
+    the same output N times, N writers racing on one file or checkpoint. Refused, by every rank."""
+    from .distributed.world import torchrun_rank, torchrun_world_size
+
+    if command is None or command == "run":
+        return
+    size = torchrun_world_size()
+    if size > 1:
+        rank = torchrun_rank()
+        raise JetrlError(f"{f'rank {rank}: ' if rank else ''}jetrl {command} does not run under torchrun "
+                         f"(WORLD_SIZE={size}): only jetrl run is distributed; run jetrl {command} as one process")
 
 
 @app.command("flow")
@@ -626,30 +643,38 @@ def run_cmd(
 ):
     """The RL loop: rollout -> reward -> score -> update -> sync -> eval; metrics.jsonl, checkpoints, curves.png."""
     from .config import load_job_config
-    from .distributed.world import SINGLE, World, launched_by_torchrun
+    from .distributed.world import (SINGLE, CollectiveTimeout, World, dist_timeout, is_collective_timeout,
+                                    launched_by_torchrun, torchrun_rank)
     from .live import RunDisplay
     from .rl.loop import run
 
-    if force and resume:
-        raise JetrlError("--force and --resume contradict each other")
-    cfg = load_job_config(preset, _overrides(override))
-    out = output or cfg.out_dir
-    _check_output(out, "-o", "directory")
-    if nproc is not None:
-        if nproc <= 0:
-            raise JetrlError(f"--nproc must be > 0, got {nproc}")
-        if launched_by_torchrun():
-            raise JetrlError("--nproc starts torchrun; this process already runs under torchrun (drop --nproc)")
-        from .distributed.launch import launch
-
-        args = [preset, "-o", str(out), *(["--resume"] if resume else []), *(["--force"] if force else []),
-                *[x for o in _overrides(override) for x in ("--set", o)]]
-        code = launch(nproc, args)
-        if code:
-            raise typer.Exit(code)
-        return
-    world = World.from_env(cfg.model.device) if launched_by_torchrun() else SINGLE
+    rank, world = torchrun_rank(), SINGLE
     try:
+        if force and resume:
+            raise JetrlError("--force and --resume contradict each other")
+        cfg = load_job_config(preset, _overrides(override))
+        out = output or cfg.out_dir
+        _check_output(out, "-o", "directory")
+        if cfg.rollout.backend == "vllm" and (nproc is not None or launched_by_torchrun()):
+            raise JetrlError("rollout.backend: vllm does not run under torchrun (--nproc) yet: each rank's vLLM "
+                             "would need distributed_executor_backend='external_launcher', untested; use "
+                             "rollout.backend: embedded there, or vllm in a plain jetrl run")
+        if nproc is not None:
+            if nproc <= 0:
+                raise JetrlError(f"--nproc must be > 0, got {nproc}")
+            if launched_by_torchrun():
+                raise JetrlError("--nproc starts torchrun; this process already runs under torchrun (drop --nproc)")
+            from .distributed.launch import launch
+
+            args = [preset, "-o", str(out), *(["--resume"] if resume else []), *(["--force"] if force else []),
+                    *[x for o in _overrides(override) for x in ("--set", o)]]
+            code = launch(nproc, args)
+            if code:
+                raise typer.Exit(code)
+            return
+        if launched_by_torchrun():
+            world = World.from_env(cfg.model.device)
+            world.check_same(_run_identity(cfg, out, resume, force), _SAME_RUN)
         if not world.is_writer:
             run(cfg, out, resume=resume, world=world, replace=force)
             return
@@ -659,11 +684,60 @@ def run_cmd(
                         on_resume=display.resumed, world=world, replace=force)
         display.finish(lines, out)
     except JetrlError as e:
-        if not world.is_writer:  # each rank prints its own error line: say which one
-            e.args = (f"rank {world.rank}: {e}",)
+        if rank:  # under torchrun each rank prints its own error line: say which one
+            e.args = (f"rank {rank}: {e}",)
         raise
+    except RuntimeError as e:
+        if not (world.distributed and is_collective_timeout(e)):
+            raise
+        raise CollectiveTimeout(f"{f'rank {rank}: ' if rank else ''}the other ranks did not answer a collective "
+                                f"within {dist_timeout():g} s (JETRL_DIST_TIMEOUT): a rank is stuck or has died; the "
+                                "last complete checkpoint is kept (--resume continues from it)") from None
     finally:
         world.close()
+
+
+_SAME_RUN = ("every rank must start the same run: the same preset and --set values, model and data files (on "
+             "several nodes: the same paths, on shared storage)")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _run_identity(cfg, out: Path, resume: bool, force: bool) -> dict:
+    """What every rank of a torchrun run must agree on: the resolved preset key by key, the command's
+    own options, the model directory's files and the data files (digests of their contents), jetrl's
+    and torch's versions."""
+    import importlib.util
+
+    import torch
+
+    from .distributed.world import dir_digests, file_digest
+    from .rl.loop import resolve_model_dir
+
+    what = {"the preset": cfg.name, **_flat(cfg.raw), "-o": os.path.abspath(out), "--resume": resume,
+            "--force": force, "jetrl's version": __version__, "torch's version": torch.__version__,
+            "JETRL_EXACT_REDUCTION": os.environ.get("JETRL_EXACT_REDUCTION")}
+    what.update(dir_digests(resolve_model_dir(cfg.model.path), "model.path"))
+    for key in ("file", "eval_file"):
+        f = getattr(cfg.task, key)
+        if f and Path(f).is_file():
+            what[f"task.{key}'s contents"] = file_digest(Path(f))
+    if cfg.task.reward and ":" in cfg.task.reward:
+        try:  # the module's source; a module that cannot be found is reported when the task is built
+            spec = importlib.util.find_spec(cfg.task.reward.split(":")[0])
+        except Exception:  # noqa: BLE001
+            spec = None
+        if spec is not None and spec.origin and Path(spec.origin).is_file():
+            what["task.reward's source file"] = file_digest(Path(spec.origin))
+    return what
 
 
 @app.command("bench")
