@@ -103,6 +103,27 @@ TORCHRUN_RANK_1 = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_AD
 TINY = ["train.steps=1", "rollout.prompts_per_step=2", "rollout.n=2", "eval.prompts=2", "rollout.max_new_tokens=8"]
 
 
+def test_a_signal_to_the_launcher_is_one_line(monkeypatch, capsys):
+    """SIGTERM to `jetrl run --nproc` (a timeout, scancel, docker stop): torch's agent stops the ranks and
+    raises SignalException, which was a 120-line traceback."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.launcher import api
+
+    from jetrl_cli.distributed.launch import launch
+
+    def launched(config, entrypoint):
+        def start(*args):
+            raise SignalException("Process 1 got signal: 15", signal.SIGTERM)
+        return start
+
+    monkeypatch.setattr(api, "elastic_launch", launched)
+    assert launch(2, ["bf16"]) == 143
+    assert capsys.readouterr().err == ("error: jetrl run --nproc got signal 15; its ranks were stopped, the last "
+                                       "complete checkpoint is kept (--resume continues from it)\n")
+
+
 def test_only_run_is_distributed(tmp_path, monkeypatch):
     """Under torchrun every other command would run once per rank (N copies racing on one output)."""
     for k, v in TORCHRUN_RANK_1.items():
