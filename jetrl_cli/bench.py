@@ -1587,6 +1587,46 @@ RUNNERS = {"gemm": bench_gemm, "quantize": bench_quantize, "attention": bench_at
 
 _NOT_SETTINGS = ("progress", "partial_out", "rows_done", "not_run")
 
+# What an allocation that cannot be served says: torch.OutOfMemoryError on a GPU; on CPU a RuntimeError from
+# the allocator (c10's enforce, not OutOfMemoryError), or Python's MemoryError.
+_ALLOCATOR_FAILURES = ("DefaultCPUAllocator", "can't allocate memory", "not enough memory", "out of memory")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    if isinstance(e, (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _ALLOCATOR_FAILURES)
+
+
+def _sizes_to_lower(mode: str, s: Settings) -> str:
+    """What to lower: the options that size ``mode``'s tensors, with their values."""
+    def shapes(given):
+        return "--shapes " + ",".join("x".join(map(str, x)) for x in given)
+
+    model = ", or use a smaller --model or fewer --layers" if mode in ("rollout", "train") else ""
+    return "lower " + {
+        "gemm": shapes([x[1:] for x in s.gemm_shapes]), "quantize": shapes(s.quant_shapes),
+        "attention": shapes(s.attention_shapes), "rollout": f"--batch {s.batch} or --new-tokens {s.new_tokens}",
+        "train": f"--seq {s.seq} or --train-batch {s.train_batch}"
+                 + (f" or --micro-batch {s.micro_batch}" if s.micro_batch else ", give a --micro-batch"),
+    }[mode] + model
+
+
+def out_of_memory_error(mode: str, s: Settings, e: BaseException) -> JetrlError:
+    """One line for a bench that ran out of memory: how much it asked for, and the options to lower."""
+    import re
+
+    msg = str(e)
+    got = re.search(r"allocate (\d+) bytes", msg)
+    gib = int(got.group(1)) / 2**30 if got else 0
+    asked = ((f"{gib / 1024:.1f} TiB" if gib >= 1024 else f"{gib:.1f} GiB") if got else
+             (re.search(r"allocate ([\d.]+ [KMGTP]iB)", msg) or [None, None])[1])
+    what = f" (asked for {asked})" if asked else ""
+    if mode == "e2e":
+        return JetrlError(f"bench e2e: out of memory on {s.device}{what}: the shipped presets' runs on --model "
+                          f"{s.model} do not fit; use a smaller --model")
+    return JetrlError(f"bench {mode}: out of memory on {s.device}{what}: {_sizes_to_lower(mode, s)}")
+
 
 def run_bench(modes: list[str], s: Settings) -> dict:
     res = {"env": environment(s.device), "settings": {k: v for k, v in s.__dict__.items() if k not in _NOT_SETTINGS},
@@ -1600,7 +1640,15 @@ def run_bench(modes: list[str], s: Settings) -> dict:
     if s.not_run:
         res["not_run"] = dict(s.not_run)
     for m in modes:
-        res["results"][m] = RUNNERS[m](s)
+        err = None
+        try:
+            res["results"][m] = RUNNERS[m](s)
+        except Exception as e:  # only an allocation that failed is the user's (sizes too large)
+            if not is_out_of_memory(e):
+                raise
+            err = out_of_memory_error(m, s, e)
+        if err is not None:  # raised outside the except block, whose traceback holds the mode's tensors
+            raise err
     res["targets"] = targets(res["results"], s.device)
     return res
 

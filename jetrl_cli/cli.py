@@ -95,12 +95,29 @@ def _version(value: bool):
 
 
 @app.callback()
+@user_errors
 def root(
+    ctx: typer.Context,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, metavar="", help="Print the version and exit.")
     ] = False,
 ):
     """Reinforcement learning of language models in low precision, on-policy."""
+    _only_run_is_distributed(ctx.invoked_subcommand)
+
+
+def _only_run_is_distributed(command: str | None) -> None:
+    """Under torchrun with more than one process, every command but ``run`` would run once per rank:
+    the same output N times, N writers racing on one file or checkpoint. Refused, by every rank."""
+    from .distributed.world import torchrun_rank, torchrun_world_size
+
+    if command is None or command == "run":
+        return
+    size = torchrun_world_size()
+    if size > 1:
+        rank = torchrun_rank()
+        raise JetrlError(f"{f'rank {rank}: ' if rank else ''}jetrl {command} does not run under torchrun "
+                         f"(WORLD_SIZE={size}): only jetrl run is distributed; run jetrl {command} as one process")
 
 
 @app.command("flow")
@@ -218,6 +235,16 @@ def _check_output(path: Path, flag: str, kind: str) -> None:
         raise JetrlError(f"{flag} {path}: {parent} is a file, not a directory")
 
 
+def _beside_out_dir(cfg, suffix: str) -> Path:
+    """The default output of ``rollout``/``train``: ``OUT_DIR{suffix}``, beside the run's directory
+    (``run.out_dir``). ``.`` or ``..`` is taken as the directory it names; ``/`` has nothing beside it."""
+    d = cfg.out_dir if cfg.out_dir.name not in ("", "..") else cfg.out_dir.resolve()
+    if not d.name:
+        raise JetrlError(f"run.out_dir {cfg.run.out_dir}: the default output lies beside the run's directory, "
+                         f"and {cfg.run.out_dir} has nothing beside it; give -o")
+    return d.with_name(f"{d.name}{suffix}")
+
+
 def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
     import os
 
@@ -261,7 +288,7 @@ def rollout_cmd(
     if seed < 0:
         raise JetrlError(f"--seed must be >= 0, got {seed}")
     cfg = load_job_config(preset, _overrides(override))
-    out = output or cfg.out_dir.with_name(f"{cfg.out_dir.name}-rollout.jsonl")
+    out = output or _beside_out_dir(cfg, "-rollout.jsonl")
     _check_output(out, "-o", "file")
     if out.exists() and not force:
         raise JetrlError(f"{out}: exists (a run's samples, or an earlier rollout); --force replaces it, -o writes "
@@ -384,7 +411,7 @@ def train_cmd(
     if updates <= 0:
         raise JetrlError(f"--updates must be > 0, got {updates}")
     cfg = load_job_config(preset, _overrides(override))
-    out = output or cfg.out_dir.with_name(f"{cfg.out_dir.name}-train")
+    out = output or _beside_out_dir(cfg, "-train")
     if _run_directory(out):  # --force too: a train's checkpoint among a run's would be resumed as the run's
         raise JetrlError(f"{out}: holds a run of jetrl run (metrics.jsonl); jetrl train writes its checkpoint "
                          "elsewhere (default OUT_DIR-train): -o names another directory")
@@ -432,6 +459,28 @@ def train_cmd(
 
 class GateFailed(JetrlError):
     exit_code = 4
+
+
+def _check_model_fits(model: Path, model_dir: Path, tok) -> None:
+    """``mismatch-report --model``: the weights are scored on text tokenized by model.path's tokenizer,
+    so they must be a model of that tokenizer: model.path's vocabulary size, and its tokenizer where
+    they ship one (a run's checkpoint does). Otherwise ids past the vocabulary fail in the embedding,
+    or another model's ids silently mean other text."""
+    from .models.hf import read_config
+    from .models.tokenizer import Tokenizer
+
+    have, want = read_config(model)[0].vocab_size, read_config(model_dir)[0].vocab_size
+    fix = f"to report on that model, --set model.path={model} instead of --model"
+    if have < tok.vocab_size:
+        raise JetrlError(f"--model {model}: vocab_size {have}, but model.path's tokenizer ({model_dir}) has "
+                         f"{tok.vocab_size} tokens (a different model?); {fix}")
+    if have != want:
+        raise JetrlError(f"--model {model}: vocab_size {have}, but model.path ({model_dir}) has {want}: another "
+                         f"model, whose token ids mean other text than model.path's tokenizer's; {fix}")
+    own = Tokenizer.from_dir(model) if (model / "tokenizer.json").exists() else None
+    if own is not None and own._tk.get_vocab(True) != tok._tk.get_vocab(True):
+        raise JetrlError(f"--model {model}: its tokenizer.json has another vocabulary than model.path's ({model_dir}); "
+                         f"the report tokenizes with model.path's; {fix}")
 
 
 @app.command("mismatch-report")
@@ -490,6 +539,8 @@ def mismatch_report_cmd(
     if model is not None and not model.is_dir():
         raise JetrlError(f"--model {model}: no such directory")
     tok = Tokenizer.from_dir(model_dir)
+    if model is not None:
+        _check_model_fits(model, model_dir, tok)
     base = load_model(model or model_dir).to(_device(cfg)).eval()
     if cfg.train.invariant_scale != 1.0 and model is None:
         fold_invariant_scale(base, cfg.train.invariant_scale)
@@ -592,30 +643,38 @@ def run_cmd(
 ):
     """The RL loop: rollout -> reward -> score -> update -> sync -> eval; metrics.jsonl, checkpoints, curves.png."""
     from .config import load_job_config
-    from .distributed.world import SINGLE, World, launched_by_torchrun
+    from .distributed.world import (SINGLE, CollectiveTimeout, World, dist_timeout, is_collective_timeout,
+                                    launched_by_torchrun, torchrun_rank)
     from .live import RunDisplay
     from .rl.loop import run
 
-    if force and resume:
-        raise JetrlError("--force and --resume contradict each other")
-    cfg = load_job_config(preset, _overrides(override))
-    out = output or cfg.out_dir
-    _check_output(out, "-o", "directory")
-    if nproc is not None:
-        if nproc <= 0:
-            raise JetrlError(f"--nproc must be > 0, got {nproc}")
-        if launched_by_torchrun():
-            raise JetrlError("--nproc starts torchrun; this process already runs under torchrun (drop --nproc)")
-        from .distributed.launch import launch
-
-        args = [preset, "-o", str(out), *(["--resume"] if resume else []), *(["--force"] if force else []),
-                *[x for o in _overrides(override) for x in ("--set", o)]]
-        code = launch(nproc, args)
-        if code:
-            raise typer.Exit(code)
-        return
-    world = World.from_env(cfg.model.device) if launched_by_torchrun() else SINGLE
+    rank, world = torchrun_rank(), SINGLE
     try:
+        if force and resume:
+            raise JetrlError("--force and --resume contradict each other")
+        cfg = load_job_config(preset, _overrides(override))
+        out = output or cfg.out_dir
+        _check_output(out, "-o", "directory")
+        if cfg.rollout.backend == "vllm" and (nproc is not None or launched_by_torchrun()):
+            raise JetrlError("rollout.backend: vllm does not run under torchrun (--nproc) yet: each rank's vLLM "
+                             "would need distributed_executor_backend='external_launcher', untested; use "
+                             "rollout.backend: embedded there, or vllm in a plain jetrl run")
+        if nproc is not None:
+            if nproc <= 0:
+                raise JetrlError(f"--nproc must be > 0, got {nproc}")
+            if launched_by_torchrun():
+                raise JetrlError("--nproc starts torchrun; this process already runs under torchrun (drop --nproc)")
+            from .distributed.launch import launch
+
+            args = [preset, "-o", str(out), *(["--resume"] if resume else []), *(["--force"] if force else []),
+                    *[x for o in _overrides(override) for x in ("--set", o)]]
+            code = launch(nproc, args)
+            if code:
+                raise typer.Exit(code)
+            return
+        if launched_by_torchrun():
+            world = World.from_env(cfg.model.device)
+            world.check_same(_run_identity(cfg, out, resume, force), _SAME_RUN)
         if not world.is_writer:
             run(cfg, out, resume=resume, world=world, replace=force)
             return
@@ -625,11 +684,60 @@ def run_cmd(
                         on_resume=display.resumed, world=world, replace=force)
         display.finish(lines, out)
     except JetrlError as e:
-        if not world.is_writer:  # each rank prints its own error line: say which one
-            e.args = (f"rank {world.rank}: {e}",)
+        if rank:  # under torchrun each rank prints its own error line: say which one
+            e.args = (f"rank {rank}: {e}",)
         raise
+    except RuntimeError as e:
+        if not (world.distributed and is_collective_timeout(e)):
+            raise
+        raise CollectiveTimeout(f"{f'rank {rank}: ' if rank else ''}the other ranks did not answer a collective "
+                                f"within {dist_timeout():g} s (JETRL_DIST_TIMEOUT): a rank is stuck or has died; the "
+                                "last complete checkpoint is kept (--resume continues from it)") from None
     finally:
         world.close()
+
+
+_SAME_RUN = ("every rank must start the same run: the same preset and --set values, model and data files (on "
+             "several nodes: the same paths, on shared storage)")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _run_identity(cfg, out: Path, resume: bool, force: bool) -> dict:
+    """What every rank of a torchrun run must agree on: the resolved preset key by key, the command's
+    own options, the model directory's files and the data files (digests of their contents), jetrl's
+    and torch's versions."""
+    import importlib.util
+
+    import torch
+
+    from .distributed.world import dir_digests, file_digest
+    from .rl.loop import resolve_model_dir
+
+    what = {"the preset": cfg.name, **_flat(cfg.raw), "-o": os.path.abspath(out), "--resume": resume,
+            "--force": force, "jetrl's version": __version__, "torch's version": torch.__version__,
+            "JETRL_EXACT_REDUCTION": os.environ.get("JETRL_EXACT_REDUCTION")}
+    what.update(dir_digests(resolve_model_dir(cfg.model.path), "model.path"))
+    for key in ("file", "eval_file"):
+        f = getattr(cfg.task, key)
+        if f and Path(f).is_file():
+            what[f"task.{key}'s contents"] = file_digest(Path(f))
+    if cfg.task.reward and ":" in cfg.task.reward:
+        try:  # the module's source; a module that cannot be found is reported when the task is built
+            spec = importlib.util.find_spec(cfg.task.reward.split(":")[0])
+        except Exception:  # noqa: BLE001
+            spec = None
+        if spec is not None and spec.origin and Path(spec.origin).is_file():
+            what["task.reward's source file"] = file_digest(Path(spec.origin))
+    return what
 
 
 @app.command("bench")
@@ -678,6 +786,8 @@ def bench_cmd(
         _check_output(out, "--out", "file")
     if not no_history:
         _check_output(history, "--history", "file")
+    if profile is not None:  # written after every row has run: its path is checked before any
+        _check_output(profile, "--profile", "directory")
     if layers is not None and layers <= 0:
         raise JetrlError(f"--layers must be > 0, got {layers}")
     s = bench.Settings(device=device, repeats=repeats, warmup=warmup, model=model, layers=layers, batch=batch,

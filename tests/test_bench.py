@@ -880,3 +880,46 @@ def test_bench_all_leaves_out_e2e_where_it_cannot_run_before_any_mode_runs(monke
     ran.clear()
     res = runner.invoke(app, ["bench", "--flows", "bf16", *FAST])  # settings e2e takes: every mode
     assert res.exit_code == 0 and ran == list(jbench.MODES) and "not_run" not in json.loads(res.stdout)
+
+
+def test_sizes_that_do_not_fit_in_memory_are_one_line_naming_the_options(monkeypatch):
+    """An allocation that fails (on CPU a RuntimeError from c10's allocator, not torch.OutOfMemoryError)
+    ends the bench with one line naming the options that size it; any other error stays a bug."""
+    from jetrl_cli.rl import trainer as trainer_mod
+
+    # 4e14 bytes: past any machine's address space, so refused whatever the kernel's overcommit policy
+    res = runner.invoke(app, ["bench", "gemm", "--shapes", "10000000x8x10000000", "--no-history", "--json"])
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1, res.output
+    assert res.stderr.startswith("error: bench gemm: out of memory on cpu (asked for 363.8 TiB): lower "
+                                 "--shapes 10000000x8x10000000")
+    alloc = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried "
+             "to allocate 80000000000 bytes. Error code 12 (Cannot allocate memory)")
+
+    def update(self, *args, **kwargs):
+        raise RuntimeError(alloc)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "update", update)
+    res = runner.invoke(app, ["bench", "train", "--train-batch", 2, "--seq", 16, "--flows", "bf16",
+                              "--no-transformers", "--repeats", 1, "--warmup", 0, "--no-history", "--json"])
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1, res.output
+    assert " ".join(res.stderr.split()) == ("error: bench train: out of memory on cpu (asked for 74.5 GiB): lower "
+                                            "--seq 16 or --train-batch 2, give a --micro-batch, or use a smaller "
+                                            "--model or fewer --layers")
+    alloc = "something else went wrong"
+    with pytest.raises(RuntimeError, match="something else"):
+        runner.invoke(app, ["bench", "train", "--train-batch", 2, "--seq", 16, "--flows", "bf16",
+                            "--no-transformers", "--repeats", 1, "--warmup", 0, "--no-history"], catch_exceptions=False)
+
+
+def test_a_profile_path_that_is_a_file_is_refused_before_the_bench_runs(tmp_path, monkeypatch):
+    from jetrl_cli import bench as bench_mod
+
+    def never(*args, **kwargs):
+        raise AssertionError("the bench ran")
+
+    monkeypatch.setattr(bench_mod, "run_bench", never)
+    f = tmp_path / "afile"
+    f.write_text("")
+    res = runner.invoke(app, ["bench", "train", "--profile", str(f), "--no-history"])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip() == f"error: --profile {f}: is a file; --profile takes the directory to write into"

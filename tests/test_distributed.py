@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from jetrl_cli.cli import app
 from jetrl_cli.config import load_job_config
+from jetrl_cli.errors import JetrlError
 from jetrl_cli.distributed.launch import torchrun_command
 from jetrl_cli.distributed.world import shard_range
 from jetrl_cli.rl.loop import ENVIRONMENT_KEYS, run
@@ -96,6 +97,126 @@ def test_nproc_is_checked_and_not_nested(tmp_path, monkeypatch):
     cmd = torchrun_command(2, ["bf16", "-o", "x"])
     assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node=2" in cmd
     assert cmd[-5:] == ["jetrl_cli", "run", "bf16", "-o", "x"]
+
+
+TORCHRUN_RANK_1 = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+TINY = ["train.steps=1", "rollout.prompts_per_step=2", "rollout.n=2", "eval.prompts=2", "rollout.max_new_tokens=8"]
+
+
+def test_a_signal_to_the_launcher_is_one_line(monkeypatch, capsys):
+    """SIGTERM to `jetrl run --nproc` (a timeout, scancel, docker stop): torch's agent stops the ranks and
+    raises SignalException, which was a 120-line traceback."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.launcher import api
+
+    from jetrl_cli.distributed.launch import launch
+
+    def launched(config, entrypoint):
+        def start(*args):
+            raise SignalException("Process 1 got signal: 15", signal.SIGTERM)
+        return start
+
+    monkeypatch.setattr(api, "elastic_launch", launched)
+    assert launch(2, ["bf16"]) == 143
+    assert capsys.readouterr().err == ("error: jetrl run --nproc got signal 15; its ranks were stopped, the last "
+                                       "complete checkpoint is kept (--resume continues from it)\n")
+
+
+def test_only_run_is_distributed(tmp_path, monkeypatch):
+    """Under torchrun every other command would run once per rank (N copies racing on one output)."""
+    for k, v in TORCHRUN_RANK_1.items():
+        monkeypatch.setenv(k, v)
+    runner = CliRunner()
+    for args in (["train", "bf16", "--rollouts", "r.jsonl"], ["rollout", "bf16"], ["mismatch-report", "bf16"],
+                 ["bench", "gemm"], ["quantize", "tiny", "-o", str(tmp_path / "q")], ["flow", "bf16"]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2 and res.output == (f"error: rank 1: jetrl {args[0]} does not run under torchrun "
+                                                     f"(WORLD_SIZE=2): only jetrl run is distributed; run jetrl "
+                                                     f"{args[0]} as one process\n"), res.output
+    assert not (tmp_path / "q").exists()
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process under torchrun: nothing to race
+    assert runner.invoke(app, ["flow", "bf16", "--json"]).exit_code == 0
+
+
+def test_run_errors_under_torchrun_name_the_rank_and_vllm_is_refused(tmp_path, monkeypatch):
+    """Every rank prints its own error, rank N (N > 0) prefixed, World.from_env's included; vLLM as the
+    per-rank engine is refused before a process group is joined (unrun: it would need vLLM's
+    external_launcher executor); JETRL_DIST_TIMEOUT is checked."""
+    import torch
+
+    from jetrl_cli.engine.vllm_engine import VLLMEngine
+
+    runner = CliRunner()
+    out = tmp_path / "r"
+    res = runner.invoke(app, ["run", "bf16", "-o", out, "--nproc", "2", *sets(TINY + ["rollout.backend=vllm"])])
+    assert res.exit_code == 2 and res.output.startswith("error: rollout.backend: vllm does not run under torchrun")
+    for k, v in TORCHRUN_RANK_1.items():
+        monkeypatch.setenv(k, v)
+    res = runner.invoke(app, ["run", "bf16", "-o", out, *sets(TINY + ["rollout.backend=vllm"])])
+    assert res.exit_code == 2 and res.output.startswith("error: rank 1: rollout.backend: vllm does not run under")
+    monkeypatch.setenv("JETRL_DIST_TIMEOUT", "soon")
+    res = runner.invoke(app, ["run", "bf16", "-o", out, *sets(TINY)])
+    assert res.exit_code == 2 and res.output == ("error: rank 1: JETRL_DIST_TIMEOUT='soon': must be a number of "
+                                                 "seconds > 0 (default 600)\n")
+    monkeypatch.setenv("RANK", "one")
+    res = runner.invoke(app, ["run", "bf16", "-o", out, *sets(TINY)])
+    assert res.exit_code == 2 and res.output == "error: RANK='one' (set by torchrun): must be an integer >= 0\n"
+    assert not out.exists()
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # a library caller's process group
+    with pytest.raises(JetrlError, match="rollout.backend: vllm does not run under torchrun yet"):
+        VLLMEngine("no-model", None, 16)
+
+
+def test_ranks_that_start_different_runs_are_refused_naming_the_first_difference(tmp_path, monkeypatch):
+    """A rank started with another preset value, model or data would attach its samples to the other
+    ranks' prompts and train one model on them, silently: start-up compares them, key by key."""
+    from jetrl_cli.cli import _SAME_RUN, _run_identity
+    from jetrl_cli.distributed.world import World, file_digest
+    from jetrl_cli.rl import loop
+
+    model = tmp_path / "m"
+    shutil.copytree(loop.tiny_policy_dir(), model)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(20)))
+    cfg = TINY + [f"model.path={model}", "task.name=jsonl", f"task.file={data}"]
+    out = tmp_path / "r"
+    mine = _run_identity(load_job_config("bf16", cfg), out, False, False)
+    gathered = {}
+    monkeypatch.setattr(World, "all_gather_object", lambda self, obj: [mine, obj, gathered.get(2, mine)])
+    world = World(rank=1, size=3, distributed=True)
+    world.check_same(mine, _SAME_RUN)
+
+    def refused(other):
+        with pytest.raises(JetrlError) as e:
+            world.check_same(other, _SAME_RUN)
+        return str(e.value)
+
+    seeded = _run_identity(load_job_config("bf16", cfg + ["run.seed=1"]), out, False, False)
+    assert refused(seeded) == f"the ranks disagree on run.seed (rank 0: 0; rank 1: 1); {_SAME_RUN}"
+    assert refused(_run_identity(load_job_config("bf16", cfg), out, True, False)).startswith(
+        "the ranks disagree on --resume (rank 0: False; rank 1: True)")
+    gathered[2] = seeded  # the ranks that differ from rank 0, all of them
+    assert refused(seeded).startswith("the ranks disagree on run.seed (rank 0: 0; rank 1: 1, rank 2: 1)")
+    del gathered[2]
+    weights = model / "model.safetensors"
+    b = bytearray(weights.read_bytes())
+    b[-1] ^= 1  # the same size, the same header, one weight's last bit
+    weights.write_bytes(bytes(b))
+    assert refused(_run_identity(load_job_config("bf16", cfg), out, False, False)).startswith(
+        "the ranks disagree on model.path/model.safetensors (rank 0: '")
+    with data.open("a") as f:
+        f.write(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    b[-1] ^= 1
+    weights.write_bytes(bytes(b))
+    assert refused(_run_identity(load_job_config("bf16", cfg), out, False, False)).startswith(
+        "the ranks disagree on task.file's contents")
+    # a large file: its size, head and tail (a safetensors header and the weights on either side)
+    big = file_digest(weights, whole_below=0, sample=64)
+    b[-1] ^= 1
+    weights.write_bytes(bytes(b))
+    assert file_digest(weights, whole_below=0, sample=64) != big
 
 
 # ---------------------------------------------------------------------------------- torchrun
@@ -190,6 +311,50 @@ def test_three_ranks_uneven_shares_match_with_the_fixed_order_reduction(tmp_path
             assert g[k] == pytest.approx(r[k], rel=1e-5, abs=1e-6), k
     first = [s["tokens"] for s in samples(single) if s["step"] == 1]
     assert [s["tokens"] for s in samples(native) if s["step"] == 1] == first  # same weights at step 1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_started_with_different_seeds_refuse_to_run(tmp_path):
+    """Two torchrun agents (two "nodes" of one rank each) whose presets differ in run.seed: both ranks
+    stop at start-up with one line naming the key (they used to train on each other's samples, exit 0)."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                               "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=seeds",
+                               "-m", "jetrl_cli", "run", "fp8-unified", "-o", str(tmp_path / "r"),
+                               *sets(SMALL + [f"run.seed={seed}"])],
+                              env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for seed in (0, 1)]
+    for p in procs:
+        _, err = p.communicate(timeout=LIMIT)
+        assert p.returncode != 0
+        assert "the ranks disagree on run.seed (rank 0: " in err and "every rank must start the same run" in err, err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_a_stuck_rank_fails_the_others_after_jetrl_dist_timeout(tmp_path):
+    """A rank that hangs (here in its reward function) no longer leaves the others waiting 30 minutes in
+    a gloo collective: after JETRL_DIST_TIMEOUT seconds rank 0 stops with one line."""
+    (tmp_path / "hang_rank1.py").write_text(
+        "import os, time\n\n\ndef reward(prompt, completion, answer):\n"
+        "    if os.environ.get('RANK') == '1':\n        time.sleep(3600)\n    return 0.0\n")
+    cmd = [sys.executable, "-m", "jetrl_cli", "run", "fp8-unified", "--nproc", "2", "-o", str(tmp_path / "r"),
+           *sets(SMALL + ["task.reward=hang_rank1:reward", "eval.every=0"])]
+    t0 = time.monotonic()
+    res = subprocess.run(cmd, env=env(JETRL_DIST_TIMEOUT="20", PYTHONPATH=str(tmp_path)), capture_output=True,
+                         text=True, timeout=LIMIT)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert ("error: the other ranks did not answer a collective within 20 s (JETRL_DIST_TIMEOUT): a rank is stuck "
+            "or has died") in res.stderr, res.stderr
+    assert time.monotonic() - t0 < 300
 
 
 # ---------------------------------------------------------------------------------- GPU

@@ -23,6 +23,7 @@ def torchrun_command(nproc: int, run_args: list[str]) -> list[str]:
 
 def launch(nproc: int, run_args: list[str]) -> int:
     """Start the ranks, wait for them; 0, or the failed rank's exit code (128 + signal if killed)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -39,6 +40,10 @@ def launch(nproc: int, run_args: list[str]) -> int:
                   "is kept (--resume continues from it)", file=sys.stderr)
             return 128 - failure.exitcode
         return failure.exitcode or 1
+    except SignalException as e:  # SIGTERM/SIGHUP to this launcher (timeout, scancel, docker stop): ranks stopped
+        print(f"error: jetrl run --nproc got signal {int(e.sigval)}; its ranks were stopped, the last complete "
+              "checkpoint is kept (--resume continues from it)", file=sys.stderr)
+        return 128 + int(e.sigval)
     except KeyboardInterrupt:
         return 130
     return 0

@@ -14,16 +14,92 @@ way, so a rank's share is a function of (n, r, W) alone and every rank knows eve
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import JetrlError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+DEFAULT_TIMEOUT_S = 600  # JETRL_DIST_TIMEOUT: as NCCL's default; gloo's own is 30 minutes
 
 
 def launched_by_torchrun() -> bool:
     return all(v in os.environ for v in TORCHRUN_VARS)
+
+
+def _env_int(name: str, low: int) -> int:
+    v = os.environ[name]
+    try:
+        n = int(v)
+    except ValueError:
+        n = None
+    if n is None or n < low:
+        raise JetrlError(f"{name}={v!r} (set by torchrun): must be an integer >= {low}")
+    return n
+
+
+def torchrun_rank() -> int:
+    """This process's rank under torchrun (0 otherwise, or where RANK is unreadable)."""
+    try:
+        return int(os.environ.get("RANK", "0")) if launched_by_torchrun() else 0
+    except ValueError:
+        return 0
+
+
+def torchrun_world_size() -> int:
+    """How many processes torchrun started (1 when not under torchrun)."""
+    return _env_int("WORLD_SIZE", 1) if launched_by_torchrun() else 1
+
+
+def dist_timeout() -> float:
+    """Seconds a collective waits for the other ranks before it fails (JETRL_DIST_TIMEOUT)."""
+    v = os.environ.get("JETRL_DIST_TIMEOUT")
+    if v is None:
+        return float(DEFAULT_TIMEOUT_S)
+    try:
+        t = float(v)
+    except ValueError:
+        t = float("nan")
+    if not 0 < t < float("inf"):
+        raise JetrlError(f"JETRL_DIST_TIMEOUT={v!r}: must be a number of seconds > 0 (default {DEFAULT_TIMEOUT_S})")
+    return t
+
+
+class CollectiveTimeout(JetrlError):
+    """The other ranks did not answer within JETRL_DIST_TIMEOUT: one of them is stuck or dead."""
+
+    exit_code = 1
+
+
+def is_collective_timeout(e: BaseException) -> bool:
+    """gloo's ``Timed out waiting ...ms for ... operation to complete`` (a RuntimeError)."""
+    return isinstance(e, RuntimeError) and "timed out" in str(e).lower()
+
+
+def file_digest(path: Path, whole_below: int = 64 << 20, sample: int = 4 << 20) -> str:
+    """A file's identity for comparing ranks: a hash of its bytes; of a large file (weights), of its size
+    and its first and last ``sample`` bytes (a safetensors header and weights on either side: another
+    checkpoint differs there) without reading gigabytes."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        if size <= whole_below:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        else:
+            h.update(str(size).encode())
+            h.update(f.read(sample))
+            f.seek(max(size - sample, 0))
+            h.update(f.read(sample))
+    return h.hexdigest()[:16]
+
+
+def dir_digests(path: Path, label: str) -> dict[str, str]:
+    """``{"LABEL/NAME": digest}`` for the files directly in a model directory (config, tokenizer,
+    weights; not a checkpoint's ``dcp/``)."""
+    return {f"{label}/{f.name}": file_digest(f) for f in sorted(path.iterdir()) if f.is_file()}
 
 
 def shard_range(n: int, rank: int, size: int) -> range:
@@ -64,6 +140,25 @@ class World:
 
             dist.barrier()
 
+    def check_same(self, what: dict, hint: str) -> None:
+        """Refuse to start unless every rank has the same ``what`` (``{name: value}``; small values, or
+        digests of large ones): one line naming the first name whose value differs and the ranks that
+        differ from rank 0. Ranks that start from different presets, models or data would exchange
+        samples of different prompts and train one model on them, silently."""
+        if not self.distributed:
+            return
+
+        def shown(v) -> str:
+            return repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+
+        every = self.all_gather_object(what)
+        for name in dict.fromkeys(k for w in every for k in w):  # rank 0's order, then names only others have
+            values = [w.get(name, "<absent>") for w in every]
+            odd = [r for r, v in enumerate(values) if v != values[0]]
+            if odd:
+                ranks = ", ".join(f"rank {r}: {shown(values[r])}" for r in odd[:3]) + (", ..." if len(odd) > 3 else "")
+                raise JetrlError(f"the ranks disagree on {name} (rank 0: {shown(values[0])}; {ranks}); {hint}")
+
     def all_gather_object(self, obj) -> list:
         """Every rank's ``obj``, in rank order (pickled; for samples, metrics and small tensors)."""
         if not self.distributed:
@@ -79,10 +174,13 @@ class World:
     @classmethod
     def from_env(cls, device: str) -> "World":
         """Join the process group ``torchrun`` started this process in."""
+        from datetime import timedelta
+
         import torch
         import torch.distributed as dist
 
-        rank, size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+        rank, size, local = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
+        timeout = dist_timeout()
         if device == "cuda":
             if not torch.cuda.is_available():
                 raise JetrlError("model.device: cuda, but torch sees no CUDA device (use model.device=cpu)")
@@ -96,8 +194,8 @@ class World:
         exact = os.environ.get("JETRL_EXACT_REDUCTION", "1" if device == "cpu" else "0")
         if exact not in ("0", "1"):
             raise JetrlError(f"JETRL_EXACT_REDUCTION={exact!r}: allowed 0 or 1")
-        if not dist.is_initialized():
-            dist.init_process_group(backend)
+        if not dist.is_initialized():  # a stuck or dead rank fails the others' collectives after `timeout`
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
         return cls(rank, size, True, device, exact == "1")
 
     def close(self) -> None:

@@ -82,6 +82,11 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str | Path, flow, width: int, settings: VLLMSettings = VLLMSettings(),
                  device: str = "cpu", seed: int = 0):
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # vLLM under torchrun needs distributed_executor_backend="external_launcher" and its data-parallel
+            # settings; unrun, so refused (`jetrl run` refuses it before joining the process group)
+            raise JetrlError("rollout.backend: vllm does not run under torchrun yet (a torch.distributed process "
+                             "group is up); use rollout.backend: embedded there")
         require_vllm()
         s = settings
         if s.quantization not in QUANTIZATIONS:
