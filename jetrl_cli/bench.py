@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from . import cuda_memory
-from .errors import JetrlError
+from .errors import JetrlError, is_out_of_memory
 from .precision.gemm import ROW_TIERS
 
 MODES = ("gemm", "quantize", "attention", "rollout", "train", "e2e")
@@ -1084,7 +1084,14 @@ def _vllm_rows(s: Settings, model, path, names, prompts, sp, width: int, max_bat
         s.say(f"rollout: {label}, {name}")
         settings = VLLMSettings(quantization=quant, dtype="bfloat16" if quant != "jetrl" and s.device == "cuda"
                                 else "float32", max_batch=max_batch)
-        eng = VLLMEngine(path, flow, width, settings, device=s.device)
+        try:
+            eng = VLLMEngine(path, flow, width, settings, device=s.device)
+        except JetrlError as e:
+            if quant != "fp8-block" or not str(e).startswith("rollout.vllm_quantization: fp8-block:"):
+                raise
+            s.not_run[f"rollout {label}"] = str(e)  # this model's shapes: no block-FP8 checkpoint vLLM loads
+            s.say(f"rollout: {label}: not run: {e}")
+            continue
         try:
             payload = make_payload(model, flow)
             sync = measure(lambda: eng.load_weights(payload), s)
@@ -1589,15 +1596,6 @@ _NOT_SETTINGS = ("progress", "partial_out", "rows_done", "not_run")
 
 # What an allocation that cannot be served says: torch.OutOfMemoryError on a GPU; on CPU a RuntimeError from
 # the allocator (c10's enforce, not OutOfMemoryError), or Python's MemoryError.
-_ALLOCATOR_FAILURES = ("DefaultCPUAllocator", "can't allocate memory", "not enough memory", "out of memory")
-
-
-def is_out_of_memory(e: BaseException) -> bool:
-    if isinstance(e, (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))):
-        return True
-    return isinstance(e, RuntimeError) and any(m in str(e) for m in _ALLOCATOR_FAILURES)
-
-
 def _sizes_to_lower(mode: str, s: Settings) -> str:
     """What to lower: the options that size ``mode``'s tensors, with their values."""
     def shapes(given):
@@ -1637,8 +1635,6 @@ def run_bench(modes: list[str], s: Settings) -> dict:
             write_json({**res, "results": {**res["results"], mode: rows}, "partial": True}, s.partial_out)
 
     s.rows_done = partial
-    if s.not_run:
-        res["not_run"] = dict(s.not_run)
     for m in modes:
         err = None
         try:
@@ -1649,6 +1645,8 @@ def run_bench(modes: list[str], s: Settings) -> dict:
             err = out_of_memory_error(m, s, e)
         if err is not None:  # raised outside the except block, whose traceback holds the mode's tensors
             raise err
+    if s.not_run:  # what ``all`` left out before it ran, and rows a mode found it could not run
+        res["not_run"] = dict(s.not_run)
     res["targets"] = targets(res["results"], s.device)
     return res
 

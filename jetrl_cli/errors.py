@@ -17,3 +17,17 @@ class PresetError(JetrlError):
         where = f"{source}: {key}" if key else source
         super().__init__(f"{where}: {message}")
 
+
+# What torch's allocators say when an allocation fails (the CPU allocator raises a plain RuntimeError)
+_ALLOCATOR_FAILURES = ("DefaultCPUAllocator", "can't allocate memory", "not enough memory", "out of memory")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an allocation that failed, on a GPU (``torch.OutOfMemoryError``) or on the CPU."""
+    import sys
+
+    torch = sys.modules.get("torch")  # an allocation of torch's failed only if torch is imported
+    oom = getattr(torch, "OutOfMemoryError", MemoryError) if torch is not None else MemoryError
+    if isinstance(e, (MemoryError, oom)):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _ALLOCATOR_FAILURES)

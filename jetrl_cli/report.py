@@ -49,14 +49,13 @@ def quantize_table(result: QuantizeResult) -> tuple[Table, Text]:
                       ("before", "right"), ("after", "right")):
         t.add_column(col, justify=just, no_wrap=True)
     for row in result.layers:
-        name = row.name[len("model."):] if row.name.startswith("model.") else row.name
-        t.add_row(name, "x".join(map(str, row.shape)), f"{row.rel_err:.2e}", f"{row.sqnr_db:.1f}",
-                  _mib(row.bytes_before), _mib(row.bytes_after))
+        t.add_row(row.name.removeprefix("model."), "x".join(map(str, row.shape)), f"{row.rel_err:.2e}",
+                  f"{row.sqnr_db:.1f}", _mib(row.bytes_before), _mib(row.bytes_after))
     n = len(result.layers)
     worst = max(result.layers, key=lambda r: r.rel_err)
     kept = ", ".join(result.ignored) if result.ignored else "none"
     summary = Text(
-        f"total: {n} layers quantized · worst rel err {worst.rel_err:.2e} ({worst.name}) · "
+        f"total: {n} layers quantized · worst rel err {worst.rel_err:.2e} ({worst.name.removeprefix('model.')}) · "
         f"min SQNR {min(r.sqnr_db for r in result.layers):.1f} dB\n"
         f"size: quantized linear layers {_mib(result.bytes_before)} -> {_mib(result.bytes_after)} · "
         f"checkpoint files {_mib(result.file_bytes_before)} -> {_mib(result.file_bytes_after)}\n"

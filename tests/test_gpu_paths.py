@@ -1605,6 +1605,22 @@ def test_out_of_memory_names_train_micro_batch(monkeypatch):
     with pytest.raises(JetrlError, match="train.micro_batch: a micro-batch of 2 sequences"):
         tr.update(b, torch.ones(4), torch.zeros(b.mask.shape), None, 1)
 
+    def cpu_oom(*a, **k):  # the CPU allocator's failure is a plain RuntimeError
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:124] data. DefaultCPUAllocator: not enough memory: "
+                           "you tried to allocate 9961472000 bytes.")
+
+    monkeypatch.setattr(trainer_mod, "token_logprobs", cpu_oom)
+    with pytest.raises(JetrlError, match=r"^train.micro_batch: scoring 2 sequences x 20 tokens ran out of memory "
+                                         r"\(\[enforce fail .*DefaultCPUAllocator"):
+        tr.score(b)
+
+    def other(*a, **k):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(trainer_mod, "token_logprobs", other)
+    with pytest.raises(RuntimeError, match="shape mismatch"):  # not the user's: not a one-line error
+        tr.update(b, torch.ones(4), torch.zeros(b.mask.shape), None, 1)
+
 
 def test_rmsnorm_backward_is_the_gradient_of_its_forward():
     norm = RMSNorm(24, 1e-6).double()

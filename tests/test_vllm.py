@@ -279,6 +279,12 @@ def test_vllm_own_fp8_needs_hp_sync_and_reports_cpu_failure_in_one_line(policy, 
         VLLMEngine(model, named_flow("fp8-rollout"), WIDTH, VLLMSettings(quantization="fp8-block"))
     assert "\n" not in str(e.value)
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "jetrl-vllm-fp8-block-*"))) == before  # cleaned up
+    # the tiny policy: refused before vLLM starts, naming the layer, and its temporary directory removed too
+    with pytest.raises(JetrlError, match=r"rollout.vllm_quantization: fp8-block: .* format fp8-block: "
+                       r"model.layers.0.self_attn.k_proj has 64 rows, not a multiple of 128; .*\(use vllm_quantization: "
+                       r"fp8 or jetrl\)"):
+        VLLMEngine(tiny_policy_dir(), named_flow("fp8-rollout"), WIDTH, VLLMSettings(quantization="fp8-block"))
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "jetrl-vllm-fp8-block-*"))) == before
 
 
 def test_vllm_unquantized_baseline_syncs_through_reload(policy, prompts):

@@ -118,7 +118,13 @@ class VLLMEngine:
             from ..quantize_ckpt import quantize_checkpoint
 
             self._tmp = tempfile.mkdtemp(prefix="jetrl-vllm-fp8-block-")
-            kw["model"] = str(quantize_checkpoint(model_dir, Path(self._tmp) / "model", "fp8-block", flow.skip).output)
+            try:
+                kw["model"] = str(quantize_checkpoint(model_dir, Path(self._tmp) / "model", "fp8-block",
+                                                      flow.skip).output)
+            except JetrlError as e:  # e.g. a model whose fused layers are not whole 128-row blocks
+                self.close()
+                why = str(e).replace("(use --format fp8-channel or fp8-tensor)", "(use vllm_quantization: fp8 or jetrl)")
+                raise JetrlError(f"rollout.vllm_quantization: fp8-block: {why}") from None
         threads = torch.get_num_threads()
         try:
             self.llm = LLM(**kw)

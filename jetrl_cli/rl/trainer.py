@@ -26,7 +26,7 @@ import torch
 from ..choices import LR_SCHEDULES
 from ..config import TrainConfig
 from ..engine.sampling import SamplingParams, gathered_logprobs, gathered_logprobs_entropy, invariant_for
-from ..errors import JetrlError
+from ..errors import JetrlError, is_out_of_memory
 from ..precision.gemm import configure_cuda_numerics
 from ..precision.linear import (JetLinear, apply_flow, batch_weight_casts, grads_in_place, mark_updated,
                                 releasing_weights, summing_wgrad)
@@ -195,7 +195,9 @@ def score_logprobs(model, b: Batch, sampling: SamplingParams, micro_batch: int, 
         mb = b.select(idx)
         try:
             out[..., idx, :mb.mask.shape[1]] = token_logprobs(model, mb, sampling, entropy).float().cpu()
-        except _OOM as e:
+        except Exception as e:  # noqa: BLE001 - an allocation that failed is the user's micro-batch; else re-raised
+            if not is_out_of_memory(e):
+                raise
             raise _oom(e, "scoring", len(idx), mb.ids.shape[1]) from None
     return out
 
@@ -344,7 +346,9 @@ class Trainer:
                                    agg=cfg.loss_agg, mode=cfg.policy_loss, dual_clip=cfg.dual_clip,
                                    kl_estimator=cfg.kl_estimator, entropy=ent, entropy_coef=cfg.entropy_coef)
             loss.backward()
-        except _OOM as e:
+        except Exception as e:  # noqa: BLE001 - as in score_logprobs
+            if not is_out_of_memory(e):
+                raise
             raise _oom(e, "a micro-batch of", len(sub), mb.ids.shape[1]) from None
         return loss.detach(), st
 
