@@ -266,7 +266,7 @@ def _sampling_distribution64(row, temperature, top_k, top_p):
     the temperature; top-k keeps the k highest (ties with the k-th too); of those, top-p keeps the
     highest whose mass before them, renormalised over top-k's tokens, is below top_p. Returns the
     log-probabilities (-inf where dropped) and the smallest distance of a mass to top_p (a row that
-    close to the boundary is decided by rounding)."""
+    close to the boundary is decided by rounding; 0 where two equal logits straddle the cut)."""
     x = [float(v) / temperature for v in row]
     order = sorted(range(len(x)), key=lambda i: -x[i])
     kept = order if not top_k or top_k >= len(x) else [i for i in order if x[i] >= x[order[top_k - 1]]]
@@ -277,6 +277,8 @@ def _sampling_distribution64(row, temperature, top_k, top_p):
         if top_p < 1.0:
             margin = min(margin, abs(mass - top_p))
             if mass >= top_p:
+                if x[i] == x[chosen[-1]]:  # a tie across the cut: which of the two is kept is arbitrary
+                    margin = 0.0
                 break
         chosen.append(i)
         mass += math.exp(x[i] - top) / z
