@@ -391,7 +391,7 @@ def _refuse_unread_keys(source: str, data: dict, secs: dict) -> None:
     thresholds of the ``frac_above_tis_cap`` / ``frac_outside_mis`` metrics (``metrics.jsonl``,
     ``jetrl mismatch-report``). ``task.digits`` / ``length`` are not checked: every shipped preset writes
     ``digits``, and ``--set task.name=jsonl`` on one of them is the documented way to bring a dataset."""
-    tk, r, c = secs["task"], secs["rollout"], secs["correction"]
+    tk, r, c, t, run = secs["task"], secs["rollout"], secs["correction"], secs["train"], secs["run"]
     rules = (
         ("task", JSONL_TASK_KEYS, tk.name == "jsonl", f"read only by task.name: jsonl (this task is {tk.name!r})"),
         ("task", ("eval_fraction",), tk.eval_file is None, "not read when task.eval_file is set (that file is the "
@@ -402,6 +402,14 @@ def _refuse_unread_keys(source: str, data: dict, secs: dict) -> None:
         ("correction", ("tis_level",), c.type in ("tis", "acr"), f"applies to correction.type tis or acr (this one is "
          f"{c.type!r})"),
         ("correction", ("mis_level",), c.type == "mis", f"applies to correction.type mis (this one is {c.type!r})"),
+        ("train", ("dynamic_sampling_rounds",), t.dynamic_sampling, "read only with train.dynamic_sampling: true"),
+        ("train", ("min_lr_ratio",), t.lr_schedule == "cosine", f"read only by train.lr_schedule: cosine (this one "
+         f"is {t.lr_schedule!r})"),
+        ("train", ("kl_estimator", "kl_in_reward"), t.kl_coef > 0, "read only with train.kl_coef > 0 (it is 0: no "
+         "KL penalty)"),
+        ("task", ("overlong_penalty",), tk.overlong_buffer > 0, "read only with task.overlong_buffer > 0 (it is 0: "
+         "no overlong shaping)"),
+        ("run", ("wandb_project",), "wandb" in run.loggers, "read only with wandb in run.loggers"),
     )
     for section, keys, read, why in rules:
         written = data.get(section) or {}

@@ -347,6 +347,13 @@ def test_a_backend_that_cannot_run_a_gemm_here_names_its_key_before_the_run(tmp_
      "one is 'tis')"),
     ("bf16", "correction.tis_level=token", "correction.tis_level: applies to correction.type tis or acr (this one "
      "is 'none')"),
+    ("bf16", "train.dynamic_sampling_rounds=5", "train.dynamic_sampling_rounds: read only with "
+     "train.dynamic_sampling: true"),
+    ("bf16", "train.min_lr_ratio=0.1", "train.min_lr_ratio: read only by train.lr_schedule: cosine (this one is "
+     "'constant')"),
+    ("bf16", "train.kl_estimator=k1", "train.kl_estimator: read only with train.kl_coef > 0 (it is 0: no KL penalty)"),
+    ("bf16", "task.overlong_penalty=0.5", "task.overlong_penalty: read only with task.overlong_buffer > 0"),
+    ("bf16", "run.wandb_project=mine", "run.wandb_project: read only with wandb in run.loggers"),
 ])
 def test_a_key_the_chosen_setting_does_not_read_is_refused_naming_that_setting(preset, key_value, message):
     """Written by --set or in the preset, a key that does nothing under the chosen task, backend or correction is
