@@ -20,5 +20,7 @@ def test_each_failure_is_appended_to_the_named_file_as_it_ends(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stdout + r.stderr  # one failed
     text = log.read_text()
-    assert text.count("=== ") == 1 and "test_two.py::test_bad (call)" in text and "named reason" in text
+    seed = os.environ.get("JETRL_TEST_SEED")  # this session's, inherited by the subprocess
+    assert text.count("=== ") == 1 and f"test_two.py::test_bad (call, JETRL_TEST_SEED={seed})" in text
+    assert "named reason" in text
     assert "test_ok" not in text
