@@ -1027,3 +1027,74 @@ def test_sample_counts_and_kl_in_reward_are_checked_against_the_estimator():
     with pytest.raises(PresetError, match=r"train.kl_in_reward: puts the kl_coef penalty in the reward: set "
                        r"train.kl_coef > 0"):
         load_job_config("bf16", ["train.kl_in_reward=true"])
+
+
+@pytest.mark.parametrize("ctype, agg, mode", [("none", "token-mean", "ppo"), ("tis", "seq-mean-token-mean", "ppo"),
+                                              ("mis", "token-mean", "ppo"), ("acr", "token-mean", "ppo"),
+                                              ("tis", "seq-mean-token-mean", "gspo")])
+def test_tokens_beyond_the_trainers_cut_leave_the_loss_as_if_masked(ctype, agg, mode):
+    """With top-k/top-p, a token the rollout sampled may lie beyond the trainer's cut: its training logprob
+    is -inf. It leaves the loss, its denominators and the statistics (``frac_outside_support``): the loss
+    and its gradient are those of the batch with the token masked out, finite (it was NaN: inf - inf)."""
+    from jetrl_cli.rl.algos import loss_tokens
+
+    g = torch.Generator().manual_seed(fresh_seed())
+    cfg = CorrectionConfig(ctype, tis_cap=2.0, mis_low=0.5, mis_high=2.0)
+    for logp0, old, adv, mask in _random_batches(g, n=6, t=8):
+        rollout = old + torch.randn(old.shape, generator=g, dtype=torch.float64) * 0.1
+        cut = mask & (torch.rand(mask.shape, generator=g) < 0.25)
+        cut[0, 0] = bool(mask[0, 0])  # and an edge among the draws: the first token
+        outs = []
+        for m, inf in ((mask, True), (mask & ~cut, False)):
+            lp = logp0.clone()
+            o = old.clone()
+            if inf:
+                lp[cut], o[cut] = float("-inf"), float("-inf")
+            lp.requires_grad_()
+            imp = importance(o, rollout, m, cfg, EPS_H)
+            denom = loss_denominator(loss_tokens(m, o, rollout, cfg), agg, 8)
+            loss, st = policy_loss(lp, o, adv, m, imp, EPS_L, EPS_H, max(denom, 1.0), agg=agg, mode=mode)
+            (grad,) = torch.autograd.grad(loss, lp)
+            outs.append((loss, grad, {k: float(v) for k, v in st.items()}, imp.metrics))
+        (l1, g1, s1, m1), (l2, g2, s2, m2) = outs
+        assert torch.isfinite(l1) and torch.isfinite(g1).all()
+        assert float(l1.detach()) == pytest.approx(float(l2.detach()), rel=1e-12, abs=1e-15)
+        assert s1 == pytest.approx(s2, rel=1e-12)
+        torch.testing.assert_close(g1, g2, rtol=1e-12, atol=1e-15)
+        assert m1["frac_outside_support"] == pytest.approx(float(cut.sum()) / float(mask.sum()))
+        assert m2["frac_outside_support"] == 0.0
+        for k in ("mismatch_kl", "chi2", "ess", "abs_dlogp_max", "prob_err", "seq_log_ratio_mean"):
+            assert m1[k] == pytest.approx(m2[k], rel=1e-12), k
+
+
+def test_an_update_with_top_k_trains_on_the_tokens_inside_the_cut():
+    """The trainer scores the sampling distribution (top-k 64 of 128 here): about half the random tokens lie
+    beyond its cut. The update is finite and is the update of the batch with those tokens masked out."""
+    from jetrl_cli.config import TrainConfig
+    from jetrl_cli.engine.sampling import SamplingParams
+    from jetrl_cli.models.shapes import random_model
+    from jetrl_cli.models.tiny import tiny_config
+    from jetrl_cli.precision import named_flow
+    from jetrl_cli.rl.trainer import Batch, Trainer
+
+    b, adv = _update_batch(seed=fresh_seed())
+    runs = []
+    for masked in (False, True):
+        model = random_model(tiny_config("qwen2", hidden=64, layers=1, vocab=128), seed=0, std=0.05)
+        tr = Trainer(model, named_flow("bf16"), TrainConfig(micro_batch=6, lr=1e-3), CorrectionConfig("tis"),
+                     SamplingParams(top_k=64), 64)
+        old = tr.score(b)
+        inside = b.mask & ~torch.isneginf(old)
+        assert 0 < int(inside.sum()) < int(b.mask.sum())
+        rollout = torch.where(b.mask, old.clamp(min=-5.0) - 0.05, 0.0)  # what a rollout reported: finite
+        bb = Batch(b.ids, inside if masked else b.mask, rollout, b.rewards, b.group)
+        grads = []  # the gradients the optimizer would take (Adam would magnify the rounding of tiny ones)
+        tr.opt.step = lambda: grads.extend(p.grad.clone() for p in tr.params)
+        st = tr.update(bb, adv, old, None, step=1)
+        runs.append((st, grads))
+    (s1, g1), (s2, g2) = runs
+    assert math.isfinite(s1["loss"]) and s1["grad_norm"] > 0
+    assert s1 == pytest.approx(s2, rel=1e-6)
+    for p, q in zip(g1, g2):  # the same sums over other padded widths: fp32 rounding apart
+        assert torch.isfinite(p).all()
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6 * float(q.abs().max()))

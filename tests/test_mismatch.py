@@ -50,7 +50,7 @@ def _by_hand(lt, lr, mask, cfg):
         "abs_dlogp_max": max(abs(x) for x in d),
         "abs_dp_mean": sum(abs(math.exp(a) - math.exp(b)) for a, b in toks) / n,
         "abs_dp_max": max(abs(math.exp(a) - math.exp(b)) for a, b in toks),
-        "prob_err": sum(math.exp(abs(x)) for x in d) / n,
+        "prob_err": sum(math.exp(abs(x)) - 1 for x in d) / n,
         "chi2": sum((x - sum(r) / n) ** 2 for x in r) / n / (sum(r) / n) ** 2,
         "ess": sum(r) ** 2 / (n * sum(x * x for x in r)),
         "frac_above_tis_cap": sum(x > cfg.tis_cap for x in r) / n,
@@ -337,3 +337,26 @@ def test_decode_steps_are_compared_with_the_trainer_forward_stage_by_stage():
     d = decode_divergence(roll, train, prompts, comps, SamplingParams(), 32)
     assert d["first_divergent"] == "decoder layer 1"
     assert d["stages"][0]["frac_equal"] == 1.0 and d["stages"][1]["frac_equal"] < 1.0
+
+
+def test_the_correction_fractions_follow_its_level_and_prob_err_is_zero_when_equal():
+    """``frac_above_tis_cap`` and ``frac_outside_mis`` count what the correction does at its level: with
+    ``tis_level: sequence`` every token of a sequence whose ratio product passes the cap (each token's own
+    ratio is below it); with ``mis_level: sequence`` the tokens MIS drops (``frac_masked``)."""
+    from jetrl_cli.rl.algos import importance
+
+    g = torch.Generator().manual_seed(fresh_seed())
+    lr = -torch.rand(4, 8, generator=g) * 2
+    lt = lr + 0.15  # each token's ratio e^0.15 = 1.16: below every cap and inside [0.5, 2]
+    mask = torch.ones(4, 8, dtype=torch.bool)
+    mask[3, 2:] = False  # a sequence of 2 tokens: product e^0.3 = 1.35
+    tis = mismatch_metrics(lt, lr, mask, CorrectionConfig("tis", tis_cap=2.0, tis_level="sequence"))
+    assert tis["frac_above_tis_cap"] == pytest.approx(24 / 26)  # 8 x 0.15 = 1.2: e^1.2 = 3.3 > 2
+    assert mismatch_metrics(lt, lr, mask, CorrectionConfig("tis", tis_cap=2.0))["frac_above_tis_cap"] == 0.0
+    mis = CorrectionConfig("mis", mis_low=0.5, mis_high=1.1, mis_level="sequence")
+    imp = importance(lt, lr, mask, mis, 0.28)
+    assert imp.metrics["frac_outside_mis"] == imp.metrics["frac_masked"] == 1.0
+    same = mismatch_metrics(lr, lr.clone(), mask)
+    assert same["prob_err"] == 0.0 and same["mismatch_kl"] == 0.0
+    tiny = mismatch_metrics(lr.nextafter(torch.zeros(())), lr, mask)  # 1 ulp apart: a KL above 0, not rounded to it
+    assert tiny["frac_bitwise_equal"] == 0.0 and tiny["mismatch_kl"] > 0.0

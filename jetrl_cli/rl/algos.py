@@ -158,11 +158,12 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str = "k3"
     (unbiased, can be negative; verl's ``kl``), ``k2 = (log(pi/pi_ref))^2 / 2`` (verl's ``mse``),
     ``k3 = pi_ref/pi - 1 - log(pi_ref/pi)`` (unbiased, never negative; verl's ``low_var_kl``, with its
     clamps: the log-ratio to [-20, 20], the estimate to at most 10 -- one token far from the reference
-    would otherwise dominate the term, up to inf)."""
+    would otherwise dominate the term, up to inf). k1 and k2 take the same log-ratio bound: with top-k
+    or top-p, a token beyond the reference's cut has ``pi_ref = 0``."""
     if estimator == "k1":
-        return logp - logp_ref
+        return (logp - logp_ref).clamp(-RATIO_CLAMP, RATIO_CLAMP)
     if estimator == "k2":
-        return 0.5 * (logp - logp_ref) ** 2
+        return 0.5 * (logp - logp_ref).clamp(-RATIO_CLAMP, RATIO_CLAMP) ** 2
     if estimator == "k3":
         dl = (logp_ref - logp).clamp(-RATIO_CLAMP, RATIO_CLAMP)
         return (torch.exp(dl) - dl - 1).clamp(max=K3_MAX)
@@ -195,39 +196,56 @@ def mismatch_metrics(logp_train: torch.Tensor, logp_rollout: torch.Tensor, mask:
     ``ess = 1 / (1 + chi2)`` (Kish's effective sample size, as a fraction of the tokens)."""
     cfg = cfg or CorrectionConfig()
     m = mask.bool()
-    n = int(m.sum())
-    if n == 0:
+    n_all = int(m.sum())
+    if n_all == 0:
         return {"mismatch_kl": 0.0, "mismatch_k1": 0.0, "tokens": 0}
-    d = (logp_train.double() - logp_rollout.double())[m]  # log r
+    m = supported(m, logp_train)
+    n = int(m.sum())
+    outside = 1 - n / n_all
+    if n == 0:
+        return {"mismatch_kl": 0.0, "mismatch_k1": 0.0, "tokens": n_all, "frac_outside_support": outside}
+    log_r = torch.where(m, logp_train.double() - logp_rollout.double(), 0.0)  # padding (even NaN) never read
+    d = log_r[m]
     r = d.exp()
-    seq_lr = ((logp_train.double() - logp_rollout.double()) * m).sum(-1)
-    seq_n = m.sum(-1)
-    has = seq_n > 0
+    seq_lr = log_r.sum(-1)
+    has = m.sum(-1) > 0
     w = r
+    raw = _tis_raw(log_r, m, cfg)[m]  # the TIS weight before its cap, at the correction's level
+    p_train, p_rollout = logp_train.double()[m].exp(), logp_rollout.double()[m].exp()
     return {
-        "mismatch_kl": float((r - 1 - d).mean()),
+        "mismatch_kl": float((torch.expm1(d) - d).mean()),  # r - 1 - log r, without r - 1's cancellation
         "mismatch_k1": float((-d).mean()),
         "abs_dlogp_mean": float(d.abs().mean()),
         "abs_dlogp_max": float(d.abs().max()),
-        "abs_dp_mean": float((logp_train.double()[m].exp() - logp_rollout.double()[m].exp()).abs().mean()),
-        "abs_dp_max": float((logp_train.double()[m].exp() - logp_rollout.double()[m].exp()).abs().max()),
-        "prob_err": float(d.abs().exp().mean()),
+        "abs_dp_mean": float((p_train - p_rollout).abs().mean()),
+        "abs_dp_max": float((p_train - p_rollout).abs().max()),
+        "prob_err": float(torch.expm1(d.abs()).mean()),  # mean |r - 1| in the larger direction: 0 when equal
         "chi2": float(((w - w.mean()) ** 2).mean() / w.mean() ** 2),
         "ess": float(w.sum() ** 2 / (n * (w * w).sum())),
         "frac_bitwise_equal": float((d == 0).double().mean()),
-        "frac_above_tis_cap": float((r > cfg.tis_cap).double().mean()),
-        "frac_outside_mis": float(((r < cfg.mis_low) | (r > cfg.mis_high)).double().mean()),
+        "frac_above_tis_cap": float((raw > cfg.tis_cap).double().mean()),
+        "frac_outside_mis": float(1 - _mis_keep(log_r, log_r.exp(), m, cfg)[m].double().mean()),
         "seq_log_ratio_mean": float(seq_lr[has].mean()),
         "seq_log_ratio_abs_max": float(seq_lr[has].abs().max()),
-        "tokens": n,
+        "tokens": n_all,
+        "frac_outside_support": outside,
     }
+
+
+def supported(mask: torch.Tensor, logp_train: torch.Tensor) -> torch.Tensor:
+    """The tokens of ``mask`` that the trainer's sampling distribution can draw: with top-k or top-p, a
+    token the rollout sampled may lie beyond the trainer's cut (its logprob -inf) where the two
+    precisions place the cut differently. Such a token has no ratio: it leaves the loss, its
+    denominators and the drift statistics (``frac_outside_support`` counts it), as verl's rejection
+    sampling drops a token from the response mask. Only -inf: a NaN is a fault, and stops the step."""
+    return mask.bool() & ~torch.isneginf(logp_train)
 
 
 def importance(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
                cfg: CorrectionConfig, eps_high: float, with_metrics: bool = True) -> Importance:
     """The correction for these tokens; ``with_metrics=False`` skips the (host-syncing) metrics,
     for the trainer's micro-batches once the step's metrics were taken on the whole batch."""
-    m = mask.bool()
+    m = supported(mask, logp_old)
     log_r = torch.where(m, logp_old - logp_rollout, 0.0).detach()  # a padding value (even NaN) is never read
     r = log_r.exp()
     ones = torch.ones_like(r)
@@ -242,8 +260,9 @@ def importance(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.T
         clip_high = (1 + eps_high) / r
     metrics = {}
     if with_metrics:
-        metrics = mismatch_metrics(logp_old, logp_rollout, m, cfg)
-        metrics["frac_masked"] = float(1 - keep.sum() / m.sum().clamp_min(1))
+        metrics = mismatch_metrics(logp_old, logp_rollout, mask, cfg)
+        n = int(mask.bool().sum())
+        metrics["frac_masked"] = float(1 - keep.sum() / n) if n else 0.0  # MIS's and the support's drops
     return Importance(log_r, weight, keep, clip_high, metrics)
 
 
@@ -259,12 +278,24 @@ def _mis_keep(log_r: torch.Tensor, r: torch.Tensor, m: torch.Tensor, cfg: Correc
 def loss_tokens(mask: torch.Tensor, logp_old: torch.Tensor, logp_rollout: torch.Tensor,
                 cfg: CorrectionConfig) -> torch.Tensor:
     """The tokens a mini-batch's loss counts (``loss_denominator``'s ``mask``): its completion tokens,
-    less those MIS drops (``importance``'s ``keep``)."""
-    m = mask.bool()
+    less those beyond the trainer's top-k/top-p cut (``supported``) and those MIS drops (``importance``'s
+    ``keep``)."""
+    m = supported(mask, logp_old)
     if cfg.type != "mis":
         return m
     log_r = torch.where(m, logp_old - logp_rollout, 0.0)
     return _mis_keep(log_r, log_r.exp(), m, cfg)
+
+
+def _tis_raw(log_r: torch.Tensor, m: torch.Tensor, cfg: CorrectionConfig) -> torch.Tensor:
+    """The TIS weight of each token before its cap, at ``cfg.tis_level``: the token's ratio, its sequence's
+    ratio product, or their geometric mean (``log_r`` 0 off the mask ``m``)."""
+    if cfg.tis_level == "token":
+        return log_r.exp()
+    seq = log_r.sum(-1)
+    if cfg.tis_level == "geometric":
+        seq = seq / m.sum(-1).clamp_min(1)
+    return seq.exp()[:, None].expand_as(log_r)
 
 
 def _tis_weight(log_r: torch.Tensor, r: torch.Tensor, m: torch.Tensor, cfg: CorrectionConfig) -> torch.Tensor:
@@ -322,7 +353,10 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
     if mode == "gspo" and imp.clip_high is not None:
         raise ValueError("the gspo policy loss clips whole sequences; the acr correction's per-token "
                          "clip bound does not apply (use tis or mis)")
-    m = mask.bool() & imp.keep  # tokens MIS drops leave every term and every length
+    m = mask.bool() & imp.keep  # tokens MIS drops, or beyond the trainer's top-k/top-p cut, leave every term
+    # and every length; their logprobs (-inf beyond the cut) are replaced before any arithmetic, so that no
+    # inf - inf reaches a term or, through a product by 0, its gradient
+    logp, logp_old = torch.where(m, logp, 0.0), torch.where(m, logp_old, 0.0)
     per_seq = agg == "seq-mean-token-mean"
     lengths = m.sum(-1).clamp_min(1)
 

@@ -34,7 +34,8 @@ from ..models.tokenizer import Tokenizer
 from ..precision import fuse
 from ..precision.gemm import backend_report, check_backends, reset_resolutions
 from ..tasks import PromptSource, build_task
-from .algos import CorrectionConfig, advantages, importance, kl_penalty, overlong_penalty, token_advantages
+from .algos import (CorrectionConfig, advantages, importance, kl_penalty, overlong_penalty, supported,
+                    token_advantages)
 from .checkpoint import atomic_write_text, latest_checkpoint, save_checkpoint
 from .loggers import open_loggers
 from .trainer import Batch, NonFiniteError, Trainer, fold_invariant_scale
@@ -240,8 +241,8 @@ def batch_advantages(b: Batch, old: torch.Tensor, ref: torch.Tensor | None, cfg,
     token; the estimators that take one reward a sequence take the sum, ``reward - kl_coef * sum KL``. The
     loss then has no KL term."""
     rewards, token_rewards, stats = b.rewards, None, {}
-    if cfg.kl_in_reward:
-        kl = torch.where(b.mask, kl_penalty(old, ref, cfg.kl_estimator), 0.0)
+    if cfg.kl_in_reward:  # not at tokens beyond the policy's top-k/top-p cut: they leave the loss (``supported``)
+        kl = torch.where(supported(b.mask, old), kl_penalty(old, ref, cfg.kl_estimator), 0.0)
         token_rewards = -cfg.kl_coef * kl
         rewards = rewards + token_rewards.sum(-1)
         per_seq = kl.sum(-1) / b.mask.sum(-1).clamp_min(1)

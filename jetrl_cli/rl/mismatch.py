@@ -179,7 +179,7 @@ def divergence_stats(a: list[list[int]], b: list[list[int]]) -> dict:
 
 def top_tokens(b: Batch, logp_train: torch.Tensor, logp_rollout: torch.Tensor, decode, k: int = TOP_TOKENS) -> list[dict]:
     """The ``k`` completion tokens with the largest |logp_train - logp_rollout| (ties: earliest)."""
-    d = (logp_train.double() - logp_rollout.double()).abs() * b.mask
+    d = torch.where(b.mask, (logp_train.double() - logp_rollout.double()).abs(), 0.0)  # inf: beyond the cut
     flat = d.flatten()
     nz = int((flat > 0).sum())
     if nz == 0:
@@ -199,8 +199,10 @@ def top_tokens(b: Batch, logp_train: torch.Tensor, logp_rollout: torch.Tensor, d
             break
         out.append({
             "sequence": r, "position": int(pos[r, c]), "token_id": ids[tok_at], "token": decode([ids[tok_at]]) or f"<id {ids[tok_at]}>",
-            "context": decode(ctx), "logp_rollout": float(logp_rollout[r, c]), "logp_train": float(logp_train[r, c]),
-            "abs_dlogp": v,
+            "context": decode(ctx), "logp_rollout": float(logp_rollout[r, c]),
+            # None: the trainer's top-k/top-p cut leaves the token out (logprob -inf; JSON has no infinity)
+            "logp_train": float(logp_train[r, c]) if math.isfinite(v) else None,
+            "abs_dlogp": v if math.isfinite(v) else None,
         })
     return out
 
@@ -628,8 +630,9 @@ def render(report: dict, console) -> None:
         for col in ("pos", "context", "token", "logp rollout", "logp train", "|dlogp|"):
             t.add_column(col, justify="right" if col not in ("context", "token") else "left", overflow="fold")
         for r in tops:
+            beyond = r["logp_train"] is None  # the trainer's top-k/top-p cut leaves the token out
             t.add_row(str(r["position"]), repr(r["context"])[-40:], repr(r["token"]), f"{r['logp_rollout']:.4f}",
-                      f"{r['logp_train']:.4f}", _fmt(r["abs_dlogp"]))
+                      "-inf (cut)" if beyond else f"{r['logp_train']:.4f}", "inf" if beyond else _fmt(r["abs_dlogp"]))
         print_table(console, t)
     for f in flows:
         g = f.get("greedy")

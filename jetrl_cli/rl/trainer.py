@@ -311,10 +311,8 @@ class Trainer:
 
     def loss_tokens(self, b: Batch, idx: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         """The tokens of sequences ``idx`` that their mini-batch's loss counts (``algos.loss_tokens``:
-        less those the MIS correction drops)."""
+        less those beyond the trainer's top-k/top-p cut and those the MIS correction drops)."""
         mask = b.mask[idx]
-        if self.ccfg.type != "mis":
-            return mask
         t, dev = mask.shape[1], mask.device
         return loss_tokens(mask, old[idx, :t].to(dev), b.rollout_logp[idx, :t].to(dev), self.ccfg)
 
