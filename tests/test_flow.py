@@ -92,6 +92,8 @@ BAD = [
     ("precision: {base: bf16, rollout: {kv_cache: int8 row}}\n", "precision.rollout.kv_cache", "int8 KV cache"),
     ("precision: {base: bf16, rollout: {kv_cache: fp8_e4m3 tensor}}\n", "precision.rollout.kv_cache", "takes 'row' scales"),
     ("precision: {base: bf16, train: {master_weights: fp8_e4m3}}\n", "precision.train.master_weights", "not allowed"),
+    ("precision: {base: bf16, train: {master_weights: bf16}}\n", "precision.train.master_weights",
+     "bf16 master weights are not implemented"),
     ("precision: {base: bf16, train: {fprop: {input: bf16, weight: bf16, backend: cutlass}}}\n",
      "precision.train.fprop.backend", "unknown backend"),
     ("precision: {base: fp8-rollout, rollout: {linear: {input: fp8_e4m3 1x64, weight: fp8_e4m3 64x64, backend: scaled_mm}}}\n",

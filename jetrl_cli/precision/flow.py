@@ -387,6 +387,9 @@ def _parse_flow_dict(ctx: _Ctx, name: str, d: dict, key: str) -> PrecisionFlow: 
         ctx.fail(f"{p}train.save_fp8_activations",
                  "needs an fp8 wgrad.input: the saved FP8 copy is what the weight-gradient GEMM reads")
     master = _parse_format(ctx, t.get("master_weights", "fp32"), f"{p}train.master_weights", (Format.FP32, Format.BF16))
+    if master is not Format.FP32:  # accepted by the schema, never implemented: refused rather than ignored
+        ctx.fail(f"{p}train.master_weights", f"{master.value} master weights are not implemented: the trainer keeps "
+                 "fp32 master weights and AdamW state (write fp32, or leave the key out)")
     train = TrainPrecision(LinearPrecision(gemms["fprop"], gemms["dgrad"], gemms["wgrad"], save), master)
 
     sync = top.get("weight_sync", "hp")
