@@ -360,3 +360,22 @@ def test_the_correction_fractions_follow_its_level_and_prob_err_is_zero_when_equ
     assert same["prob_err"] == 0.0 and same["mismatch_kl"] == 0.0
     tiny = mismatch_metrics(lr.nextafter(torch.zeros(())), lr, mask)  # 1 ulp apart: a KL above 0, not rounded to it
     assert tiny["frac_bitwise_equal"] == 0.0 and tiny["mismatch_kl"] > 0.0
+
+
+def test_a_top_token_beyond_the_trainers_cut_is_printed_and_written():
+    """A token beyond the trainer's top-k/top-p cut has no training logprob (None in the JSON, which has
+    no infinity): the console table and report.md say so rather than failing on it."""
+    import io
+
+    from rich.console import Console
+
+    res = invoke("mismatch-report", "fp8-rollout", "--flows", "preset", "--lengths", "8", "--prompts", 2,
+                 "--no-attribution", "--json", *sets(SMALL))
+    report = json.loads(res.stdout)
+    tops = report["flows"][0]["top_tokens"]
+    assert tops
+    tops[0].update(logp_train=None, abs_dlogp=None)
+    out = io.StringIO()
+    mm.render(report, Console(file=out, width=160))
+    assert "-inf (cut)" in out.getvalue()
+    assert "-inf (cut)" in mm.markdown(report, [])

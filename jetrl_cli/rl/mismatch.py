@@ -251,7 +251,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @torch.no_grad()
 def layer_attribution(ref_model, rollout_model, train_model, b: Batch, sampling: SamplingParams,
-                      micro_batch: int, width: int, logp_train: torch.Tensor, cfg: CorrectionConfig,
+                      micro_batch: int, width: int, cfg: CorrectionConfig,
                       rollout_flow: PrecisionFlow, refine_layers: int = 2, on_pass=None) -> dict:
     """Per quantized linear: relative output error under the rollout and the training precision on
     the fp32 model's own input (``rel_err_rollout``, ``rel_err_train``) and rollout vs training
@@ -307,6 +307,10 @@ def layer_attribution(ref_model, rollout_model, train_model, b: Batch, sampling:
     #    each decoder layer (all its quantized linears), then each linear of the worst decoder layers.
     rprec = rollout_flow.rollout_linear()
     mask = b.mask
+    # the baseline scored as each pass scores: this batch, these micro-batches (the caller's logprobs came
+    # from the whole batch: on a GPU without batch-invariant kernels other rows can change a row's bits,
+    # a noise floor under every kl_alone)
+    logp_train = score_logprobs(train_model, b, sampling, micro_batch, width)
     groups: dict[object, list[str]] = {}
     for row in layers:
         row["kl_alone"] = None
@@ -466,7 +470,7 @@ def _attribution(inp, flow, rollout_model, train_model, ref, b: Batch, lt, width
     sub = b.select(idx)
     on_pass = (lambda what, done, total: inp.on_pass(f"{label}: {what}", done, total)) if inp.on_pass else None
     att = layer_attribution(ref, rollout_model, train_model, sub, inp.sampling, inp.tcfg.micro_batch, width,
-                            lt[idx, :sub.mask.shape[1]], inp.ccfg, flow, inp.attribution_layers, on_pass)
+                            inp.ccfg, flow, inp.attribution_layers, on_pass)
     att["attribution_sequences"] = len(sub)
     ranked = [r for r in att["layers"] if r["kl_alone"] is not None]
     att["top_layer"] = max(ranked, key=lambda r: r["kl_alone"])["name"] if ranked and max(
@@ -822,5 +826,6 @@ def markdown(report: dict, images: list[str]) -> str:
         for r in f["top_tokens"]:
             ctx = r["context"].replace("|", "\\|").replace("\n", "⏎")
             tok = r["token"].replace("|", "\\|").replace("\n", "⏎")
-            lines.append(f"| {r['position']} | `…{ctx[-40:]}` | `{tok}` | {r['logp_rollout']:.4f} | {r['logp_train']:.4f} |")
+            lines.append(f"| {r['position']} | `…{ctx[-40:]}` | `{tok}` | {r['logp_rollout']:.4f} | "
+                         f"{'-inf (cut)' if r['logp_train'] is None else format(r['logp_train'], '.4f')} |")
     return "\n".join(lines) + "\n"
