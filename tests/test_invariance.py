@@ -263,8 +263,8 @@ def test_gemm_bits_are_the_same_with_any_thread_count_and_instruction_set():
 
 _ON_POLICY = _THREADS + r"""
 import json, sys, torch
-sys.path.insert(0, "tests")
-from test_engine import _rollout_and_score, _tiny_model
+sys.path.insert(0, ".")  # the repository root (the process's cwd): tests is a package
+from tests.test_engine import _rollout_and_score, _tiny_model
 out = {}
 for flow in ("fp8-unified", "bf16"):
     b, old, _ = _rollout_and_score(_tiny_model(), flow, seed=11)
