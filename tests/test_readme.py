@@ -166,7 +166,8 @@ def test_every_readme_command_runs(in_scratch_dir, monkeypatch):
     transformers = pytest.importorskip("transformers")
     from jetrl_cli import bench
 
-    cfg = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    # q/k/gate rows in whole 128-row blocks: the README's `quantize --format fp8-block` takes only such models
+    cfg = transformers.Qwen2Config(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     model_dir = in_scratch_dir / "hf-model"
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(model_dir)
