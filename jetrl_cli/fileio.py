@@ -44,3 +44,17 @@ def save_safetensors(tensors: dict, path: Path, metadata: dict | None = None) ->
 
     save_file(tensors, str(path), metadata=metadata)
     apply_umask(Path(path))
+
+
+def read_json(path: Path):
+    """The JSON value in file ``path``; a file that is not UTF-8 JSON is a one-line error naming it."""
+    import json
+
+    from .errors import JetrlError
+
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise JetrlError(f"{path}: invalid JSON ({e.msg}, line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise JetrlError(f"{path}: not a UTF-8 text file") from None

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from ..errors import JetrlError
+from ..fileio import read_json
 from .llama import LlamaForCausalLM, ModelConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -107,12 +108,7 @@ def read_config(path: str | Path) -> tuple[ModelConfig, dict]:
     one named with the file and key."""
     p = check_model_dir(path)
     f = p / "config.json"
-    try:
-        raw = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise JetrlError(f"{f}: invalid JSON ({e.msg}, line {e.lineno})") from None
-    except UnicodeDecodeError:
-        raise JetrlError(f"{f}: not a UTF-8 text file") from None
+    raw = read_json(f)
     if not isinstance(raw, dict):
         raise JetrlError(f"{f}: must be a JSON object (a Hugging Face config), got a {type(raw).__name__}")
     mt = raw.get("model_type")
@@ -164,12 +160,7 @@ def _read_index(path: Path) -> dict[str, str] | None:
     f = path / INDEX_FILE
     if not f.exists():
         return None
-    try:
-        raw = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise JetrlError(f"{f}: invalid JSON ({e.msg}, line {e.lineno})") from None
-    except UnicodeDecodeError:
-        raise JetrlError(f"{f}: not a UTF-8 text file") from None
+    raw = read_json(f)
     wm = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(wm, dict) or not wm:
         raise JetrlError(f"{f}: no weight_map (an object mapping each tensor name to its shard file)")

@@ -11,17 +11,13 @@ import json
 from pathlib import Path
 
 from ..errors import JetrlError
+from ..fileio import read_json
 
 
 def _read_json(path: Path) -> dict:
     if not path.exists():
         return {}
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise JetrlError(f"{path}: invalid JSON ({e.msg}, line {e.lineno})") from None
-    except UnicodeDecodeError:
-        raise JetrlError(f"{path}: not a UTF-8 text file") from None
+    raw = read_json(path)
     if not isinstance(raw, dict):
         raise JetrlError(f"{path}: must be a JSON object, got a {type(raw).__name__}")
     return raw
