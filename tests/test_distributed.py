@@ -165,8 +165,13 @@ def test_run_errors_under_torchrun_name_the_rank_and_vllm_is_refused(tmp_path, m
     assert res.exit_code == 2 and res.output == "error: RANK='one' (set by torchrun): must be an integer >= 0\n"
     assert not out.exists()
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # a library caller's process group
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
     with pytest.raises(JetrlError, match="rollout.backend: vllm does not run under torchrun yet"):
         VLLMEngine("no-model", None, 16)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 1)  # vLLM's own group, in one process
+    with pytest.raises(Exception) as e:  # past that check: what comes next (vLLM missing, or the flow None)
+        VLLMEngine("no-model", None, 16)
+    assert "torchrun" not in str(e.value)
 
 
 def test_ranks_that_start_different_runs_are_refused_naming_the_first_difference(tmp_path, monkeypatch):

@@ -82,11 +82,13 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str | Path, flow, width: int, settings: VLLMSettings = VLLMSettings(),
                  device: str = "cpu", seed: int = 0):
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # vLLM under torchrun needs distributed_executor_backend="external_launcher" and its data-parallel
-            # settings; unrun, so refused (`jetrl run` refuses it before joining the process group)
+            # settings; unrun, so refused (`jetrl run` refuses it before joining the process group). A group of
+            # one process is vLLM's own: its engine sets one up in this process, and the next engine finds it
             raise JetrlError("rollout.backend: vllm does not run under torchrun yet (a torch.distributed process "
-                             "group is up); use rollout.backend: embedded there")
+                             f"group of {dist.get_world_size()} is up); use rollout.backend: embedded there")
         require_vllm()
         s = settings
         if s.quantization not in QUANTIZATIONS:
