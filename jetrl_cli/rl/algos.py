@@ -295,6 +295,8 @@ def _tis_raw(log_r: torch.Tensor, m: torch.Tensor, cfg: CorrectionConfig) -> tor
     seq = log_r.sum(-1)
     if cfg.tis_level == "geometric":
         seq = seq / m.sum(-1).clamp_min(1)
+    elif cfg.tis_level != "sequence":
+        raise ValueError(f"unknown tis_level {cfg.tis_level!r} (allowed: {', '.join(TIS_LEVELS)})")
     return seq.exp()[:, None].expand_as(log_r)
 
 
@@ -302,14 +304,7 @@ def _tis_weight(log_r: torch.Tensor, r: torch.Tensor, m: torch.Tensor, cfg: Corr
     """TIS's weight of each token: its own ratio (``token``), or its sequence's ratio product
     (``sequence``) or geometric mean (``geometric``), capped at ``tis_cap``. ``log_r`` is 0 off the
     mask ``m``, so a sequence's sum runs over its completion tokens."""
-    if cfg.tis_level == "token":
-        return r.clamp(max=cfg.tis_cap)
-    seq = log_r.sum(-1)
-    if cfg.tis_level == "geometric":
-        seq = seq / m.sum(-1).clamp_min(1)
-    elif cfg.tis_level != "sequence":
-        raise ValueError(f"unknown tis_level {cfg.tis_level!r} (allowed: {', '.join(TIS_LEVELS)})")
-    return seq.exp().clamp(max=cfg.tis_cap)[:, None].expand_as(r)
+    return (r if cfg.tis_level == "token" else _tis_raw(log_r, m, cfg)).clamp(max=cfg.tis_cap)
 
 
 def loss_denominator(mask: torch.Tensor, agg: str, max_new_tokens: int) -> float:
