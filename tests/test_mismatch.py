@@ -379,3 +379,75 @@ def test_a_top_token_beyond_the_trainers_cut_is_printed_and_written():
     mm.render(report, Console(file=out, width=160))
     assert "-inf (cut)" in out.getvalue()
     assert "-inf (cut)" in mm.markdown(report, [])
+
+
+def test_greedy_decodes_are_shared_only_between_flows_the_engine_runs_alike(monkeypatch):
+    """The report's greedy decodes are cached across flows; flows that differ only in what the engine
+    reads besides the rollout formats (the skipped layers' format, batch invariance) decode anew."""
+    import dataclasses
+
+    from jetrl_cli.engine.sampling import SamplingParams
+    from jetrl_cli.precision.formats import Format
+
+    built = []
+
+    class Engine:
+        def __init__(self, model, flow, width, max_batch):
+            built.append(flow)
+
+        def generate(self, prompts, sp, seed):
+            return [[type("G", (), {"tokens": [len(built)]})()] for _ in prompts]
+
+    monkeypatch.setattr(mm, "EmbeddedEngine", Engine)
+    inp = mm.ReportInputs(model=None, decode=None, prompts=[[1, 2]], sampling=SamplingParams(), tcfg=None,
+                          ccfg=CorrectionConfig(), max_batch=4)
+    base = parse_flow("fp8-unified")
+    mm.greedy_divergence(inp, base, 4, 16)
+    first = len(built)  # the flow (its trainer view is the same engine: unified) and the fp32 reference
+    mm.greedy_divergence(inp, base, 4, 16)
+    assert len(built) == first  # the same flow again: every decode from the cache
+    for other in (dataclasses.replace(base, skip_format=Format.FP32), dataclasses.replace(base, batch_invariant=True)):
+        n = len(built)
+        mm.greedy_divergence(inp, other, 4, 16)
+        assert len(built) == n + 1 and built[-1] is other
+
+
+def test_the_logprob_stage_compares_the_tokens_both_sides_keep_under_top_k():
+    """With top-k a token one side cuts (logprob -inf) and the other keeps has no finite difference: the
+    log-softmax stage's ``max_abs_diff`` is over the tokens both keep (a number, not inf or 3.4e38), and
+    ``frac_cut_differs`` counts the positions whose cuts differ."""
+    from jetrl_cli.engine.sampling import SamplingParams, sampling_logprobs
+    from jetrl_cli.models.shapes import random_model
+    from jetrl_cli.models.tiny import tiny_config
+    from jetrl_cli.precision import apply_flow, named_flow
+    from jetrl_cli.rl.divergence import decode_divergence
+
+    cfg = tiny_config("qwen2", hidden=128, layers=2, vocab=128)
+    s = fresh_seed()
+    roll, train = random_model(cfg, seed=s, std=0.05).eval(), random_model(cfg, seed=s + 1, std=0.05).eval()
+    for m, side in ((roll, "rollout"), (train, "train")):
+        apply_flow(m, named_flow("bf16"), side)
+    g = torch.Generator().manual_seed(s)
+    prompts = [torch.randint(1, 128, (int(k),), generator=g).tolist() for k in (4, 6)]
+    comps = [torch.randint(1, 128, (5,), generator=g).tolist() for _ in prompts]
+    sp = SamplingParams(top_k=8)
+    d = decode_divergence(roll, train, prompts, comps, sp, 32)
+    st = d["stages"][-1]
+    assert st["stage"] == "log-softmax (logprobs)"
+    # by hand: the two models' logprobs at the same positions, compared where both are finite
+    ids = [p + c for p, c in zip(prompts, comps)]
+    rows = []
+    for m in (roll, train):
+        per = []
+        for i, x in enumerate(ids):
+            with torch.no_grad():
+                logits = m(torch.tensor([x]))[0, len(prompts[i]) - 1:len(prompts[i]) - 1 + 5]
+                per.append(sampling_logprobs(logits, sp))
+        rows.append(torch.cat(per))
+    pr, pt = rows
+    both = pr.isfinite() & pt.isfinite()
+    assert both.any() and (pr.isfinite() != pt.isfinite()).any()
+    want = max(abs(float(a) - float(b)) for a, b, k in zip(pr.flatten(), pt.flatten(), both.flatten()) if k)
+    assert math.isfinite(st["max_abs_diff"]) and st["max_abs_diff"] == pytest.approx(want, rel=1e-5)
+    cut = sum(bool((pr[j].isinf() != pt[j].isinf()).any()) for j in range(pr.shape[0])) / pr.shape[0]
+    assert st["frac_cut_differs"] == cut > 0

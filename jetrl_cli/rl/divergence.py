@@ -83,7 +83,12 @@ def decode_divergence(rollout_model, train_model, prompts: list[list[int]], comp
     inv_t = invariant_for(train_model, lt)
     pr = sampling_logprobs(lr.reshape(-1, lr.shape[-1]), sampling, inv_r)
     pt = sampling_logprobs(lt.reshape(-1, lt.shape[-1]), sampling, inv_t)
-    stages.append({"stage": "log-softmax (logprobs)", "max_abs_diff": float((pr - pt).nan_to_num(0).abs().max()),
-                   "frac_equal": float(((pr == pt) | (pr.isinf() & pt.isinf())).all(-1).double().mean())})
+    # With top-k/top-p a token beyond the cut has logprob -inf: max_abs_diff is over the tokens both sides
+    # keep; a token one side cuts and the other keeps is counted apart (its difference is not a number).
+    both = pr.isfinite() & pt.isfinite()
+    diff = torch.where(both, pr - pt, torch.zeros_like(pr)).abs()
+    stages.append({"stage": "log-softmax (logprobs)", "max_abs_diff": float(diff.max()),
+                   "frac_equal": float(((pr == pt) | (pr.isinf() & pt.isinf())).all(-1).double().mean()),
+                   "frac_cut_differs": float((pr.isinf() != pt.isinf()).any(-1).double().mean())})
     first = next((s["stage"] for s in stages if s["frac_equal"] < 1.0), None)
     return {"first_divergent": first, "stages": stages, "positions": b * steps}

@@ -484,7 +484,8 @@ def greedy_divergence(inp: ReportInputs, flow: PrecisionFlow, length: int, width
     sp = SamplingParams(max_new_tokens=length, temperature=0.0, n=1)
 
     def decode_with(f: PrecisionFlow) -> list[list[int]]:
-        key = (f.rollout, f.skip, length, width)
+        # everything of the flow the engine reads: two flows that differ in any of it decode differently
+        key = (f.rollout, f.skip, f.skip_format, f.batch_invariant, f.weight_sync, length, width)
         if key not in inp.greedy_cache:
             eng = EmbeddedEngine(inp.model, f, width, inp.max_batch)
             inp.greedy_cache[key] = [g[0].tokens for g in eng.generate(inp.prompts, sp, 0)]
@@ -660,8 +661,10 @@ def _breaks(f: dict) -> str:
     if d["first_divergent"] is None:
         return f"; decode steps equal the trainer's forward bit for bit at every stage ({d['positions']} positions)"
     s = next(x for x in d["stages"] if x["stage"] == d["first_divergent"])
+    cut = (f", {100 * s['frac_cut_differs']:.0f}% with a token only one side's top-k/top-p cut"
+           if s.get("frac_cut_differs") else "")
     return (f"; equality first breaks at {d['first_divergent']} (decode step vs trainer forward: "
-            f"{100 * (1 - s['frac_equal']):.0f}% of positions differ, max |diff| {s['max_abs_diff']:.2e})")
+            f"{100 * (1 - s['frac_equal']):.0f}% of positions differ, max |diff| {s['max_abs_diff']:.2e}{cut})")
 
 
 def write_outputs(report: dict, out: Path) -> list[Path]:
