@@ -592,7 +592,7 @@ def mismatch_report_cmd(
             lens = lens or [cfg.rollout.max_new_tokens]
             source = PromptSource(build_task(cfg.task, cfg.run.seed, source=cfg.source), cfg.run.seed)
             n = prompts or cfg.rollout.prompts_per_step
-            prompt_ids = [tok.encode(p.prompt) for p in source.batch(0, n)]
+            prompt_ids = tok.encode_prompts(source.batch(0, n), source.task.chat)[1]
             longest = max(map(len, prompt_ids))
             if longest + max(lens) > limit:
                 raise JetrlError(f"--lengths {max(lens)}: after prompts of up to {longest} tokens, "

@@ -55,6 +55,12 @@ class TaskConfig:
     # tokens loses overlong_penalty x (excess / overlong_buffer), up to overlong_penalty at the limit (0: off)
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    # the model directory's chat template around each prompt (as verl's datasets): null (auto) = on when the
+    # jsonl rows' prompts are lists of {role, content} messages | true (a string prompt becomes one user
+    # message) | false
+    chat_template: bool | None = None
+    system_prompt: str | None = None  # with a chat template: a system message before each prompt's messages
+    chat_template_kwargs: dict = field(default_factory=dict)  # passed to the template, e.g. {enable_thinking: false}
 
 
 @dataclass(frozen=True)
@@ -208,6 +214,10 @@ def _check_type(src: str, key: str, value, tp):
         if not isinstance(value, list):
             raise PresetError(src, key, f"expected a list, got {value!r}")
         return [_check_type(src, f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise PresetError(src, key, f"expected a mapping of names to values, got {value!r}")
+        return dict(value)
     if tp is bool:
         if not isinstance(value, bool):
             raise PresetError(src, key, f"expected true or false, got {value!r}")
@@ -346,6 +356,12 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
             check_prompt_template(tk.prompt_template, tk.answer_key)
         except ValueError as e:
             raise PresetError(source, "task.prompt_template", str(e)) from None
+    reserved = sorted({"messages", "add_generation_prompt", "tools", "documents"} & set(tk.chat_template_kwargs))
+    if reserved:
+        raise PresetError(source, f"task.chat_template_kwargs.{reserved[0]}", "set by jetrl itself (the prompt's "
+                          "messages, and the generation prompt always on); not a template option")
+    if tk.system_prompt is not None and not tk.system_prompt.strip():
+        raise PresetError(source, "task.system_prompt", "empty; leave it out for no system message")
     if tk.overlong_buffer > r.max_new_tokens:
         raise PresetError(source, "task.overlong_buffer", f"must be at most rollout.max_new_tokens ({r.max_new_tokens}), "
                           f"got {tk.overlong_buffer}")
@@ -407,6 +423,8 @@ def _refuse_unread_keys(source: str, data: dict, secs: dict) -> None:
          f"is {t.lr_schedule!r})"),
         ("train", ("kl_estimator", "kl_in_reward"), t.kl_coef > 0, "read only with train.kl_coef > 0 (it is 0: no "
          "KL penalty)"),
+        ("task", ("system_prompt", "chat_template_kwargs"), tk.chat_template is not False,
+         "read only with a chat template (task.chat_template is false)"),
         ("task", ("overlong_penalty",), tk.overlong_buffer > 0, "read only with task.overlong_buffer > 0 (it is 0: "
          "no overlong shaping)"),
         ("run", ("wandb_project",), "wandb" in run.loggers, "read only with wandb in run.loggers"),

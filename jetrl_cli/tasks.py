@@ -27,7 +27,7 @@ import random
 import re
 import string
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Callable
@@ -42,9 +42,27 @@ ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz +-*/=:#.,()\n"
 
 @dataclass(frozen=True)
 class Problem:
-    prompt: str
+    prompt: str  # the prompt text (of a chat prompt: its last message's)
     answer: str
     solution: str = ""  # a worked completion, for supervised warm-up (synthetic tasks only)
+    # a jsonl row whose prompt is a list of chat messages: those messages ({"role", "content"} dicts)
+    messages: tuple | None = field(default=None, hash=False)
+
+
+@dataclass
+class ChatSpec:
+    """How a task's prompts go through the model's chat template (``task.chat_template`` on)."""
+
+    system_prompt: str | None = None
+    kwargs: dict = field(default_factory=dict)  # task.chat_template_kwargs
+
+    def messages(self, p: Problem) -> list[dict]:
+        """The conversation the template renders: the row's messages, or its prompt as one user message,
+        after the system prompt if there is one."""
+        msgs = [dict(m) for m in p.messages] if p.messages is not None else [{"role": "user", "content": p.prompt}]
+        if self.system_prompt is not None:
+            msgs.insert(0, {"role": "system", "content": self.system_prompt})
+        return msgs
 
 
 def _is_eval(prompt: str) -> bool:
@@ -225,6 +243,41 @@ def read_jsonl(path: Path, what: str, key: str | None = None):
             raise JetrlError(f"{path}:{i}: invalid JSON ({e.msg})") from None
 
 
+def read_dataset(path: Path, key: str | None = None):
+    """``(row number, row)`` of a dataset file: Parquet (``.parquet``, verl's data format; needs pyarrow),
+    else JSONL (``read_jsonl``). A Parquet row is named ``FILE:N`` by its 1-based row number."""
+    if path.suffix != ".parquet":
+        yield from read_jsonl(path, "dataset file", key)
+        return
+    where = f"{key}: {path}" if key else str(path)
+    if not path.is_file():
+        raise JetrlError(f"{where}: no such dataset file" if not path.exists() else f"{where}: is a directory, "
+                         "not a dataset file")
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise JetrlError(f"{where}: reading Parquet needs pyarrow (pip install 'jetrl[parquet]')") from None
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow raises its own ArrowInvalid / OSError for a file that is not Parquet
+        msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise JetrlError(f"{where}: cannot read as Parquet ({msg[:200]})") from None
+    yield from enumerate(rows, 1)
+
+
+def row_field(d: dict, key: str):
+    """``d[key]``; a dotted key not in ``d`` reads nested fields (verl's ``reward_model.ground_truth``).
+    KeyError when absent."""
+    if key in d:
+        return d[key]
+    v = d
+    for part in key.split("."):
+        if not isinstance(v, dict) or part not in v:
+            raise KeyError(key)
+        v = v[part]
+    return v
+
+
 # ----------------------------------------------------------------------------- tasks
 
 class TooFewProblems(JetrlError):
@@ -236,6 +289,7 @@ class TooFewProblems(JetrlError):
 
 
 class Task(abc.ABC):
+    chat: ChatSpec | None = None  # set by build_task: the prompts go through the model's chat template
     name = "task"
     answer_format = "boxed_or_gsm8k"
 
@@ -363,6 +417,24 @@ def check_prompt_template(template: str, answer_key: str = "answer") -> list[str
     return fields
 
 
+def _chat_messages(value: list, where: str, pk: str) -> tuple:
+    """A row's prompt given as chat messages, checked: a non-empty list of ``{"role": str, "content": str}``
+    objects (other keys are kept for the template), the last not the assistant's (jetrl generates the
+    assistant's next turn)."""
+    if not value:
+        raise JetrlError(f"{where}: {pk!r} is an empty list of chat messages")
+    out = []
+    for j, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise JetrlError(f"{where}: {pk!r}[{j}] must be a chat message {{\"role\": <string>, \"content\": "
+                             f"<string>}}, got {_shown(m)}")
+        out.append(dict(m))
+    if out[-1]["role"] == "assistant":
+        raise JetrlError(f"{where}: {pk!r}'s last message is the assistant's; the prompt ends before the turn "
+                         "jetrl generates (end it with the user's message)")
+    return tuple(out)
+
+
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -382,10 +454,14 @@ class JsonlTask(Task):
         except ValueError as e:
             raise JetrlError(f"{source + ': ' if source else ''}task.prompt_template: {e}") from None
         self.file = file
-        rows = self._read(file, prompt_key, answer_key, template, "task.file", source)
+        # where the first row of each kind of prompt is ("text" / "messages" -> "FILE:LINE"), and the first chat
+        # prompt with its own system message: build_task decides from them whether the chat template applies
+        self.prompt_kinds: dict[str, str] = {}
+        self.system_row: str | None = None
+        rows = self._read(file, prompt_key, answer_key, template, "task.file", source, self)
         if eval_file:
-            self.split = {"train": rows,
-                          "eval": self._read(eval_file, prompt_key, answer_key, template, "task.eval_file", source)}
+            self.split = {"train": rows, "eval": self._read(eval_file, prompt_key, answer_key, template,
+                                                            "task.eval_file", source, self)}
             self.held_out = f"task.eval_file {eval_file}"
         else:
             order = list(range(len(rows)))
@@ -399,17 +475,33 @@ class JsonlTask(Task):
 
     @staticmethod
     def _read(file: str, pk: str, ak: str, template: str, key: str = "task.file",
-              source: str | None = None) -> list[Problem]:
+              source: str | None = None, seen: "JsonlTask | None" = None) -> list[Problem]:
         fields = check_prompt_template(template, ak)
         rows = []
-        for i, d in read_jsonl(Path(file), "dataset file", f"{source}: {key}" if source else key):
+        for i, d in read_dataset(Path(file), f"{source}: {key}" if source else key):
             if not isinstance(d, dict):
                 raise JetrlError(f"{file}:{i}: expected a JSON object per line, got {_shown(d)}")
-            if pk not in d:
-                raise JetrlError(f"{file}:{i}: no {pk!r} field (set task.prompt_key)")
-            if not isinstance(d[pk], str):
-                raise JetrlError(f"{file}:{i}: {pk!r} must be a string, got {_shown(d[pk])} (task.prompt_key)")
-            ans = d.get(ak)
+            try:
+                prompt = row_field(d, pk)
+            except KeyError:
+                raise JetrlError(f"{file}:{i}: no {pk!r} field (set task.prompt_key)") from None
+            messages = None
+            if isinstance(prompt, list):
+                messages = _chat_messages(prompt, f"{file}:{i}", pk)
+                if template != "{prompt}":
+                    raise JetrlError(f"{file}:{i}: {pk!r} is a list of chat messages, which task.prompt_template "
+                                     f"{template!r} cannot format (it formats string prompts; leave it out)")
+                if seen is not None and seen.system_row is None and any(m["role"] == "system" for m in messages):
+                    seen.system_row = f"{file}:{i}"
+            elif not isinstance(prompt, str):
+                raise JetrlError(f"{file}:{i}: {pk!r} must be a string or a list of chat messages "
+                                 f"([{{\"role\": ..., \"content\": ...}}, ...]), got {_shown(prompt)} (task.prompt_key)")
+            if seen is not None:
+                seen.prompt_kinds.setdefault("messages" if messages else "text", f"{file}:{i}")
+            try:
+                ans = row_field(d, ak)
+            except KeyError:
+                ans = None
             if ans is None or (isinstance(ans, str) and ans.strip() == ""):
                 raise JetrlError(f"{file}:{i}: no answer in field {ak!r} (every row needs one; set task.answer_key)")
             if not (isinstance(ans, str) or _is_number(ans)):
@@ -421,8 +513,11 @@ class JsonlTask(Task):
                 if not ans:  # "4 ####": no answer a completion could match
                     raise JetrlError(f"{file}:{i}: nothing after '####' in field {ak!r} (GSM8K-style answers end "
                                      "with '#### <answer>'; every row needs one)")
+            if messages is not None:
+                rows.append(Problem(messages[-1]["content"], ans, messages=messages))
+                continue
             values = {k: v for k, v in d.items() if k != "prompt"}
-            values["prompt"] = d[pk]
+            values["prompt"] = prompt
             for f in fields:
                 if f not in values:
                     raise JetrlError(f"task.prompt_template: field {{{f}}} is not in {file}:{i} (its fields: "
@@ -590,6 +685,37 @@ def build_task(cfg, seed: int, source: str | None = None) -> Task:
     else:
         raise JetrlError(f"task.name: unknown task {cfg.name!r} (allowed: {', '.join(TASKS)})")
     task.answer_format = answer_format_of(cfg)
+    chat = chat_spec(cfg, task, source)
     if cfg.reward:
         task = UserReward(task, load_reward_fn(cfg.reward), cfg.reward)
+    task.chat = chat
     return task
+
+
+def chat_spec(cfg, task: Task, source: str | None = None) -> ChatSpec | None:
+    """Whether ``task``'s prompts go through the model's chat template (``task.chat_template``: null = when
+    the jsonl rows' prompts are lists of messages), and with what; None when they do not."""
+    pre = f"{source}: " if source else ""
+    kinds = getattr(task, "prompt_kinds", {"text": f"task.name {cfg.name}"})
+    on = getattr(cfg, "chat_template", None)
+    if on is None:
+        if len(kinds) > 1:
+            raise JetrlError(f"{pre}task.file: {kinds['messages']}'s prompt is a list of chat messages but "
+                             f"{kinds['text']}'s a string; set task.chat_template: true to put the strings in the chat "
+                             "template as a user message")
+        on = "messages" in kinds
+    elif not on and "messages" in kinds:
+        raise JetrlError(f"{pre}task.chat_template: false, but {kinds['messages']}'s prompt is a list of chat messages, "
+                         "which only a chat template turns into text (set it true, or leave it out)")
+    if not on:
+        for key in ("system_prompt", "chat_template_kwargs"):
+            if getattr(cfg, key, None):
+                raise JetrlError(f"{pre}task.{key}: read only with a chat template, and {kinds['text']}'s prompts are "
+                                 "strings: set task.chat_template: true to put them in the model's chat template")
+        return None
+    row = getattr(task, "system_row", None)
+    system = getattr(cfg, "system_prompt", None)
+    if system is not None and row:
+        raise JetrlError(f"{pre}task.system_prompt: {row}'s messages have a system message of their own; leave "
+                         "task.system_prompt out, or the system message out of the data")
+    return ChatSpec(system, dict(getattr(cfg, "chat_template_kwargs", None) or {}))

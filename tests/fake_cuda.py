@@ -186,9 +186,11 @@ def _flow(name: str):
 
     base, backend, kv, *invariant = FLOWS[name]
     over: dict = {"batch_invariant": True} if invariant else {}
-    if backend:
+    if backend:  # on the 8-bit GEMMs (a bf16 GEMM has no 8-bit backend: the flow refuses one)
+        f = parse_flow(base)
+        gemms = {"fprop": f.train.linear.fprop, "dgrad": f.train.linear.dgrad, "wgrad": f.train.linear.wgrad}
         over = {"rollout": {"linear": {"backend": backend}},
-                "train": {g: {"backend": backend} for g in ("fprop", "dgrad", "wgrad")}}
+                "train": {g: {"backend": backend} for g, spec in gemms.items() if spec.a.is_scaled}}
     if kv:
         over.setdefault("rollout", {})["kv_cache"] = kv
     return parse_flow({"base": base, **over})
@@ -515,8 +517,13 @@ def _gpu_preset(preset: str) -> dict:
                                        pad_token_id=0)
         transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(f"{d}/model")
         tiny = os.path.join(ROOT, "jetrl_cli", "assets", "tiny-policy")
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(os.path.join(tiny, name), f"{d}/model/{name}")
+        shutil.copy(os.path.join(tiny, "tokenizer.json"), f"{d}/model/tokenizer.json")
+        with open(os.path.join(tiny, "tokenizer_config.json")) as f:
+            tcfg = json.load(f)
+        tcfg["chat_template"] = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                                 "{% if add_generation_prompt %}assistant:{% endif %}")  # the presets' chat_template: true
+        with open(f"{d}/model/tokenizer_config.json", "w") as f:
+            json.dump(tcfg, f)
         with open(f"{d}/gsm8k.jsonl", "w") as f:
             for i in range(8):
                 f.write(json.dumps({"question": f"What is {i} + 7?", "answer": f"{i} + 7 = {i + 7}\n#### {i + 7}"}) + "\n")

@@ -405,6 +405,15 @@ def assert_same_updates(first, others):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
 
 
+def assert_moved_elsewhere(w, other):
+    """Two updates of one batch under different losses left different weights: some elements beyond
+    ``assert_same_updates``' tolerance. (Their loss values alone can come within any bound under some draw
+    of the inputs; Adam's first step moves each weight by about lr times its gradient's sign, and the
+    signs of two different losses' gradients part in thousands of elements.)"""
+    moved = sum(int((~torch.isclose(p, q, rtol=1e-4, atol=1e-6)).sum()) for p, q in zip(w, other))
+    assert moved > 0
+
+
 def test_an_update_with_fused_adamw_refreshes_the_cached_weights(monkeypatch):
     """Fused AdamW (the trainer's on CUDA) writes the weights in place without bumping their
     version; the linear layers' cached GEMM operands are keyed on it, so without a new version the
@@ -469,9 +478,8 @@ def test_each_loss_aggregation_splits_into_micro_batches_as_one_batch(agg):
             want, _ = policy_loss(lp, old, adv, b.mask, imp, EPS_L, EPS_H,
                                   loss_denominator(b.mask, mode, tr.sampling.max_new_tokens), agg=mode)
             assert runs[-1][0]["pg_loss"] == pytest.approx(float(want), rel=1e-5)
-    (st0, _), (tok, _) = runs[0], runs[3]
     assert_same_updates(runs[0], runs[1:3])
-    assert abs(st0["pg_loss"] - tok["pg_loss"]) > 1e-3 * abs(tok["pg_loss"])
+    assert_moved_elsewhere(runs[0][1], runs[3][1])
 
 
 def test_a_gspo_dual_clip_update_equals_policy_loss_and_splits_into_micro_batches():
@@ -493,10 +501,9 @@ def test_a_gspo_dual_clip_update_equals_policy_loss_and_splits_into_micro_batche
                                   loss_denominator(b.mask, "seq-mean-token-mean", 0), agg="seq-mean-token-mean",
                                   mode=train["policy_loss"], dual_clip=3.0)
             assert runs[-1][0]["pg_loss"] == pytest.approx(float(want), rel=1e-5)
-    (st0, _), (ppo, _) = runs[0], runs[3]
-    assert 0 < st0["clip_frac"] < 1
+    assert 0 < runs[0][0]["clip_frac"] < 1
     assert_same_updates(runs[0], runs[1:3])
-    assert abs(st0["pg_loss"] - ppo["pg_loss"]) > 1e-3 * abs(ppo["pg_loss"])
+    assert_moved_elsewhere(runs[0][1], runs[3][1])  # the PPO update of the same batch
 
 
 def test_an_updates_micro_batches_add_into_the_gradients_held(monkeypatch):
@@ -786,7 +793,9 @@ def test_an_update_penalises_with_the_chosen_kl_estimator():
         kl[est] = tr.update(b, adv, lp, ref, step=0)["kl_ref"]
         want = kl_penalty(lp, ref, est)[b.mask].mean()
         assert kl[est] == pytest.approx(float(want), rel=1e-5)
-    assert kl["k1"] != pytest.approx(kl["k3"], rel=1e-2)
+    # the two estimators' means differ beyond the tolerance above (so each check tells them apart); k1's is a
+    # random-signed mean and can come near k3's, but within 1e-4 of it only about once in 20000 draws
+    assert kl["k1"] != pytest.approx(kl["k3"], rel=1e-4)
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])

@@ -249,8 +249,15 @@ GOOD = [{"prompt": f"{i}+1=", "answer": i + 1, "hint": "add"} for i in range(6)]
      "{f}:3: 'answer' must be a string or a finite number, got [4] (task.answer_key)"),
     ({"prompt": "2+2=", "answer": True}, "{f}:3: 'answer' must be a string or a finite number, got true"),
     ({"prompt": "2+2=", "answer": {"v": 4}}, "{f}:3: 'answer' must be a string or a finite number, got {\"v\": 4}"),
-    ({"prompt": None, "answer": "4"}, "{f}:3: 'prompt' must be a string, got null (task.prompt_key)"),
-    ({"prompt": ["2+2="], "answer": "4"}, "{f}:3: 'prompt' must be a string, got [\"2+2=\"] (task.prompt_key)"),
+    ({"prompt": None, "answer": "4"}, "{f}:3: 'prompt' must be a string or a list of chat messages ([{\"role\": "
+     "..., \"content\": ...}, ...]), got null (task.prompt_key)"),
+    ({"prompt": ["2+2="], "answer": "4"}, "{f}:3: 'prompt'[0] must be a chat message {\"role\": <string>, "
+     "\"content\": <string>}, got \"2+2=\""),
+    ({"prompt": [], "answer": "4"}, "{f}:3: 'prompt' is an empty list of chat messages"),
+    ({"prompt": [{"role": "user", "content": "2+2="}, {"role": "user"}], "answer": "4"},
+     "{f}:3: 'prompt'[1] must be a chat message"),
+    ({"prompt": [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}], "answer": "4"},
+     "{f}:3: 'prompt''s last message is the assistant's"),
     (7, "{f}:3: expected a JSON object per line, got 7"),
     ({"prompt": "2+2=", "answer": "4 ####"}, "{f}:3: nothing after '####' in field 'answer' (GSM8K-style answers "
      "end with '#### <answer>'; every row needs one)"),

@@ -63,6 +63,7 @@ class Tokenizer:
         self.eos_ids = eos_ids
         self.pad_id = pad_id
         self.source = source
+        self._chat = None  # the directory's chat template, read when first needed
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -100,8 +101,33 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tk.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tk.encode(text).ids
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """``text``'s ids; ``special``: with the special tokens the tokenizer's post-processor adds (a BOS),
+        as ``transformers``' ``tokenizer(text)`` -- off for text that writes its own (a chat template's)."""
+        return self._tk.encode(text, add_special_tokens=special).ids
+
+    @property
+    def chat_template(self):
+        """The directory's ``ChatTemplate``; a one-line error when it has none."""
+        if self._chat is None:
+            from .chat_template import TEMPLATE_FILES, ChatTemplate
+
+            self._chat = ChatTemplate.from_dir(self.source)
+            if self._chat is None:
+                raise JetrlError(f"{self.source}: no chat template ({TEMPLATE_FILES}); the preset puts its prompts "
+                                 "in one (task.chat_template, or jsonl prompts given as chat messages)")
+        return self._chat
+
+    def encode_prompts(self, problems, chat=None) -> tuple[list[str], list[list[int]]]:
+        """The text the model is given for each ``tasks.Problem`` and its ids: the prompt as it is, or with
+        ``chat`` (``tasks.ChatSpec``) the conversation rendered by the chat template, encoded without the
+        tokenizer's own special tokens (the template writes them)."""
+        if chat is None:
+            texts = [p.prompt for p in problems]
+            return texts, [self.encode(t) for t in texts]
+        tpl = self.chat_template
+        texts = [tpl.render(chat.messages(p), chat.kwargs) for p in problems]
+        return texts, [self.encode(t, special=False) for t in texts]
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self._tk.decode(ids, skip_special_tokens=skip_special)

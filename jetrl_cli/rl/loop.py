@@ -75,7 +75,7 @@ def sampling_params(cfg: JobConfig, tok: Tokenizer, greedy: bool = False, evalua
     ``eval.n`` samples per prompt at the rollout's temperature, top-p and top-k)."""
     stops, sequences = list(tok.eos_ids), []
     for s in cfg.rollout.stop:
-        ids = tok.encode(s)
+        ids = tok.encode(s, special=False)  # the string as a completion spells it (no BOS)
         if not ids:
             raise JetrlError(f"rollout.stop: {s!r} encodes to no token")
         if len(ids) == 1:
@@ -171,14 +171,14 @@ def rollout_samples(job: Job, problems, seed: int, sampling: SamplingParams | No
     tok = job.tokenizer
     task_cfg = job.cfg.task
     buffer = task_cfg.overlong_buffer if sampling is None else 0
-    prompt_ids = [tok.encode(p.prompt) for p in problems]
+    texts, prompt_ids = tok.encode_prompts(problems, job.source.task.chat)
     groups = job.engine.generate(prompt_ids, sp, seed)
     out = []
-    for gi, (prob, pids, comps) in enumerate(zip(problems, prompt_ids, groups)):
+    for gi, (prob, ptext, pids, comps) in enumerate(zip(problems, texts, prompt_ids, groups)):
         for c in comps:
             text = tok.decode(c.tokens)
             s = {
-                "step": step, "group": group_offset + gi, "prompt": prob.prompt, "answer": prob.answer,
+                "step": step, "group": group_offset + gi, "prompt": ptext, "answer": prob.answer,
                 "completion": text, "extracted": job.source.task.extract(text), "prompt_ids": pids, "tokens": c.tokens, "logprobs": c.logprobs,
                 "reward": job.source.task.reward(prob, text), "correct": job.source.task.correct(prob, text),
                 "finish_reason": c.finish_reason,

@@ -1,0 +1,343 @@
+"""Chat templates (``task.chat_template``) and verl's dataset files (Parquet, nested keys): jetrl renders a
+model directory's template as ``transformers``' ``apply_chat_template`` does and encodes it as verl's dataset
+does (``tokenize=False``, then ``add_special_tokens=False``); prompts given as chat messages; every mistake a
+one-line error."""
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from jetrl_cli.cli import app
+from jetrl_cli.config import TaskConfig, load_job_config
+from jetrl_cli.errors import JetrlError, PresetError
+from jetrl_cli.models.tokenizer import Tokenizer
+from jetrl_cli.rl.loop import sampling_params, tiny_policy_dir
+from jetrl_cli.tasks import ChatSpec, Problem, PromptSource, build_task
+
+from .conftest import fresh_seed
+
+# Templates that use what Hub templates use: a default system message, bos_token, raise_exception,
+# loop.last, break (loopcontrols), tojson, namespace, a template option (enable_thinking), strftime_now.
+CHATML = (
+    "{%- if messages[0].role != 'system' %}<|im_start|>system\nYou are a careful solver.<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+LLAMA = (
+    "{{ bos_token }}{% set ns = namespace(n=0) %}"
+    "{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('role ' + m.role + ' is not supported') }}{% endif %}{% set ns.n = ns.n + 1 %}"
+    "<|start|>{{ m.role }}<|sep|>{{ m.content | trim }}{% if m.meta is defined %} {{ m.meta | tojson }}{% endif %}"
+    "<|eot|>{% if loop.last %}{% break %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant ({{ ns.n }} turns, {{ strftime_now('%Y') }})<|sep|>{% endif %}")
+
+# written over several lines with indented tags, as most Hub templates are (trim_blocks, lstrip_blocks)
+LINES = """{% for m in messages %}
+    {% if m.role == 'system' %}
+<|im_start|>system
+{{ m.content }}<|im_end|>
+    {% else %}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+
+
+def _bpe_dir(path, template, bos: bool):
+    """A BPE tokenizer (built here) saved by transformers with ``template``; ``bos``: its post-processor
+    adds ``<s>`` to every encoding, as Llama's does."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as Tk
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|start|>", "<|sep|>", "<|eot|>"]
+    tk = Tk(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(["What is 12 plus 30? The answer is \\boxed{42}. You are a careful solver."] * 50,
+                           trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if bos:
+        tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                                                unk_token="<unk>")
+    fast.chat_template = template
+    fast.save_pretrained(path)
+    return fast
+
+
+def _problems(seed):
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(3):
+        a, b = rng.randrange(100), rng.randrange(100)
+        text = f"  What is {a} plus {b}?  "
+        msgs = ({"role": "user", "content": f"Hi {a}"}, {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": text, "meta": {"a": a, "tag": "é<&>"}})
+        out += [Problem(text, str(a + b)), Problem(text, str(a + b), messages=msgs)]
+    return out
+
+
+@pytest.mark.parametrize("template, bos", [(CHATML, False), (LLAMA, True), (LINES, False)])
+@pytest.mark.parametrize("system, kwargs", [(None, {}), ("Be brief.", {"enable_thinking": False})])
+def test_prompts_render_and_encode_as_transformers_and_verl_do(tmp_path, template, bos, system, kwargs):
+    fast = _bpe_dir(tmp_path / "m", template, bos)
+    tok = Tokenizer.from_dir(tmp_path / "m")
+    chat = ChatSpec(system, kwargs)
+    probs = _problems(fresh_seed())
+    texts, ids = tok.encode_prompts(probs, chat)
+    for p, text, got in zip(probs, texts, ids):
+        msgs = ([{"role": "system", "content": system}] if system else []) + (
+            [dict(m) for m in p.messages] if p.messages else [{"role": "user", "content": p.prompt}])
+        want = fast.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kwargs)
+        assert text == want
+        assert got == fast(want, add_special_tokens=False)["input_ids"]
+        assert got.count(1) == (1 if bos else 0)  # the template's BOS, not the post-processor's too
+    # without a chat template the prompt is encoded as transformers' tokenizer(text) encodes it (with its BOS)
+    texts, ids = tok.encode_prompts(probs[:1])
+    assert texts == [probs[0].prompt] and ids == [fast(probs[0].prompt)["input_ids"]]
+
+
+def test_the_template_is_read_from_each_file_transformers_reads_it_from(tmp_path):
+    base = tmp_path / "m"
+    _bpe_dir(base, CHATML, False)
+    want = Tokenizer.from_dir(base).encode_prompts([Problem("What is 1 plus 2?", "3")], ChatSpec())[0]
+    cfg = json.loads((base / "tokenizer_config.json").read_text())
+    jinja = (base / "chat_template.jinja").read_text() if (base / "chat_template.jinja").exists() else cfg["chat_template"]
+    variants = {
+        "jinja": lambda d: (d / "chat_template.jinja").write_text(jinja),
+        "json": lambda d: (d / "chat_template.json").write_text(json.dumps({"chat_template": jinja})),
+        "config": lambda d: None,
+        "config-list": lambda d: None,
+    }
+    for name, write in variants.items():
+        d = tmp_path / name
+        shutil.copytree(base, d)
+        (d / "chat_template.jinja").unlink(missing_ok=True)
+        c = dict(cfg, chat_template=jinja if name == "config" else None)
+        if name == "config-list":
+            c["chat_template"] = [{"name": "tool_use", "template": "{{ raise_exception('not me') }}"},
+                                  {"name": "default", "template": jinja}]
+        if name in ("jinja", "json"):
+            c.pop("chat_template")
+        (d / "tokenizer_config.json").write_text(json.dumps(c))
+        write(d)
+        assert Tokenizer.from_dir(d).encode_prompts([Problem("What is 1 plus 2?", "3")], ChatSpec())[0] == want, name
+
+
+def _tiny_with_template(tmp_path, template):
+    """The shipped tiny policy (a character tokenizer) with a chat template in its tokenizer_config.json."""
+    d = tmp_path / "tiny-chat"
+    shutil.copytree(tiny_policy_dir(), d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template=template)))
+    return d
+
+
+# the tiny policy's alphabet is digits, lower-case letters and " +-*/=:#.,()\n"
+TINY = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}answer:{% endif %}"
+
+
+def _data(tmp_path, rows, name="d.jsonl"):
+    f = tmp_path / name
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f
+
+
+def test_a_rollout_of_chat_messages_gives_the_model_the_rendered_prompt(tmp_path):
+    """``jetrl rollout`` on jsonl rows whose prompt is a list of messages: the chat template applies by itself
+    (``task.chat_template`` left out), the rollout rows hold the rendered prompt and its ids, and the reward
+    reads the answer."""
+    model = _tiny_with_template(tmp_path, TINY)
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+{i}="}], "answer": str(2 * i)} for i in range(10, 30)]
+    data = _data(tmp_path, rows)
+    out = tmp_path / "r.jsonl"
+    res = CliRunner().invoke(app, ["rollout", "bf16", "-o", str(out), "--prompts", "2", "--set", f"model.path={model}",
+                                   "--set", "task.name=jsonl", "--set", f"task.file={data}", "--set", "rollout.n=2",
+                                   "--set", "rollout.max_new_tokens=8", "--set", "task.system_prompt=add"])
+    assert res.exit_code == 0, res.output
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(got) == 4
+    tok = Tokenizer.from_dir(model)
+    for r in got:
+        q = r["prompt"].split("user: ")[1].split("\n")[0]
+        assert r["prompt"] == f"system: add\nuser: {q}\nanswer:"
+        assert r["prompt_ids"] == tok.encode(r["prompt"], special=False)
+        a, b = q.rstrip("=").split("+")
+        assert r["answer"] == str(int(a) + int(b))
+
+
+def test_the_run_loop_trains_on_chat_prompts(tmp_path):
+    """One step of ``jetrl run`` with ``task.chat_template: true`` on string prompts: each becomes a user
+    message; the step's samples (rollouts.jsonl) carry the rendered prompts."""
+    model = _tiny_with_template(tmp_path, TINY)
+    data = _data(tmp_path, [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(20)])
+    res = CliRunner().invoke(app, ["run", "bf16", "--set", f"run.out_dir={tmp_path / 'run'}", "--set", f"model.path={model}",
+                                   "--set", "task.name=jsonl", "--set", f"task.file={data}",
+                                   "--set", "task.chat_template=true", "--set", "train.steps=1",
+                                   "--set", "rollout.prompts_per_step=2", "--set", "rollout.n=2",
+                                   "--set", "rollout.max_new_tokens=6", "--set", "eval.prompts=2", "--set",
+                                   "eval.every=0"])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert rows and all(r["prompt"].startswith("user: ") and r["prompt"].endswith("=\nanswer:") for r in rows)
+
+
+@pytest.mark.parametrize("rows, sets, msg", [
+    ([{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}, {"prompt": "2+2=", "answer": "4"}], [],
+     "task.file: {f}:1's prompt is a list of chat messages but {f}:2's a string; set task.chat_template: true"),
+    ([{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}], ["task.chat_template=false"],
+     "task.chat_template: false, but {f}:1's prompt is a list of chat messages"),
+    ([{"prompt": "1+1=", "answer": "2"}], ["task.system_prompt=add"],
+     "task.system_prompt: read only with a chat template, and {f}:1's prompts are strings"),
+    ([{"prompt": "1+1=", "answer": "2"}], ["task.chat_template_kwargs={enable_thinking: false}"],
+     "task.chat_template_kwargs: read only with a chat template"),
+    ([{"prompt": [{"role": "system", "content": "add"}, {"role": "user", "content": "1+1="}], "answer": "2"}],
+     ["task.system_prompt=add"], "task.system_prompt: {f}:1's messages have a system message of their own"),
+    ([{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}], ["task.prompt_template='Q: {prompt}'"],
+     "{f}:1: 'prompt' is a list of chat messages, which task.prompt_template 'Q: {prompt}' cannot format"),
+])
+def test_chat_prompt_mistakes_are_one_line_errors_naming_the_key_and_row(tmp_path, rows, sets, msg):
+    f = _data(tmp_path, rows * 3)
+    cfg = load_job_config("bf16", ["task.name=jsonl", f"task.file={f}", *sets])
+    with pytest.raises(JetrlError) as e:
+        build_task(cfg.task, 0, source=cfg.source)
+    assert msg.replace("{f}", str(f)) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("sets, msg", [
+    (["task.chat_template=false", "task.system_prompt=add"],
+     "task.system_prompt: read only with a chat template (task.chat_template is false)"),
+    (["task.chat_template_kwargs={add_generation_prompt: false}"],
+     "task.chat_template_kwargs.add_generation_prompt: set by jetrl itself"),
+    (["task.chat_template_kwargs=[1]"], "task.chat_template_kwargs: expected a mapping of names to values"),
+    (["task.system_prompt=' '"], "task.system_prompt: empty"),
+])
+def test_chat_settings_are_checked_in_the_preset(sets, msg):
+    with pytest.raises(PresetError) as e:
+        load_job_config("bf16", sets)
+    assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("template, msg", [
+    (None, "no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json's chat_template)"),
+    ("{% for m in messages %}{{ m.role }", "the chat template is not valid Jinja (line 1:"),
+    ("{{ raise_exception('only user turns') }}", "the chat template refused the prompt: only user turns"),
+    ([{"name": "tool_use", "template": "x"}], "chat_template holds named templates ('tool_use') but no 'default'"),
+])
+def test_a_missing_or_broken_template_is_a_one_line_error_naming_the_file(tmp_path, template, msg):
+    model = _tiny_with_template(tmp_path, template)
+    tok = Tokenizer.from_dir(model)
+    with pytest.raises(JetrlError) as e:
+        tok.encode_prompts([Problem("1+1=", "2")], ChatSpec())
+    assert str(e.value).startswith(str(model)) and msg in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_built_in_tasks_take_the_chat_template_when_asked(tmp_path):
+    model = _tiny_with_template(tmp_path, TINY)
+    cfg = load_job_config("bf16", ["task.chat_template=true", "task.system_prompt=add"])
+    task = build_task(cfg.task, 0, source=cfg.source)
+    p = PromptSource(task, 0).batch(0, 1)[0]
+    texts, _ = Tokenizer.from_dir(model).encode_prompts([p], task.chat)
+    assert texts == [f"system: add\nuser: {p.prompt}\nanswer:"]
+    assert build_task(load_job_config("bf16", []).task, 0).chat is None
+
+
+def test_stop_strings_are_encoded_without_the_tokenizers_bos(tmp_path):
+    """A tokenizer whose post-processor adds a BOS (Llama's) spelled ``rollout.stop: ["<|eot|>"]`` as
+    ``[<s>, <|eot|>]``: a two-token stop sequence no completion ends with. It is one stop token."""
+    _bpe_dir(tmp_path / "m", LLAMA, True)
+    tok = Tokenizer.from_dir(tmp_path / "m")
+    cfg = load_job_config("bf16", ['rollout.stop=["<|eot|>", "The answer"]'])
+    sp = sampling_params(cfg, tok)
+    assert tok.token_id("<|eot|>") in sp.stop_token_ids
+    assert sp.stop_sequences == (tuple(tok.encode("The answer", special=False)),)
+    assert 1 not in sp.stop_sequences[0]
+
+
+def test_task_config_defaults_leave_prompts_as_they_are(tmp_path):
+    f = _data(tmp_path, [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(5)])
+    assert build_task(TaskConfig(name="jsonl", file=str(f)), 0).chat is None
+
+
+# ----------------------------------------------------------------------------- verl's dataset files
+
+def _verl_gsm8k_rows(n, seed):
+    """Rows laid out as verl's ``examples/data_preprocess/gsm8k.py`` writes them."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = rng.randrange(10, 50), rng.randrange(10, 50)
+        q = f"{a}+{b}="
+        rows.append({"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": q}], "ability": "math",
+                     "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                     "extra_info": {"split": "train", "index": i, "answer": f"{a} + {b} = {a + b}\n#### {a + b}",
+                                    "question": q}})
+    return rows
+
+
+def test_verls_parquet_data_is_read_as_is(tmp_path):
+    """A verl GSM8K Parquet file: ``task.file: train.parquet``, ``task.answer_key: reward_model.ground_truth``
+    (a dotted key reads nested fields); its chat prompts go through the model's template by themselves; a
+    rollout runs on it."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    rows = _verl_gsm8k_rows(20, fresh_seed())
+    f = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), f)
+    cfg = TaskConfig(name="jsonl", file=str(f), answer_key="reward_model.ground_truth")
+    task = build_task(cfg, 0)
+    got = {p.prompt: p for p in task.split["train"] + task.split["eval"]}
+    assert len(got) == len({r["prompt"][0]["content"] for r in rows})
+    for r in rows:
+        p = got[r["prompt"][0]["content"]]
+        assert p.answer == r["reward_model"]["ground_truth"] and list(p.messages) == r["prompt"]
+    assert task.chat is not None and task.chat.system_prompt is None
+    # the same through the CLI, on the tiny policy with a chat template
+    model = _tiny_with_template(tmp_path, TINY)
+    out = tmp_path / "r.jsonl"
+    res = CliRunner().invoke(app, ["rollout", "bf16", "-o", str(out), "--prompts", "2", "--set", f"model.path={model}",
+                                   "--set", "task.name=jsonl", "--set", f"task.file={f}", "--set",
+                                   "task.answer_key=reward_model.ground_truth", "--set", "rollout.n=2",
+                                   "--set", "rollout.max_new_tokens=4"])
+    assert res.exit_code == 0, res.output
+    out_rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(out_rows) == 4 and all(r["prompt"].startswith("user: ") for r in out_rows)
+
+
+def test_a_dotted_key_reads_nested_fields_and_a_literal_key_wins(tmp_path):
+    f = _data(tmp_path, [{"q": {"text": f"{i}+1="}, "a.b": str(i + 1), "a": {"b": "nested"}} for i in range(6)])
+    task = build_task(TaskConfig(name="jsonl", file=str(f), prompt_key="q.text", answer_key="a.b"), 0)
+    p = task.split["train"][0]
+    assert p.prompt.endswith("+1=") and p.answer == str(int(p.prompt.split("+")[0]) + 1)
+    missing = _data(tmp_path, [{"q": {"text": "1+1="}, "a": {"c": "2"}}] * 3, "m.jsonl")
+    with pytest.raises(JetrlError, match=r"m.jsonl:1: no answer in field 'a.b'"):
+        build_task(TaskConfig(name="jsonl", file=str(missing), prompt_key="q.text", answer_key="a.b"), 0)
+    with pytest.raises(JetrlError, match=r"m.jsonl:1: no 'q.x' field \(set task.prompt_key\)"):
+        build_task(TaskConfig(name="jsonl", file=str(missing), prompt_key="q.x", answer_key="a.c"), 0)
+
+
+def test_parquet_mistakes_are_one_line_errors(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.parquet"
+    bad.write_text("not parquet\n")
+    with pytest.raises(JetrlError) as e:
+        build_task(TaskConfig(name="jsonl", file=str(bad)), 0)
+    assert str(e.value).startswith(f"task.file: {bad}: cannot read as Parquet (") and "\n" not in str(e.value)
+    with pytest.raises(JetrlError, match="no such dataset file"):
+        build_task(TaskConfig(name="jsonl", file=str(tmp_path / "none.parquet")), 0)
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(JetrlError, match=r"reading Parquet needs pyarrow \(pip install 'jetrl\[parquet\]'\)"):
+        build_task(TaskConfig(name="jsonl", file=str(bad)), 0)
