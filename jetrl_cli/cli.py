@@ -715,8 +715,6 @@ def _run_identity(cfg, out: Path, resume: bool, force: bool) -> dict:
     """What every rank of a torchrun run must agree on: the resolved preset key by key, the command's
     own options, the model directory's files and the data files (digests of their contents), jetrl's
     and torch's versions."""
-    import importlib.util
-
     import torch
 
     from .distributed.world import dir_digests, file_digest
@@ -731,12 +729,11 @@ def _run_identity(cfg, out: Path, resume: bool, force: bool) -> dict:
         if f and Path(f).is_file():
             what[f"task.{key}'s contents"] = file_digest(Path(f))
     if cfg.task.reward and ":" in cfg.task.reward:
-        try:  # the module's source; a module that cannot be found is reported when the task is built
-            spec = importlib.util.find_spec(cfg.task.reward.split(":")[0])
-        except Exception:  # noqa: BLE001
-            spec = None
-        if spec is not None and spec.origin and Path(spec.origin).is_file():
-            what["task.reward's source file"] = file_digest(Path(spec.origin))
+        from .tasks import reward_source_file
+
+        src = reward_source_file(cfg.task.reward)
+        if src is not None:
+            what["task.reward's source file"] = file_digest(src)
     return what
 
 

@@ -47,7 +47,9 @@ class TaskConfig:
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     prompt_template: str = "{prompt}"  # str.format over the row's fields
-    reward: str | None = None  # "package.module:function" (prompt, completion, answer) -> float
+    # "package.module:function" or "path/to/file.py:function": (prompt, completion, answer) -> float, or
+    # verl's compute_score(data_source, solution_str, ground_truth, extra_info) -> float | {"score": float, ...}
+    reward: str | None = None
     # how a completion's final answer is read: auto (\boxed{}, ####, else the last number) | boxed_or_gsm8k
     # | boxed | gsm8k | last_number; default: auto for jsonl, boxed_or_gsm8k for the built-in tasks
     answer_format: str | None = None

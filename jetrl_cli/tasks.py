@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import importlib.util
 import inspect
 import json
 import math
@@ -47,6 +48,8 @@ class Problem:
     solution: str = ""  # a worked completion, for supervised warm-up (synthetic tasks only)
     # a jsonl row whose prompt is a list of chat messages: those messages ({"role", "content"} dicts)
     messages: tuple | None = field(default=None, hash=False)
+    # a jsonl row's data_source and extra_info (verl's fields), for a verl-style task.reward
+    meta: dict | None = field(default=None, hash=False, compare=False)
 
 
 @dataclass
@@ -513,8 +516,9 @@ class JsonlTask(Task):
                 if not ans:  # "4 ####": no answer a completion could match
                     raise JetrlError(f"{file}:{i}: nothing after '####' in field {ak!r} (GSM8K-style answers end "
                                      "with '#### <answer>'; every row needs one)")
+            meta = {k: d[k] for k in ("data_source", "extra_info") if k in d} or None
             if messages is not None:
-                rows.append(Problem(messages[-1]["content"], ans, messages=messages))
+                rows.append(Problem(messages[-1]["content"], ans, messages=messages, meta=meta))
                 continue
             values = {k: v for k, v in d.items() if k != "prompt"}
             values["prompt"] = prompt
@@ -530,7 +534,7 @@ class JsonlTask(Task):
             except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
                 raise JetrlError(f"task.prompt_template: {template!r} cannot format {file}:{i}: "
                                  f"{type(e).__name__}: {e}") from None
-            rows.append(Problem(prompt, ans))
+            rows.append(Problem(prompt, ans, meta=meta))
         if not rows:
             raise JetrlError(f"{file}: empty dataset")
         return rows
@@ -574,14 +578,33 @@ class UserReward(Task):
         self.inner, self.fn, self.name = inner, fn, inner.name
         self.spec = spec or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
         self.answer_format = inner.answer_format
+        self.verl = reward_style(fn) == "verl"
 
     def problems(self, rng, n, split, distinct=False):
         return self.inner.problems(rng, n, split, distinct)
 
+    def _call(self, problem, completion):
+        if not self.verl:
+            return self.fn(problem.prompt, completion, problem.answer)
+        meta = problem.meta or {}
+        kw = {"data_source": meta.get("data_source"), "solution_str": completion, "ground_truth": problem.answer}
+        if _takes(self.fn, "extra_info"):
+            kw["extra_info"] = meta.get("extra_info")
+        value = self.fn(**kw)
+        if isinstance(value, dict):  # verl's reward managers take a dict's "score" (the rest are extra metrics)
+            if "score" not in value:
+                raise _NoScore(value)
+            value = value["score"]
+        return value
+
     def reward(self, problem, completion):
         where = f"task.reward {self.spec}"
         try:
-            value = self.fn(problem.prompt, completion, problem.answer)
+            value = self._call(problem, completion)
+        except _NoScore as e:
+            raise JetrlError(f"{where} returned a dict without 'score' (keys: {', '.join(map(repr, e.args[0]))}) for "
+                             f"prompt {_short(problem.prompt)}; verl-style reward functions return a number or "
+                             "{'score': number, ...}") from None
         except Exception as e:  # the user's code: any error it raises is theirs to fix, in one line
             msg = (str(e).strip().splitlines() or [""])[0]
             msg = msg if len(msg) <= 200 else msg[:197] + "..."
@@ -604,12 +627,78 @@ class UserReward(Task):
         return self.inner.correct(problem, completion)
 
 
+class _NoScore(Exception):
+    pass
+
+
+# verl's custom reward function: compute_score(data_source, solution_str, ground_truth, extra_info=None)
+VERL_REWARD_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
+
+
+def _takes(fn: Callable, name: str) -> bool:
+    try:
+        ps = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in ps or any(p.kind is p.VAR_KEYWORD for p in ps.values())
+
+
+def reward_style(fn: Callable) -> str:
+    """``verl`` for a function with verl's parameter names (``solution_str``, ``ground_truth``), called by
+    keyword as verl calls it; else ``jetrl``: ``fn(prompt, completion, answer)``."""
+    try:
+        names = set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return "jetrl"
+    return "verl" if {"solution_str", "ground_truth"} <= names else "jetrl"
+
+
+def reward_source_file(spec: str) -> Path | None:
+    """The source file ``task.reward`` names (``path/to/file.py:fn``, or a module's file), if it is found."""
+    target = spec.rsplit(":", 1)[0]
+    if target.endswith(".py"):
+        return Path(target) if Path(target).is_file() else None
+    try:
+        found = importlib.util.find_spec(target)
+    except Exception:  # noqa: BLE001 -- a module that cannot be found is reported when the task is built
+        return None
+    return Path(found.origin) if found is not None and found.origin and Path(found.origin).is_file() else None
+
+
+def _load_file_module(path: str):
+    """A reward function's module from its file (verl's ``custom_reward_function.path``)."""
+    import sys
+
+    p = Path(path)
+    if not p.is_file():
+        raise JetrlError(f"task.reward: {path}: no such file" if not p.exists() else f"task.reward: {path}: not a file")
+    name = f"jetrl_reward_{zlib.crc32(str(p.resolve()).encode()):08x}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, p)
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except Exception as e:  # the user's file fails: a syntax error, an import inside it, ...
+        msg = (str(e).strip().splitlines() or [""])[0]
+        raise JetrlError(f"task.reward: cannot load {path}: {type(e).__name__}: {msg}") from None
+    sys.modules[name] = mod
+    return mod
+
+
 def load_reward_fn(spec: str) -> Callable:
-    """The function ``task.reward`` names (``package.module:function``), checked to take
-    ``(prompt, completion, answer)``."""
+    """The function ``task.reward`` names (``package.module:function``, or ``path/to/file.py:function``),
+    checked to take ``(prompt, completion, answer)``, or verl's ``(data_source, solution_str, ground_truth,
+    extra_info)`` by name."""
     if ":" not in spec:
-        raise JetrlError(f"task.reward: {spec!r} must look like 'package.module:function'")
-    mod_name, fn_name = spec.split(":", 1)
+        raise JetrlError(f"task.reward: {spec!r} must look like 'package.module:function' or 'path/to/file.py:function'")
+    mod_name, fn_name = spec.rsplit(":", 1)
+    if mod_name.endswith(".py"):
+        mod = _load_file_module(mod_name)
+        fn = getattr(mod, fn_name, None)
+        if not callable(fn):
+            raise JetrlError(f"task.reward: {mod_name} has no function {fn_name!r}")
+        return _checked_reward(fn, spec, fn_name)
     try:
         mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
@@ -626,15 +715,24 @@ def load_reward_fn(spec: str) -> Callable:
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
         raise JetrlError(f"task.reward: {mod_name} has no function {fn_name!r}")
+    return _checked_reward(fn, spec, fn_name)
+
+
+def _checked_reward(fn: Callable, spec: str, fn_name: str) -> Callable:
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without a signature: checked when called
         return fn
     try:
-        sig.bind("prompt", "completion", "answer")
+        if reward_style(fn) == "verl":
+            kw = dict.fromkeys(VERL_REWARD_PARAMS[:3])
+            sig.bind(**kw, **({"extra_info": None} if _takes(fn, "extra_info") else {}))
+        else:
+            sig.bind("prompt", "completion", "answer")
     except TypeError:
         raise JetrlError(f"task.reward {spec}: takes {sig}, but is called as {fn_name}(prompt, completion, answer) "
-                         "and must return a float") from None
+                         "or, verl's, as compute_score(data_source=, solution_str=, ground_truth=, extra_info=); it "
+                         "must return a number") from None
     return fn
 
 

@@ -5,6 +5,7 @@ one-line error."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -341,3 +342,69 @@ def test_parquet_mistakes_are_one_line_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(JetrlError, match=r"reading Parquet needs pyarrow \(pip install 'jetrl\[parquet\]'\)"):
         build_task(TaskConfig(name="jsonl", file=str(bad)), 0)
+
+
+VERL_REWARD = '''
+CALLS = []
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    CALLS.append((data_source, solution_str, ground_truth, extra_info))
+    return {"score": float(solution_str.strip() == ground_truth) + 0.25, "acc": solution_str.strip() == ground_truth}
+
+
+def three(data_source, solution_str, ground_truth):
+    return 1.5
+
+
+def no_score(data_source, solution_str, ground_truth):
+    return {"acc": 1.0}
+'''
+
+
+def test_a_verl_reward_file_is_called_as_verl_calls_it(tmp_path):
+    """``task.reward: path/to/file.py:compute_score`` with verl's signature: called by keyword with the row's
+    ``data_source`` and ``extra_info``, the completion and the answer; a dict's ``score`` is the reward."""
+    import random
+
+    rows = _verl_gsm8k_rows(12, fresh_seed())
+    f = _data(tmp_path, rows)
+    (tmp_path / "my_reward.py").write_text(VERL_REWARD)
+    task = build_task(TaskConfig(name="jsonl", file=str(f), answer_key="reward_model.ground_truth",
+                                 reward=f"{tmp_path / 'my_reward.py'}:compute_score"), 0)
+    p = task.problems(random.Random(0), 1, "train")[0]
+    row = next(r for r in rows if r["prompt"][0]["content"] == p.prompt)
+    assert task.reward(p, f" {p.answer}") == 1.25 and task.reward(p, " 0") == 0.25
+    import sys
+
+    calls = next(m for n, m in sys.modules.items() if n.startswith("jetrl_reward_") and hasattr(m, "CALLS")).CALLS
+    assert calls[-1] == ("openai/gsm8k", " 0", row["reward_model"]["ground_truth"], row["extra_info"])
+    three = build_task(TaskConfig(name="jsonl", file=str(f), answer_key="reward_model.ground_truth",
+                                  reward=f"{tmp_path / 'my_reward.py'}:three"), 0)
+    assert three.reward(p, "x") == 1.5  # verl's older three-parameter form
+    bad = build_task(TaskConfig(name="jsonl", file=str(f), answer_key="reward_model.ground_truth",
+                                reward=f"{tmp_path / 'my_reward.py'}:no_score"), 0)
+    with pytest.raises(JetrlError, match=r"returned a dict without 'score' \(keys: 'acc'\)"):
+        bad.reward(p, "x")
+    # the file torchrun's ranks compare (its digest) is the one named, or the module's
+    from jetrl_cli.tasks import reward_source_file
+
+    assert reward_source_file(f"{tmp_path / 'my_reward.py'}:three") == tmp_path / "my_reward.py"
+    assert reward_source_file("json:loads") == Path(json.__file__)
+    assert reward_source_file(f"{tmp_path / 'none.py'}:f") is None
+
+
+@pytest.mark.parametrize("body, spec, msg", [
+    (None, "{d}/none.py:f", "task.reward: {d}/none.py: no such file"),
+    ("def f(:\n", "{d}/r.py:f", "task.reward: cannot load {d}/r.py: SyntaxError"),
+    ("def g(p, c, a):\n    return 1\n", "{d}/r.py:f", "task.reward: {d}/r.py has no function 'f'"),
+    ("def f(solution_str, ground_truth, data_source, extra_info, more):\n    return 1\n", "{d}/r.py:f",
+     "takes (solution_str, ground_truth, data_source, extra_info, more), but is called as f(prompt, completion, "
+     "answer) or, verl's, as compute_score("),
+])
+def test_reward_file_mistakes_are_one_line_errors(tmp_path, body, spec, msg):
+    if body is not None:
+        (tmp_path / "r.py").write_text(body)
+    with pytest.raises(JetrlError) as e:
+        build_task(TaskConfig(reward=spec.format(d=tmp_path)), 0)
+    assert msg.format(d=tmp_path) in str(e.value) and "\n" not in str(e.value)
