@@ -63,6 +63,9 @@ class TaskConfig:
     chat_template: bool | None = None
     system_prompt: str | None = None  # with a chat template: a system message before each prompt's messages
     chat_template_kwargs: dict = field(default_factory=dict)  # passed to the template, e.g. {enable_thinking: false}
+    # a dataset prompt too long for rollout.max_len with its new tokens: error (at start, naming the row) | drop
+    # (left out at start, as verl's filter_overlong_prompts; counted in metrics.jsonl's prompts_dropped)
+    overlong_prompts: str = "error"
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,7 @@ CHOICES = {
     ("model", "device"): ("cpu", "cuda"),
     ("task", "name"): choices.TASKS,
     ("task", "answer_format"): choices.ANSWER_FORMATS,
+    ("task", "overlong_prompts"): ("error", "drop"),
     ("rollout", "backend"): choices.ROLLOUT_BACKENDS,
     ("rollout", "vllm_quantization"): choices.VLLM_QUANTIZATIONS,
     ("rollout", "vllm_dtype"): ("float32", "bfloat16", "float16"),
@@ -397,7 +401,7 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
     return JobConfig(name, source, flow, raw=data, **secs)
 
 
-JSONL_TASK_KEYS = ("file", "eval_file", "eval_fraction", "prompt_key", "answer_key", "prompt_template")
+JSONL_TASK_KEYS = ("file", "eval_file", "eval_fraction", "prompt_key", "answer_key", "prompt_template", "overlong_prompts")
 VLLM_KEYS = tuple(f.name for f in dataclasses.fields(RolloutConfig) if f.name.startswith("vllm_"))
 
 

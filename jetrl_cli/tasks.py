@@ -50,6 +50,7 @@ class Problem:
     messages: tuple | None = field(default=None, hash=False)
     # a jsonl row's data_source and extra_info (verl's fields), for a verl-style task.reward
     meta: dict | None = field(default=None, hash=False, compare=False)
+    where: str | None = field(default=None, hash=False, compare=False)  # a dataset row: "FILE:LINE"
 
 
 @dataclass
@@ -518,7 +519,7 @@ class JsonlTask(Task):
                                      "with '#### <answer>'; every row needs one)")
             meta = {k: d[k] for k in ("data_source", "extra_info") if k in d} or None
             if messages is not None:
-                rows.append(Problem(messages[-1]["content"], ans, messages=messages, meta=meta))
+                rows.append(Problem(messages[-1]["content"], ans, messages=messages, meta=meta, where=f"{file}:{i}"))
                 continue
             values = {k: v for k, v in d.items() if k != "prompt"}
             values["prompt"] = prompt
@@ -534,7 +535,7 @@ class JsonlTask(Task):
             except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
                 raise JetrlError(f"task.prompt_template: {template!r} cannot format {file}:{i}: "
                                  f"{type(e).__name__}: {e}") from None
-            rows.append(Problem(prompt, ans, meta=meta))
+            rows.append(Problem(prompt, ans, meta=meta, where=f"{file}:{i}"))
         if not rows:
             raise JetrlError(f"{file}: empty dataset")
         return rows

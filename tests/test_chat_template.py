@@ -408,3 +408,26 @@ def test_reward_file_mistakes_are_one_line_errors(tmp_path, body, spec, msg):
     with pytest.raises(JetrlError) as e:
         build_task(TaskConfig(reward=spec.format(d=tmp_path)), 0)
     assert msg.format(d=tmp_path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_prompts_too_long_for_the_engine_fail_at_start_or_are_dropped(tmp_path):
+    """A dataset prompt that leaves no room for its new tokens stopped the run at the step that drew it. It is
+    found at start (naming the row), or with ``task.overlong_prompts: drop`` left out and counted."""
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(12)]
+    rows.insert(2, {"prompt": "1+" * 30 + "1=", "answer": "31"})
+    f = _data(tmp_path, rows)
+    ev = _data(tmp_path, rows[:2] + rows[3:6], "ev.jsonl")
+    sets = ["--set", "task.name=jsonl", "--set", f"task.file={f}", "--set", f"task.eval_file={ev}", "--set",
+            "rollout.max_len=40", "--set", "rollout.max_new_tokens=8", "--set", "rollout.n=2", "--set",
+            "rollout.prompts_per_step=2", "--set", "train.steps=1", "--set", "eval.every=0", "--set", "eval.prompts=2"]
+    res = CliRunner().invoke(app, ["run", "bf16", "--set", f"run.out_dir={tmp_path / 'a'}", *sets])
+    assert res.exit_code == 2 and not (tmp_path / "a").exists()
+    assert res.output.strip().splitlines()[-1] == (
+        f"error: {f}:3: prompt of 62 tokens; 1 of 13 train prompts are longer than the 32 that rollout.max_len 40 "
+        "leaves beside rollout.max_new_tokens 8: raise rollout.max_len, or set task.overlong_prompts: drop to leave "
+        "them out (verl's filter_overlong_prompts)")
+    res = CliRunner().invoke(app, ["run", "bf16", "--set", f"run.out_dir={tmp_path / 'b'}", *sets,
+                                   "--set", "task.overlong_prompts=drop"])
+    assert res.exit_code == 0, res.output
+    m = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[1])  # step 1 (0: the first eval)
+    assert m["prompts_dropped_train"] == 1 and "prompts_dropped_eval" not in m

@@ -206,7 +206,8 @@ def test_a_reward_function_with_the_wrong_signature_is_refused_at_load(myreward)
     with pytest.raises(JetrlError) as e:
         build_task(TaskConfig(reward="myreward:two"), 0)
     assert str(e.value) == ("task.reward myreward:two: takes (prompt, completion), but is called as "
-                            "two(prompt, completion, answer) and must return a float")
+                            "two(prompt, completion, answer) or, verl's, as compute_score(data_source=, solution_str=, "
+                            "ground_truth=, extra_info=); it must return a number")
     assert _score("anything")[1] == 0.5  # *args takes the three
     p, r = _score("flag", completion="no")
     assert r == 0.0 and _score("flag", completion=p.answer)[1] == 1.0  # a bool counts as 1 / 0

@@ -126,6 +126,8 @@ def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None, worl
     model_dir = resolve_model_dir(cfg.model.path)
     tok = Tokenizer.from_dir(model_dir)
     dev = _device(cfg)
+    task = build_task(cfg.task, cfg.run.seed, source=cfg.source)
+    fit_prompts(cfg, task, tok)  # before the model loads: a dataset that cannot run fails in seconds
     model = load_model(init_dir or model_dir).to(dev)
     limit = model.config.max_position_embeddings
     if cfg.rollout.max_len > limit:  # vLLM refuses it too: positions past the table were never trained
@@ -133,7 +135,6 @@ def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None, worl
                          f"(max_position_embeddings in {model_dir}/config.json); set rollout.max_len <= {limit}")
     if tok.vocab_size > model.config.vocab_size:
         raise JetrlError(f"{model_dir}: tokenizer has {tok.vocab_size} tokens, the model only {model.config.vocab_size}")
-    task = build_task(cfg.task, cfg.run.seed, source=cfg.source)
     source = PromptSource(task, cfg.run.seed)
     s = cfg.train.invariant_scale
     ref = None
@@ -160,6 +161,42 @@ def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None, worl
 
         engine = ShardedEngine(engine, world)
     return Job(cfg, model_dir, tok, source, engine, sampling, trainer)
+
+
+def fit_prompts(cfg: JobConfig, task, tok: Tokenizer) -> None:
+    """Every prompt of a dataset task (encoded as the rollout will encode it) leaves room in ``rollout.max_len``
+    for its new tokens (the eval's ``eval.max_new_tokens`` for the held-out split); the ones that do not are
+    an error naming the longest, or with ``task.overlong_prompts: drop`` are left out of their split
+    (``task.prompts_dropped``). Checked once at start: otherwise the first step that drew one would stop."""
+    inner = getattr(task, "inner", task)
+    split = getattr(inner, "split", None)
+    if split is None:  # the built-in tasks' prompts are a few tokens
+        return
+    r = cfg.rollout
+    dropped = {}
+    for name, new, key in (("train", r.max_new_tokens, "rollout.max_new_tokens"),
+                           ("eval", cfg.eval.max_new_tokens or r.max_new_tokens,
+                            "eval.max_new_tokens" if cfg.eval.max_new_tokens else "rollout.max_new_tokens")):
+        probs = split[name]
+        lengths = [len(x) for x in tok.encode_prompts(probs, task.chat)[1]]
+        room = r.max_len - new
+        long = [i for i, n in enumerate(lengths) if n > room]
+        if not long:
+            continue
+        if cfg.task.overlong_prompts == "drop":
+            keep = [p for p, n in zip(probs, lengths) if n <= room]
+            if not keep:
+                raise JetrlError(f"task.overlong_prompts: drop leaves no {name} prompt: every one is longer than "
+                                 f"{room} tokens (rollout.max_len {r.max_len} - {key} {new}); raise rollout.max_len")
+            split[name] = keep
+            dropped[name] = len(long)
+            continue
+        worst = max(long, key=lambda i: lengths[i])
+        raise JetrlError(f"{probs[worst].where or 'task.file'}: prompt of {lengths[worst]} tokens; {len(long)} of "
+                         f"{len(probs)} {name} prompts are longer than the {room} that rollout.max_len {r.max_len} "
+                         f"leaves beside {key} {new}: raise rollout.max_len, or set task.overlong_prompts: drop "
+                         "to leave them out (verl's filter_overlong_prompts)")
+    task.prompts_dropped = dropped
 
 
 def rollout_samples(job: Job, problems, seed: int, sampling: SamplingParams | None = None,
@@ -578,6 +615,8 @@ def _steps(job: Job, cfg: JobConfig, out: Path, start: int, ckpt: Path | None, l
             "truncated": sum(s["finish_reason"] == "length" for s in samples) / len(samples),
             "groups_trained": len(train_samples) // r.n,
         }
+        for name, n in (getattr(job.source.task, "prompts_dropped", None) or {}).items():
+            m[f"prompts_dropped_{name}"] = n  # task.overlong_prompts: drop (constant over the run)
         if cfg.task.overlong_buffer:
             m["overlong_penalty"] = sum(s["overlong_penalty"] for s in samples) / len(samples)
         if train_samples:
