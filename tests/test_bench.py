@@ -469,8 +469,11 @@ def test_model_shapes_are_real_configs_and_their_transformers_twin_matches():
     # the transformers twin computes the same function (tiny shape: the real ones are too big for CI)
     from jetrl_cli.models.tiny import tiny_config
 
-    for kind in ("qwen2", "llama"):
+    for kind in ("qwen2", "llama", "qwen3"):
         m = random_model(tiny_config(kind, hidden=128, layers=2, vocab=256), seed=3)
+        for name, p in m.named_parameters():  # q/k norms away from 1: a twin that dropped them would differ
+            if "q_norm" in name or "k_norm" in name:
+                p.data.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
         ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             ours, theirs = m(ids), transformers_twin(m, torch.float32)(ids).logits

@@ -19,7 +19,7 @@ from ..errors import JetrlError
 from ..fileio import read_json
 from .llama import LlamaForCausalLM, ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -151,7 +151,11 @@ def read_config(path: str | Path) -> tuple[ModelConfig, dict]:
         tie_word_embeddings=_config_bool(f, raw, "tie_word_embeddings"),
         attention_bias=True if mt == "qwen2" else _config_bool(f, raw, "attention_bias"),
         mlp_bias=_config_bool(f, raw, "mlp_bias"),
+        qk_norm=mt == "qwen3",
     )
+    if mt in ("qwen2", "qwen3") and _config_bool(f, raw, "use_sliding_window"):
+        raise _config_error(f, "use_sliding_window", True, "is not supported (jetrl attends over every earlier "
+                            "token); the released Qwen2/Qwen3 checkpoints have it false")
     return cfg, raw
 
 

@@ -71,6 +71,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases (Qwen2: always)
     mlp_bias: bool = False
+    qk_norm: bool = False  # an RMSNorm over each head's query and key before RoPE (Qwen3)
 
 
 FP32_LINEAR = LinearPrecision.unquantized(Format.FP32)
@@ -814,6 +815,9 @@ class Attention(nn.Module):
         self.k_proj = Linear(h, cfg.num_key_value_heads * d, bias=cfg.attention_bias)
         self.v_proj = Linear(h, cfg.num_key_value_heads * d, bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.num_attention_heads * d, h, bias=False)
+        if cfg.qk_norm:  # Qwen3: per head, one weight of head_dim shared by the heads
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.kv_spec: CastSpec | None = None
 
     @property
@@ -827,9 +831,12 @@ class Attention(nn.Module):
         b, t, _ = qkv.shape
         c = self.cfg
         h, hk = c.num_attention_heads, c.num_key_value_heads
+        heads = qkv.reshape(b, t, h + 2 * hk, c.head_dim)
+        if c.qk_norm:
+            heads = self._qk_norm(heads, h, hk)
         # split, not sliced (a slice's backward writes a zero-filled gradient of the whole input, and
         # autograd adds them up); the backward writes the GEMM's layout in one fused function (split_rope)
-        q, k, v = split_rope(qkv.reshape(b, t, h + 2 * hk, c.head_dim), h, hk, cos, sin, self._rope_dtype(qkv),
+        q, k, v = split_rope(heads, h, hk, cos, sin, self._rope_dtype(qkv),
                              contiguous_v=native(qkv) and qkv.requires_grad,  # attention saves v (1/8 of q/k/v at 1.5B)
                              q_dtype=self._query_dtype(qkv))
         width = mask.width
@@ -877,6 +884,18 @@ class Attention(nn.Module):
         out = _emulated_attention(q, kf, vf, mask.additive(), rep, fixed)
         out = round_to(out, fmt)  # as flash attention writes it
         return linear_group((self.o_proj,), _as(out, x_dtype), self.o_proj)
+
+    def _qk_norm(self, heads: torch.Tensor, h: int, hk: int) -> torch.Tensor:
+        """Qwen3's RMSNorm of each query and key head (its head_dim features), before RoPE, in the dtype
+        the q/k/v GEMM wrote: natively its bf16 output, and in the CPU emulation rounded to that GEMM's
+        output format as the GPU's bf16 tensor is (the same bits as a GPU's norm kernel writes)."""
+        q, k, v = heads.split((h, hk, hk), dim=2)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if not native(heads):
+            fmt = self.q_proj.precision.fprop.out
+            if fmt in (Format.BF16, Format.FP32):
+                q, k = round_to(q, fmt), round_to(k, fmt)
+        return torch.cat((q, k, v), dim=2)
 
     def attention_format(self) -> Format:
         return attention_format(self.kv_spec)

@@ -26,6 +26,7 @@ def tiny_config(model_type: str = "qwen2", hidden: int = 256, layers: int = 2, v
         max_position_embeddings=1024,
         tie_word_embeddings=False,
         attention_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
     )
 
 
@@ -48,7 +49,7 @@ def write_random_model(path: str | Path, seed: int = 0, model_type: str = "qwen2
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
-    arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}[model_type]
+    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}[model_type]
     config = {
         "architectures": [arch],
         "model_type": model_type,

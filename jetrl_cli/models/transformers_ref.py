@@ -36,7 +36,7 @@ def quiet():
 
 def hf_config_dict(cfg) -> dict:
     """A ``config.json`` for ``transformers`` describing jetrl's ``ModelConfig``."""
-    arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}[cfg.model_type]
+    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}[cfg.model_type]
     d = {
         "architectures": [arch], "model_type": cfg.model_type, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -48,7 +48,7 @@ def hf_config_dict(cfg) -> dict:
     }
     if cfg.rope_scaling:
         d["rope_scaling"] = dict(cfg.rope_scaling)
-    if cfg.model_type == "llama":
+    if cfg.model_type in ("llama", "qwen3"):
         d["attention_bias"] = cfg.attention_bias
         d["mlp_bias"] = cfg.mlp_bias
     return d
