@@ -431,3 +431,29 @@ def test_prompts_too_long_for_the_engine_fail_at_start_or_are_dropped(tmp_path):
     assert res.exit_code == 0, res.output
     m = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[1])  # step 1 (0: the first eval)
     assert m["prompts_dropped_train"] == 1 and "prompts_dropped_eval" not in m
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_eval_reports_each_data_source_when_the_data_names_several(tmp_path, k):
+    from jetrl_cli.rl.loop import evaluate, setup
+
+    rows = [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7), "data_source": "ab"[i % 2]} for i in range(10, 40)]
+    f = _data(tmp_path, rows)
+    src = {r["prompt"]: r["data_source"] for r in rows}
+    cfg = load_job_config("bf16", ["task.name=jsonl", f"task.file={f}", "task.eval_fraction=0.5", "eval.prompts=12",
+                                   f"eval.n={k}", "rollout.max_new_tokens=12"])
+    job = setup(cfg, with_trainer=False)
+    out, samples = evaluate(job, 12)
+    by = {s: [x["correct"] for x in samples if src[x["prompt"]] == s] for s in "ab"}
+    assert len(by["a"]) + len(by["b"]) == 12 * k and by["a"] and by["b"]
+    for s in "ab":
+        assert out[f"eval_accuracy/{s}"] == sum(by[s]) / len(by[s])
+        if k > 1:
+            groups = [any(x["correct"] for x in samples[i:i + k]) for i in range(0, len(samples), k)
+                      if src[samples[i]["prompt"]] == s]
+            assert out[f"eval_pass_at_n/{s}"] == sum(groups) / len(groups)
+    assert out["eval_accuracy"] == sum(x["correct"] for x in samples) / len(samples)
+    one = _data(tmp_path, [dict(r, data_source="a") for r in rows], "one.jsonl")
+    job = setup(load_job_config("bf16", ["task.name=jsonl", f"task.file={one}", "task.eval_fraction=0.5",
+                                         "eval.prompts=4", "rollout.max_new_tokens=8"]), with_trainer=False)
+    assert set(evaluate(job, 4)[0]) == {"eval_accuracy"}  # one source: nothing more

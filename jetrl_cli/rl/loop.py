@@ -232,16 +232,30 @@ def rollout_samples(job: Job, problems, seed: int, sampling: SamplingParams | No
 def evaluate(job: Job, n: int) -> tuple[dict, list[dict]]:
     """The held-out split's metrics on ``n`` prompts: ``eval_accuracy`` (the share of correct
     answers: greedy, or with ``eval.n`` > 1 the mean over each prompt's samples, mean@n) and with
-    ``eval.n`` > 1 ``eval_pass_at_n`` (the share of prompts with a correct sample)."""
+    ``eval.n`` > 1 ``eval_pass_at_n`` (the share of prompts with a correct sample). A dataset whose rows
+    name more than one ``data_source`` (verl's field) gets the same metrics per source too, as
+    ``eval_accuracy/<source>`` (and ``eval_pass_at_n/<source>``)."""
     probs = job.source.eval_set(n)
     k = job.cfg.eval.n
     sp = sampling_params(job.cfg, job.tokenizer, greedy=k == 1, evaluation=k > 1)
     samples = rollout_samples(job, probs, seed=0, sampling=sp)
-    out = {"eval_accuracy": sum(s["correct"] for s in samples) / len(samples)}
-    if k > 1:
-        out["eval_pass_at_n"] = sum(any(s["correct"] for s in samples[i:i + k])
-                                    for i in range(0, len(samples), k)) / len(probs)
+    out = _eval_metrics(samples, k, "")
+    sources = [(p.meta or {}).get("data_source") for p in probs]
+    named = sorted({str(x) for x in sources if x is not None})
+    if len(named) > 1:
+        for src in named:
+            rows = [s for i, s in enumerate(samples) if str(sources[i // k]) == src and sources[i // k] is not None]
+            out.update(_eval_metrics(rows, k, f"/{src}"))
     return out, samples
+
+
+def _eval_metrics(samples: list[dict], k: int, suffix: str) -> dict:
+    """``eval_accuracy`` (mean@k) and with k > 1 ``eval_pass_at_n`` of ``samples`` (k per prompt, in order)."""
+    out = {f"eval_accuracy{suffix}": sum(s["correct"] for s in samples) / len(samples)}
+    if k > 1:
+        out[f"eval_pass_at_n{suffix}"] = sum(any(s["correct"] for s in samples[i:i + k])
+                                             for i in range(0, len(samples), k)) / (len(samples) // k)
+    return out
 
 
 def batch_from_samples(samples: list[dict], pad_id: int) -> Batch:
