@@ -422,9 +422,18 @@ def test_the_logprob_stage_compares_the_tokens_both_sides_keep_under_top_k():
     from jetrl_cli.precision import apply_flow, named_flow
     from jetrl_cli.rl.divergence import decode_divergence
 
+    import copy
+
     cfg = tiny_config("qwen2", hidden=128, layers=2, vocab=128)
     s = fresh_seed()
-    roll, train = random_model(cfg, seed=s, std=0.05).eval(), random_model(cfg, seed=s + 1, std=0.05).eval()
+    # the trainer's model: the rollout's, every weight moved by 30% of its spread (two independent models' top-8
+    # sets can be disjoint at every position, leaving no token both keep; these overlap by about half)
+    roll = random_model(cfg, seed=s, std=0.05).eval()
+    train = copy.deepcopy(roll)
+    g = torch.Generator().manual_seed(s + 1)
+    with torch.no_grad():
+        for p in train.parameters():
+            p.add_(0.3 * p.std() * torch.randn(p.shape, generator=g))
     for m, side in ((roll, "rollout"), (train, "train")):
         apply_flow(m, named_flow("bf16"), side)
     g = torch.Generator().manual_seed(s)
