@@ -364,3 +364,37 @@ def test_tied_embeddings_and_padded_vocab_sync(tmp_path):
             assert got["mismatch_kl"] < 2e-5, got
     finally:
         eng.close()
+
+
+def test_a_qwen3_rolls_out_in_vllm_on_policy(tmp_path):
+    """A Qwen3 (q/k norms before RoPE; head_dim 64 beside a hidden size of 128), built here: vLLM's own Qwen3
+    with jetrl's method, synced from the trainer, samples what the unified flow's trainer scores, to fp32
+    noise, before and after an update moved every weight (the norms' included)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                   max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=1)
+    torch.manual_seed(fresh_seed())
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # norms away from 1, so that a norm vLLM or the sync dropped would show
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    hf.save_pretrained(tmp_path / "m")
+    model = load_model(tmp_path / "m").eval()
+    flow = named_flow("fp8-unified")
+    eng = VLLMEngine(tmp_path / "m", flow, WIDTH)
+    try:
+        prompts = [[5, 17, 40, 2], [250, 3, 9]]
+        sp = SamplingParams(max_new_tokens=16, temperature=1.0, n=4)
+        moved = _perturbed(model, 4)
+        with torch.no_grad():
+            for layer in moved.model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.mul_(1.2)
+        for m in (model, moved):
+            eng.load_weights(make_payload(m, flow))
+            got = _mismatch(eng, m, "fp8-unified", prompts, sp)
+            assert got["mismatch_kl"] < 2e-5, got
+    finally:
+        eng.close()
