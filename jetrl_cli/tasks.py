@@ -588,9 +588,10 @@ class UserReward(Task):
         if not self.verl:
             return self.fn(problem.prompt, completion, problem.answer)
         meta = problem.meta or {}
-        kw = {"data_source": meta.get("data_source"), "solution_str": completion, "ground_truth": problem.answer}
-        if _takes(self.fn, "extra_info"):
-            kw["extra_info"] = meta.get("extra_info")
+        kw = {"solution_str": completion, "ground_truth": problem.answer}
+        for key in _VERL_OPTIONAL:  # those it takes: verl's own scorers, e.g. gsm8k's, take neither
+            if _takes(self.fn, key):
+                kw[key] = meta.get(key)
         value = self.fn(**kw)
         if isinstance(value, dict):  # verl's reward managers take a dict's "score" (the rest are extra metrics)
             if "score" not in value:
@@ -632,8 +633,9 @@ class _NoScore(Exception):
     pass
 
 
-# verl's custom reward function: compute_score(data_source, solution_str, ground_truth, extra_info=None)
-VERL_REWARD_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
+# verl's custom reward function: compute_score(data_source, solution_str, ground_truth, extra_info=None);
+# its built-in scorers take solution_str and ground_truth (gsm8k.compute_score) and some of the other two
+_VERL_OPTIONAL = ("data_source", "extra_info")
 
 
 def _takes(fn: Callable, name: str) -> bool:
@@ -726,8 +728,7 @@ def _checked_reward(fn: Callable, spec: str, fn_name: str) -> Callable:
         return fn
     try:
         if reward_style(fn) == "verl":
-            kw = dict.fromkeys(VERL_REWARD_PARAMS[:3])
-            sig.bind(**kw, **({"extra_info": None} if _takes(fn, "extra_info") else {}))
+            sig.bind(solution_str="", ground_truth="", **{k: None for k in _VERL_OPTIONAL if _takes(fn, k)})
         else:
             sig.bind("prompt", "completion", "answer")
     except TypeError:

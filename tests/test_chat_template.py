@@ -359,6 +359,11 @@ def three(data_source, solution_str, ground_truth):
 
 def no_score(data_source, solution_str, ground_truth):
     return {"acc": 1.0}
+
+
+def gsm8k_like(solution_str, ground_truth, method="strict", format_score=0.0, score=1.0):
+    # the signature of verl's own verl.utils.reward_score.gsm8k.compute_score: no data_source, no extra_info
+    return score if solution_str.strip() == ground_truth else format_score
 '''
 
 
@@ -382,6 +387,9 @@ def test_a_verl_reward_file_is_called_as_verl_calls_it(tmp_path):
     three = build_task(TaskConfig(name="jsonl", file=str(f), answer_key="reward_model.ground_truth",
                                   reward=f"{tmp_path / 'my_reward.py'}:three"), 0)
     assert three.reward(p, "x") == 1.5  # verl's older three-parameter form
+    own = build_task(TaskConfig(name="jsonl", file=str(f), answer_key="reward_model.ground_truth",
+                                reward=f"{tmp_path / 'my_reward.py'}:gsm8k_like"), 0)
+    assert own.reward(p, f" {p.answer}") == 1.0 and own.reward(p, " x") == 0.0  # verl's built-in scorers' form
     bad = build_task(TaskConfig(name="jsonl", file=str(f), answer_key="reward_model.ground_truth",
                                 reward=f"{tmp_path / 'my_reward.py'}:no_score"), 0)
     with pytest.raises(JetrlError, match=r"returned a dict without 'score' \(keys: 'acc'\)"):
