@@ -135,6 +135,12 @@ class EvalConfig:
     prompts: int = 64
     max_new_tokens: int | None = None  # default: rollout.max_new_tokens
     n: int = 1  # 1: one greedy answer per prompt; > 1: n sampled at the rollout's temperature/top-p/top-k (mean@n, pass@n)
+    # the eval's own sampling (verl's val_kwargs); unset: greedy with n 1, the rollout's with n > 1. temperature 0
+    # is greedy (n must be 1); top_p / top_k apply to sampled evals and default to the rollout's
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    before_train: bool = True  # evaluate at step 0, before the first update (verl's val_before_train)
 
 
 @dataclass(frozen=True)
@@ -371,7 +377,17 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
     if tk.overlong_buffer > r.max_new_tokens:
         raise PresetError(source, "task.overlong_buffer", f"must be at most rollout.max_new_tokens ({r.max_new_tokens}), "
                           f"got {tk.overlong_buffer}")
-    if ev.n > 1 and r.temperature == 0:
+    if ev.temperature is not None and ev.temperature != 0 and ev.temperature < MIN_TEMPERATURE:
+        raise PresetError(source, "eval.temperature", f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got "
+                          f"{ev.temperature:g}")
+    if ev.temperature == 0 and ev.n > 1:
+        raise PresetError(source, "eval.n", f"{ev.n} samples per prompt with eval.temperature 0 would all be the greedy "
+                          "one; set eval.n: 1, or eval.temperature > 0")
+    if ev.top_p is not None and not 0 < ev.top_p <= 1:
+        raise PresetError(source, "eval.top_p", f"must be in (0, 1], got {ev.top_p}")
+    if ev.top_k is not None and ev.top_k < 0:
+        raise PresetError(source, "eval.top_k", f"must be >= 0 (0: off), got {ev.top_k}")
+    if ev.n > 1 and ev.temperature is None and r.temperature == 0:
         raise PresetError(source, "eval.n", f"{ev.n} samples per prompt need rollout.temperature > 0 (it is 0: "
                           "every sample would be the greedy one)")
     if r.temperature < MIN_TEMPERATURE:
@@ -434,6 +450,8 @@ def _refuse_unread_keys(source: str, data: dict, secs: dict) -> None:
         ("task", ("overlong_penalty",), tk.overlong_buffer > 0, "read only with task.overlong_buffer > 0 (it is 0: "
          "no overlong shaping)"),
         ("run", ("wandb_project",), "wandb" in run.loggers, "read only with wandb in run.loggers"),
+        ("eval", ("top_p", "top_k"), secs["eval"].n > 1 or (secs["eval"].temperature or 0) > 0,
+         "read only by a sampled eval (eval.n > 1, or eval.temperature > 0); this one is greedy"),
     )
     for section, keys, read, why in rules:
         written = data.get(section) or {}

@@ -86,9 +86,11 @@ def sampling_params(cfg: JobConfig, tok: Tokenizer, greedy: bool = False, evalua
     common = {"stop_token_ids": tuple(stops), "stop_sequences": tuple(sequences)}
     if greedy:
         return SamplingParams(cfg.eval.max_new_tokens or r.max_new_tokens, 0.0, 1.0, 0, 1, **common)
-    if evaluation:  # eval.n > 1: sampled as the rollout samples
-        return SamplingParams(cfg.eval.max_new_tokens or r.max_new_tokens, r.temperature, r.top_p, r.top_k,
-                              cfg.eval.n, **common)
+    if evaluation:  # sampled: at eval.temperature / top_p / top_k where set, else as the rollout samples
+        ev = cfg.eval
+        pick = lambda own, rollout: rollout if own is None else own  # noqa: E731
+        return SamplingParams(ev.max_new_tokens or r.max_new_tokens, pick(ev.temperature, r.temperature),
+                              pick(ev.top_p, r.top_p), pick(ev.top_k, r.top_k), ev.n, **common)
     return SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.n, **common)
 
 
@@ -237,7 +239,9 @@ def evaluate(job: Job, n: int) -> tuple[dict, list[dict]]:
     ``eval_accuracy/<source>`` (and ``eval_pass_at_n/<source>``)."""
     probs = job.source.eval_set(n)
     k = job.cfg.eval.n
-    sp = sampling_params(job.cfg, job.tokenizer, greedy=k == 1, evaluation=k > 1)
+    t = job.cfg.eval.temperature
+    sampled = k > 1 or (t is not None and t > 0)  # greedy: n 1 with eval.temperature unset or 0
+    sp = sampling_params(job.cfg, job.tokenizer, greedy=not sampled, evaluation=sampled)
     samples = rollout_samples(job, probs, seed=0, sampling=sp)
     out = _eval_metrics(samples, k, "")
     sources = [(p.meta or {}).get("data_source") for p in probs]
@@ -585,7 +589,7 @@ def _steps(job: Job, cfg: JobConfig, out: Path, start: int, ckpt: Path | None, l
         if on_step:
             on_step(m)
 
-    if start == 1:
+    if start == 1 and cfg.eval.before_train:
         t0 = time.perf_counter()
         ev_metrics, samples = evaluate(job, cfg.eval.prompts)
         emit({"step": 0, **ev_metrics, "eval_s": time.perf_counter() - t0})

@@ -1,7 +1,8 @@
-"""Chat templates (``task.chat_template``) and verl's dataset files (Parquet, nested keys): jetrl renders a
-model directory's template as ``transformers``' ``apply_chat_template`` does and encodes it as verl's dataset
-does (``tokenize=False``, then ``add_special_tokens=False``); prompts given as chat messages; every mistake a
-one-line error."""
+"""What users of verl bring to jetrl, taken as it is: chat templates (``task.chat_template``), rendered as
+``transformers``' ``apply_chat_template`` renders a model directory's template and encoded as verl's dataset
+encodes it (``tokenize=False``, then ``add_special_tokens=False``); prompts given as chat messages; Parquet
+files and nested keys; verl's reward functions; prompts too long for the engine; per-source and sampled
+evals. Every mistake is a one-line error."""
 
 import json
 import shutil
@@ -465,3 +466,42 @@ def test_the_eval_reports_each_data_source_when_the_data_names_several(tmp_path,
     job = setup(load_job_config("bf16", ["task.name=jsonl", f"task.file={one}", "task.eval_fraction=0.5",
                                          "eval.prompts=4", "rollout.max_new_tokens=8"]), with_trainer=False)
     assert set(evaluate(job, 4)[0]) == {"eval_accuracy"}  # one source: nothing more
+
+
+def test_eval_sampling_settings_and_skipping_the_first_eval(tmp_path, monkeypatch):
+    """``eval.temperature`` / ``top_p`` / ``top_k`` (verl's val_kwargs) sample the eval even with ``eval.n: 1``;
+    unset, ``n: 1`` is greedy; ``eval.before_train: false`` leaves out step 0's eval (verl's val_before_train)."""
+    from jetrl_cli.rl import loop
+
+    seen = []
+    real = loop.rollout_samples
+    monkeypatch.setattr(loop, "rollout_samples", lambda job, probs, seed, sampling=None, **kw: (
+        seen.append(sampling), real(job, probs, seed, sampling=sampling, **kw))[1])
+    base = ["eval.prompts=2", "rollout.max_new_tokens=8", "rollout.temperature=0.9", "rollout.top_k=7"]
+    for sets, want in ((["eval.temperature=0.6", "eval.top_p=0.8"], (0.6, 0.8, 7, 1)),
+                       ([], (0.0, 1.0, 0, 1)),
+                       (["eval.n=3"], (0.9, 1.0, 7, 3))):
+        job = loop.setup(load_job_config("bf16", base + sets), with_trainer=False)
+        seen.clear()
+        loop.evaluate(job, 2)
+        sp = seen[-1]
+        assert (sp.temperature, sp.top_p, sp.top_k, sp.n) == want, sets
+    res = CliRunner().invoke(app, ["run", "bf16", "--set", f"run.out_dir={tmp_path / 'r'}", "--set", "train.steps=1",
+                                   "--set", "rollout.prompts_per_step=2", "--set", "rollout.n=2", "--set",
+                                   "rollout.max_new_tokens=6", "--set", "eval.prompts=2", "--set",
+                                   "eval.before_train=false"])
+    assert res.exit_code == 0, res.output
+    steps = [json.loads(x)["step"] for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1]  # the last step's eval rides on its line
+
+
+@pytest.mark.parametrize("sets, msg", [
+    (["eval.temperature=0.01"], "eval.temperature: must be 0 (greedy) or >= 0.05, got 0.01"),
+    (["eval.temperature=0", "eval.n=4"], "eval.n: 4 samples per prompt with eval.temperature 0 would all be"),
+    (["eval.top_p=0.5"], "eval.top_p: read only by a sampled eval (eval.n > 1, or eval.temperature > 0)"),
+    (["eval.n=2", "eval.top_p=1.5"], "eval.top_p: must be in (0, 1], got 1.5"),
+])
+def test_eval_sampling_mistakes_are_refused_in_the_preset(sets, msg):
+    with pytest.raises(PresetError) as e:
+        load_job_config("bf16", sets)
+    assert msg in str(e.value) and "\n" not in str(e.value)
