@@ -35,6 +35,7 @@ devices.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -1148,6 +1149,14 @@ class DecoderLayer(nn.Module):
                            m.gate_up, m, m.down_proj)
 
 
+def _checkpointed_layer(suspended: bool, layer, x, cos, sin, mask, i, delta):
+    """A decoder layer's training forward under ``torch.utils.checkpoint``: run again in the backward
+    (on autograd's thread on a GPU) with the fused functions suspended as they were in the forward, so the
+    recomputed activations have the forward's bits."""
+    with fuse.suspended(suspended):
+        return layer(x, cos, sin, mask, None, i, delta)
+
+
 def layer_output(out: tuple) -> torch.Tensor:
     """The hidden state a ``DecoderLayer``'s output ``(x, delta)`` stands for: ``x + delta`` (what a
     forward hook on a decoder layer reads as the layer's output)."""
@@ -1284,9 +1293,21 @@ class LlamaForCausalLM(nn.Module):
         """The decoder layers on the embedded tokens ``x``: the last layer's ``(x, delta)``, whose sum
         is the residual stream."""
         delta = None  # each layer's MLP output, added in the next layer's first norm
+        if self.activation_checkpointing and cache is None and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            run = functools.partial(_checkpointed_layer, fuse.is_suspended())
+            for i, layer in enumerate(self.model.layers):
+                x, delta = checkpoint(run, layer, x, cos, sin, mask, i, delta, use_reentrant=False,
+                                      preserve_rng_state=False)
+            return x, delta
         for i, layer in enumerate(self.model.layers):
             x, delta = layer(x, cos, sin, mask, cache, i, delta)
         return x, delta
+
+    # ``train.activation_checkpointing``: a training forward keeps each decoder layer's input only, and its
+    # backward runs the layer's forward again (the same ops, so the same bits) for what the backward reads
+    activation_checkpointing = False
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embedding. In a training forward its backward adds the tokens' rows in place

@@ -91,6 +91,11 @@ def suspended(on: bool = True):
         _local.off = before
 
 
+def is_suspended() -> bool:
+    """Whether the fused functions run op by op on this thread (within ``suspended``)."""
+    return getattr(_local, "off", False)
+
+
 def report() -> dict | None:
     """What ran fused in this process since ``reset_report`` (``{"fused": [names]}``, with
     ``"eager_variants": [names]`` for functions that also ran eagerly past the recompile limit), or why

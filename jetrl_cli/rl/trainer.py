@@ -215,6 +215,7 @@ class Trainer:
         self.ref = ref_model
         self.flow, self.cfg, self.ccfg = flow, tcfg, ccfg
         self.sampling, self.width = sampling, width
+        self.model.activation_checkpointing = tcfg.activation_checkpointing
         self._prepare()
         self.params = params = [p for p in self.model.parameters() if p.requires_grad]
         cuda = bool(params) and params[0].is_cuda
