@@ -890,7 +890,7 @@ def _flow(name: str):
     if base not in NAMED_FLOWS or any(m not in FLOW_MODIFIERS for m in mods) or len(set(mods)) < len(mods):
         raise JetrlError(f"--flows: unknown flow {name!r} (allowed: fp32, {', '.join(NAMED_FLOWS)}; a flow name "
                          "+invariant for its batch-invariant mode, +fp8kv for an FP8 KV cache; in train rows +graphs for "
-                         "the decoder layers as CUDA graphs)")
+                         "the decoder layers as CUDA graphs, +ckpt for them recomputed in the backward)")
     if mods:
         over: dict = {"base": base}
         for m in mods:  # each sets its own top-level key
@@ -1195,34 +1195,42 @@ def _without_invariant(name: str) -> str:
     return "+".join(p for p in name.split("+") if p != "invariant")
 
 
-TRAIN_MODIFIERS = ("graphs",)  # NAME+graphs: a train row with ``train.cuda_graphs`` (the trainer's, not the flow's)
+# NAME+graphs: a train row with ``train.cuda_graphs``; NAME+ckpt: with ``train.activation_checkpointing``
+# (the trainer's settings, not the flow's)
+TRAIN_MODIFIERS = ("graphs", "ckpt")
 
 
-def _train_flow(name: str) -> tuple[object, bool]:
-    """``(flow, cuda graphs)`` of a train row's name: the flow without ``+graphs``, and whether it had it."""
+def _train_flow(name: str) -> tuple[object, frozenset]:
+    """``(flow, trainer modifiers)`` of a train row's name: the flow without ``+graphs`` / ``+ckpt``, and
+    which of them it had."""
     base, *mods = name.split("+")
-    return _flow("+".join([base] + [m for m in mods if m not in TRAIN_MODIFIERS])), "graphs" in mods
+    if "graphs" in mods and "ckpt" in mods:
+        raise JetrlError(f"--flows: {name!r}: +graphs and +ckpt do not go together (train.activation_checkpointing "
+                         "is refused with train.cuda_graphs)")
+    return (_flow("+".join([base] + [m for m in mods if m not in TRAIN_MODIFIERS])),
+            frozenset(m for m in mods if m in TRAIN_MODIFIERS))
 
 
 def check_flow(name: str, modes) -> None:
     """``--flows NAME`` for ``modes`` (``parse_modes``' result): a clear error unless every mode can run it."""
     if set(name.split("+")[1:]) & set(TRAIN_MODIFIERS) and set(modes) != {"train"}:
-        raise JetrlError(f"--flows: {name!r}: +graphs is for train rows only (bench train: the decoder layers as "
-                         "CUDA graphs)")
+        raise JetrlError(f"--flows: {name!r}: +graphs and +ckpt are for train rows only (bench train: the decoder "
+                         "layers as CUDA graphs, or recomputed in the backward)")
     _train_flow(name)
 
 
-def _train_flows(names) -> list[tuple[str, object, bool]]:
-    """``(name, flow, cuda graphs)`` of flows with distinct training precision (fp8-rollout trains like
-    bf16: benched once); ``NAME+graphs`` replays the decoder layers as CUDA graphs."""
+def _train_flows(names) -> list[tuple[str, object, frozenset]]:
+    """``(name, flow, trainer modifiers)`` of flows with distinct training precision (fp8-rollout trains like
+    bf16: benched once); ``NAME+graphs`` replays the decoder layers as CUDA graphs, ``NAME+ckpt`` recomputes
+    them in the backward (``train.activation_checkpointing``)."""
     out, seen = [], set()
     for n in names:
-        f, graphs = _train_flow(n)
-        key = (f.train, f.kv_cast("train"), graphs)
+        f, mods = _train_flow(n)
+        key = (f.train, f.kv_cast("train"), mods)
         if key in seen:
             continue
         seen.add(key)
-        out.append((n, f, graphs))
+        out.append((n, f, mods))
     return out
 
 
@@ -1290,9 +1298,10 @@ def bench_train(s: Settings) -> list[dict]:
     rows = []
     common = {"model": label, "batch": n, "micro_batch": mb, "seq": t}
 
-    def flow_row(name: str, flow, graphs: bool) -> dict:
+    def flow_row(name: str, flow, mods: frozenset) -> dict:
         peaks = PhasePeaks(s.device == "cuda")
-        cfg = dataclasses.replace(tcfg, cuda_graphs=graphs)
+        graphs = "graphs" in mods
+        cfg = dataclasses.replace(tcfg, cuda_graphs=graphs, activation_checkpointing="ckpt" in mods)
         tr, old = peaks("setup", lambda: _scored(Trainer(make(dev), flow, cfg, ccfg, sp, t), batch))
         step = [0]
 
@@ -1317,11 +1326,11 @@ def bench_train(s: Settings) -> list[dict]:
     # the baseline first, on a device nothing else has used (on the first H100 run, measured after
     # jetrl's rows, it ran out of memory at both shapes); listed last
     hf_row = _transformers_train_row(s, make, batch, adv, dev, common)
-    for name, flow, graphs in _train_flows(s.flows):
+    for name, flow, mods in _train_flows(s.flows):
         s.say(f"train: {name}")
         _free(s.device)
         reset_resolutions()  # each row reports the backends its own GEMMs resolved to
-        rows.append(_unless_out_of_memory(s, name, common, lambda: flow_row(name, flow, graphs)))
+        rows.append(_unless_out_of_memory(s, name, common, lambda: flow_row(name, flow, mods)))
         s.done("train", rows)
     if hf_row is not None:
         rows.append(hf_row)

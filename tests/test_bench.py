@@ -369,7 +369,19 @@ def test_train_bench_rows_with_the_layers_as_cuda_graphs():
     assert all(r["first_update_s"] > 0 for r in rows)  # the warm-up update, timed on its own
     assert "e4m3" in rows[2]["train"] and "e4m3" not in rows[1]["train"]
     res = runner.invoke(app, ["bench", "rollout", "--flows", "bf16+graphs", *FAST])
-    assert res.exit_code == 2 and "--flows: 'bf16+graphs': +graphs is for train rows only" in res.output
+    assert res.exit_code == 2 and "--flows: 'bf16+graphs': +graphs and +ckpt are for train rows only" in res.output
+
+
+def test_train_bench_rows_with_the_layers_recomputed_save_fewer_activations():
+    """``NAME+ckpt`` is a train row with ``train.activation_checkpointing``: fewer saved activations than the
+    same flow's row without it (what it is for; its time and GPU memory are for a GPU to measure)."""
+    args = ("--train-batch", 2, "--seq", 16, "--layers", 2, "--no-transformers", "--repeats", 1, "--warmup", 1,
+            "--json", "--no-history")
+    rows = bench("train", "--flows", "bf16,bf16+ckpt", *args)["results"]["train"]
+    assert [r["flow"] for r in rows] == ["bf16", "bf16+ckpt"]
+    assert 0 < rows[1]["saved_activation_bytes"] < 0.7 * rows[0]["saved_activation_bytes"]
+    res = runner.invoke(app, ["bench", "train", "--flows", "bf16+graphs+ckpt", *FAST])
+    assert res.exit_code == 2 and "+graphs and +ckpt do not go together" in res.output
 
 
 def test_a_bench_cut_short_keeps_the_train_rows_it_finished(tmp_path, monkeypatch):
