@@ -725,9 +725,10 @@ def _run_identity(cfg, out: Path, resume: bool, force: bool) -> dict:
             "JETRL_EXACT_REDUCTION": os.environ.get("JETRL_EXACT_REDUCTION")}
     what.update(dir_digests(resolve_model_dir(cfg.model.path), "model.path"))
     for key in ("file", "eval_file"):
-        f = getattr(cfg.task, key)
-        if f and Path(f).is_file():
-            what[f"task.{key}'s contents"] = file_digest(Path(f))
+        files = getattr(cfg.task, key)
+        for i, f in enumerate([files] if isinstance(files, str) else files or []):
+            if f and Path(f).is_file():
+                what[f"task.{key}'s contents" + (f" [{i}]" if isinstance(files, list) else "")] = file_digest(Path(f))
     if cfg.task.reward and ":" in cfg.task.reward:
         from .tasks import reward_source_file
 

@@ -41,8 +41,8 @@ class TaskConfig:
     name: str = "arith"  # arith | sort | count | mix | jsonl
     digits: int = 3  # arith: digits per operand (completion length grows ~9 tokens per digit)
     length: int = 6  # sort / count: items in the problem
-    file: str | None = None  # jsonl: the training data
-    eval_file: str | None = None  # jsonl: held-out data (default: eval_fraction of file)
+    file: str | list[str] | None = None  # jsonl: the training data (JSONL or Parquet; a list: their rows in turn)
+    eval_file: str | list[str] | None = None  # jsonl: held-out data (default: eval_fraction of file)
     eval_fraction: float = 0.1
     prompt_key: str = "prompt"
     answer_key: str = "answer"
@@ -223,7 +223,9 @@ def _check_type(src: str, key: str, value, tp):
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        tp = next(a for a in args if a is not type(None))
+        kinds = [a for a in args if a is not type(None)]
+        listed = next((a for a in kinds if typing.get_origin(a) is list), None)
+        tp = listed if isinstance(value, list) and listed is not None else kinds[0]
         origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is list:
         if not isinstance(value, list):
@@ -366,7 +368,12 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
 
         if not tk.file:
             raise PresetError(source, "task.file", "required for task.name: jsonl (the training data: one JSON "
-                              "object per line)")
+                              "object per line, or Parquet; a list of such files)")
+        for key in ("file", "eval_file"):
+            files = getattr(tk, key)
+            if isinstance(files, list) and (not files or any(not f for f in files)):
+                raise PresetError(source, f"task.{key}", f"a list of files must name at least one, each non-empty; "
+                                  f"got {files!r}")
         try:
             check_prompt_template(tk.prompt_template, tk.answer_key)
         except ValueError as e:

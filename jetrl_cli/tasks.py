@@ -457,16 +457,18 @@ class JsonlTask(Task):
             check_prompt_template(template, answer_key)
         except ValueError as e:
             raise JetrlError(f"{source + ': ' if source else ''}task.prompt_template: {e}") from None
-        self.file = file
+        files = [file] if isinstance(file, str) else list(file)
+        eval_files = [eval_file] if isinstance(eval_file, str) else list(eval_file or [])
+        self.file = file = ", ".join(files)  # as errors name it
         # where the first row of each kind of prompt is ("text" / "messages" -> "FILE:LINE"), and the first chat
         # prompt with its own system message: build_task decides from them whether the chat template applies
         self.prompt_kinds: dict[str, str] = {}
         self.system_row: str | None = None
-        rows = self._read(file, prompt_key, answer_key, template, "task.file", source, self)
-        if eval_file:
-            self.split = {"train": rows, "eval": self._read(eval_file, prompt_key, answer_key, template,
-                                                            "task.eval_file", source, self)}
-            self.held_out = f"task.eval_file {eval_file}"
+        rows = [r for f in files for r in self._read(f, prompt_key, answer_key, template, "task.file", source, self)]
+        if eval_files:
+            self.split = {"train": rows, "eval": [r for f in eval_files for r in self._read(
+                f, prompt_key, answer_key, template, "task.eval_file", source, self)]}
+            self.held_out = f"task.eval_file {', '.join(eval_files)}"
         else:
             order = list(range(len(rows)))
             random.Random(seed).shuffle(order)

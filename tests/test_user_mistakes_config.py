@@ -310,7 +310,7 @@ def test_task_file_that_is_a_directory_or_missing_names_the_key_and_the_preset(t
         build_task(TaskConfig(name="jsonl", file=_data(tmp_path, GOOD), eval_file=str(tmp_path)), 0)
     assert str(e.value).startswith(f"task.eval_file: {tmp_path}: is a directory")
     assert refused(["task.name=jsonl"]) == (f"{P}: task.file: required for task.name: jsonl (the training data: "
-                                            "one JSON object per line)")
+                                            "one JSON object per line, or Parquet; a list of such files)")
 
 
 @pytest.mark.parametrize("cmd, key, backend, allowed", [

@@ -505,3 +505,33 @@ def test_eval_sampling_mistakes_are_refused_in_the_preset(sets, msg):
     with pytest.raises(PresetError) as e:
         load_job_config("bf16", sets)
     assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+def test_several_data_files_are_read_in_turn_whatever_their_format(tmp_path):
+    """``task.file`` / ``task.eval_file`` as lists (verl's ``data.train_files``): every file's rows, JSONL and
+    Parquet alike; a bad row is named by its own file; an empty list is refused in the preset."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    a = _data(tmp_path, [{"prompt": f"{i}+1=", "answer": str(i + 1), "data_source": "a"} for i in range(5)])
+    b = tmp_path / "b.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": f"{i}+2=", "answer": str(i + 2), "data_source": "b"}
+                                         for i in range(7)]), b)
+    ev = _data(tmp_path, [{"prompt": f"{i}+3=", "answer": str(i + 3)} for i in range(3)], "ev.jsonl")
+    cfg = load_job_config("bf16", ["task.name=jsonl", f"task.file=[{a}, {b}]", f"task.eval_file=[{ev}]"])
+    task = build_task(cfg.task, 0, source=cfg.source)
+    train = task.split["train"]
+    assert [p.prompt for p in train] == [f"{i}+1=" for i in range(5)] + [f"{i}+2=" for i in range(7)]
+    assert [p.where for p in train][4:6] == [f"{a}:5", f"{b}:1"] and len(task.split["eval"]) == 3
+    bad = _data(tmp_path, [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1+1="}], "bad.jsonl")
+    with pytest.raises(JetrlError, match=f"{bad}:2: no answer in field 'answer'"):
+        build_task(load_job_config("bf16", ["task.name=jsonl", f"task.file=[{a}, {bad}]"]).task, 0)
+    for sets, msg in ((["task.file=[]"], "task.file: required for task.name: jsonl"),
+                      ([f"task.file=[{a}, '']"], "task.file: a list of files must name at least one, each non-empty")):
+        with pytest.raises(PresetError, match=msg):
+            load_job_config("bf16", ["task.name=jsonl", *sets])
+    # torchrun's ranks compare every file's digest
+    from jetrl_cli.cli import _run_identity
+
+    ident = _run_identity(cfg, tmp_path / "out", False, False)
+    assert {"task.file's contents [0]", "task.file's contents [1]", "task.eval_file's contents [0]"} <= set(ident)
