@@ -242,6 +242,51 @@ def test_a_missing_or_broken_template_is_a_one_line_error_naming_the_file(tmp_pa
     assert str(e.value).startswith(str(model)) and msg in str(e.value) and "\n" not in str(e.value)
 
 
+def test_what_transformers_renders_from_other_files_keys_and_tags_is_rendered_the_same(tmp_path):
+    """The special tokens where only ``special_tokens_map.json`` names them, messages with null-valued keys (a
+    Parquet column of messages gives each message every key any has; transformers leaves the nulls out) and the
+    ``{% generation %}`` tag: rendered as ``transformers`` renders them."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    transformers = pytest.importorskip("transformers")
+    tpl = ("{{ bos_token }}{% for m in messages %}{% if 'tool_calls' in m %}<calls {{ m.tool_calls|length }}>"
+           "{% elif m.role == 'assistant' %}{% generation %}[a]{{ m.content }}{{ eos_token }}{% endgeneration %}"
+           "{% else %}[{{ m.role }}]{{ m.content }}{% endif %}{% endfor %}[assistant]")
+    d = tmp_path / "m"
+    _bpe_dir(d, tpl, True)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    moved = {k: cfg.pop(k) for k in ("bos_token", "eos_token")}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (d / "special_tokens_map.json").write_text(json.dumps(moved))
+    rows = [{"prompt": [{"role": "user", "content": "What is 1 plus 2?"}, {"role": "assistant", "content": "3."},
+                        {"role": "user", "content": "And 12 plus 30?"}], "answer": "42"},
+            {"prompt": [{"role": "user", "content": "What is 12 plus 30?", "tool_calls": [{"name": "add"}]}],
+             "answer": "42"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    task = build_task(TaskConfig(name="jsonl", file=str(tmp_path / "d.parquet")), 0)
+    probs = sorted(task.split["train"] + task.split["eval"], key=lambda p: p.where)
+    assert probs[0].messages[0]["tool_calls"] is None  # as pyarrow reads it
+    fast = transformers.AutoTokenizer.from_pretrained(d)
+    texts, ids = Tokenizer.from_dir(d).encode_prompts(probs, task.chat)
+    for p, text, got in zip(probs, texts, ids):
+        want = fast.apply_chat_template([dict(m) for m in p.messages], add_generation_prompt=True, tokenize=False)
+        assert text == want
+        assert got == fast(want, add_special_tokens=False)["input_ids"]
+    assert texts == ["<s>[user]What is 1 plus 2?[a]3.</s>[user]And 12 plus 30?[assistant]", "<s><calls 1>[assistant]"]
+
+
+@pytest.mark.parametrize("kwargs, msg", [
+    ({"n": 5}, "the chat template failed on the prompt (TypeError: can only concatenate str"),
+    ({"n": "5", "items": 3}, "the chat template failed on the prompt (TypeError: 'int' object is not iterable"),
+])
+def test_a_template_failing_on_the_values_given_is_a_one_line_error(tmp_path, kwargs, msg):
+    """A template that fails with an error of its own (not Jinja's) on the prompt or the options given: a
+    one-line error naming the template's file, not a traceback."""
+    model = _tiny_with_template(tmp_path, "{{ 'n' + n }}{% for i in items or [] %}{{ i }}{% endfor %}answer:")
+    with pytest.raises(JetrlError) as e:
+        Tokenizer.from_dir(model).encode_prompts([Problem("1+1=", "2")], ChatSpec(None, kwargs))
+    assert str(e.value).startswith(str(model)) and msg in str(e.value) and "\n" not in str(e.value)
+
+
 def test_the_built_in_tasks_take_the_chat_template_when_asked(tmp_path):
     model = _tiny_with_template(tmp_path, TINY)
     cfg = load_job_config("bf16", ["task.chat_template=true", "task.system_prompt=add"])

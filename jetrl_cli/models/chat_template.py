@@ -3,8 +3,11 @@
 The template is read from the directory (``chat_template.jinja``, else ``chat_template.json``, else
 ``tokenizer_config.json``'s ``chat_template``) and rendered in a sandboxed Jinja environment with the
 names Hugging Face templates use: ``messages``, ``add_generation_prompt``, the special tokens as strings
-(``bos_token``, ``eos_token``, ...), ``raise_exception``, ``strftime_now`` and a ``tojson`` filter that
-does not escape HTML, plus the preset's ``task.chat_template_kwargs`` (e.g. ``enable_thinking: false``).
+(``bos_token``, ``eos_token``, ...: ``tokenizer_config.json``'s, else ``special_tokens_map.json``'s),
+``raise_exception``, ``strftime_now``, a ``tojson`` filter that does not escape HTML and the
+``{% generation %}`` tag, plus the preset's ``task.chat_template_kwargs`` (e.g. ``enable_thinking: false``).
+As ``transformers``, a message's keys whose value is null are left out (a Parquet column of messages gives
+every message every key any of them has, null where it has none).
 The rendered text is encoded without the tokenizer's own special tokens: the template writes them (as
 verl's dataset does: ``apply_chat_template(tokenize=False)``, then ``add_special_tokens=False``).
 """
@@ -64,8 +67,18 @@ class ChatTemplate:
         def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
+        class Generation(jinja2.ext.Extension):
+            """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask tag): its body."""
+
+            tags = {"generation"}
+
+            def parse(self, parser):
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return jinja2.nodes.Scope(body).set_lineno(lineno)
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
+                                            extensions=[Generation, jinja2.ext.loopcontrols])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -102,14 +115,29 @@ class ChatTemplate:
             text = _pick(source, tcfg["chat_template"])
         else:
             return None
-        special = {k: t for k in SPECIAL_TOKEN_NAMES if (t := _token_text(tcfg.get(k))) is not None}
+        smap_path = p / "special_tokens_map.json"
+        smap = read_json(smap_path) if smap_path.exists() else {}
+        if not isinstance(smap, dict):
+            raise JetrlError(f"{smap_path}: must be a JSON object, got a {type(smap).__name__}")
+        special = {}
+        for k in SPECIAL_TOKEN_NAMES:  # transformers reads both files: tokenizer_config.json's first here
+            t = _token_text(tcfg.get(k))
+            t = t if t is not None else _token_text(smap.get(k))
+            if t is not None:
+                special[k] = t
         return cls(text, source, special)
 
     def render(self, messages: list[dict], extra: dict | None = None) -> str:
         """The prompt for the model's next (assistant) turn after ``messages``."""
         kwargs = {**self.special_tokens, **(extra or {})}
+        # as transformers' apply_chat_template: keys whose value is null are left out of each message
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             return self._tpl.render(messages=messages, add_generation_prompt=True, tools=None, documents=None,
                                     **kwargs)
         except self._errors as e:
             raise JetrlError(f"{self.source}: the chat template refused the prompt: {e}") from None
+        except Exception as e:  # noqa: BLE001 -- e.g. a TypeError on a value of the wrong type: the data's or kwargs'
+            msg = (str(e).strip().splitlines() or [""])[0][:200]
+            raise JetrlError(f"{self.source}: the chat template failed on the prompt ({type(e).__name__}: {msg}); "
+                             "check the prompt's messages and task.chat_template_kwargs") from None
