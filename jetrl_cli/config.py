@@ -408,6 +408,9 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
         raise PresetError(source, "rollout.temperature", f"must be >= {MIN_TEMPERATURE}, got {r.temperature:g}{why}")
     if ev.max_new_tokens is not None and ev.max_new_tokens <= 0:
         raise PresetError(source, "eval.max_new_tokens", f"must be > 0, got {ev.max_new_tokens}")
+    if not ev.before_train and t.steps == 0:
+        raise PresetError(source, "eval.before_train", "false with train.steps: 0 leaves the run nothing to do (no "
+                          "update, and no eval: step 0's is the only one); set train.steps > 0, or leave it out")
     if not 0 <= t.min_lr_ratio <= 1:
         raise PresetError(source, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
     if r.vllm_gpu_memory_utilization > 1:

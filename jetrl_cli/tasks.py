@@ -594,6 +594,9 @@ class UserReward(Task):
         for key in _VERL_OPTIONAL:  # those it takes: verl's own scorers, e.g. gsm8k's, take neither
             if _takes(self.fn, key):
                 kw[key] = meta.get(key)
+        if "extra_info" in kw:  # verl passes a dict, {} for a row without one; a copy per call, as it mutates it
+            info = kw["extra_info"]
+            kw["extra_info"] = {} if info is None else dict(info) if isinstance(info, dict) else info
         value = self.fn(**kw)
         if isinstance(value, dict):  # verl's reward managers take a dict's "score" (the rest are extra metrics)
             if "score" not in value:

@@ -430,6 +430,12 @@ def test_a_verl_reward_file_is_called_as_verl_calls_it(tmp_path):
 
     calls = next(m for n, m in sys.modules.items() if n.startswith("jetrl_reward_") and hasattr(m, "CALLS")).CALLS
     assert calls[-1] == ("openai/gsm8k", " 0", row["reward_model"]["ground_truth"], row["extra_info"])
+    # a row without extra_info: verl passes {} (a reward reads extra_info.get(...)), never None
+    bare = _data(tmp_path, [{k: v for k, v in r.items() if k != "extra_info"} for r in rows], "bare.jsonl")
+    plain = build_task(TaskConfig(name="jsonl", file=str(bare), answer_key="reward_model.ground_truth",
+                                  reward=f"{tmp_path / 'my_reward.py'}:compute_score"), 0)
+    plain.reward(plain.problems(random.Random(0), 1, "train")[0], " 0")
+    assert calls[-1][3] == {}
     three = build_task(TaskConfig(name="jsonl", file=str(f), answer_key="reward_model.ground_truth",
                                   reward=f"{tmp_path / 'my_reward.py'}:three"), 0)
     assert three.reward(p, "x") == 1.5  # verl's older three-parameter form
@@ -545,6 +551,8 @@ def test_eval_sampling_settings_and_skipping_the_first_eval(tmp_path, monkeypatc
     (["eval.temperature=0", "eval.n=4"], "eval.n: 4 samples per prompt with eval.temperature 0 would all be"),
     (["eval.top_p=0.5"], "eval.top_p: read only by a sampled eval (eval.n > 1, or eval.temperature > 0)"),
     (["eval.n=2", "eval.top_p=1.5"], "eval.top_p: must be in (0, 1], got 1.5"),
+    (["eval.before_train=false", "train.steps=0"], "eval.before_train: false with train.steps: 0 leaves the run "
+     "nothing to do"),
 ])
 def test_eval_sampling_mistakes_are_refused_in_the_preset(sets, msg):
     with pytest.raises(PresetError) as e:
