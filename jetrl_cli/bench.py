@@ -1128,6 +1128,10 @@ def _rollout_task_rows(s: Settings, model, path, model_label: str, transformers,
     cfg = load_job_config(s.task_preset, ([f"model.path={path}"] if path is not None else []) + list(s.task_overrides))
     tok = Tokenizer.from_dir(path if path is not None else tokenizer_dir())
     task = build_task(cfg.task, 0, source=cfg.source)
+    if cfg.task.overlong_prompts == "drop":  # the run's prompts: without those it leaves out
+        from .rl.loop import fit_prompts
+
+        fit_prompts(cfg, task, tok)
     prompts = tok.encode_prompts(PromptSource(task, 0).batch(1, cfg.rollout.prompts_per_step), task.chat)[1]
     sp = sampling_params(cfg, tok)
     n, new = sp.n, sp.max_new_tokens

@@ -590,7 +590,12 @@ def mismatch_report_cmd(
             names = flows.split(",") if flows is not None else ["preset", *mm.DEFAULT_FLOWS]
             chosen = mm.resolve_flows(names, cfg.flow, cfg.name)
             lens = lens or [cfg.rollout.max_new_tokens]
-            source = PromptSource(build_task(cfg.task, cfg.run.seed, source=cfg.source), cfg.run.seed)
+            task = build_task(cfg.task, cfg.run.seed, source=cfg.source)
+            if cfg.task.overlong_prompts == "drop":  # the run's prompts: without those it leaves out
+                from .rl.loop import fit_prompts
+
+                fit_prompts(cfg, task, tok)
+            source = PromptSource(task, cfg.run.seed)
             n = prompts or cfg.rollout.prompts_per_step
             prompt_ids = tok.encode_prompts(source.batch(0, n), source.task.chat)[1]
             longest = max(map(len, prompt_ids))

@@ -132,6 +132,16 @@ def test_the_template_is_read_from_each_file_transformers_reads_it_from(tmp_path
         (d / "tokenizer_config.json").write_text(json.dumps(c))
         write(d)
         assert Tokenizer.from_dir(d).encode_prompts([Problem("What is 1 plus 2?", "3")], ChatSpec())[0] == want, name
+    # which wins where several are there, as the tokenizer chooses: chat_template.jinja, then tokenizer_config.json;
+    # a processor's chat_template.json last
+    wrong = "{{ raise_exception('the wrong file') }}"
+    d = tmp_path / "both"
+    shutil.copytree(tmp_path / "config", d)
+    (d / "chat_template.json").write_text(json.dumps({"chat_template": wrong}))
+    assert Tokenizer.from_dir(d).encode_prompts([Problem("What is 1 plus 2?", "3")], ChatSpec())[0] == want
+    (d / "chat_template.jinja").write_text(wrong)
+    with pytest.raises(JetrlError, match="the wrong file"):
+        Tokenizer.from_dir(d).encode_prompts([Problem("What is 1 plus 2?", "3")], ChatSpec())
 
 
 def _tiny_with_template(tmp_path, template):
@@ -229,7 +239,7 @@ def test_chat_settings_are_checked_in_the_preset(sets, msg):
 
 
 @pytest.mark.parametrize("template, msg", [
-    (None, "no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json's chat_template)"),
+    (None, "no chat template (chat_template.jinja, tokenizer_config.json's chat_template or chat_template.json)"),
     ("{% for m in messages %}{{ m.role }", "the chat template is not valid Jinja (line 1:"),
     ("{{ raise_exception('only user turns') }}", "the chat template refused the prompt: only user turns"),
     ([{"name": "tool_use", "template": "x"}], "chat_template holds named templates ('tool_use') but no 'default'"),
@@ -588,3 +598,27 @@ def test_several_data_files_are_read_in_turn_whatever_their_format(tmp_path):
 
     ident = _run_identity(cfg, tmp_path / "out", False, False)
     assert {"task.file's contents [0]", "task.file's contents [1]", "task.eval_file's contents [0]"} <= set(ident)
+
+
+def test_mismatch_report_draws_the_prompts_the_run_keeps_when_it_drops_long_ones(tmp_path, monkeypatch):
+    """With ``task.overlong_prompts: drop`` the report measures the run's prompts, not the ones it leaves out."""
+    from jetrl_cli.rl import mismatch as mm
+
+    rows = [{"prompt": ("1+" * (20 if i % 2 else 1)) + "1=", "answer": "2"} for i in range(40)]
+    f = _data(tmp_path, rows)
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def capture(model, decode, prompts, *a, **k):
+        seen.append(prompts)
+        raise Stop
+
+    monkeypatch.setattr(mm, "ReportInputs", capture)
+    with pytest.raises(Stop):
+        CliRunner().invoke(app, ["mismatch-report", "bf16", "--prompts", "12", "--out", str(tmp_path / "rep"),
+                                 "--set", "task.name=jsonl", "--set", f"task.file={f}", "--set", "rollout.max_len=40",
+                                 "--set", "rollout.max_new_tokens=8", "--set", "task.overlong_prompts=drop"],
+                           catch_exceptions=False)
+    assert len(seen[0]) == 12 and max(map(len, seen[0])) <= 32

@@ -1,8 +1,8 @@
 """A model directory's chat template, rendered as ``transformers``' ``apply_chat_template`` renders it.
 
-The template is read from the directory (``chat_template.jinja``, else ``chat_template.json``, else
-``tokenizer_config.json``'s ``chat_template``) and rendered in a sandboxed Jinja environment with the
-names Hugging Face templates use: ``messages``, ``add_generation_prompt``, the special tokens as strings
+The template is read from the directory as its tokenizer reads it (``chat_template.jinja``, else
+``tokenizer_config.json``'s ``chat_template``; else a processor's ``chat_template.json``) and rendered in a
+sandboxed Jinja environment with the names Hugging Face templates use: ``messages``, ``add_generation_prompt``, the special tokens as strings
 (``bos_token``, ``eos_token``, ...: ``tokenizer_config.json``'s, else ``special_tokens_map.json``'s),
 ``raise_exception``, ``strftime_now``, a ``tojson`` filter that does not escape HTML and the
 ``{% generation %}`` tag, plus the preset's ``task.chat_template_kwargs`` (e.g. ``enable_thinking: false``).
@@ -22,7 +22,7 @@ from ..fileio import read_json
 
 # The named special tokens a template sees as strings (transformers' SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-TEMPLATE_FILES = "chat_template.jinja, chat_template.json or tokenizer_config.json's chat_template"
+TEMPLATE_FILES = "chat_template.jinja, tokenizer_config.json's chat_template or chat_template.json"
 
 
 def _token_text(v) -> str | None:
@@ -104,15 +104,15 @@ class ChatTemplate:
                 text = (p / "chat_template.jinja").read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
                 raise JetrlError(f"{source}: cannot read ({e})") from None
-        elif (p / "chat_template.json").exists():
+        elif tcfg.get("chat_template") is not None:
+            source = str(tcfg_path)
+            text = _pick(source, tcfg["chat_template"])
+        elif (p / "chat_template.json").exists():  # a processor's file: the tokenizer's own come first
             source = str(p / "chat_template.json")
             raw = read_json(p / "chat_template.json")
             if not isinstance(raw, dict) or "chat_template" not in raw:
                 raise JetrlError(f"{source}: must be a JSON object with a chat_template key")
             text = _pick(source, raw["chat_template"])
-        elif tcfg.get("chat_template") is not None:
-            source = str(tcfg_path)
-            text = _pick(source, tcfg["chat_template"])
         else:
             return None
         smap_path = p / "special_tokens_map.json"
