@@ -140,3 +140,47 @@ def test_a_sliding_window_qwen3_is_refused(tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(dict(cfg, use_sliding_window=True)))
     with pytest.raises(JetrlError, match="use_sliding_window.*is not supported"):
         load_model(tmp_path / "m")
+
+
+@pytest.mark.slow  # about a minute in Triton's interpreter
+@pytest.mark.parametrize("flow_name", ["fp8-unified", "bf16"])
+def test_qwen3_in_the_batch_invariant_mode_is_bitwise_on_policy(flow_name, forced_native, monkeypatch):
+    """``precision.batch_invariant`` on the native (GPU) path, here in Triton's interpreter: the q/k norms run
+    the invariant RMSNorm kernel (one program a row), and the rollout's logprobs (prefill, then decode steps of
+    a few rows) equal the trainer's bit for bit."""
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    from jetrl_cli.config import TrainConfig
+    from jetrl_cli.engine.base import make_payload
+    from jetrl_cli.engine.embedded import EmbeddedEngine
+    from jetrl_cli.engine.sampling import SamplingParams
+    from jetrl_cli.kernels import invariant
+    from jetrl_cli.precision import fuse, parse_flow
+    from jetrl_cli.rl.algos import CorrectionConfig
+    from jetrl_cli.rl.trainer import Batch, Trainer
+
+    from .triton_interp_fix import fixed_fp8_conversion
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    flow = parse_flow({"base": flow_name, "batch_invariant": True}, source="<test>")
+    monkeypatch.setattr(fuse, "_force_exact", True)
+    rows = []
+    real = invariant.invariant_rms_norm
+    monkeypatch.setattr(invariant, "invariant_rms_norm",
+                        lambda x, *a, **k: (rows.append(x.shape[-1]), real(x, *a, **k))[1])
+    with fixed_fp8_conversion():
+        m = _qwen3(fresh_seed()).to(dev)  # 128 wide, heads of 32
+        sp = SamplingParams(max_new_tokens=5, temperature=1.0, n=2)
+        eng = EmbeddedEngine(m, flow, 32, max_batch=4, cuda_graphs=False)
+        eng.load_weights(make_payload(m, flow))
+        prompts = [[5, 9, 3], [7, 2, 11, 4, 8], [1]]
+        out = eng.generate(prompts, sp, seed=2)
+        flat = [(p, c) for p, g in zip(prompts, out) for c in g]
+        b = Batch.build([p for p, _ in flat], [c.tokens for _, c in flat], [c.logprobs for _, c in flat],
+                        [0.0] * len(flat), [i // 2 for i in range(len(flat))])
+        tr = Trainer(copy.deepcopy(m), flow, TrainConfig(micro_batch=6), CorrectionConfig(), sp, 32)
+        old = tr.score(b)
+    assert torch.equal(old[b.mask], b.rollout_logp[b.mask])
+    assert 32 in rows  # the q/k norms (over a head's 32 features) through the invariant kernel
