@@ -501,7 +501,8 @@ class JsonlTask(Task):
                     seen.system_row = f"{file}:{i}"
             elif not isinstance(prompt, str):
                 raise JetrlError(f"{file}:{i}: {pk!r} must be a string or a list of chat messages "
-                                 f"([{{\"role\": ..., \"content\": ...}}, ...]), got {_shown(prompt)} (task.prompt_key)")
+                                 f"([{{\"role\": ..., \"content\": ...}}, ...]), got {_shown(prompt)} "
+                                 "(task.prompt_key)")
             if seen is not None:
                 seen.prompt_kinds.setdefault("messages" if messages else "text", f"{file}:{i}")
             try:
@@ -699,7 +700,8 @@ def load_reward_fn(spec: str) -> Callable:
     checked to take ``(prompt, completion, answer)``, or verl's ``(data_source, solution_str, ground_truth,
     extra_info)`` by name."""
     if ":" not in spec:
-        raise JetrlError(f"task.reward: {spec!r} must look like 'package.module:function' or 'path/to/file.py:function'")
+        raise JetrlError(f"task.reward: {spec!r} must look like 'package.module:function' or "
+                         "'path/to/file.py:function'")
     mod_name, fn_name = spec.rsplit(":", 1)
     if mod_name.endswith(".py"):
         mod = _load_file_module(mod_name)
@@ -810,8 +812,8 @@ def chat_spec(cfg, task: Task, source: str | None = None) -> ChatSpec | None:
                              "template as a user message")
         on = "messages" in kinds
     elif not on and "messages" in kinds:
-        raise JetrlError(f"{pre}task.chat_template: false, but {kinds['messages']}'s prompt is a list of chat messages, "
-                         "which only a chat template turns into text (set it true, or leave it out)")
+        raise JetrlError(f"{pre}task.chat_template: false, but {kinds['messages']}'s prompt is a list of chat "
+                         "messages, which only a chat template turns into text (set it true, or leave it out)")
     if not on:
         for key in ("system_prompt", "chat_template_kwargs"):
             if getattr(cfg, key, None):

@@ -2,8 +2,9 @@
 
 The template is read from the directory as its tokenizer reads it (``chat_template.jinja``, else
 ``tokenizer_config.json``'s ``chat_template``; else a processor's ``chat_template.json``) and rendered in a
-sandboxed Jinja environment with the names Hugging Face templates use: ``messages``, ``add_generation_prompt``, the special tokens as strings
-(``bos_token``, ``eos_token``, ...: ``tokenizer_config.json``'s, else ``special_tokens_map.json``'s),
+sandboxed Jinja environment with the names Hugging Face templates use: ``messages``,
+``add_generation_prompt``, the special tokens as strings (``bos_token``, ``eos_token``, ...:
+``tokenizer_config.json``'s, else ``special_tokens_map.json``'s),
 ``raise_exception``, ``strftime_now``, a ``tojson`` filter that does not escape HTML and the
 ``{% generation %}`` tag, plus the preset's ``task.chat_template_kwargs`` (e.g. ``enable_thinking: false``).
 As ``transformers``, a message's keys whose value is null are left out (a Parquet column of messages gives
