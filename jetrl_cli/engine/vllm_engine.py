@@ -140,6 +140,8 @@ class VLLMEngine:
                 torch.set_num_threads(threads)
         if kv_spec is not None:
             self.llm.apply_model(partial(vllm_quant.install_kv_rounding, spec=kv_spec))
+        if s.quantization == "jetrl":  # Qwen3's q/k norms: their output in the GEMMs' format, as jetrl's model
+            self.llm.apply_model(partial(vllm_quant.install_qk_norm_rounding, fmt=flow.rollout.linear.out))
         self.flow = flow
         self.width = width
         self.settings = s

@@ -33,6 +33,7 @@ from vllm.model_executor.parameter import ModelWeightParameter
 
 from ..models.llama import attention_format, cast_kv
 from ..precision.flow import GemmSpec, PrecisionFlow, parse_flow
+from ..precision.formats import Format
 from ..precision.linear import concat_operands, copy_operand_, linear_forward, matches_skip, weight_operand
 from ..precision.quant import CastSpec, QTensor, round_to
 
@@ -257,5 +258,26 @@ def install_kv_rounding(model: torch.nn.Module, spec: CastSpec) -> int:
             mod.register_forward_pre_hook(before, with_kwargs=True)
             mod.register_forward_hook(after, with_kwargs=True)
             mod._jetrl_kv_hook = True
+            n += 1
+    return n
+
+
+def install_qk_norm_rounding(model: torch.nn.Module, fmt: Format) -> int:
+    """Round the output of each attention's query and key norms (Qwen3's ``q_norm``, ``k_norm``) to ``fmt``,
+    the rollout GEMMs' output format, as jetrl's model does (``models.llama.Attention._qk_norm``: the q/k/v
+    GEMM writes ``fmt``, so on a GPU the norms read and write it). vLLM's norms under an fp32 model dtype
+    write fp32; without the rounding its queries and keys differ from jetrl's by a bf16 rounding. Returns
+    the number of norms hooked."""
+    if fmt is not Format.BF16:  # fp32: nothing to round; the 8-bit formats are no GEMM's output
+        return 0
+
+    def after(_mod, _args, out):
+        return round_to(out, fmt).to(out.dtype) if isinstance(out, torch.Tensor) else out
+
+    n = 0
+    for name, mod in model.named_modules():
+        if name.rpartition(".")[2] in ("q_norm", "k_norm") and not getattr(mod, "_jetrl_qk_hook", False):
+            mod.register_forward_hook(after)
+            mod._jetrl_qk_hook = True
             n += 1
     return n
