@@ -2144,6 +2144,26 @@ def test_native_training_step_on_gpu_matches_cpu_emulation(flow):
 # --------------------------------------------------------------------------- batch-invariant mode
 
 
+def rollout_scored(m, flow, sp):
+    """Three prompts rolled out by the embedded engine (decode steps of a few rows, no CUDA graphs) and the
+    samples scored by a trainer of a copy of ``m``: ``(batch, trainer logprobs, trainer)``."""
+    from jetrl_cli.config import TrainConfig
+    from jetrl_cli.engine.base import make_payload
+    from jetrl_cli.engine.embedded import EmbeddedEngine
+    from jetrl_cli.rl.algos import CorrectionConfig
+    from jetrl_cli.rl.trainer import Trainer
+
+    eng = EmbeddedEngine(m, flow, 32, max_batch=4, cuda_graphs=False)
+    eng.load_weights(make_payload(m, flow))
+    prompts = [[5, 9, 3], [7, 2, 11, 4, 8], [1]]
+    out = eng.generate(prompts, sp, seed=2)
+    flat = [(p, c) for p, g in zip(prompts, out) for c in g]
+    b = Batch.build([p for p, _ in flat], [c.tokens for _, c in flat], [c.logprobs for _, c in flat],
+                    [0.0] * len(flat), [i // 2 for i in range(len(flat))])
+    tr = Trainer(copy.deepcopy(m), flow, TrainConfig(micro_batch=6), CorrectionConfig(), sp, 32)
+    return b, tr.score(b), tr
+
+
 @pytest.mark.parametrize("flow_name,kv", [pytest.param("bf16", None, marks=pytest.mark.slow), ("fp8-unified", None),
                                           pytest.param("fp8-unified", "fp8_e4m3 row", marks=pytest.mark.slow)])
 def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernels(flow_name, kv, forced_native, monkeypatch):
@@ -2159,13 +2179,8 @@ def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernel
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs a GPU or TRITON_INTERPRET=1")
-    from jetrl_cli.config import TrainConfig
-    from jetrl_cli.engine.base import make_payload
-    from jetrl_cli.engine.embedded import EmbeddedEngine
     from jetrl_cli.kernels import invariant
     from jetrl_cli.precision import parse_flow
-    from jetrl_cli.rl.algos import CorrectionConfig
-    from jetrl_cli.rl.trainer import Trainer
 
     from .triton_interp_fix import fixed_fp8_conversion
 
@@ -2209,19 +2224,11 @@ def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernel
         # GEMM and the SwiGLU's halves whole 128-wide groups (the fused quantizer's case)
         m = _model(seed=9, hidden=256, layers=1, vocab=128).to(TRITON_DEV)
         sp = SamplingParams(max_new_tokens=6, temperature=1.0, n=2)
-        eng = EmbeddedEngine(m, flow, 32, max_batch=4, cuda_graphs=False)
-        eng.load_weights(make_payload(m, flow))
-        prompts = [[5, 9, 3], [7, 2, 11, 4, 8], [1]]
-        out = eng.generate(prompts, sp, seed=2)
-        flat = [(p, c) for p, g in zip(prompts, out) for c in g]
-        b = Batch.build([p for p, _ in flat], [c.tokens for _, c in flat], [c.logprobs for _, c in flat],
-                        [0.0] * len(flat), [i // 2 for i in range(len(flat))])
-        tr = Trainer(copy.deepcopy(m), flow, TrainConfig(micro_batch=6), CorrectionConfig(), sp, 32)
-        old = tr.score(b)
+        b, old, tr = rollout_scored(m, flow, sp)
         with torch.enable_grad():  # the trainer's forward with autograd: the same bits too
             graded = token_logprobs(tr.model, b, sp)
         before = tr.model.lm_head.weight.detach().clone()
-        stats = tr.update(b, torch.randn(len(flat)), old, None, step=0)  # the backward need not be invariant
+        stats = tr.update(b, torch.randn(len(b)), old, None, step=0)  # the backward need not be invariant
     assert torch.equal(old[b.mask], b.rollout_logp[b.mask])
     assert graded.requires_grad and torch.equal(graded.detach()[b.mask], b.rollout_logp[b.mask])
     assert len({n for n, _ in forms}) == len(forms), forms  # rollout, scoring, forward with grad: one form

@@ -152,15 +152,11 @@ def test_qwen3_in_the_batch_invariant_mode_is_bitwise_on_policy(flow_name, force
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs a GPU or TRITON_INTERPRET=1")
-    from jetrl_cli.config import TrainConfig
-    from jetrl_cli.engine.base import make_payload
-    from jetrl_cli.engine.embedded import EmbeddedEngine
     from jetrl_cli.engine.sampling import SamplingParams
     from jetrl_cli.kernels import invariant
     from jetrl_cli.precision import fuse, parse_flow
-    from jetrl_cli.rl.algos import CorrectionConfig
-    from jetrl_cli.rl.trainer import Batch, Trainer
 
+    from .test_gpu_paths import rollout_scored
     from .triton_interp_fix import fixed_fp8_conversion
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -172,15 +168,6 @@ def test_qwen3_in_the_batch_invariant_mode_is_bitwise_on_policy(flow_name, force
                         lambda x, *a, **k: (rows.append(x.shape[-1]), real(x, *a, **k))[1])
     with fixed_fp8_conversion():
         m = _qwen3(fresh_seed()).to(dev)  # 128 wide, heads of 32
-        sp = SamplingParams(max_new_tokens=5, temperature=1.0, n=2)
-        eng = EmbeddedEngine(m, flow, 32, max_batch=4, cuda_graphs=False)
-        eng.load_weights(make_payload(m, flow))
-        prompts = [[5, 9, 3], [7, 2, 11, 4, 8], [1]]
-        out = eng.generate(prompts, sp, seed=2)
-        flat = [(p, c) for p, g in zip(prompts, out) for c in g]
-        b = Batch.build([p for p, _ in flat], [c.tokens for _, c in flat], [c.logprobs for _, c in flat],
-                        [0.0] * len(flat), [i // 2 for i in range(len(flat))])
-        tr = Trainer(copy.deepcopy(m), flow, TrainConfig(micro_batch=6), CorrectionConfig(), sp, 32)
-        old = tr.score(b)
+        b, old, _ = rollout_scored(m, flow, SamplingParams(max_new_tokens=5, temperature=1.0, n=2))
     assert torch.equal(old[b.mask], b.rollout_logp[b.mask])
     assert 32 in rows  # the q/k norms (over a head's 32 features) through the invariant kernel
