@@ -1120,18 +1120,16 @@ def _rollout_task_rows(s: Settings, model, path, model_label: str, transformers,
     from .engine.embedded import EmbeddedEngine
     from .models.tokenizer import Tokenizer
     from .rl.loop import sampling_params
-    from .tasks import PromptSource, build_task
+    from .tasks import PromptSource
 
     from .models.shapes import tokenizer_dir
     from .models.transformers_ref import transformers_twin
 
     cfg = load_job_config(s.task_preset, ([f"model.path={path}"] if path is not None else []) + list(s.task_overrides))
     tok = Tokenizer.from_dir(path if path is not None else tokenizer_dir())
-    task = build_task(cfg.task, 0, source=cfg.source)
-    if cfg.task.overlong_prompts == "drop":  # the run's prompts: without those it leaves out
-        from .rl.loop import fit_prompts
+    from .rl.loop import fitted_task
 
-        fit_prompts(cfg, task, tok)
+    task = fitted_task(cfg, tok, 0, strict=False)  # the run's prompts: without those it leaves out
     prompts = tok.encode_prompts(PromptSource(task, 0).batch(1, cfg.rollout.prompts_per_step), task.chat)[1]
     sp = sampling_params(cfg, tok)
     n, new = sp.n, sp.max_new_tokens

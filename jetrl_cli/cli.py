@@ -515,7 +515,7 @@ def mismatch_report_cmd(
     from .rl import mismatch as mm
     from .rl.loop import _device, correction_config, resolve_model_dir, sampling_params
     from .rl.trainer import fold_invariant_scale
-    from .tasks import PromptSource, build_task
+    from .tasks import PromptSource
 
     gates = mm.parse_gates(list(fail_above or []))
     lens = mm.parse_lengths(lengths)
@@ -590,12 +590,9 @@ def mismatch_report_cmd(
             names = flows.split(",") if flows is not None else ["preset", *mm.DEFAULT_FLOWS]
             chosen = mm.resolve_flows(names, cfg.flow, cfg.name)
             lens = lens or [cfg.rollout.max_new_tokens]
-            task = build_task(cfg.task, cfg.run.seed, source=cfg.source)
-            if cfg.task.overlong_prompts == "drop":  # the run's prompts: without those it leaves out
-                from .rl.loop import fit_prompts
+            from .rl.loop import fitted_task
 
-                fit_prompts(cfg, task, tok)
-            source = PromptSource(task, cfg.run.seed)
+            source = PromptSource(fitted_task(cfg, tok, cfg.run.seed, strict=False), cfg.run.seed)
             n = prompts or cfg.rollout.prompts_per_step
             prompt_ids = tok.encode_prompts(source.batch(0, n), source.task.chat)[1]
             longest = max(map(len, prompt_ids))

@@ -20,16 +20,11 @@ from pathlib import Path
 
 from ..errors import JetrlError
 from ..fileio import read_json
+from .tokenizer import _read_json, _token_text
 
 # The named special tokens a template sees as strings (transformers' SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 TEMPLATE_FILES = "chat_template.jinja, tokenizer_config.json's chat_template or chat_template.json"
-
-
-def _token_text(v) -> str | None:
-    if isinstance(v, dict):
-        v = v.get("content")
-    return v if isinstance(v, str) else None
 
 
 def _pick(source: str, tpl) -> str:
@@ -96,9 +91,7 @@ class ChatTemplate:
         """The directory's template, or None when it has none."""
         p = Path(path)
         tcfg_path = p / "tokenizer_config.json"
-        tcfg = read_json(tcfg_path) if tcfg_path.exists() else {}
-        if not isinstance(tcfg, dict):
-            raise JetrlError(f"{tcfg_path}: must be a JSON object, got a {type(tcfg).__name__}")
+        tcfg = _read_json(tcfg_path)
         if (p / "chat_template.jinja").exists():
             source = str(p / "chat_template.jinja")
             try:
@@ -116,10 +109,7 @@ class ChatTemplate:
             text = _pick(source, raw["chat_template"])
         else:
             return None
-        smap_path = p / "special_tokens_map.json"
-        smap = read_json(smap_path) if smap_path.exists() else {}
-        if not isinstance(smap, dict):
-            raise JetrlError(f"{smap_path}: must be a JSON object, got a {type(smap).__name__}")
+        smap = _read_json(p / "special_tokens_map.json")
         special = {}
         for k in SPECIAL_TOKEN_NAMES:  # transformers reads both files: tokenizer_config.json's first here
             t = _token_text(tcfg.get(k))

@@ -19,7 +19,10 @@ from ..errors import JetrlError
 from ..fileio import read_json
 from .llama import LlamaForCausalLM, ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# model_type -> the transformers class config.json's "architectures" names: the model types jetrl reads
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_FILE = "model.safetensors.index.json"
 

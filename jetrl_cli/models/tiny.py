@@ -49,7 +49,9 @@ def write_random_model(path: str | Path, seed: int = 0, model_type: str = "qwen2
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
-    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}[model_type]
+    from .hf import ARCHITECTURES
+
+    arch = ARCHITECTURES[model_type]
     config = {
         "architectures": [arch],
         "model_type": model_type,

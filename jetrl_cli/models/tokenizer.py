@@ -52,8 +52,9 @@ def _check_ids_fit(p: Path, tk, vocab_size, eos_sources: list[tuple[Path, list[i
 
 
 def _token_text(v) -> str | None:
+    """A special token's text: a string, or an ``AddedToken``'s ``{"content": ...}``."""
     if isinstance(v, dict):
-        return v.get("content")
+        v = v.get("content")
     return v if isinstance(v, str) else None
 
 

@@ -36,7 +36,9 @@ def quiet():
 
 def hf_config_dict(cfg) -> dict:
     """A ``config.json`` for ``transformers`` describing jetrl's ``ModelConfig``."""
-    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}[cfg.model_type]
+    from .hf import ARCHITECTURES
+
+    arch = ARCHITECTURES[cfg.model_type]
     d = {
         "architectures": [arch], "model_type": cfg.model_type, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,

@@ -128,8 +128,7 @@ def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None, worl
     model_dir = resolve_model_dir(cfg.model.path)
     tok = Tokenizer.from_dir(model_dir)
     dev = _device(cfg)
-    task = build_task(cfg.task, cfg.run.seed, source=cfg.source)
-    fit_prompts(cfg, task, tok)  # before the model loads: a dataset that cannot run fails in seconds
+    task = fitted_task(cfg, tok, cfg.run.seed)  # before the model loads: a dataset that cannot run fails in seconds
     model = load_model(init_dir or model_dir).to(dev)
     limit = model.config.max_position_embeddings
     if cfg.rollout.max_len > limit:  # vLLM refuses it too: positions past the table were never trained
@@ -163,6 +162,16 @@ def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None, worl
 
         engine = ShardedEngine(engine, world)
     return Job(cfg, model_dir, tok, source, engine, sampling, trainer)
+
+
+def fitted_task(cfg: JobConfig, tok: Tokenizer, seed: int, strict: bool = True):
+    """The preset's task, its prompts fitted to the engine (``fit_prompts``). ``strict=False``, for a command
+    that chooses its own lengths (``mismatch-report``, ``bench``): only what ``task.overlong_prompts: drop``
+    leaves out of the run is left out, with no error for a prompt that does not fit."""
+    task = build_task(cfg.task, seed, source=cfg.source)
+    if strict or cfg.task.overlong_prompts == "drop":
+        fit_prompts(cfg, task, tok)
+    return task
 
 
 def fit_prompts(cfg: JobConfig, task, tok: Tokenizer) -> None:
