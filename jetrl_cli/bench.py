@@ -890,7 +890,7 @@ def _flow(name: str):
     if base not in NAMED_FLOWS or any(m not in FLOW_MODIFIERS for m in mods) or len(set(mods)) < len(mods):
         raise JetrlError(f"--flows: unknown flow {name!r} (allowed: fp32, {', '.join(NAMED_FLOWS)}; a flow name "
                          "+invariant for its batch-invariant mode, +fp8kv for an FP8 KV cache; in train rows +graphs for "
-                         "the decoder layers as CUDA graphs, +ckpt for them recomputed in the backward)")
+                         "the decoder layers as CUDA graphs, +ckpt for them recomputed in the backward, +lora for LoRA adapters)")
     if mods:
         over: dict = {"base": base}
         for m in mods:  # each sets its own top-level key
@@ -1197,9 +1197,10 @@ def _without_invariant(name: str) -> str:
     return "+".join(p for p in name.split("+") if p != "invariant")
 
 
-# NAME+graphs: a train row with ``train.cuda_graphs``; NAME+ckpt: with ``train.activation_checkpointing``
-# (the trainer's settings, not the flow's)
-TRAIN_MODIFIERS = ("graphs", "ckpt")
+# NAME+graphs: a train row with ``train.cuda_graphs``; NAME+ckpt: with ``train.activation_checkpointing``;
+# NAME+lora: LoRA adapters of rank BENCH_LORA_RANK on every linear layer (the trainer's settings, not the flow's)
+TRAIN_MODIFIERS = ("graphs", "ckpt", "lora")
+BENCH_LORA_RANK = 32
 
 
 def _train_flow(name: str) -> tuple[object, frozenset]:
@@ -1209,6 +1210,9 @@ def _train_flow(name: str) -> tuple[object, frozenset]:
     if "graphs" in mods and "ckpt" in mods:
         raise JetrlError(f"--flows: {name!r}: +graphs and +ckpt do not go together (train.activation_checkpointing "
                          "is refused with train.cuda_graphs)")
+    if "graphs" in mods and "lora" in mods:
+        raise JetrlError(f"--flows: {name!r}: +graphs and +lora do not go together (train.cuda_graphs is refused "
+                         "with model.lora_rank > 0)")
     return (_flow("+".join([base] + [m for m in mods if m not in TRAIN_MODIFIERS])),
             frozenset(m for m in mods if m in TRAIN_MODIFIERS))
 
@@ -1216,8 +1220,8 @@ def _train_flow(name: str) -> tuple[object, frozenset]:
 def check_flow(name: str, modes) -> None:
     """``--flows NAME`` for ``modes`` (``parse_modes``' result): a clear error unless every mode can run it."""
     if set(name.split("+")[1:]) & set(TRAIN_MODIFIERS) and set(modes) != {"train"}:
-        raise JetrlError(f"--flows: {name!r}: +graphs and +ckpt are for train rows only (bench train: the decoder "
-                         "layers as CUDA graphs, or recomputed in the backward)")
+        raise JetrlError(f"--flows: {name!r}: +graphs, +ckpt and +lora are for train rows only (bench train: the "
+                         "decoder layers as CUDA graphs, recomputed in the backward, or LoRA adapters)")
     _train_flow(name)
 
 
@@ -1234,6 +1238,17 @@ def _train_flows(names) -> list[tuple[str, object, frozenset]]:
         seen.add(key)
         out.append((n, f, mods))
     return out
+
+
+def _bench_policy(make, dev, mods: frozenset):
+    """A train row's model: with ``+lora``, frozen under rank-``BENCH_LORA_RANK`` adapters on every linear
+    layer (alpha 2 x rank), as ``model.lora_rank`` makes it."""
+    model = make(dev)
+    if "lora" in mods:
+        from .models.lora import TARGETS, LoraSpec, add_adapters
+
+        add_adapters(model, LoraSpec(BENCH_LORA_RANK, 2.0 * BENCH_LORA_RANK, TARGETS))
+    return model
 
 
 def _saved_bytes(fn) -> tuple[int, object]:
@@ -1304,7 +1319,8 @@ def bench_train(s: Settings) -> list[dict]:
         peaks = PhasePeaks(s.device == "cuda")
         graphs = "graphs" in mods
         cfg = dataclasses.replace(tcfg, cuda_graphs=graphs, activation_checkpointing="ckpt" in mods)
-        tr, old = peaks("setup", lambda: _scored(Trainer(make(dev), flow, cfg, ccfg, sp, t), batch))
+        tr, old = peaks("setup", lambda: _scored(Trainer(_bench_policy(make, dev, mods), flow, cfg, ccfg, sp, t),
+                                                 batch))
         step = [0]
 
         def one():
@@ -1321,6 +1337,9 @@ def bench_train(s: Settings) -> list[dict]:
                "gemm_backends": backend_report(), **peaks.row()}
         if s.device == "cuda":
             row["allocator_per_step"] = allocator_events(one)
+        if "lora" in mods:
+            row["lora_rank"] = BENCH_LORA_RANK
+            row["trained_params"] = sum(p.numel() for p in tr.params)
         if graphs:  # what the decoder layers' CUDA graphs did (none on CPU)
             row["train_graphs"] = tr.graphs.report() if tr.graphs is not None else "off: not on a GPU"
         return row

@@ -34,6 +34,12 @@ class ModelConfig:
     path: str = "tiny"  # a Hugging Face model directory, or "tiny": the policy shipped with jetrl
     device: str = "cpu"  # cpu | cuda
     fuse: bool = True  # on a GPU: RMSNorm, SwiGLU and RoPE as one compiled kernel each (precision/fuse.py)
+    # LoRA (verl's lora_rank / lora_alpha / target_modules): rank-r adapters on these layers train, the rest is
+    # frozen; 0: full fine-tuning. The adapters run in precision.skip_format, the frozen layers in the flow's
+    lora_rank: int = 0
+    lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank
+    lora_target_modules: str | list[str] = "all-linear"  # all-linear, or names among q_proj .. down_proj
+    lora_path: str | None = None  # adapters to start from: a PEFT LoRA directory (adapter_model.safetensors)
 
 
 @dataclass(frozen=True)
@@ -201,7 +207,7 @@ CHOICES = {
     ("correction", "tis_level"): choices.TIS_LEVELS,
 }
 POSITIVE = {
-    ("task", "digits"), ("task", "length"), ("rollout", "prompts_per_step"), ("rollout", "n"),
+    ("model", "lora_alpha"), ("task", "digits"), ("task", "length"), ("rollout", "prompts_per_step"), ("rollout", "n"),
     ("rollout", "max_new_tokens"), ("rollout", "max_len"), ("rollout", "max_batch"), ("train", "lr"),
     ("rollout", "vllm_gpu_memory_utilization"),
     ("train", "micro_batch"), ("train", "ppo_epochs"), ("train", "minibatches"), ("train", "invariant_scale"),
@@ -209,7 +215,7 @@ POSITIVE = {
     ("run", "keep_checkpoints"), ("train", "grad_clip"), ("train", "adam_eps"),
 }
 NON_NEGATIVE = {
-    ("train", "steps"), ("rollout", "top_k"), ("train", "weight_decay"),
+    ("model", "lora_rank"), ("train", "steps"), ("rollout", "top_k"), ("train", "weight_decay"),
     ("train", "warmup_steps"), ("train", "clip_low"), ("train", "clip_high"), ("train", "kl_coef"), ("train", "entropy_coef"),
     ("train", "dynamic_sampling_rounds"), ("correction", "mis_low"), ("task", "overlong_buffer"),
     ("task", "overlong_penalty"), ("eval", "every"),
@@ -427,10 +433,31 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
     if t.activation_checkpointing and t.cuda_graphs:
         raise PresetError(source, "train.activation_checkpointing", "not with train.cuda_graphs (a captured "
                           "backward cannot run the layers' forward again); set one of them to false")
+    _check_lora(source, secs["model"], t, r)
     if t.minibatches > r.prompts_per_step:
         raise PresetError(source, "train.minibatches", f"more mini-batches ({t.minibatches}) than prompts per step")
     _refuse_unread_keys(source, data, secs)
     return JobConfig(name, source, flow, raw=data, **secs)
+
+
+def _check_lora(source: str, m: ModelConfig, t: TrainConfig, r: RolloutConfig) -> None:
+    """``model.lora_*``: target names jetrl's models have, and the settings LoRA does not combine with."""
+    from .models.lora import ALL_LINEAR, TARGETS
+
+    names = [m.lora_target_modules] if isinstance(m.lora_target_modules, str) else m.lora_target_modules
+    if names != [ALL_LINEAR]:
+        bad = [n for n in names if n not in TARGETS]
+        if bad or not names:
+            raise PresetError(source, "model.lora_target_modules", f"{bad[0] if bad else names!r} is not a layer "
+                              f"name (allowed: {ALL_LINEAR}, or a list of {', '.join(TARGETS)})")
+    if not m.lora_rank:
+        return
+    if t.invariant_scale != 1.0:
+        raise PresetError(source, "train.invariant_scale", "QuRL's invariant scaling rescales the trained weights; "
+                          "with model.lora_rank > 0 they are frozen (set it to 1, or model.lora_rank: 0)")
+    if t.cuda_graphs:
+        raise PresetError(source, "train.cuda_graphs", "not with model.lora_rank > 0 (the captured layers have no "
+                          "adapters); set it to false")
 
 
 JSONL_TASK_KEYS = ("file", "eval_file", "eval_fraction", "prompt_key", "answer_key", "prompt_template", "overlong_prompts")
@@ -447,6 +474,8 @@ def _refuse_unread_keys(source: str, data: dict, secs: dict) -> None:
     ``digits``, and ``--set task.name=jsonl`` on one of them is the documented way to bring a dataset."""
     tk, r, c, t, run = secs["task"], secs["rollout"], secs["correction"], secs["train"], secs["run"]
     rules = (
+        ("model", ("lora_alpha", "lora_target_modules", "lora_path"), secs["model"].lora_rank > 0, "read only with "
+         "model.lora_rank > 0 (it is 0: full fine-tuning, no adapters)"),
         ("task", JSONL_TASK_KEYS, tk.name == "jsonl", f"read only by task.name: jsonl (this task is {tk.name!r})"),
         ("task", ("eval_fraction",), tk.eval_file is None, "not read when task.eval_file is set (that file is the "
          "held-out split; eval_fraction splits task.file without one)"),

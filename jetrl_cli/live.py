@@ -123,7 +123,9 @@ class RunDisplay:
 
         steps = [m for m in lines if m["step"] > 0 and m.get("reward_mean") is not None]
         evals = [m for m in lines if "eval_accuracy" in m]
-        t = Table(title=escape(f"{self.cfg.name}: {self.cfg.flow.short_str()}"), title_justify="left")
+        m = self.cfg.model
+        lora = f" lora=r{m.lora_rank}/alpha{m.lora_alpha:g}" if m.lora_rank else ""
+        t = Table(title=escape(f"{self.cfg.name}: {self.cfg.flow.short_str()}{lora}"), title_justify="left")
         for c in ("", "first", "last"):
             t.add_column(c, justify="right" if c else "left")
         if steps:

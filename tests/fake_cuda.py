@@ -24,7 +24,7 @@ their wrappers run and allocate their outputs on the device, the launch is count
 that take them are checked up to the kernel. The scenarios: the engine's decoding and the trainer's forward and update
 through the ``scaled_mm``, ``emulated`` and torch backends; ``jetrl bench train`` and ``bench
 rollout --device cuda`` at the 1.5B shape cut to one layer; ``jetrl run PRESET --set
-model.device=cuda`` for two steps, the tiny presets (``fp8-unified`` also with a KL penalty) and the ``gpu-*`` ones (on a small Hugging Face
+model.device=cuda`` for two steps, the tiny presets (``fp8-unified`` also with a KL penalty, and with LoRA) and the ``gpu-*`` ones (on a small Hugging Face
 model directory written here).
 """
 
@@ -623,6 +623,9 @@ def main() -> int:
         attempt(report["run"], preset, f"run {preset}", _run_loop, preset)
     # with a KL penalty: a frozen reference policy holding its forward weights only
     attempt(report["run"], "fp8-unified+kl", "run fp8-unified+kl", _run_loop, "fp8-unified", "train.kl_coef=0.01")
+    # LoRA: adapters beside the FP8 layers, syncs of the adapters alone, the base model as the KL reference
+    attempt(report["run"], "fp8-unified+lora", "run fp8-unified+lora", _run_loop, "fp8-unified", "model.lora_rank=8",
+            "train.kl_coef=0.01")
     for preset in ("gpu-qwen2.5-1.5b-gsm8k-fp8-unified", "gpu-qwen2.5-1.5b-gsm8k-fp8-rollout-tis"):
         attempt(report["run"], preset, f"run {preset}", _gpu_preset, preset)
     for part, fn in (("bench_train", _bench_train), ("bench_rollout", _bench_rollout)):

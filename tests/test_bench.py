@@ -369,7 +369,7 @@ def test_train_bench_rows_with_the_layers_as_cuda_graphs():
     assert all(r["first_update_s"] > 0 for r in rows)  # the warm-up update, timed on its own
     assert "e4m3" in rows[2]["train"] and "e4m3" not in rows[1]["train"]
     res = runner.invoke(app, ["bench", "rollout", "--flows", "bf16+graphs", *FAST])
-    assert res.exit_code == 2 and "--flows: 'bf16+graphs': +graphs and +ckpt are for train rows only" in res.output
+    assert res.exit_code == 2 and "--flows: 'bf16+graphs': +graphs, +ckpt and +lora are for train rows only" in res.output
 
 
 def test_train_bench_rows_with_the_layers_recomputed_save_fewer_activations():
@@ -382,6 +382,23 @@ def test_train_bench_rows_with_the_layers_recomputed_save_fewer_activations():
     assert 0 < rows[1]["saved_activation_bytes"] < 0.7 * rows[0]["saved_activation_bytes"]
     res = runner.invoke(app, ["bench", "train", "--flows", "bf16+graphs+ckpt", *FAST])
     assert res.exit_code == 2 and "+graphs and +ckpt do not go together" in res.output
+
+
+def test_train_bench_rows_with_lora_adapters():
+    """``NAME+lora``: the same model frozen under rank-32 adapters on every linear layer: the adapters alone
+    train (their parameter count in the row), the GEMMs of the flow run beside them."""
+    args = ("--train-batch", 2, "--seq", 16, "--layers", 2, "--no-transformers", "--repeats", 1, "--warmup", 1,
+            "--json", "--no-history")
+    rows = bench("train", "--flows", "fp8-unified,fp8-unified+lora", *args)["results"]["train"]
+    assert [r["flow"] for r in rows] == ["fp8-unified", "fp8-unified+lora"]
+    assert rows[1]["lora_rank"] == 32 and "lora_rank" not in rows[0]
+    # two layers of the tiny policy: 7 adapted layers each, A (32 x in) and B (out x 32)
+    h, kv, i = 128, 64, 384
+    per_layer = 32 * sum(a + b for a, b in [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)])
+    assert rows[1]["trained_params"] == 2 * per_layer
+    assert "e4m3" in rows[1]["train"]
+    res = runner.invoke(app, ["bench", "train", "--flows", "bf16+graphs+lora", *FAST])
+    assert res.exit_code == 2 and "+graphs and +lora do not go together" in res.output
 
 
 def test_a_bench_cut_short_keeps_the_train_rows_it_finished(tmp_path, monkeypatch):

@@ -212,7 +212,7 @@ def test_rl_loop_runs_on_the_device_and_reads_only_where_its_parts_do(report):
     allowed = ("done.tolist()", "_completions(", "token_logprobs(model, mb, sampling, entropy).float().cpu()",
                "torch.stack([t.float() for t in flat]", "bool(finite.all())",
                "err = float((got - ref).norm()")  # the last: auto's probe, once per GEMM spec
-    assert set(report["run"]) == {"fp8-unified", "fp8-unified+kl", "bf16", "int8-rollout-tis",
+    assert set(report["run"]) == {"fp8-unified", "fp8-unified+kl", "fp8-unified+lora", "bf16", "int8-rollout-tis",
                                   "gpu-qwen2.5-1.5b-gsm8k-fp8-unified", "gpu-qwen2.5-1.5b-gsm8k-fp8-rollout-tis"}
     for preset, r in report["run"].items():
         assert r["steps"] == [0, 1, 2], preset  # step 0: the eval before training

@@ -21,6 +21,7 @@ class ShardedEngine:
     def __init__(self, inner: RolloutEngine, world: World):
         self.inner, self.world = inner, world
         self.name = f"{inner.name} x{world.size}"
+        self.runs_adapters = getattr(inner, "runs_adapters", False)
         self.width = inner.width
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,

@@ -25,16 +25,17 @@ from ..engine.base import WeightPayload, make_payload
 
 
 class WeightTransport(Protocol):
-    def payload(self, model: torch.nn.Module, flow, version: int = 0) -> WeightPayload:
+    def payload(self, model: torch.nn.Module, flow, version: int = 0, params=None) -> WeightPayload:
         """The full weights of ``model`` as this rank's engine receives them (a collective when the
-        model is sharded: every rank calls it at the same point)."""
+        model is sharded: every rank calls it at the same point); ``params``: the (name, tensor) pairs
+        to send instead (a LoRA model's adapters, or its merged weights: ``models.lora.sync_parameters``)."""
 
 
 class LocalTransport:
     name = "local"
 
-    def payload(self, model: torch.nn.Module, flow, version: int = 0) -> WeightPayload:
-        return make_payload(model, flow, version)
+    def payload(self, model: torch.nn.Module, flow, version: int = 0, params=None) -> WeightPayload:
+        return make_payload(model, flow, version, params=params)
 
 
 def full_parameters(model: torch.nn.Module):
@@ -49,6 +50,8 @@ def full_parameters(model: torch.nn.Module):
 class GatherTransport:
     name = "gather"
 
-    def payload(self, model: torch.nn.Module, flow, version: int = 0) -> WeightPayload:
+    def payload(self, model: torch.nn.Module, flow, version: int = 0, params=None) -> WeightPayload:
+        if params is not None:
+            raise NotImplementedError("a sharded trainer sends its whole gathered weights (no LoRA under torchrun)")
         with torch.no_grad():
             return make_payload(model, flow, version, params=full_parameters(model))

@@ -89,14 +89,15 @@ def make_payload(model: torch.nn.Module, flow, version: int = 0,
     """The trainer's side of a sync: every parameter, quantized once for ``weight_sync: quantized``.
     ``params``: the (name, full tensor) pairs to send instead of ``model.named_parameters()`` (a
     sharded trainer passes its parameters gathered whole, so blocks and scales are the same)."""
-    from ..precision.linear import JetLinear, matches_skip, weight_operands
+    from ..precision.linear import JetLinear, is_adapter_name, matches_skip, weight_operands
 
     tensors: dict[str, Union[torch.Tensor, QTensor]] = {}
     quantize_weights = flow.weight_sync.payload == "quantized"
     quantized_names = set()
     if quantize_weights:
         for name, mod in model.named_modules():
-            if isinstance(mod, (torch.nn.Linear, JetLinear)) and not matches_skip(name, flow.skip):
+            if (isinstance(mod, (torch.nn.Linear, JetLinear)) and not matches_skip(name, flow.skip)
+                    and not is_adapter_name(name)):  # LoRA adapters run in the skip format
                 quantized_names.add(f"{name}.weight")
     nbytes = 0
     with torch.no_grad():

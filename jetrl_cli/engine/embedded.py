@@ -64,6 +64,7 @@ def _by_length(sequences, dev) -> list[tuple[int, torch.Tensor]]:
 
 class EmbeddedEngine:
     name = "embedded"
+    runs_adapters = True  # its copy of the model runs LoRA adapters as the trainer's does (models/lora.py)
 
     def __init__(self, model: torch.nn.Module, flow, width: int, max_batch: int = 256, cuda_graphs: bool = True):
         """``model`` is copied: the engine owns its weights and gets new ones only by ``load_weights``.

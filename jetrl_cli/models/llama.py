@@ -51,7 +51,8 @@ from ..precision.fuse import fused
 from ..precision.gemm import (F64_BITS, device_time_ms, fixed_point, fp8_kernels_for, kernel_choice, native,
                               note_kernel)
 from ..precision.linear import (JetLinear, RowGradSlot, fused_input_quantizer, gated_mlp, grad_sink,
-                                gradient_port, group_weight, input_dtype, linear_group, sink_overwrites)
+                                gradient_port, group_weight, has_adapter, input_dtype, linear_group,
+                                sink_overwrites)
 from ..precision.quant import CastSpec, QTensor, dequantize, fake_quantize, quantize, round_to
 
 
@@ -1374,13 +1375,20 @@ class LlamaForCausalLM(nn.Module):
 
     def linear_groups(self) -> list[tuple[tuple, nn.Module]]:
         """Each GEMM the model's linear layers run as ``(layers, owner)``: the layers reading one input
-        (q/k/v, gate/up) or one alone, and the module their group weight is cached on."""
+        (q/k/v, gate/up) or one alone, and the module their group weight is cached on; then the LoRA
+        adapters' (a group's A matrices together, each B alone)."""
         groups = []
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
             groups += [((a.q_proj, a.k_proj, a.v_proj), a), ((a.o_proj,), a.o_proj),
                        ((m.gate_proj, m.up_proj), m), ((m.down_proj,), m.down_proj)]
-        return groups + [((self.lm_head,), self.lm_head)]
+        adapters = []  # LoRA: a group's A matrices run as one GEMM, each B alone (``linear._add_adapters``)
+        for mods, _ in groups:
+            adapted = [x for x in mods if has_adapter(x)]
+            if adapted:
+                downs = tuple(x.lora_A for x in adapted)
+                adapters += [(downs, downs[0])] + [((x.lora_B,), x.lora_B) for x in adapted]
+        return groups + [((self.lm_head,), self.lm_head)] + adapters
 
     def hold_weights_once(self) -> None:
         """Every linear layer holding a loaded GEMM weight (``JetLinear.load_quantized_weight``: 8-bit

@@ -623,7 +623,7 @@ def gradient_port(mods: Sequence["JetLinear"], x: torch.Tensor) -> torch.dtype |
     first (a kernel, and a write of the fp32 copy: 4.2 GB per update at 16 x 512 tokens of the 1.5B
     shape). None where the group would not run as one function, or the dtypes agree."""
     mods = tuple(mods)
-    if _SEPARATE or not mods or (len(mods) > 1 and not _uniform(mods)) or not native(x):
+    if _SEPARATE or not mods or (len(mods) > 1 and not _uniform(mods)) or not native(x) or any_adapter(mods):
         return None
     dt = mods[0].precision.dgrad.out.torch_dtype()
     return dt if dt.itemsize < x.dtype.itemsize else None
@@ -634,16 +634,68 @@ def _linear_group(mods: tuple, x: torch.Tensor | None, owner: nn.Module, input_k
                   x_values: torch.Tensor | None = None) -> torch.Tensor:
     if len(mods) > 1 and not _uniform(mods):  # e.g. one layer switched to another precision (attribution)
         assert x_values is None, "a gradient port is for one group function (see gradient_port)"
-        return torch.cat([m(x) for m in mods], dim=-1)
+        return torch.cat([m(x) for m in mods], dim=-1)  # (each module call adds its own adapter)
     needs_grad = torch.is_grad_enabled() and (
         (x is not None and x.requires_grad)
         or any(m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad) for m in mods))
     w, b = group_weight(mods, owner)
     if not needs_grad:
-        return linear_forward(x if x_values is None else x_values, w, b, mods[0].precision.fprop, x_op=x_op,
-                              x_dtype=x_dtype)
-    params = [m.weight for m in mods] + [m.bias for m in mods if m.bias is not None]
-    return _LinearGroupFn.apply(x, _Group(mods, w, b, owner, input_kept, x_op, x_values), *params)
+        y = linear_forward(x if x_values is None else x_values, w, b, mods[0].precision.fprop, x_op=x_op,
+                           x_dtype=x_dtype)
+    else:
+        params = [m.weight for m in mods] + [m.bias for m in mods if m.bias is not None]
+        y = _LinearGroupFn.apply(x, _Group(mods, w, b, owner, input_kept, x_op, x_values), *params)
+    return _add_adapters(mods, x, y) if not _ADAPTERS_OFF and any_adapter(mods) else y
+
+
+# --------------------------------------------------------------------------- LoRA adapters (models/lora.py)
+
+_ADAPTERS_OFF = False  # within ``adapters_disabled``
+
+
+def has_adapter(m: nn.Module) -> bool:
+    """Whether linear layer ``m`` carries a LoRA adapter (``lora_A`` / ``lora_B`` submodules)."""
+    return "lora_A" in m._modules
+
+
+def any_adapter(mods) -> bool:
+    """Whether a layer of ``mods`` carries an adapter. Such a group runs its GEMM on a written input: the
+    kernels that hand a layer its input as an FP8 operand only (a norm's, SwiGLU's, decode attention's
+    quantizing kernels) and gradient ports are not used for it, on both sides of a flow alike."""
+    return any("lora_A" in m._modules for m in mods)
+
+
+@contextlib.contextmanager
+def adapters_disabled():
+    """Within: every adapted layer runs without its adapter (the base model: a KL penalty's reference
+    policy). The layers run the same unfused forward as with adapters, so the bits are the base's."""
+    global _ADAPTERS_OFF
+    before, _ADAPTERS_OFF = _ADAPTERS_OFF, True
+    try:
+        yield
+    finally:
+        _ADAPTERS_OFF = before
+
+
+def _add_adapters(mods: tuple, x: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    """``y`` (the group's output, its layers' outputs side by side) plus each adapted layer's
+    ``scale * B (A x)``, in ``y``'s dtype (PEFT's order of operations: B's output times the scale,
+    then added). The group's A matrices run as one GEMM (x read once, as the group's own GEMM reads it),
+    each B on its share of that output."""
+    assert x is not None, "an adapted layer reads its input (any_adapter keeps the input-only kernels out)"
+    adapted = [m for m in mods if has_adapter(m)]
+    downs = tuple(m.lora_A for m in adapted)
+    z = _linear_group(downs, x, downs[0]).split([a.out_features for a in downs], dim=-1)
+    deltas = {id(m): m.lora_B(zi) * m.lora_scale for m, zi in zip(adapted, z)}
+
+    def add(m, yi):
+        d = deltas[id(m)]
+        return yi + d.reshape(*yi.shape[:-1], d.shape[-1]).to(yi.dtype)
+
+    if len(mods) == 1:
+        return add(mods[0], y)
+    parts = y.split([m.out_features for m in mods], dim=-1)
+    return torch.cat([add(m, yi) if has_adapter(m) else yi for m, yi in zip(mods, parts)], dim=-1)
 
 
 def fused_input_quantizer(mods: Sequence["JetLinear"], x: torch.Tensor) -> tuple | None:
@@ -654,7 +706,8 @@ def fused_input_quantizer(mods: Sequence["JetLinear"], x: torch.Tensor) -> tuple
     that kernel's x. None otherwise (also for layers run one module call each: ``separate_linears``).
     It depends on nothing a rollout and a trainer of one flow do not share, so both make x the same
     way. (The FP8 module has every such kernel; the INT8 one its RMSNorm quantizer.)"""
-    if _SEPARATE or x.dtype not in (torch.bfloat16, torch.float32) or (len(mods) > 1 and not _uniform(mods)):
+    if (_SEPARATE or x.dtype not in (torch.bfloat16, torch.float32) or (len(mods) > 1 and not _uniform(mods))
+            or any_adapter(mods)):
         return None
     prec = mods[0].precision
     kernels = _fp8_input_kernels(prec, x) or _int8_input_kernels(prec, x)
@@ -745,8 +798,9 @@ def release_after_backward(layer: "JetLinear") -> None:
 
 def _release_weights(mods, owner: nn.Module) -> None:
     """Drop a group's cached weight operands (rebuilt from the master weights by the next forward).
-    Not for a layer holding a loaded quantized weight (a rollout engine's): that is its only copy."""
-    if any(m._wfixed is not None for m in mods):
+    Not for a layer holding a loaded quantized weight (a rollout engine's): that is its only copy; nor
+    for frozen layers (LoRA's base weights), which no update makes stale."""
+    if any(m._wfixed is not None for m in mods) or not any(m.weight.requires_grad for m in mods):
         return
     batch = mods[0].__dict__.get("_cast_batch")
     if batch is not None:
@@ -1202,6 +1256,8 @@ def swiglu_down(gu: torch.Tensor, down: "JetLinear") -> torch.Tensor:
     (``kernels.fp8.swiglu_quantize``, with gu's FP8 copy from the same read when it is kept), and
     then by it in every forward, the rollout's and the trainer's alike (``_swiglu_kernel``)."""
     prec = down.precision
+    if has_adapter(down):  # the adapter reads down's input, written
+        return linear_group((down,), swiglu(gu, torch.float32 if prec.fprop.a.is_scaled else None), down)
     save = swiglu_save_spec(prec)
     gu2 = gu.reshape(-1, gu.shape[-1])
     kernel = None if _SEPARATE else _swiglu_kernel(gu2, prec)
@@ -1366,7 +1422,8 @@ def _dgu_casts(mods: tuple, down: "JetLinear", x: torch.Tensor) -> tuple | None:
     registers), else None: with autograd, ``save_fp8_activations`` (the FP8 copy of [g, u] the kernel
     reads), no gate/up bias, [g, u] whole 128-wide groups, and where ``cast_pair`` would quantize dy
     with Triton's ``quantize_act`` (``one_read_pair``)."""
-    if _SEPARATE or not mods or not _uniform(mods) or mods[0].bias is not None or not torch.is_grad_enabled():
+    if (_SEPARATE or not mods or not _uniform(mods) or mods[0].bias is not None or not torch.is_grad_enabled()
+            or any_adapter((*mods, down))):
         return None
     if not (x.requires_grad or any(m.weight.requires_grad for m in mods)):
         return None
@@ -1437,6 +1494,11 @@ def swiglu_save_spec(prec: LinearPrecision) -> CastSpec | None:
 # --------------------------------------------------------------------------- applying a flow
 
 
+def is_adapter_name(name: str) -> bool:
+    """Whether module ``name`` is a LoRA adapter's A or B (``...q_proj.lora_A``)."""
+    return name.rsplit(".", 1)[-1] in ("lora_A", "lora_B")
+
+
 def matches_skip(name: str, patterns: tuple[str, ...]) -> bool:
     """A module is skipped if a pattern matches its full dotted name or its last component."""
     leaf = name.rsplit(".", 1)[-1]
@@ -1468,6 +1530,10 @@ def swap_linears(model: nn.Module, precision: LinearPrecision, skip: tuple[str, 
     report.unmatched_patterns = [p for p in skip if p not in used]
     for name, mod in list(model.named_modules()):
         if not name or not isinstance(mod, (nn.Linear, JetLinear)):
+            continue
+        if is_adapter_name(name):  # LoRA's A and B: the skipped layers' high precision (models/lora.py)
+            if skipped is not None:
+                mod.set_precision(skipped)
             continue
         prec = precision
         if matches_skip(name, skip):

@@ -1,7 +1,8 @@
 """Checkpoints: a Hugging Face model directory plus the trainer's state, written atomically.
 
 ``OUT/checkpoints/step_000010/`` holds ``config.json``, ``model.safetensors`` (fp32 master weights),
-the tokenizer files and ``trainer_state.pt`` (optimizer state, step). It is written under a
+the tokenizer files and ``trainer_state.pt`` (optimizer state, step); with LoRA, the merged weights
+and the adapters beside them (``adapter_model.safetensors``, ``adapter_config.json``: PEFT's files). It is written under a
 temporary name and renamed when complete; ``OUT/latest`` (replaced atomically) names the newest.
 A killed run therefore always leaves its last complete checkpoint, and ``--resume`` starts there.
 """
@@ -84,7 +85,13 @@ def fresh_dir(path: Path) -> None:
 def save_checkpoint(out: Path, step: int, model, optimizer, source_dir: Path, extra: dict, keep: int) -> Path:
     tmp, final = checkpoint_dirs(out, step)
     fresh_dir(tmp)
-    write_model_files(tmp, model.state_dict(), source_dir, model.config.tie_word_embeddings)
+    if getattr(model, "lora", None) is None:
+        write_model_files(tmp, model.state_dict(), source_dir, model.config.tie_word_embeddings)
+    else:  # the merged model (loadable anywhere) and the adapters as PEFT writes them (models/lora.py)
+        from ..models.lora import merged_state, save_adapters
+
+        write_model_files(tmp, merged_state(model), source_dir, model.config.tie_word_embeddings)
+        save_adapters(model, tmp, str(source_dir))
     torch.save({"step": step, "optimizer": optimizer.state_dict(), **extra}, tmp / "trainer_state.pt")
     return publish_checkpoint(out, tmp, final, keep)
 

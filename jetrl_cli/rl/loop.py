@@ -30,6 +30,7 @@ from ..engine.embedded import EmbeddedEngine
 from ..engine.sampling import SamplingParams
 from ..errors import JetrlError
 from ..models.hf import load_model
+from ..models.lora import LoraSpec, add_adapters, load_adapters, sync_parameters
 from ..models.tokenizer import Tokenizer
 from ..precision import fuse
 from ..precision.gemm import backend_report, check_backends, reset_resolutions
@@ -129,7 +130,16 @@ def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None, worl
     tok = Tokenizer.from_dir(model_dir)
     dev = _device(cfg)
     task = fitted_task(cfg, tok, cfg.run.seed)  # before the model loads: a dataset that cannot run fails in seconds
-    model = load_model(init_dir or model_dir).to(dev)
+    lora = LoraSpec.from_config(cfg.model)
+    if lora is not None and world.distributed:
+        raise JetrlError("model.lora_rank: LoRA does not run under torchrun yet (FSDP of the adapters); "
+                         "run one process, or set model.lora_rank: 0")
+    # a LoRA checkpoint's model.safetensors is the merged model: a resume loads the base and the adapters
+    model = load_model(init_dir if init_dir is not None and lora is None else model_dir).to(dev)
+    if lora is not None:
+        add_adapters(model, lora, cfg.run.seed)
+        if init_dir is not None or cfg.model.lora_path:  # a resume's own adapters, else the preset's to start from
+            load_adapters(model, init_dir if init_dir is not None else Path(cfg.model.lora_path).expanduser())
     limit = model.config.max_position_embeddings
     if cfg.rollout.max_len > limit:  # vLLM refuses it too: positions past the table were never trained
         raise JetrlError(f"rollout.max_len: {cfg.rollout.max_len} is longer than the model's {limit} positions "
@@ -139,7 +149,9 @@ def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None, worl
     source = PromptSource(task, cfg.run.seed)
     s = cfg.train.invariant_scale
     ref = None
-    if with_trainer and cfg.train.kl_coef > 0:
+    if with_trainer and cfg.train.kl_coef > 0 and lora is not None:
+        ref = model  # the base policy: the model with its adapters off (Trainer.score)
+    elif with_trainer and cfg.train.kl_coef > 0:
         ref = load_model(model_dir).to(dev)
         if s != 1.0:
             fold_invariant_scale(ref, s)
@@ -147,7 +159,7 @@ def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None, worl
         fold_invariant_scale(model, s)
     sampling = sampling_params(cfg, tok)
     engine = build_engine(cfg, model, model_dir)  # before the trainer, which may shard the model
-    engine.load_weights(make_payload(model, cfg.flow))
+    engine.load_weights(make_payload(model, cfg.flow, params=sync_parameters(model, engine, first=True)))
     trainer = None
     if with_trainer:
         args = (model, cfg.flow, cfg.train, correction_config(cfg), sampling, cfg.rollout.max_len, ref)
@@ -655,7 +667,7 @@ def _steps(job: Job, cfg: JobConfig, out: Path, start: int, ckpt: Path | None, l
         else:
             m.update({"mismatch_kl": None, "skipped": True, "score_s": 0.0, "train_s": 0.0})
         t0 = time.perf_counter()
-        payload = transport.payload(tr.model, cfg.flow, version=step)
+        payload = transport.payload(tr.model, cfg.flow, version=step, params=sync_parameters(tr.model, job.engine))
         job.engine.load_weights(payload)
         m["sync_s"] = time.perf_counter() - t0
         m["sync_bytes"] = payload.nbytes

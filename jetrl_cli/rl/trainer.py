@@ -28,8 +28,8 @@ from ..config import TrainConfig
 from ..engine.sampling import SamplingParams, gathered_logprobs, gathered_logprobs_entropy, invariant_for
 from ..errors import JetrlError, is_out_of_memory
 from ..precision.gemm import configure_cuda_numerics
-from ..precision.linear import (JetLinear, apply_flow, batch_weight_casts, grads_in_place, mark_updated,
-                                releasing_weights, summing_wgrad)
+from ..precision.linear import (JetLinear, adapters_disabled, apply_flow, batch_weight_casts, grads_in_place,
+                                mark_updated, releasing_weights, summing_wgrad)
 from .head_grad import head_logprobs, sliced_backward_applies
 
 # Logits held at once: 128M fp32 values (512 MiB), whatever the vocab: 768 rows at a 152K vocabulary,
@@ -250,7 +250,7 @@ class Trainer:
         apply_flow(self.model, self.flow, "train")
         if self.batch_casts:
             batch_weight_casts(self.model)
-        if self.ref is not None:
+        if self.ref is not None and self.ref is not self.model:  # (a LoRA model is its own reference)
             apply_flow(self.ref.eval(), self.flow, "train")
             for p in self.ref.parameters():
                 p.requires_grad_(False)
@@ -266,9 +266,12 @@ class Trainer:
     @torch.no_grad()
     def score(self, b: Batch, ref: bool = False, entropy: bool = False) -> torch.Tensor:
         """Per-token logprobs of the batch's completions under the training precision (no grad);
-        ``entropy``: stacked with the policy's entropy at those tokens (``score_logprobs``)."""
-        return score_logprobs(self.ref if ref else self.model, b, self.sampling, self.cfg.micro_batch, self.width,
-                              entropy)
+        ``entropy``: stacked with the policy's entropy at those tokens (``score_logprobs``). A LoRA
+        model's reference is the model itself with its adapters off: the base policy."""
+        base = ref and self.ref is self.model
+        with adapters_disabled() if base else contextlib.nullcontext():
+            return score_logprobs(self.ref if ref else self.model, b, self.sampling, self.cfg.micro_batch,
+                                  self.width, entropy)
 
     # ---------------------------------------------------------------- update
 
@@ -303,7 +306,7 @@ class Trainer:
                     torch.nn.utils.clip_grads_with_norm_(self.params, cfg.grad_clip, total)
                 self.opt.step()
                 mark_updated(self.params)  # fused AdamW keeps versions: the weight caches would go stale
-                bad = nonfinite_parameters(list(self.model.named_parameters()))
+                bad = nonfinite_parameters([(n, p) for n, p in self.model.named_parameters() if p.requires_grad])
                 if bad:
                     raise NonFiniteError(f"step {step}: parameter {bad[0]} became non-finite after the update")
                 count += 1
