@@ -890,7 +890,8 @@ def _flow(name: str):
     if base not in NAMED_FLOWS or any(m not in FLOW_MODIFIERS for m in mods) or len(set(mods)) < len(mods):
         raise JetrlError(f"--flows: unknown flow {name!r} (allowed: fp32, {', '.join(NAMED_FLOWS)}; a flow name "
                          "+invariant for its batch-invariant mode, +fp8kv for an FP8 KV cache; in train rows +graphs for "
-                         "the decoder layers as CUDA graphs, +ckpt for them recomputed in the backward, +lora for LoRA adapters)")
+                         "the decoder layers as CUDA graphs, +ckpt for them recomputed in the backward, +lora for LoRA "
+                         "adapters)")
     if mods:
         over: dict = {"base": base}
         for m in mods:  # each sets its own top-level key

@@ -24,8 +24,8 @@ their wrappers run and allocate their outputs on the device, the launch is count
 that take them are checked up to the kernel. The scenarios: the engine's decoding and the trainer's forward and update
 through the ``scaled_mm``, ``emulated`` and torch backends; ``jetrl bench train`` and ``bench
 rollout --device cuda`` at the 1.5B shape cut to one layer; ``jetrl run PRESET --set
-model.device=cuda`` for two steps, the tiny presets (``fp8-unified`` also with a KL penalty, and with LoRA) and the ``gpu-*`` ones (on a small Hugging Face
-model directory written here).
+model.device=cuda`` for two steps, the tiny presets (``fp8-unified`` also with a KL penalty, and with
+LoRA) and the ``gpu-*`` ones (on a small Hugging Face model directory written here).
 """
 
 from __future__ import annotations

@@ -369,7 +369,8 @@ def test_train_bench_rows_with_the_layers_as_cuda_graphs():
     assert all(r["first_update_s"] > 0 for r in rows)  # the warm-up update, timed on its own
     assert "e4m3" in rows[2]["train"] and "e4m3" not in rows[1]["train"]
     res = runner.invoke(app, ["bench", "rollout", "--flows", "bf16+graphs", *FAST])
-    assert res.exit_code == 2 and "--flows: 'bf16+graphs': +graphs, +ckpt and +lora are for train rows only" in res.output
+    assert res.exit_code == 2
+    assert "--flows: 'bf16+graphs': +graphs, +ckpt and +lora are for train rows only" in res.output
 
 
 def test_train_bench_rows_with_the_layers_recomputed_save_fewer_activations():

@@ -177,7 +177,8 @@ def test_adapter_files_that_do_not_fit_are_one_line(tmp_path):
     with pytest.raises(JetrlError, match=r"adapter_config.json: r is 8, the preset's is 4"):
         load_adapters(smaller, tmp_path)
     fewer = _with_adapters(_base(s), s, rank=8, targets=("q_proj",))
-    with pytest.raises(JetrlError, match=r"adapter_model.safetensors: model.layers.0.mlp.down_proj.lora_A.weight, which .* do not adapt"):
+    with pytest.raises(JetrlError, match=r"adapter_model.safetensors: model.layers.0.mlp.down_proj.lora_A.weight, "
+                                          r"which .* do not adapt"):
         load_adapters(fewer, tmp_path)
     with pytest.raises(JetrlError, match=r"no adapter_model.safetensors"):
         load_adapters(fewer, tmp_path / "nowhere")
@@ -305,3 +306,13 @@ def test_a_gpu_engine_holds_the_adapters_once_and_syncs_them_in_place(forced_nat
     fresh.static = True
     fresh.load_weights(make_payload(trained, flow))
     assert _samples(eng, sp) == _samples(fresh, sp)
+
+
+def test_lora_under_torchrun_is_refused_in_one_line():
+    from types import SimpleNamespace
+
+    from jetrl_cli.rl.loop import setup
+
+    with pytest.raises(JetrlError, match=r"^model.lora_rank: LoRA does not run under torchrun yet"):
+        setup(load_job_config("fp8-unified", ["model.lora_rank=4"]), with_trainer=True,
+              world=SimpleNamespace(distributed=True))

@@ -198,7 +198,8 @@ def load_adapters(model: nn.Module, src: Path) -> None:
     missing = sorted(set(own) - set(state))
     extra = sorted(set(state) - set(own))
     if missing or extra:
-        what = f"no {missing[0]}" if missing else f"{extra[0]}, which the preset's model.lora_target_modules do not adapt"
+        what = (f"no {missing[0]}" if missing else
+                f"{extra[0]}, which the preset's model.lora_target_modules do not adapt")
         raise JetrlError(f"{weights}: {what} ({len(missing)} missing, {len(extra)} unexpected)")
     with torch.no_grad():
         for k, p in own.items():
