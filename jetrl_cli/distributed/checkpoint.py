@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..rl.checkpoint import checkpoint_dirs, fresh_dir, load_trainer_state, publish_checkpoint, write_model_files
+from ..rl.checkpoint import checkpoint_dirs, fresh_dir, load_trainer_state, publish_checkpoint, write_model_state
 from ..errors import JetrlError
 from .world import World
 
@@ -47,7 +47,7 @@ def save_sharded_checkpoint(out: Path, step: int, trainer, world: World, source_
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / DCP_DIR)
     full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if world.is_writer:
-        write_model_files(tmp, full, source_dir, trainer.model.config.tie_word_embeddings)
+        write_model_state(tmp, trainer.model, full, source_dir)
         torch.save({"step": step, "optimizer": None, "sharded_state": DCP_DIR, "world_size": world.size, **extra},
                    tmp / "trainer_state.pt")
         publish_checkpoint(out, tmp, final, keep)

@@ -29,7 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import JetrlError
-from ..precision.linear import releasing_weights
+from ..precision.linear import adapters_disabled, releasing_weights
 from ..rl.algos import loss_denominator
 from ..rl.trainer import (Batch, NonFiniteError, Trainer, add_minibatch, clip_factor, host_values, minibatch_groups,
                           nonfinite_parameters, score_logprobs)
@@ -62,7 +62,7 @@ class ShardedTrainer(Trainer):
         quiet_fsdp_view_warning()
         super()._prepare()  # before sharding: FSDP records each parameter's module
         shard_model(self.model, self.world.exact)
-        if self.ref is not None:
+        if self.ref is not None and self.ref is not self.model:  # (a LoRA model is its own reference)
             shard_model(self.ref, self.world.exact)
 
     # ---------------------------------------------------------------- scoring
@@ -70,8 +70,12 @@ class ShardedTrainer(Trainer):
     @torch.no_grad()
     def score(self, b: Batch, ref: bool = False, entropy: bool = False) -> torch.Tensor:
         """The whole batch's logprobs (every rank gets all of them); each rank scores its block.
-        ``entropy``: stacked with the entropies, as ``Trainer.score``."""
-        model = self.ref if ref else self.model
+        ``entropy``: stacked with the entropies, as ``Trainer.score``; a LoRA model's reference is itself
+        with its adapters off."""
+        with adapters_disabled() if ref and self.ref is self.model else contextlib.nullcontext():
+            return self._score(self.ref if ref else self.model, b, entropy)
+
+    def _score(self, model, b: Batch, entropy: bool) -> torch.Tensor:
         if b.ids.shape[1] > self.width:
             raise JetrlError(f"a sequence of {b.ids.shape[1]} tokens is longer than rollout.max_len ({self.width})")
         mb = self.cfg.micro_batch
@@ -142,7 +146,7 @@ class ShardedTrainer(Trainer):
         return total, total
 
     def _check_finite_params(self, step: int) -> None:
-        params = list(self.model.named_parameters())
+        params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         mine = nonfinite_parameters([(n, _local(p)) for n, p in params])
         bad = set().union(*self.world.all_gather_object(mine))
         if bad:

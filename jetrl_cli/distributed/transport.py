@@ -38,20 +38,23 @@ class LocalTransport:
         return make_payload(model, flow, version, params=params)
 
 
-def full_parameters(model: torch.nn.Module):
-    """(name, full tensor) of every parameter; sharded ones (DTensor) are all-gathered."""
+def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_parameters(model: torch.nn.Module):
+    """(name, full tensor) of every parameter; sharded ones (DTensor) are all-gathered."""
     for name, p in model.named_parameters():
-        t = p.detach()
-        yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
+        yield name, _full(p.detach())
 
 
 class GatherTransport:
     name = "gather"
 
     def payload(self, model: torch.nn.Module, flow, version: int = 0, params=None) -> WeightPayload:
-        if params is not None:
-            raise NotImplementedError("a sharded trainer sends its whole gathered weights (no LoRA under torchrun)")
         with torch.no_grad():
-            return make_payload(model, flow, version, params=full_parameters(model))
+            if params is None:
+                return make_payload(model, flow, version, params=full_parameters(model))
+            return make_payload(model, flow, version, params=[(n, _full(t)) for n, t in params])

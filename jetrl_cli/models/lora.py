@@ -17,7 +17,8 @@ The reference policy of a KL penalty is the base model: the policy with its adap
 (``linear.adapters_disabled``), no second copy. A checkpoint holds the merged model
 (``model.safetensors``, loadable anywhere), the adapters as PEFT writes them
 (``adapter_model.safetensors`` + ``adapter_config.json``), and the trainer's state; ``--resume``
-loads the base model again and the adapters from the checkpoint.
+loads the base model again and the adapters from the checkpoint. Under torchrun the frozen weights and the
+adapters are sharded together (FSDP2 shards parameter by parameter); a sync gathers the adapters alone.
 """
 
 from __future__ import annotations
@@ -107,23 +108,35 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {f"{n}.{ab}.weight": getattr(m, ab).weight for n, m in adapted_layers(model) for ab in ("lora_A", "lora_B")}
 
 
+def is_adapter_key(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
 @torch.no_grad()
-def merged_parameters(model: nn.Module):
-    """(name, tensor) of the base model's parameters with each adapter folded into its layer's weight,
-    ``W + scale * B @ A`` (in fp32): the model a plain forward (vLLM, transformers) runs."""
-    delta = {f"{n}.weight": (m.lora_B.weight.float() @ m.lora_A.weight.float()) * m.lora_scale
-             for n, m in adapted_layers(model)}
-    for name, p in model.named_parameters():
-        if ".lora_A." in name or ".lora_B." in name:
+def merge_state(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """A state dict (a model's, or a sharded model's gathered whole) with each adapter folded into its
+    layer's weight, ``W + scale * B @ A`` (in fp32, then W's dtype), and the adapters' entries dropped:
+    the model a plain forward (vLLM, transformers) runs."""
+    out = {}
+    for name, w in state.items():
+        if is_adapter_key(name):
             continue
-        d = delta.get(name)
-        yield name, (p.detach() if d is None else (p.detach().float() + d).to(p.dtype))
+        a = state.get(name[:-len("weight")] + "lora_A.weight") if name.endswith(".weight") else None
+        if a is not None:
+            b = state[name[:-len("weight")] + "lora_B.weight"]
+            w = (w.float() + (b.float() @ a.float()) * scale).to(w.dtype)
+        out[name] = w
+    return out
+
+
+def merged_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the base model's parameters with the adapters folded in (``merge_state``)."""
+    return list(merge_state({n: p.detach() for n, p in model.named_parameters()}, model.lora.scale).items())
 
 
 def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` of the merged model: the adapters folded into their layers' weights."""
-    merged = dict(merged_parameters(model))
-    return {k: merged.get(k, v) for k, v in model.state_dict().items() if ".lora_A." not in k and ".lora_B." not in k}
+    """``model.state_dict()`` of the merged model."""
+    return merge_state(model.state_dict(), model.lora.scale)
 
 
 def sync_parameters(model: nn.Module, engine, first: bool = False):
@@ -133,7 +146,7 @@ def sync_parameters(model: nn.Module, engine, first: bool = False):
     if getattr(model, "lora", None) is None:
         return None
     if not getattr(engine, "runs_adapters", False):
-        return list(merged_parameters(model))
+        return merged_parameters(model)
     if first:
         return None
     return [(n, p.detach()) for n, p in adapter_state(model).items()]
@@ -152,14 +165,15 @@ def peft_config(spec: LoraSpec, base: str) -> dict:
     }
 
 
-def save_adapters(model: nn.Module, dst: Path, base: str) -> None:
-    """``adapter_model.safetensors`` (fp32, PEFT's names) and ``adapter_config.json`` into ``dst``."""
+def save_adapters(state: dict[str, torch.Tensor], spec: LoraSpec, dst: Path, base: str) -> None:
+    """The adapters of ``state`` (a model's state dict, or a sharded one gathered whole) into ``dst`` as PEFT
+    writes them: ``adapter_model.safetensors`` (fp32, PEFT's names) and ``adapter_config.json``."""
     from ..fileio import save_safetensors
 
     dst.mkdir(parents=True, exist_ok=True)
-    state = {PEFT_PREFIX + k: v.detach().float().cpu().contiguous() for k, v in adapter_state(model).items()}
-    save_safetensors(state, dst / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-    (dst / ADAPTER_CONFIG).write_text(json.dumps(peft_config(model.lora, base), indent=2) + "\n")
+    adapters = {PEFT_PREFIX + k: v.detach().float().cpu().contiguous() for k, v in state.items() if is_adapter_key(k)}
+    save_safetensors(adapters, dst / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    (dst / ADAPTER_CONFIG).write_text(json.dumps(peft_config(spec, base), indent=2) + "\n")
 
 
 def load_adapters(model: nn.Module, src: Path) -> None:

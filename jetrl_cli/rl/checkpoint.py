@@ -68,6 +68,19 @@ def write_model_files(dst: Path, state: dict, source_dir: Path, tie_word_embeddi
             shutil.copyfile(source_dir / f, dst / f)  # a new file: the umask's mode, like the rest
 
 
+def write_model_state(dst: Path, model, state: dict, source_dir: Path) -> None:
+    """``write_model_files`` of ``model``'s ``state`` (its state dict, or a sharded one's gathered whole); with
+    LoRA, the merged model (loadable anywhere) and the adapters as PEFT writes them (``models/lora.py``)."""
+    spec = getattr(model, "lora", None)
+    if spec is None:
+        write_model_files(dst, state, source_dir, model.config.tie_word_embeddings)
+        return
+    from ..models.lora import merge_state, save_adapters
+
+    write_model_files(dst, merge_state(state, spec.scale), source_dir, model.config.tie_word_embeddings)
+    save_adapters(state, spec, dst, str(source_dir))
+
+
 def checkpoint_dirs(out: Path, step: int) -> tuple[Path, Path]:
     """``(staging, final)`` directories of step ``step``'s checkpoint (nothing is created)."""
     ckdir = out / "checkpoints"
@@ -85,13 +98,7 @@ def fresh_dir(path: Path) -> None:
 def save_checkpoint(out: Path, step: int, model, optimizer, source_dir: Path, extra: dict, keep: int) -> Path:
     tmp, final = checkpoint_dirs(out, step)
     fresh_dir(tmp)
-    if getattr(model, "lora", None) is None:
-        write_model_files(tmp, model.state_dict(), source_dir, model.config.tie_word_embeddings)
-    else:  # the merged model (loadable anywhere) and the adapters as PEFT writes them (models/lora.py)
-        from ..models.lora import merged_state, save_adapters
-
-        write_model_files(tmp, merged_state(model), source_dir, model.config.tie_word_embeddings)
-        save_adapters(model, tmp, str(source_dir))
+    write_model_state(tmp, model, model.state_dict(), source_dir)
     torch.save({"step": step, "optimizer": optimizer.state_dict(), **extra}, tmp / "trainer_state.pt")
     return publish_checkpoint(out, tmp, final, keep)
 

@@ -131,9 +131,6 @@ def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None, worl
     dev = _device(cfg)
     task = fitted_task(cfg, tok, cfg.run.seed)  # before the model loads: a dataset that cannot run fails in seconds
     lora = LoraSpec.from_config(cfg.model)
-    if lora is not None and world.distributed:
-        raise JetrlError("model.lora_rank: LoRA does not run under torchrun yet (FSDP of the adapters); "
-                         "run one process, or set model.lora_rank: 0")
     # a LoRA checkpoint's model.safetensors is the merged model: a resume loads the base and the adapters
     model = load_model(init_dir if init_dir is not None and lora is None else model_dir).to(dev)
     if lora is not None:
