@@ -1320,8 +1320,8 @@ def bench_train(s: Settings) -> list[dict]:
         peaks = PhasePeaks(s.device == "cuda")
         graphs = "graphs" in mods
         cfg = dataclasses.replace(tcfg, cuda_graphs=graphs, activation_checkpointing="ckpt" in mods)
-        tr, old = peaks("setup", lambda: _scored(Trainer(_bench_policy(make, dev, mods), flow, cfg, ccfg, sp, t),
-                                                 batch))
+        tr, old = peaks("setup", lambda: _scored(Trainer(_bench_policy(make, dev, mods), flow, cfg, ccfg, sp, t,
+                                                         hold_frozen="lora" in mods), batch))
         step = [0]
 
         def one():

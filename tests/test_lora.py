@@ -307,3 +307,46 @@ def test_a_gpu_engine_holds_the_adapters_once_and_syncs_them_in_place(forced_nat
     fresh.load_weights(make_payload(trained, flow))
     assert _samples(eng, sp) == _samples(fresh, sp)
 
+
+
+@pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified"])
+def test_a_gpu_trainer_holds_its_frozen_layers_operands_only(forced_native, flow_name, tmp_path):
+    """On a GPU (the native path, forced here) a LoRA trainer keeps its frozen layers' forward operands only
+    (``hold_frozen_weights``: no fp32 master beside them, the lm_head's aside): the logprobs and the adapters'
+    gradients are those of a trainer keeping the masters, bit for bit, and a checkpoint still holds the merged
+    model (the frozen weights read back from the model directory)."""
+    from jetrl_cli.rl.checkpoint import save_checkpoint, write_model_files
+    from jetrl_cli.rl.trainer import token_logprobs
+
+    s = fresh_seed()
+    base = random_model(tiny_config("qwen2", hidden=128, layers=2, vocab=256), seed=s, std=0.05)
+    src = tmp_path / "base"
+    src.mkdir()
+    write_model_files(src, base.state_dict(), tiny_policy_dir(), False)
+    cfg = json.loads((src / "config.json").read_text())  # the random model's own shape, not the tiny policy's
+    from jetrl_cli.models.transformers_ref import hf_config_dict
+
+    (src / "config.json").write_text(json.dumps({**cfg, **hf_config_dict(base.config)}))
+    model = _with_adapters(load_model(src), s)
+    ids = torch.randint(1, 256, (3, 24), generator=torch.Generator().manual_seed(s))
+    b = Batch.build(ids[:, :6].tolist(), ids[:, 6:].tolist(), [[-1.0] * 18] * 3, [0.0] * 3, [0, 0, 1])
+    out = []
+    for hold in (False, True):
+        tr = Trainer(copy.deepcopy(model), named_flow(flow_name), TrainConfig(), CorrectionConfig(),
+                     SamplingParams(), 64, hold_frozen=hold)
+        frozen = [m for n, m in tr.model.named_modules() if n.endswith("_proj") and ".lora_" not in n]
+        assert all((m.weight.numel() == 0) == hold for m in frozen) and tr.model.lm_head.weight.numel()
+        lp = token_logprobs(tr.model, b, tr.sampling)
+        lp.sum().backward()
+        out.append((tr, lp.detach(), {n: p.grad for n, p in adapter_state(tr.model).items()}))
+    (kept, lp0, g0), (held, lp1, g1) = out
+    assert torch.equal(lp0, lp1) and all(torch.equal(g0[n], g1[n]) for n in g0)
+    with torch.no_grad():
+        for p in adapter_state(kept.model).values():
+            p.add_(0.01)
+        for p in adapter_state(held.model).values():
+            p.add_(0.01)
+    for name, tr in (("kept", kept), ("held", held)):
+        save_checkpoint(tmp_path / name, 1, tr.model, tr.opt, src, {}, 1)
+    a, b2 = (load_file(str(tmp_path / n / "checkpoints" / "step_000001" / "model.safetensors")) for n in ("kept", "held"))
+    assert a.keys() == b2.keys() and all(torch.equal(a[k], b2[k]) for k in a)

@@ -1430,6 +1430,27 @@ class LlamaForCausalLM(nn.Module):
                 mod.load_quantized_weight(weight_operand(mod.weight, mod.precision.fprop))
         self.hold_weights_once()
 
+    def hold_frozen_weights(self) -> int:
+        """Natively (a GPU): each frozen linear layer of a trainer (LoRA's base layers) keeps its forward
+        operand only -- bf16, or 8-bit with its scales, cast once --, its fp32 master copy freed
+        (``hold_weights_once``); Dgrad reads the operand transposed. Not the lm_head (its vocabulary-sliced
+        backward reads the master), nor a layer whose Dgrad weight spec is not its forward's. On CPU (the
+        emulation) nothing changes. Returns the bytes of master weights freed."""
+        from ..precision.linear import is_adapter_name, weight_operand
+
+        tied = {id(mod.weight) for mod in self.modules() if isinstance(mod, nn.Embedding)}
+        freed = 0
+        for name, mod in self.named_modules():
+            w = getattr(mod, "weight", None)
+            if (isinstance(mod, JetLinear) and mod is not self.lm_head and not is_adapter_name(name)
+                    and not w.requires_grad and w.numel() and native(w) and id(w) not in tied
+                    and mod._wfixed is None and mod.precision.dgrad.b == mod.precision.fprop.b):
+                mod.load_quantized_weight(weight_operand(w, mod.precision.fprop))
+                freed += w.numel() * w.element_size()
+        if freed:
+            self.hold_weights_once()
+        return freed
+
     def refresh_weights(self) -> bool:
         """Bring every cached GEMM weight up to date now (a captured decode step does not run the
         Python that would do it lazily). True if every one was updated in place."""

@@ -75,8 +75,14 @@ def write_model_state(dst: Path, model, state: dict, source_dir: Path) -> None:
     if spec is None:
         write_model_files(dst, state, source_dir, model.config.tie_word_embeddings)
         return
-    from ..models.lora import merge_state, save_adapters
+    from ..models.lora import is_adapter_key, merge_state, save_adapters
 
+    freed = [k for k, v in state.items() if not v.numel() and not is_adapter_key(k)]
+    if freed:  # frozen weights whose master copy the trainer freed (``hold_frozen_weights``): the source's
+        from ..models.hf import load_state_dict
+
+        source = load_state_dict(source_dir)
+        state = {**state, **{k: source[k].float() for k in freed}}
     write_model_files(dst, merge_state(state, spec.scale), source_dir, model.config.tie_word_embeddings)
     save_adapters(state, spec, dst, str(source_dir))
 

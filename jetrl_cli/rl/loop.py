@@ -164,8 +164,9 @@ def setup(cfg: JobConfig, with_trainer: bool, init_dir: Path | None = None, worl
             from ..distributed.trainer import ShardedTrainer
 
             trainer = ShardedTrainer(*args, world=world)
-        else:
-            trainer = Trainer(*args)
+        else:  # a LoRA trainer holds its frozen layers' operands only, where the engine never needs the merged
+            # weights (vLLM does, at every sync)
+            trainer = Trainer(*args, hold_frozen=lora is not None and getattr(engine, "runs_adapters", False))
     if world.distributed:
         from ..distributed.rollout import ShardedEngine
 

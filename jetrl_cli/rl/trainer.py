@@ -210,9 +210,10 @@ def adamw_kind(cuda: bool) -> dict:
 
 class Trainer:
     def __init__(self, model, flow, tcfg, ccfg: CorrectionConfig, sampling: SamplingParams, width: int,
-                 ref_model=None):
+                 ref_model=None, hold_frozen: bool = False):
         self.model = model.train()
         self.ref = ref_model
+        self.hold_frozen = hold_frozen
         self.flow, self.cfg, self.ccfg = flow, tcfg, ccfg
         self.sampling, self.width = sampling, width
         self.model.activation_checkpointing = tcfg.activation_checkpointing
@@ -250,6 +251,8 @@ class Trainer:
         apply_flow(self.model, self.flow, "train")
         if self.batch_casts:
             batch_weight_casts(self.model)
+        if self.hold_frozen and self.freeze_reference:  # LoRA's frozen base: its operands only (not under FSDP)
+            self.model.hold_frozen_weights()
         if self.ref is not None and self.ref is not self.model:  # (a LoRA model is its own reference)
             apply_flow(self.ref.eval(), self.flow, "train")
             for p in self.ref.parameters():
