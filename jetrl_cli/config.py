@@ -121,6 +121,9 @@ class TrainConfig:
     ppo_epochs: int = 1
     minibatches: int = 1
     micro_batch: int = 64  # sequences per forward/backward
+    # > 0: also at most this many tokens per forward/backward (sequences x the longest's length), the sequences
+    # grouped longest first (verl's use_dynamic_bsz with ppo_max_token_len_per_gpu); 0: micro_batch alone
+    micro_batch_tokens: int = 0
     cuda_graphs: bool = False  # on a GPU: replay the decoder layers' forward and backward as CUDA graphs
     # keep each decoder layer's input only; its backward recomputes the layer's forward (verl's
     # enable_gradient_checkpointing): activation memory of one layer instead of all, for ~1/3 more compute
@@ -218,7 +221,7 @@ NON_NEGATIVE = {
     ("model", "lora_rank"), ("train", "steps"), ("rollout", "top_k"), ("train", "weight_decay"),
     ("train", "warmup_steps"), ("train", "clip_low"), ("train", "clip_high"), ("train", "kl_coef"), ("train", "entropy_coef"),
     ("train", "dynamic_sampling_rounds"), ("correction", "mis_low"), ("task", "overlong_buffer"),
-    ("task", "overlong_penalty"), ("eval", "every"),
+    ("train", "micro_batch_tokens"), ("task", "overlong_penalty"), ("eval", "every"),
     ("run", "checkpoint_every"), ("run", "log_samples"), ("run", "seed"),
 }
 
@@ -434,6 +437,9 @@ def build_job_config(data: dict, source: str, name: str) -> JobConfig:
         raise PresetError(source, "train.activation_checkpointing", "not with train.cuda_graphs (a captured "
                           "backward cannot run the layers' forward again); set one of them to false")
     _check_lora(source, secs["model"], t, r)
+    if 0 < t.micro_batch_tokens < r.max_len:
+        raise PresetError(source, "train.micro_batch_tokens", f"must be 0 (off) or at least rollout.max_len "
+                          f"({r.max_len}), so that the longest sequence fits; got {t.micro_batch_tokens}")
     if t.minibatches > r.prompts_per_step:
         raise PresetError(source, "train.minibatches", f"more mini-batches ({t.minibatches}) than prompts per step")
     _refuse_unread_keys(source, data, secs)

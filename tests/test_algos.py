@@ -1107,3 +1107,36 @@ def test_an_update_with_top_k_trains_on_the_tokens_inside_the_cut():
     for p, q in zip(g1, g2):  # the same sums over other padded widths: fp32 rounding apart
         assert torch.isfinite(p).all()
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6 * float(q.abs().max()))
+
+
+def test_micro_batches_by_token_budget_pack_the_longest_first_and_update_as_one_batch():
+    """``train.micro_batch_tokens`` (verl's dynamic batch size): each micro-batch holds at most that many
+    padded tokens (sequences x the longest's length) and at most ``micro_batch`` sequences, the sequences taken
+    longest first; the update is the one-batch update, and the scores (row-invariant) are the same bits."""
+    from jetrl_cli.rl.trainer import plan_micro_batches, sequence_lengths
+
+    b, adv = _update_batch(seed=fresh_seed() % 1000)
+    lengths = sequence_lengths(b)
+    assert all(b.select(torch.tensor([i])).ids.shape[1] == int(lengths[i]) for i in range(len(b)))
+    budget = int(lengths.max()) + 2
+    plan = plan_micro_batches(b, torch.arange(len(b)), 6, budget)
+    assert sorted(torch.cat(plan).tolist()) == list(range(len(b)))
+    assert [int(lengths[p].max()) * len(p) <= budget or len(p) == 1 for p in plan] == [True] * len(plan)
+    assert torch.equal(torch.cat(plan), torch.argsort(lengths, descending=True, stable=True))
+    assert len(plan_micro_batches(b, torch.arange(len(b)), 2, 10_000)) == 3  # micro_batch caps the count too
+    assert plan_micro_batches(b, torch.arange(len(b)), 4, 0)[0].tolist() == [0, 1, 2, 3]  # off: in order
+    noise = 0.4 * torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(fresh_seed())) * b.mask
+    runs = []
+    for tokens in (0, budget):
+        tr = _trainer(6, micro_batch_tokens=tokens)
+        lp = tr.score(b)
+        stats = tr.update(b, adv, lp + noise, None, step=0)
+        runs.append((lp, stats, [p.detach().clone() for p in tr.model.parameters()]))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert_same_updates(runs[0][1:], [runs[1][1:]])
+    from jetrl_cli.config import load_job_config
+    from jetrl_cli.errors import PresetError
+
+    with pytest.raises(PresetError, match=r"train.micro_batch_tokens: must be 0 \(off\) or at least rollout.max_len "
+                                          r"\(48\), so that the longest sequence fits; got 40"):
+        load_job_config("fp8-unified", ["train.micro_batch_tokens=40"])

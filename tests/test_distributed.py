@@ -273,6 +273,20 @@ def test_two_ranks_reproduce_the_single_process_lora_run(tmp_path):
 
 
 @pytest.mark.slow
+def test_micro_batches_by_token_budget_on_two_ranks(tmp_path):
+    """``train.micro_batch_tokens`` under torchrun: each rank packs its share by the budget (the ranks' counts
+    differ: the one with fewer runs masked forwards, so every collective is matched); step 1, before any
+    update, equals the single-process run, and every step stays on-policy."""
+    budget = SMALL + ["train.steps=2", "train.micro_batch_tokens=100", "train.kl_coef=0.01"]
+    single, two = tmp_path / "single", tmp_path / "two"
+    run(load_job_config("fp8-unified", budget), single)
+    jetrl("run", "fp8-unified", "--nproc", 2, "-o", two, *sets(budget))
+    got, ref = metrics(two), metrics(single)
+    assert [m["step"] for m in got] == [0, 1, 2] and all(m["mismatch_kl"] == 0.0 for m in got[1:])
+    assert got[1]["reward_mean"] == ref[1]["reward_mean"] and got[1]["loss"] == pytest.approx(ref[1]["loss"], abs=1e-6)
+
+
+@pytest.mark.slow
 def test_kill_one_rank_then_resume_on_two_ranks_or_one_process(tmp_path, reference):
     """kill -9 of rank 1 mid-run; --resume (2 ranks, and the plain run: another world size) gives
     the uninterrupted run's metrics and samples."""

@@ -32,17 +32,9 @@ from ..errors import JetrlError
 from ..precision.linear import adapters_disabled, releasing_weights
 from ..rl.algos import loss_denominator
 from ..rl.trainer import (Batch, NonFiniteError, Trainer, add_minibatch, clip_factor, host_values, minibatch_groups,
-                          nonfinite_parameters, score_logprobs)
+                          nonfinite_parameters, plan_micro_batches, score_logprobs)
 from .sharding import quiet_fsdp_view_warning, set_gradient_sync, shard_model
 from .world import World
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
-    return [rows[s:s + size] for s in range(0, len(rows), size)]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -78,16 +70,16 @@ class ShardedTrainer(Trainer):
     def _score(self, model, b: Batch, entropy: bool) -> torch.Tensor:
         if b.ids.shape[1] > self.width:
             raise JetrlError(f"a sequence of {b.ids.shape[1]} tokens is longer than rollout.max_len ({self.width})")
-        mb = self.cfg.micro_batch
+        mb, tokens = self.cfg.micro_batch, self.cfg.micro_batch_tokens
         shares = self.world.shards(len(b))
         mine = shares[self.world.rank]
         local = torch.zeros(2 if entropy else 1, len(mine), b.mask.shape[1])
         if len(mine):
             sub = b.select(torch.tensor(list(mine)))
-            out = score_logprobs(model, sub, self.sampling, mb, self.width, entropy)
+            out = score_logprobs(model, sub, self.sampling, mb, self.width, entropy, tokens)
             local[..., :out.shape[-1]] = out
-        forwards = max(_ceil_div(len(s), mb) for s in shares)
-        for _ in range(forwards - _ceil_div(len(mine), mb)):
+        counts = [len(plan_micro_batches(b, torch.tensor(list(s), dtype=torch.long), mb, tokens)) for s in shares]
+        for _ in range(max(counts) - counts[self.world.rank]):
             model(b.ids[:1, :2].to(self._device))  # FSDP's all-gathers: as many forwards as the busiest rank
         full = torch.cat(self.world.all_gather_object(local), dim=1)
         return full if entropy else full[0]
@@ -107,8 +99,8 @@ class ShardedTrainer(Trainer):
             for gs in gsplit:
                 idx = torch.isin(b.group, gs).nonzero()[:, 0]
                 denom = loss_denominator(self.loss_tokens(b, idx, old), cfg.loss_agg, self.sampling.max_new_tokens)
-                plans = [_micro_batches(torch.isin(b.group, gs[r.start:r.stop]).nonzero()[:, 0], cfg.micro_batch)
-                         for r in world.shards(len(gs))]
+                plans = [plan_micro_batches(b, torch.isin(b.group, gs[r.start:r.stop]).nonzero()[:, 0],
+                                            cfg.micro_batch, cfg.micro_batch_tokens) for r in world.shards(len(gs))]
                 mine, rounds = plans[world.rank], max(len(p) for p in plans)
                 self.opt.zero_grad(set_to_none=True)
                 parts = []  # this rank's micro-batches: (loss, stats)

@@ -175,30 +175,61 @@ def token_logprobs(model, b: Batch, sampling: SamplingParams, entropy: bool = Fa
     return torch.zeros(b.mask.shape, dtype=lp.dtype, device=dev).index_put(where, lp)
 
 
-def _oom(e: Exception, what: str, n: int, t: int) -> JetrlError:
+def sequence_lengths(b: Batch) -> torch.Tensor:
+    """Each sequence's length as ``Batch.select`` pads to it: through its last completion token (1 without any)."""
+    m = b.mask
+    last = m.shape[1] - 1 - m.flip(1).int().argmax(1)
+    return torch.where(m.any(1), last + 2, 1)
+
+
+def plan_micro_batches(b: Batch, rows: torch.Tensor, size: int, tokens: int = 0) -> list[torch.Tensor]:
+    """Sequences ``rows`` of ``b`` as micro-batches: ``size`` sequences each, in their order; with ``tokens`` > 0
+    (``train.micro_batch_tokens``) also at most ``tokens`` padded tokens each (sequences x the longest's length),
+    the rows taken longest first so that a micro-batch pads little (verl's dynamic batch size). A row's
+    logprobs do not depend on its micro-batch (the forward is row-invariant), so neither does the rollout
+    equality; the loss is the same sum, added in another order."""
+    if not tokens:
+        return [rows[s:s + size] for s in range(0, len(rows), size)]
+    lengths = sequence_lengths(b)[rows]
+    order = torch.argsort(lengths, descending=True, stable=True)
+    out, cur, longest = [], [], 0
+    for i in order.tolist():
+        n = int(lengths[i])
+        if cur and (len(cur) == size or max(longest, n) * (len(cur) + 1) > tokens):
+            out.append(rows[torch.tensor(cur)])
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    if cur:
+        out.append(rows[torch.tensor(cur)])
+    return out
+
+
+def _oom(e: Exception, what: str, n: int, t: int, tokens: int = 0) -> JetrlError:
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
-    return MicroBatchOutOfMemory(f"train.micro_batch: {what} {n} sequences x {t} tokens ran out of memory "
-                                 f"({first[:120]}); lower train.micro_batch")
+    key = "train.micro_batch_tokens" if tokens else "train.micro_batch"
+    return MicroBatchOutOfMemory(f"{key}: {what} {n} sequences x {t} tokens ran out of memory "
+                                 f"({first[:120]}); lower {key}")
 
 
 @torch.no_grad()
 def score_logprobs(model, b: Batch, sampling: SamplingParams, micro_batch: int, width: int,
-                   entropy: bool = False) -> torch.Tensor:
+                   entropy: bool = False, tokens: int = 0) -> torch.Tensor:
     """What the trainer scores a batch with (its old-policy logprobs), ``micro_batch`` sequences at a
     time; ``mismatch-report`` calls it too, so both see the same numbers. ``entropy``: stacked with
-    the sampling distribution's entropy at each completion token (the same logprob bits), (2, N, T)."""
+    the sampling distribution's entropy at each completion token (the same logprob bits), (2, N, T).
+    ``tokens``: ``train.micro_batch_tokens`` (``plan_micro_batches``)."""
     if b.ids.shape[1] > width:
         raise JetrlError(f"a sequence of {b.ids.shape[1]} tokens is longer than rollout.max_len ({width})")
     out = torch.zeros((2, *b.mask.shape) if entropy else b.mask.shape)
-    for s in range(0, len(b), micro_batch):
-        idx = torch.arange(s, min(s + micro_batch, len(b)))
+    for idx in plan_micro_batches(b, torch.arange(len(b)), micro_batch, tokens):
         mb = b.select(idx)
         try:
             out[..., idx, :mb.mask.shape[1]] = token_logprobs(model, mb, sampling, entropy).float().cpu()
         except Exception as e:  # noqa: BLE001 - an allocation that failed is the user's micro-batch; else re-raised
             if not is_out_of_memory(e):
                 raise
-            raise _oom(e, "scoring", len(idx), mb.ids.shape[1]) from None
+            raise _oom(e, "scoring", len(idx), mb.ids.shape[1], tokens) from None
     return out
 
 
@@ -274,7 +305,7 @@ class Trainer:
         base = ref and self.ref is self.model
         with adapters_disabled() if base else contextlib.nullcontext():
             return score_logprobs(self.ref if ref else self.model, b, self.sampling, self.cfg.micro_batch,
-                                  self.width, entropy)
+                                  self.width, entropy, self.cfg.micro_batch_tokens)
 
     # ---------------------------------------------------------------- update
 
@@ -298,10 +329,10 @@ class Trainer:
                     self.opt.zero_grad(set_to_none=True)
                 else:  # the layers' gradients stay where the graphs add into them; the first backward writes them
                     self.graphs.stale_grads(self.params)
-                starts = range(0, len(idx), cfg.micro_batch)
+                plan = plan_micro_batches(b, idx, cfg.micro_batch, cfg.micro_batch_tokens)
                 with grads_in_place():  # micro-batches after the first add into the gradients held
-                    parts = [self._micro_step(b, idx[s:s + cfg.micro_batch], adv, old, ref_logp, denom,
-                                              last=s == starts[-1]) for s in starts]
+                    parts = [self._micro_step(b, sub, adv, old, ref_logp, denom, last=k == len(plan) - 1)
+                             for k, sub in enumerate(plan)]
                 total = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], 2.0)
                 values, (gnorm, factor) = host_values(parts, total, clip_factor(total, cfg.grad_clip))
                 add_minibatch(agg, values, gnorm, step)
@@ -354,7 +385,7 @@ class Trainer:
         except Exception as e:  # noqa: BLE001 - as in score_logprobs
             if not is_out_of_memory(e):
                 raise
-            raise _oom(e, "a micro-batch of", len(sub), mb.ids.shape[1]) from None
+            raise _oom(e, "a micro-batch of", len(sub), mb.ids.shape[1], cfg.micro_batch_tokens) from None
         return loss.detach(), st
 
 
