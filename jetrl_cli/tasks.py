@@ -48,7 +48,8 @@ class Problem:
     solution: str = ""  # a worked completion, for supervised warm-up (synthetic tasks only)
     # a jsonl row whose prompt is a list of chat messages: those messages ({"role", "content"} dicts)
     messages: tuple | None = field(default=None, hash=False)
-    # a jsonl row's data_source and extra_info (verl's fields), for a verl-style task.reward
+    # a jsonl row's data_source and extra_info (verl's fields), and its answer field as it is where ``answer`` is
+    # not (a number; text with "####"): ground_truth, for a verl-style task.reward
     meta: dict | None = field(default=None, hash=False, compare=False)
     where: str | None = field(default=None, hash=False, compare=False)  # a dataset row: "FILE:LINE"
 
@@ -514,13 +515,16 @@ class JsonlTask(Task):
             if not (isinstance(ans, str) or _is_number(ans)):
                 raise JetrlError(f"{file}:{i}: {ak!r} must be a string or a finite number, got {_shown(ans)} "
                                  "(task.answer_key)")
-            ans = str(ans)
+            raw, ans = ans, str(ans)
             if "####" in ans:
                 ans = ans.rsplit("####", 1)[1].strip()
                 if not ans:  # "4 ####": no answer a completion could match
                     raise JetrlError(f"{file}:{i}: nothing after '####' in field {ak!r} (GSM8K-style answers end "
                                      "with '#### <answer>'; every row needs one)")
-            meta = {k: d[k] for k in ("data_source", "extra_info") if k in d} or None
+            meta = {k: d[k] for k in ("data_source", "extra_info") if k in d}
+            if raw != ans:  # what verl's reward gets: the field as it is (a number, or text before "####")
+                meta["ground_truth"] = raw
+            meta = meta or None
             if messages is not None:
                 rows.append(Problem(messages[-1]["content"], ans, messages=messages, meta=meta, where=f"{file}:{i}"))
                 continue
@@ -591,7 +595,7 @@ class UserReward(Task):
         if not self.verl:
             return self.fn(problem.prompt, completion, problem.answer)
         meta = problem.meta or {}
-        kw = {"solution_str": completion, "ground_truth": problem.answer}
+        kw = {"solution_str": completion, "ground_truth": meta.get("ground_truth", problem.answer)}
         for key in _VERL_OPTIONAL:  # those it takes: verl's own scorers, e.g. gsm8k's, take neither
             if _takes(self.fn, key):
                 kw[key] = meta.get(key)

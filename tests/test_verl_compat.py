@@ -456,6 +456,16 @@ def test_a_verl_reward_file_is_called_as_verl_calls_it(tmp_path):
                                 reward=f"{tmp_path / 'my_reward.py'}:no_score"), 0)
     with pytest.raises(JetrlError, match=r"returned a dict without 'score' \(keys: 'acc'\)"):
         bad.reward(p, "x")
+    # the ground truth as the row holds it, as verl passes it: a number stays a number, "####" text whole
+    odd = _data(tmp_path, [{**rows[0], "reward_model": {"ground_truth": 72}},
+                           {**rows[1], "reward_model": {"ground_truth": "48 + 24 = 72 #### 72"}}], "odd.jsonl")
+    raw = build_task(TaskConfig(name="jsonl", file=str(odd), answer_key="reward_model.ground_truth", eval_fraction=0.5,
+                                reward=f"{tmp_path / 'my_reward.py'}:compute_score"), 0)
+    for q in raw.inner.split["train"] + raw.inner.split["eval"]:
+        assert q.answer == "72"  # jetrl's own answer check reads the text
+        raw.reward(q, " 72")
+        assert calls[-1][2] in (72, "48 + 24 = 72 #### 72") and type(calls[-1][2]) in (int, str)
+    assert {type(c[2]) for c in calls[-2:]} == {int, str}
     # the file torchrun's ranks compare (its digest) is the one named, or the module's
     from jetrl_cli.tasks import reward_source_file
 
