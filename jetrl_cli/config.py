@@ -111,7 +111,8 @@ class TrainConfig:
     dual_clip: float = 0.0  # > 1: dual-clip PPO, a negative advantage's term bounded at dual_clip * A (0: off)
     adv_estimator: str = "grpo"  # grpo | rloo | reinforce_plus_plus (per-token returns) | reinforce_plus_plus_baseline
     adv_norm: str = "std"  # grpo: std (GRPO) | none (Dr. GRPO)
-    loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm (Dr. GRPO)
+    # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum | seq-mean-token-sum-norm (Dr. GRPO)
+    loss_agg: str = "token-mean"
     kl_coef: float = 0.0
     entropy_coef: float = 0.0  # entropy bonus: the loss minus entropy_coef x the policy's entropy (0: off)
     kl_estimator: str = "k3"  # of KL(pi || pi_ref) per token: k1 | k2 | k3 (verl: kl, mse, low_var_kl)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from jetrl_cli.choices import LOSS_AGGREGATIONS
 from jetrl_cli.rl.algos import (CorrectionConfig, advantages, group_advantages, importance, kl_penalty,
                                 loss_denominator, mismatch_metrics, policy_loss)
 
@@ -195,10 +196,12 @@ def _aggregated_by_hand(terms, agg, max_new_tokens):
         return sum(map(sum, seqs)) / sum(map(len, seqs))
     if agg == "seq-mean-token-mean":
         return sum(sum(row) / len(row) for row in seqs) / len(seqs)
+    if agg == "seq-mean-token-sum":
+        return sum(map(sum, seqs)) / len(seqs)
     return sum(map(sum, seqs)) / (len(seqs) * max_new_tokens)
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("agg", LOSS_AGGREGATIONS)
 def test_each_loss_aggregation_by_hand(agg):
     # the fixed batch (lengths 3 and 2), then fresh random ones with a sequence of no completion token
     cases = [(LOGP, OLD, ADV, MASK, 4)]
@@ -232,7 +235,7 @@ def test_an_unknown_loss_aggregation_is_refused():
     for call in (lambda: loss_denominator(MASK, "seq-sum", 4),
                  lambda: policy_loss(LOGP, OLD, ADV, MASK, imp, EPS_L, EPS_H, 5.0, agg="seq-sum")):
         with pytest.raises(ValueError, match=r"unknown loss aggregation 'seq-sum' \(allowed: token-mean, "
-                                             r"seq-mean-token-mean, seq-mean-token-sum-norm\)"):
+                                             r"seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm\)"):
             call()
 
 
@@ -249,7 +252,7 @@ def _random_batches(g, count=3, n=5, t=7):
     return out
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("agg", LOSS_AGGREGATIONS)
 def test_gspo_loss_is_the_sequence_ratio_objective_in_value_and_gradient(agg):
     """GSPO: every token of a sequence carries the sequence's ratio ``s = exp(mean log(pi/pi_old))``,
     clipped as a whole; the loss (with a TIS weight per token) matches a hand computation, and its
@@ -283,6 +286,7 @@ def test_gspo_loss_is_the_sequence_ratio_objective_in_value_and_gradient(agg):
         s = (((y - old) * mask).sum(-1) / k.clamp_min(1)).exp()
         f = torch.minimum(s * adv, s.clamp(1 - lo, 1 + hi) * adv)
         weight = {"token-mean": k / k.sum(), "seq-mean-token-mean": (k > 0).double() / (k > 0).sum(),
+                  "seq-mean-token-sum": k / (k > 0).sum(),
                   "seq-mean-token-sum-norm": k / ((k > 0).sum() * max_new)}[agg]
         (-(weight * f).sum()).backward()
         torch.testing.assert_close(x.grad, y.grad, rtol=1e-9, atol=1e-12)
@@ -853,7 +857,7 @@ def _random_logps(seed, shape=(5, 7)):
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("agg", LOSS_AGGREGATIONS)
 def test_mis_drops_tokens_from_every_term_and_denominator_as_verls_rejection_sampling(level, agg):
     """MIS's rejected tokens leave the loss altogether, as verl's rejection sampling drops them from
     its response mask: the loss (policy, KL and entropy terms, each denominator) equals the uncorrected

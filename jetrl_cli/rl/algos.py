@@ -29,6 +29,8 @@ Loss aggregation (``TrainConfig.loss_agg``, verl's names; ``loss_denominator``):
 - ``seq-mean-token-mean`` (GRPO): each sequence's terms divided by its own completion tokens, then
   averaged over the mini-batch's sequences. Every sequence weighs the same, so a token of a short
   completion weighs more than one of a long completion.
+- ``seq-mean-token-sum``: each sequence's terms summed, then averaged over the mini-batch's sequences
+  (verl's name): a sequence weighs as many times more as it has tokens, and the loss grows with the length.
 - ``seq-mean-token-sum-norm`` (Dr. GRPO, with ``adv_norm: none``): the token terms summed and
   divided by sequences x ``max_new_tokens``: one constant weight per token, whatever the lengths.
   That is Dr. GRPO's ``1 / (G * L_max)``; verl's ``agg_loss`` of that name divides by the length only,
@@ -311,13 +313,14 @@ def loss_denominator(mask: torch.Tensor, agg: str, max_new_tokens: int) -> float
     """What the summed loss terms of a mini-batch (``mask``: its completion tokens, one row per
     sequence) are divided by under ``agg``: its completion tokens (``token-mean``), its sequences
     (``seq-mean-token-mean``; ``policy_loss`` divides each sequence's terms by its length first) or
-    its sequences x ``max_new_tokens`` (``seq-mean-token-sum-norm``). Sequences without a completion
+    its sequences x ``max_new_tokens`` (``seq-mean-token-sum-norm``), its sequences again for
+    ``seq-mean-token-sum`` (each sequence's terms summed). Sequences without a completion
     token add no term and are not counted. One number for the whole mini-batch, however its
     micro-batches or ranks split it."""
     if agg == "token-mean":
         return float(mask.sum().clamp_min(1))
     seqs = float((mask.sum(-1) > 0).sum().clamp_min(1))
-    if agg == "seq-mean-token-mean":
+    if agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
         return seqs
     if agg == "seq-mean-token-sum-norm":
         return seqs * max_new_tokens
