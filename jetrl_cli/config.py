@@ -117,6 +117,11 @@ class TrainConfig:
     entropy_coef: float = 0.0  # entropy bonus: the loss minus entropy_coef x the policy's entropy (0: off)
     kl_estimator: str = "k3"  # of KL(pi || pi_ref) per token: k1 | k2 | k3 (verl: kl, mse, low_var_kl)
     kl_in_reward: bool = False  # the kl_coef penalty in the reward, per token, not in the loss (verl's use_kl_in_reward)
+    # the in-reward KL coefficient (verl's algorithm.kl_ctrl): fixed at kl_coef, or adaptive (Ziegler et al.: moved
+    # each step toward kl_target, by at most 20% x sequences / kl_horizon)
+    kl_ctrl: str = "fixed"
+    kl_target: float = 0.1
+    kl_horizon: int = 10000
     dynamic_sampling: bool = False
     dynamic_sampling_rounds: int = 3  # extra rollout rounds to refill dropped groups
     ppo_epochs: int = 1
@@ -205,13 +210,14 @@ CHOICES = {
     ("train", "policy_loss"): choices.POLICY_LOSSES,
     ("train", "adv_estimator"): choices.ADV_ESTIMATORS,
     ("train", "kl_estimator"): choices.KL_ESTIMATORS,
+    ("train", "kl_ctrl"): ("fixed", "adaptive"),
     ("train", "lr_schedule"): choices.LR_SCHEDULES,
     ("correction", "type"): choices.CORRECTIONS,
     ("correction", "mis_level"): ("token", "sequence"),
     ("correction", "tis_level"): choices.TIS_LEVELS,
 }
 POSITIVE = {
-    ("model", "lora_alpha"), ("task", "digits"), ("task", "length"), ("rollout", "prompts_per_step"), ("rollout", "n"),
+    ("model", "lora_alpha"), ("train", "kl_target"), ("train", "kl_horizon"), ("task", "digits"), ("task", "length"), ("rollout", "prompts_per_step"), ("rollout", "n"),
     ("rollout", "max_new_tokens"), ("rollout", "max_len"), ("rollout", "max_batch"), ("train", "lr"),
     ("rollout", "vllm_gpu_memory_utilization"),
     ("train", "micro_batch"), ("train", "ppo_epochs"), ("train", "minibatches"), ("train", "invariant_scale"),
@@ -497,6 +503,9 @@ def _refuse_unread_keys(source: str, data: dict, secs: dict) -> None:
          f"is {t.lr_schedule!r})"),
         ("train", ("kl_estimator", "kl_in_reward"), t.kl_coef > 0, "read only with train.kl_coef > 0 (it is 0: no "
          "KL penalty)"),
+        ("train", ("kl_ctrl",), t.kl_in_reward, "read only with train.kl_in_reward: true (verl's kl_ctrl sets the "
+         "in-reward KL coefficient)"),
+        ("train", ("kl_target", "kl_horizon"), t.kl_ctrl == "adaptive", "read only with train.kl_ctrl: adaptive"),
         ("task", ("system_prompt", "chat_template_kwargs"), tk.chat_template is not False,
          "read only with a chat template (task.chat_template is false)"),
         ("task", ("overlong_penalty",), tk.overlong_buffer > 0, "read only with task.overlong_buffer > 0 (it is 0: "

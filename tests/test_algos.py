@@ -1144,3 +1144,16 @@ def test_micro_batches_by_token_budget_pack_the_longest_first_and_update_as_one_
     with pytest.raises(PresetError, match=r"train.micro_batch_tokens: must be 0 \(off\) or at least rollout.max_len "
                                           r"\(48\), so that the longest sequence fits; got 40"):
         load_job_config("fp8-unified", ["train.micro_batch_tokens=40"])
+
+
+def test_the_adaptive_kl_controller_moves_toward_its_target_as_verls_does():
+    from jetrl_cli.rl.algos import adaptive_kl_coef
+
+    g = torch.Generator().manual_seed(fresh_seed())
+    for _ in range(20):
+        coef, kl, target = (float(x) for x in torch.rand(3, generator=g) * torch.tensor([0.1, 0.4, 0.2]) + 1e-3)
+        n, horizon = int(torch.randint(1, 512, (), generator=g)), int(torch.randint(100, 20000, (), generator=g))
+        want = coef * (1 + max(-0.2, min(0.2, kl / target - 1)) * n / horizon)  # verl's AdaptiveKLController.update
+        assert adaptive_kl_coef(coef, kl, n, target, horizon) == pytest.approx(want, rel=1e-12)
+    assert adaptive_kl_coef(0.1, 0.5, 100, 0.1, 100) == pytest.approx(0.12)  # 5x over target: +20% at most
+    assert adaptive_kl_coef(0.1, 0.0, 100, 0.1, 100) == pytest.approx(0.08)  # none: -20% at most

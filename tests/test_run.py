@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from jetrl_cli.cli import app
 from jetrl_cli.config import load_job_config
-from jetrl_cli.errors import JetrlError
+from jetrl_cli.errors import JetrlError, PresetError
 from jetrl_cli.rl.loop import ENVIRONMENT_KEYS, run
 
 runner = CliRunner()
@@ -346,3 +346,28 @@ def test_dynamic_sampling_refills_for_its_rounds_then_trains_on_what_it_has(tmp_
     assert 3 not in trained and by_step[3]["skipped"] is True and by_step[3]["groups_trained"] == 0
     # step 4: enough at once, no other round
     assert [c for c in calls if c[0] == 4] == [(4, 0)] and trained[4] == [0, 1, 2, 3]
+
+
+def test_an_adaptive_kl_coefficient_follows_the_kl_and_resumes_where_it_was(tmp_path):
+    """``train.kl_ctrl: adaptive`` (verl's kl_ctrl): each step's in-reward coefficient is the last one moved by
+    ``adaptive_kl_coef`` from the last step's KL; a resumed run starts from the checkpoint's coefficient."""
+    from jetrl_cli.rl.algos import adaptive_kl_coef
+
+    sets_ = SMALL + ["train.steps=3", "train.kl_coef=0.05", "train.kl_in_reward=true", "train.kl_ctrl=adaptive",
+                     "train.kl_target=1e-6", "train.kl_horizon=4", "train.lr=1e-3", "run.checkpoint_every=1",
+                     "eval.every=0", "eval.before_train=false"]
+    cfg = load_job_config("fp8-unified", sets_)
+    full = run(cfg, tmp_path / "full")
+    steps = [m for m in full if m["step"] > 0]
+    assert steps[0]["kl_reward_coef"] == 0.05
+    for a, b in zip(steps, steps[1:]):
+        assert b["kl_reward_coef"] == pytest.approx(adaptive_kl_coef(a["kl_reward_coef"], a["kl_reward"], 16, 1e-6, 4))
+    assert steps[0]["kl_reward"] == 0.0 and steps[1]["kl_reward_coef"] < 0.05  # step 1: the policy is the reference
+    assert steps[1]["kl_reward"] > 1e-6 and steps[2]["kl_reward_coef"] > steps[1]["kl_reward_coef"]  # then above
+    run(cfg, tmp_path / "part", stop_after=2)
+    resumed = run(cfg, tmp_path / "part", resume=True)
+    assert _strip_timing(resumed) == _strip_timing(full)
+    with pytest.raises(PresetError, match="train.kl_ctrl: read only with train.kl_in_reward: true"):
+        load_job_config("fp8-unified", ["train.kl_coef=0.1", "train.kl_ctrl=adaptive"])
+    with pytest.raises(PresetError, match="train.kl_target: read only with train.kl_ctrl: adaptive"):
+        load_job_config("fp8-unified", ["train.kl_coef=0.1", "train.kl_in_reward=true", "train.kl_target=0.2"])

@@ -155,6 +155,14 @@ def token_advantages(rewards: torch.Tensor, mask: torch.Tensor,
     return torch.where(m, (returns - mean) * torch.rsqrt(var + 1e-8), 0.0).float()
 
 
+def adaptive_kl_coef(coef: float, current_kl: float, n_steps: int, target: float, horizon: int) -> float:
+    """The adaptive KL controller (Ziegler et al. 2019, verl's ``AdaptiveKLController``): the coefficient times
+    ``1 + e * n_steps / horizon``, ``e`` the KL's relative error against ``target`` clipped to [-0.2, 0.2];
+    ``n_steps``: the step's sequences (verl's batch size)."""
+    error = min(max(current_kl / target - 1.0, -0.2), 0.2)
+    return coef * (1.0 + error * n_steps / horizon)
+
+
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) on tokens sampled from pi: ``k1 = log(pi/pi_ref)``
     (unbiased, can be negative; verl's ``kl``), ``k2 = (log(pi/pi_ref))^2 / 2`` (verl's ``mse``),

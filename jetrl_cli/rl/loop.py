@@ -35,9 +35,9 @@ from ..models.tokenizer import Tokenizer
 from ..precision import fuse
 from ..precision.gemm import backend_report, check_backends, reset_resolutions
 from ..tasks import PromptSource, build_task
-from .algos import (CorrectionConfig, advantages, importance, kl_penalty, overlong_penalty, supported,
-                    token_advantages)
-from .checkpoint import atomic_write_text, latest_checkpoint, save_checkpoint
+from .algos import (CorrectionConfig, adaptive_kl_coef, advantages, importance, kl_penalty, overlong_penalty,
+                    supported, token_advantages)
+from .checkpoint import atomic_write_text, latest_checkpoint, load_trainer_state, save_checkpoint
 from .loggers import open_loggers
 from .trainer import Batch, NonFiniteError, Trainer, fold_invariant_scale
 
@@ -297,7 +297,9 @@ def train_on_samples(job: Job, samples: list[dict], step: int) -> dict:
     ref = tr.score(b, ref=True) if tr.ref is not None else None
     score_s = time.perf_counter() - t0
     imp = importance(old, b.rollout_logp, b.mask, tr.ccfg, tr.cfg.clip_high)
-    adv, kl_stats = batch_advantages(b, old, ref, tr.cfg, n)
+    adv, kl_stats = batch_advantages(b, old, ref, tr.cfg, n, tr.kl_coef)
+    if tr.cfg.kl_in_reward and tr.cfg.kl_ctrl == "adaptive":  # the next step's coefficient
+        tr.kl_coef = adaptive_kl_coef(tr.kl_coef, kl_stats["kl_reward"], len(b), tr.cfg.kl_target, tr.cfg.kl_horizon)
     t0 = time.perf_counter()
     stats = tr.update(b, adv, old, None if tr.cfg.kl_in_reward else ref, step)
     out = {**imp.metrics, **kl_stats, **stats, "entropy": float(entropy[b.mask].mean()) if b.mask.any() else None,
@@ -305,7 +307,8 @@ def train_on_samples(job: Job, samples: list[dict], step: int) -> dict:
     return out
 
 
-def batch_advantages(b: Batch, old: torch.Tensor, ref: torch.Tensor | None, cfg, n: int) -> tuple[torch.Tensor, dict]:
+def batch_advantages(b: Batch, old: torch.Tensor, ref: torch.Tensor | None, cfg, n: int,
+                     kl_coef: float | None = None) -> tuple[torch.Tensor, dict]:
     """The batch's advantages under ``cfg.adv_estimator`` -- one per sequence ``(N,)``, or one per token
     ``(N, T)`` for ``reinforce_plus_plus`` -- and, with ``cfg.kl_in_reward``, the KL statistics.
 
@@ -313,14 +316,16 @@ def batch_advantages(b: Batch, old: torch.Tensor, ref: torch.Tensor | None, cfg,
     reward is ``-kl_coef * KL`` (``kl_estimator``'s estimate, from the trainer's scores ``old`` and the
     reference policy's ``ref``, as verl's from its old logprobs), besides the task's reward at the last
     token; the estimators that take one reward a sequence take the sum, ``reward - kl_coef * sum KL``. The
-    loss then has no KL term."""
+    loss then has no KL term. ``kl_coef``: the step's coefficient (``train.kl_ctrl: adaptive`` moves it), else
+    ``cfg.kl_coef``."""
+    coef = cfg.kl_coef if kl_coef is None else kl_coef
     rewards, token_rewards, stats = b.rewards, None, {}
     if cfg.kl_in_reward:  # not at tokens beyond the policy's top-k/top-p cut: they leave the loss (``supported``)
         kl = torch.where(supported(b.mask, old), kl_penalty(old, ref, cfg.kl_estimator), 0.0)
-        token_rewards = -cfg.kl_coef * kl
+        token_rewards = -coef * kl
         rewards = rewards + token_rewards.sum(-1)
         per_seq = kl.sum(-1) / b.mask.sum(-1).clamp_min(1)
-        stats = {"kl_reward": float(per_seq.mean()), "kl_reward_coef": cfg.kl_coef}
+        stats = {"kl_reward": float(per_seq.mean()), "kl_reward_coef": coef}
     if cfg.adv_estimator == "reinforce_plus_plus":
         return token_advantages(b.rewards, b.mask, token_rewards), stats
     groups = b.group.unique()
@@ -519,6 +524,7 @@ def run(cfg: JobConfig, out: Path, resume: bool = False, on_step: Callable[[dict
         from ..distributed.checkpoint import restore_trainer
 
         start = restore_trainer(tr, ckpt, world) + 1
+        tr.kl_coef = load_trainer_state(ckpt).get("kl_coef", cfg.train.kl_coef)  # an adaptive one as it was
         if on_resume and writer:
             on_resume(start, ckpt)
         if start > cfg.train.steps:  # complete: nothing to run, nothing rewritten (on_resume said so)
@@ -692,7 +698,7 @@ def _steps(job: Job, cfg: JobConfig, out: Path, start: int, ckpt: Path | None, l
                 m["train_graphs"] = last_graphs = state
         emit(m)  # before the checkpoint: a resume truncates metrics back to its checkpoint's step
         if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == steps:
-            extra = {"preset": cfg.name, "invariant_scale": cfg.train.invariant_scale}
+            extra = {"preset": cfg.name, "invariant_scale": cfg.train.invariant_scale, "kl_coef": tr.kl_coef}
             if world.distributed:
                 from ..distributed.checkpoint import save_sharded_checkpoint
 

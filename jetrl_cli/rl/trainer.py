@@ -245,6 +245,7 @@ class Trainer:
         self.model = model.train()
         self.ref = ref_model
         self.hold_frozen = hold_frozen
+        self.kl_coef = tcfg.kl_coef  # the in-reward KL coefficient (train.kl_ctrl: adaptive moves it)
         self.flow, self.cfg, self.ccfg = flow, tcfg, ccfg
         self.sampling, self.width = sampling, width
         self.model.activation_checkpointing = tcfg.activation_checkpointing
