@@ -50,6 +50,7 @@ class TaskConfig:
     file: str | list[str] | None = None  # jsonl: the training data (JSONL or Parquet; a list: their rows in turn)
     eval_file: str | list[str] | None = None  # jsonl: held-out data (default: eval_fraction of file)
     eval_fraction: float = 0.1
+    max_samples: int = 0  # jsonl: at most this many training rows, a seeded subset (verl's train_max_samples; 0: all)
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     prompt_template: str = "{prompt}"  # str.format over the row's fields
@@ -225,7 +226,7 @@ POSITIVE = {
     ("run", "keep_checkpoints"), ("train", "grad_clip"), ("train", "adam_eps"),
 }
 NON_NEGATIVE = {
-    ("model", "lora_rank"), ("train", "steps"), ("rollout", "top_k"), ("train", "weight_decay"),
+    ("model", "lora_rank"), ("task", "max_samples"), ("train", "steps"), ("rollout", "top_k"), ("train", "weight_decay"),
     ("train", "warmup_steps"), ("train", "clip_low"), ("train", "clip_high"), ("train", "kl_coef"), ("train", "entropy_coef"),
     ("train", "dynamic_sampling_rounds"), ("correction", "mis_low"), ("task", "overlong_buffer"),
     ("train", "micro_batch_tokens"), ("task", "overlong_penalty"), ("eval", "every"),
@@ -473,7 +474,8 @@ def _check_lora(source: str, m: ModelConfig, t: TrainConfig, r: RolloutConfig) -
                           "adapters); set it to false")
 
 
-JSONL_TASK_KEYS = ("file", "eval_file", "eval_fraction", "prompt_key", "answer_key", "prompt_template", "overlong_prompts")
+JSONL_TASK_KEYS = ("file", "eval_file", "eval_fraction", "prompt_key", "answer_key", "prompt_template", "overlong_prompts",
+                   "max_samples")
 VLLM_KEYS = tuple(f.name for f in dataclasses.fields(RolloutConfig) if f.name.startswith("vllm_"))
 
 

@@ -793,6 +793,10 @@ def build_task(cfg, seed: int, source: str | None = None) -> Task:
             raise JetrlError(f"{source + ': ' if source else ''}task.file: required for task.name: jsonl")
         task = JsonlTask(cfg.file, cfg.eval_file, cfg.eval_fraction, cfg.prompt_key, cfg.answer_key,
                          cfg.prompt_template, seed, source)
+        train = task.split["train"]
+        if cfg.max_samples and len(train) > cfg.max_samples:  # a seeded subset, in the file's order
+            keep = sorted(random.Random(f"{seed}/max_samples").sample(range(len(train)), cfg.max_samples))
+            task.split["train"] = [train[i] for i in keep]
     else:
         raise JetrlError(f"task.name: unknown task {cfg.name!r} (allowed: {', '.join(TASKS)})")
     task.answer_format = answer_format_of(cfg)

@@ -632,3 +632,22 @@ def test_mismatch_report_draws_the_prompts_the_run_keeps_when_it_drops_long_ones
                                  "--set", "rollout.max_new_tokens=8", "--set", "task.overlong_prompts=drop"],
                            catch_exceptions=False)
     assert len(seen[0]) == 12 and max(map(len, seen[0])) <= 32
+
+
+def test_max_samples_keeps_a_seeded_subset_of_the_training_rows(tmp_path):
+    """``task.max_samples`` (verl's ``train_max_samples``): at most that many training rows, a subset drawn with
+    the run's seed, in the file's order; the held-out split is untouched."""
+    f = _data(tmp_path, _verl_gsm8k_rows(40, fresh_seed()))
+
+    def split(max_samples, seed):
+        task = build_task(TaskConfig(name="jsonl", file=str(f), answer_key="reward_model.ground_truth",
+                                     max_samples=max_samples), seed)
+        return getattr(task, "inner", task).split
+
+    full, cut = split(0, 3), split(10, 3)
+    got = cut["train"]
+    assert len(got) == 10 and got == [p for p in full["train"] if p in got] and cut["eval"] == full["eval"]
+    assert got == split(10, 3)["train"] and got != split(10, 4)["train"]
+    assert split(100, 3)["train"] == full["train"]
+    with pytest.raises(PresetError, match="task.max_samples: read only by task.name: jsonl"):
+        load_job_config("fp8-unified", ["task.max_samples=5"])
