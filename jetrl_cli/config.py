@@ -116,7 +116,8 @@ class TrainConfig:
     loss_agg: str = "token-mean"
     kl_coef: float = 0.0
     entropy_coef: float = 0.0  # entropy bonus: the loss minus entropy_coef x the policy's entropy (0: off)
-    kl_estimator: str = "k3"  # of KL(pi || pi_ref) per token: k1 | k2 | k3 (verl: kl, mse, low_var_kl)
+    # of KL(pi || pi_ref) per token: k1 | k2 | k3 | abs | k1+ | k3+ (verl: kl, mse, low_var_kl, abs, k1+, k3+)
+    kl_estimator: str = "k3"
     kl_in_reward: bool = False  # the kl_coef penalty in the reward, per token, not in the loss (verl's use_kl_in_reward)
     # the in-reward KL coefficient (verl's algorithm.kl_ctrl): fixed at kl_coef, or adaptive (Ziegler et al.: moved
     # each step toward kl_target, by at most 20% x sequences / kl_horizon)

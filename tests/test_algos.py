@@ -127,12 +127,14 @@ def test_kl_penalty_by_hand():
     assert float(st["kl_ref"]) == pytest.approx(k3 / 5, rel=1e-5)
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs", "k1+", "k3+"])
 def test_each_kl_estimator_by_hand(estimator):
     """Each estimator per token against its formula, on fresh random logprobs with padding, and the
-    policy loss's KL term is the chosen one's, averaged over the completion tokens."""
-    by_hand = {"k1": lambda lp, rf: lp - rf, "k2": lambda lp, rf: 0.5 * (lp - rf) ** 2,
-               "k3": lambda lp, rf: math.exp(rf - lp) - (rf - lp) - 1}[estimator]
+    policy loss's KL term is the chosen one's, averaged over the completion tokens. The straight-through
+    forms (``k1+``, ``k3+``) have k1's / k3's value and k2's gradient."""
+    k3 = lambda lp, rf: math.exp(rf - lp) - (rf - lp) - 1  # noqa: E731
+    by_hand = {"k1": lambda lp, rf: lp - rf, "k2": lambda lp, rf: 0.5 * (lp - rf) ** 2, "k3": k3,
+               "abs": lambda lp, rf: abs(lp - rf), "k1+": lambda lp, rf: lp - rf, "k3+": k3}[estimator]
     g = torch.Generator().manual_seed(fresh_seed())
     for logp, old, _, mask in _random_batches(g):
         ref = logp + torch.randn(logp.shape, generator=g, dtype=torch.float64) * 0.5
@@ -144,8 +146,12 @@ def test_each_kl_estimator_by_hand(estimator):
         _, st = policy_loss(logp, old, torch.zeros(len(logp), dtype=torch.float64), mask, imp, EPS_L, EPS_H,
                             float(mask.sum()), ref, kl_coef=0.1, kl_estimator=estimator)
         assert float(st["kl_ref"]) == pytest.approx(sum(terms) / len(terms), rel=1e-12)
+        x = logp.clone().requires_grad_()
+        (kl_penalty(x, ref, estimator) * mask).sum().backward()
+        if estimator.endswith("+"):  # k2's gradient: the log-ratio
+            assert x.grad[mask].tolist() == pytest.approx((logp - ref)[mask].tolist(), rel=1e-12)
     assert float(kl_penalty(torch.zeros(1), torch.zeros(1), estimator)) == 0.0
-    with pytest.raises(ValueError, match=r"unknown KL estimator 'k4' \(allowed: k1, k2, k3\)"):
+    with pytest.raises(ValueError, match=r"unknown KL estimator 'k4' \(allowed: k1, k2, k3, abs, k1\+, k3\+\)"):
         kl_penalty(torch.zeros(1), torch.zeros(1), "k4")
 
 
@@ -723,7 +729,7 @@ def test_an_update_trains_at_the_scheduled_learning_rate():
     ("train.loss_agg=seq-sum", r"train.loss_agg: 'seq-sum' is not allowed \(allowed: token-mean, "),
     ("train.policy_loss=grpo", r"train.policy_loss: 'grpo' is not allowed \(allowed: ppo, gspo\)"),
     ("train.dual_clip=0.5", r"train.dual_clip: must be 0 \(off\) or > 1 \(verl uses 3\), got 0.5"),
-    ("train.kl_estimator=k4", r"train.kl_estimator: 'k4' is not allowed \(allowed: k1, k2, k3\)"),
+    ("train.kl_estimator=k4", r"train.kl_estimator: 'k4' is not allowed \(allowed: k1, k2, k3, abs, k1\+, k3\+\)"),
     ("train.adv_estimator=ppo", r"train.adv_estimator: 'ppo' is not allowed \(allowed: grpo, rloo, "),
 ])
 def test_schedule_and_aggregation_keys_are_checked(override, message):

@@ -169,7 +169,15 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str = "k3"
     ``k3 = pi_ref/pi - 1 - log(pi_ref/pi)`` (unbiased, never negative; verl's ``low_var_kl``, with its
     clamps: the log-ratio to [-20, 20], the estimate to at most 10 -- one token far from the reference
     would otherwise dominate the term, up to inf). k1 and k2 take the same log-ratio bound: with top-k
-    or top-p, a token beyond the reference's cut has ``pi_ref = 0``."""
+    or top-p, a token beyond the reference's cut has ``pi_ref = 0``. ``abs``: ``|log(pi/pi_ref)|`` (verl's).
+    ``k1+`` / ``k3+`` (verl's straight-through forms): the value of k1 / k3, the gradient of k2 (whose
+    gradient is the unbiased one of KL(pi || pi_ref)'s)."""
+    if estimator.endswith("+") and estimator[:-1] in ("k1", "k3"):
+        value = kl_penalty(logp, logp_ref, estimator[:-1])
+        grad = kl_penalty(logp, logp_ref, "k2")
+        return grad - grad.detach() + value.detach()
+    if estimator == "abs":
+        return (logp - logp_ref).clamp(-RATIO_CLAMP, RATIO_CLAMP).abs()
     if estimator == "k1":
         return (logp - logp_ref).clamp(-RATIO_CLAMP, RATIO_CLAMP)
     if estimator == "k2":
