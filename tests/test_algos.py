@@ -403,16 +403,24 @@ def _update_batch(seed=1):
     return b, adv
 
 
-def assert_same_updates(first, others):
+def assert_same_updates(first, others, lr=1e-3):
     """``(stats, weights)`` of updates of one batch split into other micro-batches: the same
-    statistics and weights as ``first``'s, up to the order of fp32 sums."""
+    statistics and weights as ``first``'s, up to the order of fp32 sums. Adam's first step moves a weight by
+    ``lr * g / (|g| + eps)``: by about ``lr`` whatever ``g``'s size, except where ``|g|`` is near ``eps`` (1e-8),
+    where the order of the sums moves the step itself (CI caught one weight of 32 off by 2.3e-6 with
+    JETRL_TEST_SEED=551039956). A weight may differ there, in one element of 1000 at most and by at most the
+    ``2 * lr`` that two steps of at most ``lr`` can part by; every other one to within the sums' order."""
     st0, w0 = first
     for st, w in others:
         assert st.keys() == st0.keys()
         for k in st:
             assert st[k] == pytest.approx(st0[k], rel=1e-4, abs=1e-7), k
+        off = total = 0
         for p, q in zip(w, w0):
-            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(p, q, rtol=0, atol=2 * lr)
+            off += int((~torch.isclose(p, q, rtol=1e-4, atol=1e-6)).sum())
+            total += p.numel()
+        assert off <= max(1, total // 1000), (off, total)
 
 
 def assert_moved_elsewhere(w, other):
