@@ -348,6 +348,7 @@ def test_dynamic_sampling_refills_for_its_rounds_then_trains_on_what_it_has(tmp_
     assert [c for c in calls if c[0] == 4] == [(4, 0)] and trained[4] == [0, 1, 2, 3]
 
 
+@pytest.mark.slow  # ~25 s: three runs (the controller's formula is test_algos' too)
 def test_an_adaptive_kl_coefficient_follows_the_kl_and_resumes_where_it_was(tmp_path):
     """``train.kl_ctrl: adaptive`` (verl's kl_ctrl): each step's in-reward coefficient is the last one moved by
     ``adaptive_kl_coef`` from the last step's KL; a resumed run starts from the checkpoint's coefficient."""
