@@ -12,7 +12,8 @@ LR_SCHEDULES = ("constant", "cosine")  # rl/trainer.py learning_rate
 ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")  # rl/algos.py advantages (verl's names)
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+")  # rl/algos.py kl_penalty
 POLICY_LOSSES = ("ppo", "gspo")  # rl/algos.py policy_loss
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")  # rl/algos.py (verl's names)
+# rl/algos.py (verl's names)
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 ROLLOUT_BACKENDS = ("embedded", "vllm")  # rl/loop.py build_engine
 VLLM_QUANTIZATIONS = ("jetrl", "fp8", "fp8-block", "none")  # engine/vllm_engine.py
 CHECKPOINT_FORMATS = ("fp8-block", "fp8-tensor", "fp8-channel", "int8-channel")  # quantize_ckpt.py

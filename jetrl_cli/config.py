@@ -219,18 +219,18 @@ CHOICES = {
     ("correction", "tis_level"): choices.TIS_LEVELS,
 }
 POSITIVE = {
-    ("model", "lora_alpha"), ("train", "kl_target"), ("train", "kl_horizon"), ("task", "digits"), ("task", "length"), ("rollout", "prompts_per_step"), ("rollout", "n"),
-    ("rollout", "max_new_tokens"), ("rollout", "max_len"), ("rollout", "max_batch"), ("train", "lr"),
-    ("rollout", "vllm_gpu_memory_utilization"),
-    ("train", "micro_batch"), ("train", "ppo_epochs"), ("train", "minibatches"), ("train", "invariant_scale"),
-    ("correction", "tis_cap"), ("correction", "mis_high"), ("eval", "prompts"), ("eval", "n"),
-    ("run", "keep_checkpoints"), ("train", "grad_clip"), ("train", "adam_eps"),
+    ("model", "lora_alpha"), ("train", "kl_target"), ("train", "kl_horizon"), ("task", "digits"), ("task", "length"),
+    ("rollout", "prompts_per_step"), ("rollout", "n"), ("rollout", "max_new_tokens"), ("rollout", "max_len"),
+    ("rollout", "max_batch"), ("train", "lr"), ("rollout", "vllm_gpu_memory_utilization"), ("train", "micro_batch"),
+    ("train", "ppo_epochs"), ("train", "minibatches"), ("train", "invariant_scale"), ("correction", "tis_cap"),
+    ("correction", "mis_high"), ("eval", "prompts"), ("eval", "n"), ("run", "keep_checkpoints"),
+    ("train", "grad_clip"), ("train", "adam_eps"),
 }
 NON_NEGATIVE = {
-    ("model", "lora_rank"), ("task", "max_samples"), ("train", "steps"), ("rollout", "top_k"), ("train", "weight_decay"),
-    ("train", "warmup_steps"), ("train", "clip_low"), ("train", "clip_high"), ("train", "kl_coef"), ("train", "entropy_coef"),
-    ("train", "dynamic_sampling_rounds"), ("correction", "mis_low"), ("task", "overlong_buffer"),
-    ("train", "micro_batch_tokens"), ("task", "overlong_penalty"), ("eval", "every"),
+    ("model", "lora_rank"), ("task", "max_samples"), ("train", "steps"), ("rollout", "top_k"),
+    ("train", "weight_decay"), ("train", "warmup_steps"), ("train", "clip_low"), ("train", "clip_high"),
+    ("train", "kl_coef"), ("train", "entropy_coef"), ("train", "dynamic_sampling_rounds"), ("correction", "mis_low"),
+    ("task", "overlong_buffer"), ("train", "micro_batch_tokens"), ("task", "overlong_penalty"), ("eval", "every"),
     ("run", "checkpoint_every"), ("run", "log_samples"), ("run", "seed"),
 }
 
@@ -475,8 +475,8 @@ def _check_lora(source: str, m: ModelConfig, t: TrainConfig, r: RolloutConfig) -
                           "adapters); set it to false")
 
 
-JSONL_TASK_KEYS = ("file", "eval_file", "eval_fraction", "prompt_key", "answer_key", "prompt_template", "overlong_prompts",
-                   "max_samples")
+JSONL_TASK_KEYS = ("file", "eval_file", "eval_fraction", "prompt_key", "answer_key", "prompt_template",
+                   "overlong_prompts", "max_samples")
 VLLM_KEYS = tuple(f.name for f in dataclasses.fields(RolloutConfig) if f.name.startswith("vllm_"))
 
 

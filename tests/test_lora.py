@@ -348,5 +348,6 @@ def test_a_gpu_trainer_holds_its_frozen_layers_operands_only(forced_native, flow
             p.add_(0.01)
     for name, tr in (("kept", kept), ("held", held)):
         save_checkpoint(tmp_path / name, 1, tr.model, tr.opt, src, {}, 1)
-    a, b2 = (load_file(str(tmp_path / n / "checkpoints" / "step_000001" / "model.safetensors")) for n in ("kept", "held"))
+    a, b2 = (load_file(str(tmp_path / n / "checkpoints" / "step_000001" / "model.safetensors"))
+             for n in ("kept", "held"))
     assert a.keys() == b2.keys() and all(torch.equal(a[k], b2[k]) for k in a)

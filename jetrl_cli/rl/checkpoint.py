@@ -3,7 +3,8 @@
 ``OUT/checkpoints/step_000010/`` holds ``config.json``, ``model.safetensors`` (fp32 master weights),
 the tokenizer files and ``trainer_state.pt`` (optimizer state, step); with LoRA, the merged weights
 and the adapters beside them (``adapter_model.safetensors``, ``adapter_config.json``: PEFT's files).
-It is written under a temporary name and renamed when complete; ``OUT/latest`` (replaced atomically) names the newest.
+It is written under a temporary name and renamed when complete; ``OUT/latest`` (replaced atomically)
+names the newest.
 A killed run therefore always leaves its last complete checkpoint, and ``--resume`` starts there.
 """
 
