@@ -134,11 +134,6 @@ def merged_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(merge_state({n: p.detach() for n, p in model.named_parameters()}, model.lora.scale).items())
 
 
-def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` of the merged model."""
-    return merge_state(model.state_dict(), model.lora.scale)
-
-
 def sync_parameters(model: nn.Module, engine, first: bool = False):
     """What a weight sync sends of a model with adapters: every parameter at the first sync, then the
     adapters alone, to an engine that runs them (``runs_adapters``: the embedded engine's copy of the
