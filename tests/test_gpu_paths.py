@@ -2550,15 +2550,19 @@ def test_the_faster_way_to_read_the_kv_cache_is_timed_once_and_kept(kv, faster, 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("preset", ["fp8-unified", "bf16"])
-def test_batch_invariant_gpu_run_is_bitwise_on_policy_at_every_step(preset, tmp_path):
+@pytest.mark.parametrize("preset,extra", [
+    ("fp8-unified", []), ("bf16", []),
+    # LoRA adapters (bf16, beside the FP8 layers) and micro-batches by token budget
+    ("fp8-unified", ["model.lora_rank=8", "train.lr=3e-4", "train.micro_batch_tokens=1024"]),
+], ids=["fp8-unified", "bf16", "fp8-unified-lora"])
+def test_batch_invariant_gpu_run_is_bitwise_on_policy_at_every_step(preset, extra, tmp_path):
     """Issue target: `jetrl run presets/<preset>.yaml --set model.device=cuda --set
     precision.batch_invariant=true` has mismatch_kl exactly 0 and every token bitwise equal."""
     from jetrl_cli.config import load_job_config
     from jetrl_cli.rl.loop import run
 
     cfg = load_job_config(preset, ["model.device=cuda", "precision.batch_invariant=true", "train.steps=4",
-                                   "eval.every=0", "eval.prompts=8", "run.checkpoint_every=0"])
+                                   "eval.every=0", "eval.prompts=8", "run.checkpoint_every=0", *extra])
     lines = [m for m in run(cfg, tmp_path / "r") if m["step"] > 0]
     assert len(lines) == 4
     assert all(m["mismatch_kl"] == 0.0 and m["frac_bitwise_equal"] == 1.0 for m in lines), lines
