@@ -2230,7 +2230,7 @@ def test_batch_invariant_mode_runs_every_forward_op_through_the_invariant_kernel
         before = tr.model.lm_head.weight.detach().clone()
         stats = tr.update(b, torch.randn(len(b)), old, None, step=0)  # the backward need not be invariant
     assert torch.equal(old[b.mask], b.rollout_logp[b.mask])
-    assert graded.requires_grad and torch.equal(graded.detach()[b.mask], b.rollout_logp[b.mask])
+    assert graded.requires_grad and torch.equal(graded.detach().cpu()[b.mask], b.rollout_logp[b.mask])
     assert len({n for n, _ in forms}) == len(forms), forms  # rollout, scoring, forward with grad: one form
     assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0 and not torch.equal(before, tr.model.lm_head.weight)
     want = {"invariant_mm", "invariant_attention", "invariant_log_softmax", "exact_rope"}

@@ -124,7 +124,9 @@ def merge_state(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch
         a = state.get(name[:-len("weight")] + "lora_A.weight") if name.endswith(".weight") else None
         if a is not None:
             b = state[name[:-len("weight")] + "lora_B.weight"]
-            w = (w.float() + (b.float() @ a.float()) * scale).to(w.dtype)
+            # on W's device: a frozen weight the trainer freed comes back from the source files, on the CPU
+            b, a = b.to(w.device, torch.float32), a.to(w.device, torch.float32)
+            w = (w.float() + (b @ a) * scale).to(w.dtype)
         out[name] = w
     return out
 
