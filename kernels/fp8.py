@@ -1551,7 +1551,7 @@ def _weight_stacks(groups, fmt: Format, pow2_scale: bool, amax_floor: float, tra
     arena = _Arena(spec, shapes, dev, transposed) if _ONE_BUFFER and not any(h is not None for h in helds) else None
     # W^T by the quantizer only where this device's check (``_wt_exact``) passed and only in the compiled
     # variant it checked: a launch whose every field is a multiple of 16 (``ALIGNED``), as a model's are
-    in_kernel = transposed and dev is not None and _wt_in_quantizer(dev)
+    in_kernel = transposed and dev is not None and _wt_in_quantizer(dev, launch_config(groups[0][0], False).warps)
     for ws, held, (total, k) in zip(groups, helds, shapes):
         wq, wt, s, st = arena.take(total, k) if arena is not None else _stack_outputs(spec, total, k, dev, transposed,
                                                                                         held)
@@ -1624,12 +1624,20 @@ def wt_with(way: str):
     return _forcing("wt_with", "_WT_FORCED", way, WT_WAYS)
 
 
-def _wt_in_quantizer(dev: torch.device) -> bool:
+def _wt_in_quantizer(dev: torch.device, warps: int | None = None) -> bool:
+    """Whether W^T's bytes are written by the weight quantizer launched at ``warps`` (None: the device's
+    timed launch): where forced (``wt_with``), or where the device's choice is the quantizer's and its
+    check (``_wt_exact``) ran at those warps. On an H200 (Triton 3.6, 2026-11-29) the kernel's W^T was
+    exact at one of the warp counts the tile timing picks between and wrong (37% of the bytes) at
+    another, and that timing picked either from one process to the next."""
     way = _WT_FORCED
     if way is None:
         way = "after"
         if dev.type == "cuda":
-            way = (gemm.kernel_choice(WT_OP, dev) or _choose_wt(dev))["kernel"]
+            choice = gemm.kernel_choice(WT_OP, dev) or _choose_wt(dev)
+            way = choice["kernel"]
+            if way == "quantizer" and warps is not None and warps != choice.get("warps"):
+                way = "after"  # a launch the check did not run
     return way == "quantizer"
 
 
@@ -1658,7 +1666,10 @@ def _choose_wt(device: torch.device) -> dict:
         _WT_FORCED = before
     best = min(t, key=t.get)
     why = f"timed on a {m} x {k} fp32 weight: " + ", ".join(f"{way} {ms:.3f} ms" for way, ms in t.items())
-    return gemm.note_kernel(WT_OP, device, best, why, timings_ms=t)
+    warps = launch_config(w, False).warps  # the launch checked and timed: the quantizer's way at these only
+    if best == "quantizer":
+        why += f"; checked at {warps} warps"
+    return gemm.note_kernel(WT_OP, device, best, why, timings_ms=t, warps=warps)
 
 
 WT_CHECK_FILLS = (0x00, 0xFF, 0x5A)  # bytes the outputs hold before the quantizer's way writes them

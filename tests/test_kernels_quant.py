@@ -1332,8 +1332,9 @@ def test_the_w_t_way_is_chosen_once_per_device_and_only_if_exact(fp8, monkeypatc
     monkeypatch.setattr(gemm, "_KERNELS", {})
     monkeypatch.setattr(fp8, "TIMING_SHAPE", (256, 384))
     where = torch.device(dev())
-    if where.type == "cuda":  # the byte transpose's own timed choice, made before the scripted times
+    if where.type == "cuda":  # the byte transpose's and the tiles' own timed choices, before the scripted times
         fp8._choose_transpose(where)
+        fp8._choose_tiles(where)
     timed = []
 
     def device_time_ms(fn, device):
@@ -1350,9 +1351,12 @@ def test_the_w_t_way_is_chosen_once_per_device_and_only_if_exact(fp8, monkeypatc
     got = fp8._choose_wt(where)
     assert timed == ["after", "quantizer"] and fp8._WT_FORCED is None, got
     assert got["kernel"] == "quantizer" and gemm.kernel_choice(fp8.WT_OP, where) is got
-    assert got["why"] == "timed on a 256 x 384 fp32 weight: after 2.000 ms, quantizer 1.000 ms"
-    if where.type == "cuda":  # the choice in use
-        assert fp8._wt_in_quantizer(where)
+    warps = fp8.launch_config(torch.empty(1, device=where), False).warps  # the launch checked and timed
+    assert got["why"] == f"timed on a 256 x 384 fp32 weight: after 2.000 ms, quantizer 1.000 ms; checked at {warps} warps"
+    assert got["warps"] == warps
+    if where.type == "cuda":  # the choice in use, at the warps it was checked at only
+        assert fp8._wt_in_quantizer(where) and fp8._wt_in_quantizer(where, warps)
+        assert not fp8._wt_in_quantizer(where, warps * 2)
     else:  # CPU: the transpose after the quantizer unless forced
         assert not fp8._wt_in_quantizer(where)
     monkeypatch.setattr(fp8, "_wt_exact", real_exact)

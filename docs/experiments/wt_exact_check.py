@@ -6,7 +6,7 @@ On an H200 on 2026-11-29 ``_wt_exact`` said True in a bench process (the quantiz
 chosen) and False in a test process running beside seven others on the same GPU. One JSON line per finding;
 the last line sums them up.
 
-    python3 docs/experiments/wt_exact_check.py [--repeats 20]
+    python3 docs/experiments/wt_exact_check.py [--repeats 20] [--warps 4,8,16]
 """
 
 from __future__ import annotations
@@ -68,8 +68,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--device", default="cuda", help="cpu: Triton's interpreter (TRITON_INTERPRET=1)")
+    ap.add_argument("--warps", default="", help="e.g. 4,8,16: only the quantizer's W^T, launched at each")
     args = ap.parse_args()
     dev = torch.device(args.device)
+    if args.warps:  # the quantizer's W^T at each launch (``tile_warps``), against the transpose of its W
+        for w in (int(x) for x in args.warps.split(",")):
+            with fp8.tile_warps(w):
+                found = [f for _ in range(args.repeats) for f in check(dev, "quantizer", "torch", None, False)]
+            print(json.dumps({"warps": w, "checks": 2 * args.repeats, "wrong": len(found),
+                              "first": found[0] if found else None}), flush=True)
+        return
     counts: dict[str, int] = {}
     runs = 0
     for r in range(args.repeats):
