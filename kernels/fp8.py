@@ -1549,9 +1549,10 @@ def _weight_stacks(groups, fmt: Format, pow2_scale: bool, amax_floor: float, tra
             total += w.shape[0]
         shapes.append((total, k))
     arena = _Arena(spec, shapes, dev, transposed) if _ONE_BUFFER and not any(h is not None for h in helds) else None
-    # W^T by the quantizer only where this device's check (``_wt_exact``) passed and only in the compiled
-    # variant it checked: a launch whose every field is a multiple of 16 (``ALIGNED``), as a model's are
-    in_kernel = transposed and dev is not None and _wt_in_quantizer(dev, launch_config(groups[0][0], False).warps)
+    # W^T by the quantizer only in a compiled variant this device's check (``_wt_exact``) passed in: a launch
+    # whose every field is a multiple of 16 (``ALIGNED``), as a model's are, at these warps, format and scales
+    in_kernel = transposed and dev is not None and _wt_in_quantizer(
+        dev, (launch_config(groups[0][0], False).warps, fmt, pow2_scale, amax_floor))
     for ws, held, (total, k) in zip(groups, helds, shapes):
         wq, wt, s, st = arena.take(total, k) if arena is not None else _stack_outputs(spec, total, k, dev, transposed,
                                                                                         held)
@@ -1612,7 +1613,10 @@ def _weight_stacks(groups, fmt: Format, pow2_scale: bool, amax_floor: float, tra
 # quantizer's bytes (``_wt_exact``) and, only where they are exact, times both ways on a TIMING_SHAPE fp32
 # weight (``_choose_wt``). On an H200 on 2026-11-28 they were not (two rows of W^T wrong, in a test's
 # unaligned launch), after a check on fresh outputs had let them through: the check now fills the outputs
-# first, and the quantizer writes W^T only in launches of the variant checked (``ALIGNED``). On CPU: after.
+# first, and the quantizer writes W^T only in launches of the variant checked (``ALIGNED``). On 2026-11-29
+# the aligned variant was wrong too (3 rows of W^T in 8, at every warp count) in each of 17 fresh processes
+# on an H200, and exact in one bench process's check: each compiled variant is now checked in the process
+# that launches it (``_wt_in_quantizer``). On CPU: after.
 WT_OP = "fp8 weight W^T"
 WT_WAYS = ("after", "quantizer")
 _WT_FORCED: str | None = None  # one of WT_WAYS while set by wt_with
@@ -1624,21 +1628,33 @@ def wt_with(way: str):
     return _forcing("wt_with", "_WT_FORCED", way, WT_WAYS)
 
 
-def _wt_in_quantizer(dev: torch.device, warps: int | None = None) -> bool:
-    """Whether W^T's bytes are written by the weight quantizer launched at ``warps`` (None: the device's
-    timed launch): where forced (``wt_with``), or where the device's choice is the quantizer's and its
-    check (``_wt_exact``) ran at those warps. On an H200 (Triton 3.6, 2026-11-29) the kernel's W^T was
-    exact at one of the warp counts the tile timing picks between and wrong (37% of the bytes) at
-    another, and that timing picked either from one process to the next."""
+def _wt_in_quantizer(dev: torch.device, variant: tuple | None = None) -> bool:
+    """Whether W^T's bytes are written by the weight quantizer: where forced (``wt_with``); else on a GPU
+    whose timed choice is the quantizer's (``_choose_wt``), in a launch ``variant`` (warps, format, pow2
+    scales, amax floor: what compiles another kernel) whose bytes ``_wt_exact`` found exact in this
+    process, checked at its first use (not during a CUDA graph capture: then after). On an H200 (Triton
+    3.6, 2026-11-29) the quantizer's W^T was wrong in 37% of its bytes, at 4, 8 and 16 warps, in every one
+    of 17 fresh processes, yet exact in the check of one bench process (which then chose it): why is not
+    known, so each compiled variant is checked in the process that launches it."""
     way = _WT_FORCED
-    if way is None:
-        way = "after"
-        if dev.type == "cuda":
-            choice = gemm.kernel_choice(WT_OP, dev) or _choose_wt(dev)
-            way = choice["kernel"]
-            if way == "quantizer" and warps is not None and warps != choice.get("warps"):
-                way = "after"  # a launch the check did not run
-    return way == "quantizer"
+    if way is not None:
+        return way == "quantizer"
+    if dev.type != "cuda" or (gemm.kernel_choice(WT_OP, dev) or _choose_wt(dev))["kernel"] != "quantizer":
+        return False
+    if variant is None:
+        return True
+    key = (str(dev), *variant)
+    exact = _WT_CHECKED.get(key)
+    if exact is None:
+        if gemm.capturing(dev):
+            return False
+        warps, fmt, pow2_scale, amax_floor = variant
+        with tile_warps(warps):
+            exact = _WT_CHECKED[key] = _wt_exact(dev, fmt, pow2_scale, amax_floor)
+    return exact
+
+
+_WT_CHECKED: dict = {}  # (device, warps, format, pow2 scales, amax floor) -> the quantizer's W^T there exact
 
 
 def _choose_wt(device: torch.device) -> dict:
@@ -1666,16 +1682,14 @@ def _choose_wt(device: torch.device) -> dict:
         _WT_FORCED = before
     best = min(t, key=t.get)
     why = f"timed on a {m} x {k} fp32 weight: " + ", ".join(f"{way} {ms:.3f} ms" for way, ms in t.items())
-    warps = launch_config(w, False).warps  # the launch checked and timed: the quantizer's way at these only
-    if best == "quantizer":
-        why += f"; checked at {warps} warps"
-    return gemm.note_kernel(WT_OP, device, best, why, timings_ms=t, warps=warps)
+    return gemm.note_kernel(WT_OP, device, best, why, timings_ms=t)
 
 
 WT_CHECK_FILLS = (0x00, 0xFF, 0x5A)  # bytes the outputs hold before the quantizer's way writes them
 
 
-def _wt_exact(device: torch.device) -> bool:
+def _wt_exact(device: torch.device, fmt: Format = Format.FP8_E4M3, pow2_scale: bool = False,
+              amax_floor: float = DEFAULT_AMAX_FLOOR) -> bool:
     """Whether W^T written by the quantizer equals, bytes and scales (pads included), W^T transposed after
     it, in the one compiled variant that writes it (``ALIGNED``: every field a multiple of 16, as a
     model's are; other launches transpose after), on a stack of two weights, the second 144 rows (a
@@ -1685,28 +1699,31 @@ def _wt_exact(device: torch.device) -> bool:
     one buffer (``stacks_in_one_buffer``, a graphed step's). On an H200 (Triton 3.6) the quantizer's W^T
     once passed a check on fresh outputs of the first stack without the NaN, and then wrote wrong bytes
     in two rows of W^T in a test's run of it with one, launched beside a weight 130 columns wide (so
-    the unaligned variant, which no launch runs since; whether the aligned one was wrong too is not
-    known: this check, with the NaN, settles it per device)."""
+    the unaligned variant, which no launch runs since). On 2026-11-29 the aligned one was wrong in
+    fresh processes there (rows 0, 1, 4, 5, 8, 9 of every 16 of W^T) and exact in one bench process:
+    this check, at ``fmt``, ``pow2_scale`` and ``amax_floor`` and the launch's warps, settles it for the
+    kernel a process compiled."""
     global _WT_FORCED, _ONE_BUFFER
     g = torch.Generator().manual_seed(0)
     stacks = [[(torch.randn(256, 384, generator=g) * 0.02).to(device), torch.randn(144, 384, generator=g).to(device)],
               [torch.randn(160, 208, generator=g).to(device)]]
     stacks[0][1][3, 7] = float("nan")
     before, one_buffer = _WT_FORCED, _ONE_BUFFER
+    how = {"fmt": fmt, "pow2_scale": pow2_scale, "amax_floor": amax_floor, "transposed": True}
     try:
         for stack in stacks:
             _WT_FORCED, _ONE_BUFFER = "after", False
-            want = quantize_weight_stack(stack, transposed=True)
-            held = quantize_weight_stack(stack, transposed=True)  # the same layout, to be overwritten
+            want = quantize_weight_stack(stack, **how)
+            held = quantize_weight_stack(stack, **how)  # the same layout, to be overwritten
             _WT_FORCED = "quantizer"
             for fill in WT_CHECK_FILLS:
                 for q in held:
                     q.data.view(torch.uint8).fill_(fill)
                     scale_buffer(q).view(torch.uint8).fill_(fill)
-                if not _same_operands(want, quantize_weight_stack(stack, transposed=True, held=held)):
+                if not _same_operands(want, quantize_weight_stack(stack, held=held, **how)):
                     return False
             _ONE_BUFFER = True
-            if not _same_operands(want, quantize_weight_stacks([stack], transposed=True)[0]):
+            if not _same_operands(want, quantize_weight_stacks([stack], **how)[0]):
                 return False
         return True
     finally:
