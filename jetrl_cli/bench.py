@@ -1211,9 +1211,6 @@ def _train_flow(name: str) -> tuple[object, frozenset]:
     if "graphs" in mods and "ckpt" in mods:
         raise JetrlError(f"--flows: {name!r}: +graphs and +ckpt do not go together (train.activation_checkpointing "
                          "is refused with train.cuda_graphs)")
-    if "graphs" in mods and "lora" in mods:
-        raise JetrlError(f"--flows: {name!r}: +graphs and +lora do not go together (train.cuda_graphs is refused "
-                         "with model.lora_rank > 0)")
     return (_flow("+".join([base] + [m for m in mods if m not in TRAIN_MODIFIERS])),
             frozenset(m for m in mods if m in TRAIN_MODIFIERS))
 

@@ -470,9 +470,6 @@ def _check_lora(source: str, m: ModelConfig, t: TrainConfig, r: RolloutConfig) -
     if t.invariant_scale != 1.0:
         raise PresetError(source, "train.invariant_scale", "QuRL's invariant scaling rescales the trained weights; "
                           "with model.lora_rank > 0 they are frozen (set it to 1, or model.lora_rank: 0)")
-    if t.cuda_graphs:
-        raise PresetError(source, "train.cuda_graphs", "not with model.lora_rank > 0 (the captured layers have no "
-                          "adapters); set it to false")
 
 
 JSONL_TASK_KEYS = ("file", "eval_file", "eval_fraction", "prompt_key", "answer_key", "prompt_template",

@@ -192,7 +192,6 @@ def test_adapter_files_that_do_not_fit_are_one_line(tmp_path):
     (["model.lora_rank=-2"], "model.lora_rank", "must be >= 0"),
     (["model.lora_rank=8", "model.lora_alpha=0"], "model.lora_alpha", "must be > 0"),
     (["model.lora_rank=8", "train.invariant_scale=4"], "train.invariant_scale", "frozen"),
-    (["model.lora_rank=8", "train.cuda_graphs=true"], "train.cuda_graphs", "no adapters"),
 ])
 def test_bad_lora_settings_are_one_line(overrides, key, msg):
     with pytest.raises(PresetError, match=f"{key}: .*{msg}"):

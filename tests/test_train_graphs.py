@@ -15,7 +15,7 @@ from jetrl_cli.config import TrainConfig
 from jetrl_cli.engine.sampling import SamplingParams
 from jetrl_cli.models.shapes import random_model
 from jetrl_cli.models.tiny import tiny_config
-from jetrl_cli.precision import named_flow
+from jetrl_cli.precision import JetLinear, named_flow
 from jetrl_cli.precision.linear import _release_weights
 from jetrl_cli.rl import train_graphs
 from jetrl_cli.rl.algos import CorrectionConfig
@@ -43,8 +43,8 @@ class _Graph:
             dst.copy_(src)
 
 
-def _leaves(t):
-    return [t] if isinstance(t, torch.Tensor) else [x for x in t if x is not None]
+def _leaves(t):  # (None: a backward with no input gradient, LoRA's frozen embedding's)
+    return [] if t is None else [t] if isinstance(t, torch.Tensor) else [x for x in t if x is not None]
 
 
 class StandIn:
@@ -77,8 +77,10 @@ class StandIn:
         self.records += 1
         if self.fail_at == self.records:
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
-        if not self.backwards_next:  # a forward: it must quantize every layer's weights itself (none cached)
-            assert not [o for mods, o in self.groups() if o.__dict__.get("_jet_group_cache") or any(m._cache for m in mods)]
+        if not self.backwards_next:  # a forward: it must quantize every trained layer's weights itself (none
+            # cached; frozen layers, LoRA's base, keep the operands they hold)
+            trained = [(mods, o) for mods, o in self.groups() if any(m.weight.requires_grad for m in mods)]
+            assert not [o for mods, o in trained if o.__dict__.get("_jet_group_cache") or any(m._cache for m in mods)]
             graph.forward = True
             # with autograd a backward capture follows the forward's; a scoring forward is captured alone
             self.backwards_next = 1 if torch.is_grad_enabled() else 0
@@ -161,6 +163,44 @@ def test_graphed_layers_update_the_weights_as_the_eager_ones(monkeypatch, reques
     #   step's first micro-batch, the others) and scoring
     assert st_g == st_e
     assert all(torch.equal(a, b) for a, b in zip(w_g, w_e))
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["emulated", "native"])
+@pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified"])
+def test_graphed_lora_layers_train_the_adapters_as_the_eager_ones(monkeypatch, request, flow_name, native):
+    """LoRA (``model.lora_rank``) with the layers as CUDA graphs: the graphs hold the adapters' gradients
+    and re-cast their weights at each replay; the frozen base layers keep the operands they hold (their
+    fp32 masters freed, ``hold_frozen``). Its KL reference is the model with its adapters off, which runs
+    the layers eagerly (the graphs hold the adapters' ops). Two updates: the same statistics (the KL term
+    among them) and the same adapters, bit for bit, as the eager trainer's."""
+    from jetrl_cli.models.lora import TARGETS, LoraSpec, add_adapters
+
+    monkeypatch.setattr(train_graphs, "T_BUCKET", 1)
+    if native:
+        request.getfixturevalue("forced_native")
+    model = random_model(tiny_config("qwen2", hidden=128, layers=2, vocab=128), seed=4, std=0.05)
+    add_adapters(model, LoraSpec(4, 16.0, TARGETS))
+
+    def make():
+        m = copy.deepcopy(model)
+        return Trainer(m, named_flow(flow_name), TrainConfig(micro_batch=2, lr=1e-2, kl_coef=0.05),
+                       CorrectionConfig(), SamplingParams(), 64, ref_model=m, hold_frozen=True)
+
+    eager, graphed = make(), make()
+    graphed.graphs = TrunkGraphs(graphed.model, graph_api=StandIn(graphed.model)).install()
+    g = graphed.graphs
+    assert {id(p) for p in g.params()} == {id(p) for p in graphed.params}  # the adapters, all in the layers
+    b, adv = _batch()
+    out = []
+    for tr in (eager, graphed):
+        st = [tr.update(b, adv, tr.score(b), tr.score(b, ref=True), step=s) for s in range(2)]
+        out.append((st, [p.detach().clone() for p in tr.params]))
+    # each update: three micro-batches scored and three trained; the reference's scoring eager
+    assert g.disabled is None and g.replays == 12 and g.first_replays == 2, g.report()
+    assert out[1][0] == out[0][0] and out[0][0][1]["kl_ref"] > 0  # B moved in the first update: a KL
+    assert all(torch.equal(a, b) for a, b in zip(out[1][1], out[0][1]))
+    base = [m.weight for m in graphed.model.modules() if isinstance(m, JetLinear) and not m.weight.requires_grad]
+    assert base and all(w.numel() == 0 for w in base if w is not graphed.model.lm_head.weight) == native
 
 
 def test_graphed_layers_with_tied_embeddings_a_reference_model_and_an_entropy_bonus(monkeypatch):
@@ -375,7 +415,7 @@ def test_the_forward_graph_quantizes_the_layers_weights_in_one_batched_call(forc
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified"])
+@pytest.mark.parametrize("flow_name", ["bf16", "fp8-unified", "fp8-unified+lora"])
 def test_real_cuda_graphs_train_as_the_eager_layers(flow_name):
     """On a GPU: two updates of three micro-batches through captured graphs (each update's first
     backward writing the gradients, the others adding), each against an eager update from the same
@@ -385,8 +425,14 @@ def test_real_cuda_graphs_train_as_the_eager_layers(flow_name):
     14% in norm). The forward is checked bit for bit at capture (``TrunkGraphs``); each update's
     gradients agree to the rounding of the backward's sums (flash attention's backward and the GEMMs
     may add in another order from one run to the next, and the graphed sequences are padded to 128
-    tokens: other Wgrad token groups)."""
+    tokens: other Wgrad token groups). ``+lora``: rank-8 adapters on every linear layer train, the frozen
+    layers holding their operands only."""
+    flow_name, lora = flow_name.removesuffix("+lora"), flow_name.endswith("+lora")
     model = random_model(tiny_config("qwen2", hidden=256, layers=2, vocab=512), seed=4, std=0.05).cuda()
+    if lora:
+        from jetrl_cli.models.lora import TARGETS, LoraSpec, add_adapters
+
+        add_adapters(model, LoraSpec(8, 16.0, TARGETS))
     sp = SamplingParams()
     grads: dict = {}
     after_first: dict = {}
@@ -394,9 +440,9 @@ def test_real_cuda_graphs_train_as_the_eager_layers(flow_name):
     def make(graphs, name, weights=None, opt_state=None):
         start = copy.deepcopy(model)
         if weights is not None:
-            start.load_state_dict(weights)
-        tr = Trainer(start, named_flow(flow_name),
-                     TrainConfig(micro_batch=2, lr=1e-3, cuda_graphs=graphs), CorrectionConfig(), sp, 64)
+            start.load_state_dict(weights, strict=False)  # the trained parameters (LoRA: the adapters)
+        tr = Trainer(start, named_flow(flow_name), TrainConfig(micro_batch=2, lr=1e-3, cuda_graphs=graphs),
+                     CorrectionConfig(), sp, 64, hold_frozen=lora)
         if opt_state is not None:
             tr.opt.load_state_dict(opt_state)
 
@@ -404,7 +450,8 @@ def test_real_cuda_graphs_train_as_the_eager_layers(flow_name):
             grads.setdefault(name, []).append([p.grad.clone() for p in tr.params])
             real()
             if name == "graphed" and not after_first:  # the graphed model and Adam's state after update 0
-                after_first.update(model={k: v.detach().clone() for k, v in tr.model.state_dict().items()},
+                after_first.update(model={k: v.detach().clone() for k, v in tr.model.named_parameters()
+                                          if v.requires_grad},
                                    opt=copy.deepcopy(tr.opt.state_dict()))
         tr.opt.step = step
         return tr

@@ -665,6 +665,11 @@ def any_adapter(mods) -> bool:
     return any("lora_A" in m._modules for m in mods)
 
 
+def adapters_are_off() -> bool:
+    """Whether this forward runs the base model (inside ``adapters_disabled``)."""
+    return _ADAPTERS_OFF
+
+
 @contextlib.contextmanager
 def adapters_disabled():
     """Within: every adapted layer runs without its adapter (the base model: a KL penalty's reference

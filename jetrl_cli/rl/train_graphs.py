@@ -55,6 +55,11 @@ not ``.grad``), then the captures, then a replay whose outputs must equal the wa
 off with the reason kept in ``disabled`` (``jetrl bench train`` reports it), and the layers run
 eagerly: a graph never silently changes a step.
 
+With LoRA (``model.lora_rank``) the layers' trained parameters are the adapters': the graphs hold
+their gradients and re-cast their weights at each replay, while the frozen base layers keep the
+operands they hold (never released, never re-quantized). The reference forward of a LoRA model, its
+adapters switched off (``adapters_disabled``), runs the layers eagerly.
+
 Sequence lengths are padded up to a multiple of ``T_BUCKET`` tokens (``bucket``) so an RL run meets
 a few shapes; at most ``MAX_SHAPES`` are captured (each with up to three graph pairs: scoring's
 forward, an optimizer step's first micro-batch, the others), later ones run eagerly. Not under FSDP (its
@@ -70,7 +75,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.graphs import _CudaGraphAPI, _why  # the rollout's capture API, and its failure reasons
-from ..precision.linear import back_to_back, grads_written, recording_sinks
+from ..precision.linear import adapters_are_off, back_to_back, grads_written, recording_sinks
 
 T_BUCKET = 128  # a micro-batch's sequence length is padded up to a multiple of this
 MAX_SHAPES = 8  # micro-batch shapes captured; others run eagerly
@@ -230,9 +235,9 @@ class TrunkGraphs:
     def applies(self, model, x: torch.Tensor) -> bool:
         """Whether ``model``'s trunk forward on ``x`` runs through the graphs: this object's model (not
         a copy of it), graphs not switched off, no hooks on the layers."""
-        if (model is not self.model or self.off or self.disabled is not None
+        if (model is not self.model or self.off or self.disabled is not None or adapters_are_off()
                 or not (x.is_cuda or getattr(self.api, "on_cpu", False))):
-            return False
+            return False  # (adapters off: a LoRA model's base forward, its KL reference; the graphs run them)
         layers = self.model.model.layers
         if not len(layers) or not any(p.requires_grad for p in layers.parameters()):
             return False
